@@ -1,0 +1,104 @@
+"""`polyrl` command line: `train` now; `worker`, `manager`, `bench` arrive with their issues."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from polyrl.config import ConfigError, TinyModelConfig, load_config
+
+log = logging.getLogger("polyrl")
+
+EXIT_CONFIG = 2
+
+
+def _setup_logging(verbose: bool) -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(name)s: %(message)s",
+        handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
+    )
+    # Third-party chatter (per-shard progress bars, HTTP client lines) is not for operators.
+    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _default_run_dir(task: str) -> Path:
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{task}"
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from polyrl.trainer.loop import train
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        if args.config:
+            raise ConfigError("config error: --resume reads RUN_DIR/config.toml; do not pass --config too")
+        if not (run_dir / "config.toml").exists():
+            raise ConfigError(f"config error: --resume: {run_dir}/config.toml not found")
+        cfg = load_config(run_dir / "config.toml", args.overrides)
+    else:
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(cfg.data.task)
+        if (run_dir / "checkpoints").exists():
+            raise ConfigError(f"config error: --run-dir {run_dir} already holds a run; use --resume {run_dir}")
+    log.info("run directory: %s", run_dir)
+    try:
+        train(cfg, run_dir, resume=bool(args.resume))
+    except KeyboardInterrupt:
+        log.warning("stopped; continue with: polyrl train --resume %s", run_dir)
+        return 130
+    return 0
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from polyrl.models.tiny import save_tiny_model
+
+    cfg = load_config(None, [f"model.tiny.{o}" for o in args.overrides]).model.tiny
+    save_tiny_model(args.out, cfg)
+    print(args.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="polyrl", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="run GRPO training (colocated rollout for now)")
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--run-dir", help="output directory (default: runs/<time>-<task>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=1e-6 rollout.n=8")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("tiny-model", help="build a tiny random model + tokenizer as an HF directory")
+    p.add_argument("--out", required=True)
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="model.tiny keys, e.g. arch=llama hidden_size=64")
+    p.set_defaults(func=cmd_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Typed run configuration: TOML file + dotted CLI overrides, validated once at start.
+
+Each component receives only its own section. Every error names the offending key, so
+the CLI can print one line and exit 2 instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Section):
+    """Shape of the offline model built when `model.path` is not given."""
+
+    arch: Literal["qwen3", "qwen2", "llama"] = "qwen3"
+    hidden_size: int = Field(96, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(192, ge=8)
+    max_position_embeddings: int = Field(256, ge=16)
+    seed: int = 0
+
+
+class ModelConfig(_Section):
+    path: str | None = None
+    """A local HF model directory. When empty, a tiny model for the task is built offline."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    tiny: TinyModelConfig = TinyModelConfig()
+
+
+class DataConfig(_Section):
+    task: str = "digit_sum"
+    """A built-in synthetic task (see `polyrl.data.tasks`), or `dataset` to read `path`."""
+    path: str | None = None
+    """Local parquet/jsonl/json/csv file read through `datasets` (when task = "dataset")."""
+    format: Literal["auto", "gsm8k", "openr1", "plain"] = "auto"
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    prompt_template: str = "{prompt}"
+    apply_chat_template: bool | None = None
+    """None: apply the tokenizer's chat template when it has one."""
+    max_prompt_tokens: int = Field(512, ge=1)
+
+
+class RewardConfig(_Section):
+    functions: list[str] = []
+    """`module:function` paths, TRL convention fn(prompts, completions, **columns) -> list[float].
+    Empty: the task's own reward."""
+    weights: list[float] | None = None
+    num_workers: int = Field(1, ge=1)
+    timeout_s: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> RewardConfig:
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise ValueError(
+                f"reward.weights has {len(self.weights)} entries but reward.functions has "
+                f"{len(self.functions)}"
+            )
+        return self
+
+
+class RolloutConfig(_Section):
+    mode: Literal["local"] = "local"
+    n: int = Field(8, ge=1)
+    """Samples per prompt (the GRPO group size)."""
+    max_new_tokens: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    """0 disables top-k."""
+    batch_size: int = Field(64, ge=1)
+    """Sequences generated together by the local engine."""
+
+
+class AlgoConfig(_Section):
+    norm_adv_by_std: bool = True
+    """False gives Dr.GRPO's unnormalised group advantage."""
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.28, ge=0)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)
+    recompute_old_logprobs: bool = True
+    """Recompute old log-probs with the trainer before each mini-batch's update (the proximal
+    policy); otherwise the engine's behaviour log-probs serve as the old ones."""
+    tis_cap: float = Field(2.0, ge=0)
+    """Truncated importance sampling cap on exp(old - behaviour); 0 disables the correction."""
+    filter_zero_variance_groups: bool = False
+    ppo_epochs: int = Field(1, ge=1)
+
+
+class TrainerConfig(_Section):
+    total_steps: int = Field(150, ge=1)
+    train_batch_size: int = Field(32, ge=1)
+    """Prompts per step."""
+    ppo_mini_batch_size: int = Field(32, ge=1)
+    """Prompts per optimizer step."""
+    micro_batch_max_tokens: int = Field(4096, ge=16)
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(5, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: int = Field(0, ge=0)
+    """torch intra-op threads; 0 keeps torch's default."""
+    save_every: int = Field(50, ge=0)
+    """Checkpoint every K steps (and always at the end); 0 saves only at the end."""
+
+    @model_validator(mode="after")
+    def _mini_batch_divides(self) -> TrainerConfig:
+        if self.train_batch_size % self.ppo_mini_batch_size:
+            raise ValueError(
+                f"trainer.train_batch_size ({self.train_batch_size}) must be a multiple of "
+                f"trainer.ppo_mini_batch_size ({self.ppo_mini_batch_size})"
+            )
+        return self
+
+
+class LoggingConfig(_Section):
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "polyrl"
+    console: bool = True
+
+
+class RunConfig(_Section):
+    run_name: str | None = None
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+
+class ConfigError(ValueError):
+    """A bad configuration; `str()` is one line naming the key."""
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a","b","c"], value); the value is read as TOML, else as a string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {text!r} has an empty key part")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return parts, value
+
+
+def _set_dotted(tree: dict[str, Any], parts: list[str], value: Any) -> None:
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "<root>"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif "input" in first and first["type"] not in ("missing",):
+        msg = f"{msg} (got {first['input']!r})"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"config error: {key}: {msg}{more}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Read `path` (TOML), apply dotted overrides, validate. Raises ConfigError."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            tree = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config error: file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config error: {path}: invalid TOML: {e}") from None
+    for text in overrides:
+        parts, value = parse_override(text)
+        _set_dotted(tree, parts, value)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    # TOML has no null: every None-able key defaults to None, so dropping them round-trips.
+    Path(path).write_text(tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True)))

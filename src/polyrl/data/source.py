@@ -1,0 +1,79 @@
+"""The prompt stream: a synthetic task or a local dataset, templated and tokenized.
+
+The only state is `cursor` (prompts handed out so far): record `i` is a pure function of
+the seed and `i`, so a checkpoint stores one integer and resume replays the same prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from polyrl.config import DataConfig
+from polyrl.data.tasks import get_task, task_record
+from polyrl.rollout.types import Prompt
+
+log = logging.getLogger(__name__)
+
+MATH_REWARD = "polyrl.data.math:math_reward"
+
+
+class PromptSource:
+    def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> None:
+        self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
+        self.cursor = 0
+        self.num_skipped = 0
+        if cfg.task == "dataset":
+            if not cfg.path:
+                raise ValueError("data.path: required when data.task = 'dataset'")
+            from polyrl.data.math import load_prompt_dataset
+
+            self._dataset = load_prompt_dataset(cfg)
+            self._task = None
+            self.default_reward = MATH_REWARD
+        else:
+            self._dataset = None
+            self._task = get_task(cfg.task)
+            self.default_reward = self._task.reward
+        use_template = cfg.apply_chat_template
+        self._chat = bool(tokenizer.chat_template) if use_template is None else use_template
+        if self._chat and not tokenizer.chat_template:
+            raise ValueError("data.apply_chat_template: the tokenizer has no chat template")
+
+    def record(self, index: int) -> dict[str, Any]:
+        if self._task is not None:
+            return task_record(self._task, self.seed, index)
+        n = len(self._dataset)
+        epoch, pos = divmod(index, n)
+        # A fresh permutation per epoch, fixed by (seed, epoch): resumable without state.
+        order = np.random.default_rng([self.seed, epoch]).permutation(n)
+        return dict(self._dataset[int(order[pos])])
+
+    def encode(self, text: str) -> list[int]:
+        text = self.cfg.prompt_template.format(prompt=text)
+        if self._chat:
+            messages = [{"role": "user", "content": text}]
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            return self.tokenizer(text, add_special_tokens=False).input_ids
+        return self.tokenizer(text).input_ids
+
+    def take(self, count: int) -> list[Prompt]:
+        """The next `count` prompts; over-long ones are skipped (and counted), never cut."""
+        prompts: list[Prompt] = []
+        while len(prompts) < count:
+            index = self.cursor
+            self.cursor += 1
+            rec = self.record(index)
+            text = str(rec.pop("prompt"))
+            ids = self.encode(text)
+            if len(ids) > self.cfg.max_prompt_tokens:
+                self.num_skipped += 1
+                log.warning("skipping prompt %d: %d tokens > data.max_prompt_tokens", index, len(ids))
+                continue
+            prompts.append(Prompt(index=index, text=text, prompt_ids=ids, columns=rec))
+        return prompts

@@ -1,0 +1,39 @@
+"""Rollout and throughput statistics of one step, under veRL's metric names."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from polyrl.rollout.types import Group
+
+
+def rollout_metrics(groups: list[Group], max_new_tokens: int) -> dict[str, float]:
+    lengths = np.array([len(s.completion_ids) for g in groups for s in g.samples], dtype=float)
+    rewards = np.array([r for g in groups for r in (g.rewards or [])], dtype=float)
+    prompt_lengths = np.array([len(g.prompt.prompt_ids) for g in groups], dtype=float)
+    solved = [max(g.rewards) > min(g.rewards) for g in groups if g.rewards]
+    return {
+        "critic/score/mean": float(rewards.mean()),
+        "critic/score/max": float(rewards.max()),
+        "critic/score/min": float(rewards.min()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "response_length/clip_ratio": float((lengths >= max_new_tokens).mean()),
+        "prompt_length/mean": float(prompt_lengths.mean()),
+        "training/mixed_reward_group_ratio": float(np.mean(solved)) if solved else 0.0,
+    }
+
+
+def num_tokens(groups: list[Group]) -> int:
+    """Prompt + completion tokens the step processed (veRL counts both)."""
+    return sum(len(g.prompt.prompt_ids) * len(g.samples) + sum(len(s.completion_ids) for s in g.samples) for g in groups)
+
+
+def perf_metrics(total_tokens: int, step_s: float, world_size: int) -> dict[str, float]:
+    return {
+        "perf/total_num_tokens": float(total_tokens),
+        "perf/time_per_step": step_s,
+        "perf/throughput": total_tokens / step_s / world_size,
+        "perf/throughput_all_gpus": total_tokens / step_s,
+    }

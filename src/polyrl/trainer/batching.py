@@ -1,0 +1,91 @@
+"""From scored groups to padded micro-batches under a token budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from polyrl.rollout.types import Group
+
+
+@dataclass
+class SeqItem:
+    """One sample, ready to train on."""
+
+    token_ids: list[int]  # prompt + completion
+    prompt_len: int
+    behav_logp: list[float]  # one per completion token
+    advantage: float
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+def group_items(group: Group, advantages: list[float]) -> list[SeqItem]:
+    return [
+        SeqItem(group.prompt.prompt_ids + s.completion_ids, len(group.prompt.prompt_ids), s.logprobs, a)
+        for s, a in zip(group.samples, advantages, strict=True)
+        if s.completion_ids  # an empty completion carries no token to learn from
+    ]
+
+
+def pack_micro_batches(items: list[SeqItem], max_tokens: int) -> list[list[SeqItem]]:
+    """Greedy packing in arrival order: a micro-batch's padded size (rows x longest) stays
+    within `max_tokens`; a single longer sequence gets a micro-batch of its own."""
+    batches: list[list[SeqItem]] = []
+    current: list[SeqItem] = []
+    longest = 0
+    for item in items:
+        new_longest = max(longest, len(item.token_ids))
+        if current and new_longest * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, new_longest = [], len(item.token_ids)
+        current.append(item)
+        longest = new_longest
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [B, L] right-padded
+    attention_mask: torch.Tensor  # [B, L]
+    position_ids: torch.Tensor  # [B, L]
+    target_ids: torch.Tensor  # [B, L-1] = input_ids[:, 1:]
+    mask: torch.Tensor  # [B, L-1] 1.0 where the target is a completion token
+    behav_logp: torch.Tensor  # [B, L-1] engine log-probs aligned with target_ids
+    advantages: torch.Tensor  # [B]
+    old_logp: torch.Tensor | None = None  # [B, L-1]
+    ref_logp: torch.Tensor | None = None  # [B, L-1]
+
+    def to(self, device: torch.device) -> MicroBatch:
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return MicroBatch(**moved)
+
+
+def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
+    rows, width = len(items), max(len(it.token_ids) for it in items)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, width), dtype=torch.long)
+    mask = torch.zeros((rows, width - 1))
+    behav = torch.zeros((rows, width - 1))
+    for i, it in enumerate(items):
+        n = len(it.token_ids)
+        input_ids[i, :n] = torch.tensor(it.token_ids)
+        attention_mask[i, :n] = 1
+        # Target column t predicts token t+1: completion tokens sit at prompt_len-1 .. n-2.
+        mask[i, it.prompt_len - 1 : n - 1] = 1.0
+        behav[i, it.prompt_len - 1 : n - 1] = torch.tensor(it.behav_logp)
+    position_ids = torch.arange(width).expand(rows, width).contiguous()
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        target_ids=input_ids[:, 1:],
+        mask=mask,
+        behav_logp=behav,
+        advantages=torch.tensor([it.advantage for it in items]),
+    )

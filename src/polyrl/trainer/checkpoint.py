@@ -1,0 +1,92 @@
+"""Checkpoints: the model in HF format plus everything needed to continue bit-for-bit.
+
+Layout: `RUN_DIR/checkpoints/step_000050/{model/, trainer_state.pt}`. A checkpoint is
+written into a temporary directory and renamed into place, so a crash mid-save never
+leaves a half checkpoint that resume would pick.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # steps completed
+    cursor: int = 0  # prompts taken from the source
+    weight_version: int = 0
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def save_checkpoint(
+    run_dir: Path,
+    state: TrainState,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> Path:
+    final = run_dir / "checkpoints" / f"step_{state.step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf(model, tokenizer, tmp / "model")
+    torch.save(
+        {
+            "state": vars(state),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": rng_state(),
+        },
+        tmp / STATE_FILE,
+    )
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    log.info("saved checkpoint %s", final)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / STATE_FILE).exists() and not p.name.endswith(".tmp")]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def load_trainer_state(
+    ckpt: Path, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
+) -> TrainState:
+    blob = torch.load(ckpt / STATE_FILE, weights_only=False)  # our own file: RNG states need pickle
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    set_rng_state(blob["rng"])
+    return TrainState(**blob["state"])

@@ -1,0 +1,82 @@
+"""The training loop, colocated synchronous mode: generate, score, learn, publish, repeat.
+
+Departures from textbook GRPO (each switchable in `[algo]`):
+* clip-higher: separate low/high PPO clip bounds (DAPO);
+* the old policy is recomputed by the trainer, and a truncated importance weight
+  corrects for engine/trainer mismatch (decoupled PPO, as in AReaL);
+* loss aggregation is configurable; the default `token-mean` weights every token alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from polyrl.config import RunConfig
+from polyrl.metrics.tracker import format_step_line
+from polyrl.trainer.checkpoint import TrainState
+from polyrl.trainer.run import Run, Timer
+from polyrl.trainer.stream import learn_from_stream
+
+log = logging.getLogger(__name__)
+
+
+def train(
+    cfg: RunConfig,
+    run_dir: Path,
+    resume: bool = False,
+    on_step_end: Callable[[int, dict[str, float]], None] | None = None,
+) -> TrainState:
+    run = Run.create(cfg, run_dir, resume)
+    tcfg = cfg.trainer
+    try:
+        with _progress(cfg.logging.console) as progress:
+            bar = progress.add_task("train", total=tcfg.total_steps, completed=run.state.step)
+            for step in range(run.state.step + 1, tcfg.total_steps + 1):
+                timer = Timer()
+                t0 = time.perf_counter()
+                prompts = run.source.take(tcfg.train_batch_size)
+                with timer("gen"):
+                    # Colocated: the engine shares the learner's weights, so the whole batch is
+                    # generated before the first update (on-policy). Remote workers stream instead.
+                    groups = list(run.rollout.generate(prompts, cfg.rollout.n, run.sampling))
+                result = learn_from_stream(groups, run.scorer, run.learner, cfg.algo, tcfg.ppo_mini_batch_size)
+                with timer("update_weights"):
+                    run.publish_weights()
+                timer.spans["step"] = time.perf_counter() - t0
+                run.state = TrainState(step, run.source.cursor, run.rollout.weight_version)
+                metrics = run.step_metrics(groups, result, timer.spans)
+                run.tracker.log(step, metrics)
+                if cfg.logging.console:
+                    progress.console.print(format_step_line(step, tcfg.total_steps, metrics), soft_wrap=True)
+                progress.update(bar, completed=step)
+                if tcfg.save_every and step % tcfg.save_every == 0 and step < tcfg.total_steps:
+                    run.save()
+                if on_step_end is not None:
+                    on_step_end(step, metrics)
+        run.save()
+        final = run.save_final()
+        log.info("training done: %d steps; final model in %s", run.state.step, final)
+    except KeyboardInterrupt:
+        if run.state.step:
+            log.warning("interrupted: saving step %d so --resume can continue", run.state.step)
+            run.save()
+        raise
+    finally:
+        run.close()
+    return run.state
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        disable=not enabled,
+    )

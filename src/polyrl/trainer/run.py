@@ -1,0 +1,175 @@
+"""Everything a training run holds, built once from the config (or from a checkpoint)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from polyrl.config import ConfigError, RunConfig, save_config
+from polyrl.data.rewards import RewardPool
+from polyrl.data.source import PromptSource
+from polyrl.metrics.step_stats import num_tokens, perf_metrics, rollout_metrics
+from polyrl.metrics.tracker import Tracker
+from polyrl.models.tiny import save_tiny_model
+from polyrl.rollout.local import LocalRollout
+from polyrl.rollout.types import Group, SamplingParams
+from polyrl.trainer.checkpoint import TrainState, latest_checkpoint, load_trainer_state, save_checkpoint, save_hf
+from polyrl.trainer.learner import Learner, build_optimizer
+from polyrl.trainer.stream import GroupScorer, StreamResult
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device: cuda requested but CUDA is not available")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_model(path: str | Path, dtype: str, device: torch.device) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype]).to(device)
+    model.eval()
+    return model
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """EOS ids from the tokenizer and generation config (chat models often have several)."""
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(sorted(set(ids)))
+
+
+def average_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each key over the mini-batches that report it."""
+    keys = {k for row in rows for k in row}
+    return {k: float(np.mean([row[k] for row in rows if k in row])) for k in sorted(keys)}
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    run_dir: Path
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    source: PromptSource
+    rollout: LocalRollout
+    scorer: GroupScorer
+    learner: Learner
+    tracker: Tracker
+    sampling: SamplingParams
+    state: TrainState
+
+    @classmethod
+    def create(cls, cfg: RunConfig, run_dir: Path, resume: bool) -> Run:
+        tcfg = cfg.trainer
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.toml")
+        seed_everything(tcfg.seed)
+        if tcfg.num_threads:
+            torch.set_num_threads(tcfg.num_threads)
+        device = pick_device(tcfg.device)
+
+        init_path = Path(cfg.model.path) if cfg.model.path else run_dir / "init_model"
+        if not cfg.model.path and not (init_path / "config.json").exists():
+            save_tiny_model(init_path, cfg.model.tiny)
+        ckpt = latest_checkpoint(run_dir) if resume else None
+        if resume and ckpt is None:
+            log.warning("no checkpoint in %s: starting from step 0", run_dir)
+        model = load_model(ckpt / "model" if ckpt else init_path, cfg.model.dtype, device)
+        tokenizer = AutoTokenizer.from_pretrained(init_path)
+        ref_model = None
+        if cfg.algo.kl_coef > 0:
+            ref_model = load_model(init_path, cfg.model.dtype, device).requires_grad_(False)
+
+        try:  # user input checked against real files and modules: report it as config
+            source = PromptSource(cfg.data, tokenizer, tcfg.seed)
+            functions = cfg.reward.functions or [source.default_reward]
+            pool = RewardPool(functions, cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s)
+        except ValueError as e:
+            raise ConfigError(f"config error: {e}") from None
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        updates_per_step = tcfg.train_batch_size // tcfg.ppo_mini_batch_size * cfg.algo.ppo_epochs
+        optimizer, scheduler = build_optimizer(model, tcfg, tcfg.total_steps * updates_per_step)
+        learner = Learner(model, ref_model, optimizer, scheduler, cfg.algo, tcfg, cfg.rollout.temperature, pad_id)
+        state = load_trainer_state(ckpt, optimizer, scheduler) if ckpt else TrainState()
+        source.cursor = state.cursor
+        rollout = LocalRollout(model, pad_id, cfg.rollout.batch_size)
+        rollout.weight_version = state.weight_version
+        sampling = SamplingParams(
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            stop_token_ids=stop_token_ids(model, tokenizer),
+        )
+        name = cfg.run_name or run_dir.name
+        tracker = Tracker(cfg.logging, run_dir, state.step if ckpt else None, name, cfg.model_dump(mode="json"))
+        if ckpt:
+            log.info("resumed from %s at step %d", ckpt, state.step)
+        return cls(cfg, run_dir, model, tokenizer, source, rollout, GroupScorer(pool, tokenizer), learner, tracker, sampling, state)
+
+    def publish_weights(self) -> None:
+        """Colocated: the engine runs on the trainer's own model, so publishing is a version bump."""
+        self.rollout.weight_version += 1
+
+    def step_metrics(self, groups: list[Group], result: StreamResult, timings: dict[str, float]) -> dict[str, float]:
+        step_s = timings["step"]
+        metrics = average_metrics(result.train_metrics)
+        metrics.update(rollout_metrics(groups, self.cfg.rollout.max_new_tokens))
+        metrics.update(perf_metrics(num_tokens(groups), step_s, world_size=1))
+        metrics.update({f"timing_s/{k}": v for k, v in timings.items() if k != "step"})
+        metrics["timing_s/reward"] = result.reward_wait_s
+        metrics["timing_s/update_actor"] = result.update_s
+        metrics["training/num_rollout_instances"] = float(self.rollout.num_instances)
+        metrics["training/filtered_groups"] = float(result.num_filtered_groups)
+        metrics["training/weight_version"] = float(self.rollout.weight_version)
+        return metrics
+
+    def save(self) -> None:
+        l = self.learner
+        save_checkpoint(self.run_dir, self.state, self.model, self.tokenizer, l.optimizer, l.scheduler)
+
+    def save_final(self) -> Path:
+        out = self.run_dir / "final_model"
+        save_hf(self.model, self.tokenizer, out)
+        return out
+
+    def close(self) -> None:
+        self.tracker.close()
+        self.scorer.pool.close()
+
+
+class Timer:
+    """Collects named wall-clock spans: `with timer("gen"): ...`."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans[name] = self.spans.get(name, 0.0) + time.perf_counter() - t0

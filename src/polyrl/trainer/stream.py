@@ -1,0 +1,110 @@
+"""Learning from a stream of finished groups.
+
+Groups are scored as they arrive (rewards run in a process pool, off the learner's
+thread), turned into advantages one group at a time, and trained on as soon as a
+mini-batch's worth of prompts is scored. Nothing waits for the whole batch, so the
+same code serves a local engine and workers that finish out of order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from polyrl.config import AlgoConfig
+from polyrl.data.rewards import RewardPool
+from polyrl.rollout.types import Group, Sample
+from polyrl.trainer.batching import SeqItem, group_items
+from polyrl.trainer.grpo import group_advantages
+from polyrl.trainer.learner import Learner
+
+
+class GroupScorer:
+    """Decodes a group's completions and sends them to the reward pool."""
+
+    def __init__(self, pool: RewardPool, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.pool, self.tokenizer = pool, tokenizer
+
+    def decode(self, sample: Sample) -> str:
+        """The completion as the reward sees it: the final stop token is dropped, but any
+        other special token stays visible, so a policy cannot hide junk in tokens that a
+        `skip_special_tokens` decode would erase (a tiny model learns that hack quickly)."""
+        ids = sample.completion_ids[:-1] if sample.finish_reason == "stop" else sample.completion_ids
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def submit(self, group: Group):
+        n = len(group.samples)
+        completions = [self.decode(s) for s in group.samples]
+        columns = {k: [v] * n for k, v in group.prompt.columns.items()}
+        # TRL passes extra per-sample fields as keyword arguments; reward functions take **kwargs.
+        columns["finish_reason"] = [s.finish_reason for s in group.samples]
+        return self.pool.submit([group.prompt.text] * n, completions, columns)
+
+
+@dataclass
+class StreamResult:
+    groups: list[Group] = field(default_factory=list)
+    train_metrics: list[dict[str, float]] = field(default_factory=list)
+    reward_wait_s: float = 0.0
+    update_s: float = 0.0
+    num_filtered_groups: int = 0
+
+
+def learn_from_stream(
+    groups: Iterable[Group],
+    scorer: GroupScorer,
+    learner: Learner,
+    algo: AlgoConfig,
+    mini_batch_size: int,
+) -> StreamResult:
+    """Score and train on groups in arrival order; one optimizer step per mini-batch."""
+    out = StreamResult()
+    pending: deque = deque()  # (group, reward future), in arrival order
+    scored: list[Group] = []
+
+    def collect(block: bool) -> None:
+        while pending and (block or pending[0][1].done()):
+            group, future = pending.popleft()
+            t0 = time.perf_counter()
+            group.rewards = future.result()
+            out.reward_wait_s += time.perf_counter() - t0
+            scored.append(group)
+
+    def train(batch: list[Group]) -> None:
+        t0 = time.perf_counter()
+        items = _items(batch, algo, out)
+        if items:
+            # Colocated rollout samples with the learner's own weights: until the step's first
+            # update, recomputed log-probs must equal the engine's.
+            first = not out.train_metrics
+            out.train_metrics.append(learner.train_mini_batch(items, weights_as_sampled=first))
+        out.update_s += time.perf_counter() - t0
+
+    for group in groups:
+        out.groups.append(group)
+        pending.append((group, scorer.submit(group)))
+        collect(block=False)
+        while len(scored) >= mini_batch_size:
+            train(scored[:mini_batch_size])
+            del scored[:mini_batch_size]
+    collect(block=True)
+    for start in range(0, len(scored), mini_batch_size):
+        train(scored[start : start + mini_batch_size])
+    return out
+
+
+def _items(batch: list[Group], algo: AlgoConfig, out: StreamResult) -> list[SeqItem]:
+    items: list[SeqItem] = []
+    for group in batch:
+        rewards = torch.tensor([group.rewards], dtype=torch.float64)  # [1, n]
+        if algo.filter_zero_variance_groups and bool((rewards == rewards[0, 0]).all()):
+            out.num_filtered_groups += 1  # no learning signal: every advantage would be 0
+            continue
+        advantages = group_advantages(rewards, algo.norm_adv_by_std)[0].tolist()
+        items += group_items(group, advantages)
+    return items

@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+
+from polyrl.config import DataConfig
+from polyrl.data.math import extract_gsm8k_answer, load_prompt_dataset, math_reward
+from polyrl.data.rewards import RewardPool
+
+GSM8K_ROWS = [
+    {"question": "Tom has 8 apples and buys 64 more. How many?", "answer": "8+64=72\n#### 72"},
+    {"question": "A car costs 1,000 dollars. Price?", "answer": "It is 1,000.\n#### 1,000"},
+]
+OPENR1_ROWS = [
+    {"problem": "What is 1/2 + 0?", "answer": "\\frac{1}{2}", "solution": "Trivially 1/2."},
+    {"problem": "Solve x + 3 = 0.", "answer": "-3", "solution": "x = -3."},
+]
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _parquet(path: Path, rows: list[dict]) -> Path:
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return path
+
+
+def test_extract_gsm8k_answer():
+    assert extract_gsm8k_answer("5*2=10\n#### 10") == "10"
+    assert extract_gsm8k_answer("lots\n#### 1,000") == "1000"
+    with pytest.raises(ValueError, match="####"):
+        extract_gsm8k_answer("no marker")
+
+
+@pytest.mark.parametrize("fmt", ["auto", "gsm8k"])
+def test_gsm8k_jsonl(tmp_path, fmt):
+    path = _jsonl(tmp_path / "g.jsonl", GSM8K_ROWS)
+    ds = load_prompt_dataset(DataConfig(path=str(path), format=fmt))
+    assert ds["prompt"] == [r["question"] for r in GSM8K_ROWS]
+    assert ds["answer"] == ["72", "1000"]
+    assert {"question", "solution"} <= set(ds.column_names)
+
+
+@pytest.mark.parametrize("fmt", ["auto", "openr1"])
+def test_openr1_parquet(tmp_path, fmt):
+    path = _parquet(tmp_path / "o.parquet", OPENR1_ROWS)
+    ds = load_prompt_dataset(DataConfig(path=str(path), format=fmt))
+    assert ds["prompt"] == [r["problem"] for r in OPENR1_ROWS]
+    assert ds["answer"] == ["\\frac{1}{2}", "-3"]
+    assert ds["solution"] == [r["solution"] for r in OPENR1_ROWS]
+
+
+def test_plain_csv_with_custom_keys_and_numeric_answers(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text("q,a,source\nTwo plus two?,4,x\nTen minus one?,9,y\n")
+    ds = load_prompt_dataset(DataConfig(path=str(path), prompt_key="q", answer_key="a"))
+    assert ds["prompt"] == ["Two plus two?", "Ten minus one?"]
+    assert ds["answer"] == ["4", "9"]
+    assert ds["source"] == ["x", "y"]
+
+
+def test_auto_question_without_marker_is_plain(tmp_path):
+    rows = [{"prompt": "q?", "answer": "7", "question": "ignored", "extra": 1}]
+    ds = load_prompt_dataset(DataConfig(path=str(_jsonl(tmp_path / "x.jsonl", rows))))
+    assert ds["prompt"] == ["q?"] and ds["answer"] == ["7"]
+
+
+def test_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_prompt_dataset(DataConfig(path=str(tmp_path / "missing.jsonl")))
+    (tmp_path / "d.txt").write_text("hi")
+    with pytest.raises(ValueError, match="unsupported file type '.txt'"):
+        load_prompt_dataset(DataConfig(path=str(tmp_path / "d.txt")))
+    path = _jsonl(tmp_path / "o.jsonl", OPENR1_ROWS)
+    with pytest.raises(ValueError, match="needs column 'question'.*problem"):
+        load_prompt_dataset(DataConfig(path=str(path), format="gsm8k"))
+    with pytest.raises(ValueError, match="needs column 'prompt'"):
+        load_prompt_dataset(DataConfig(path=str(path), format="plain"))
+    (tmp_path / "e.csv").write_text("prompt,answer\n")
+    with pytest.raises(ValueError, match="no rows"):
+        load_prompt_dataset(DataConfig(path=str(tmp_path / "e.csv")))
+    with pytest.raises(ValueError, match="data.path is required"):
+        load_prompt_dataset(DataConfig())
+
+
+CASES = [
+    ("... so the answer is \\boxed{72}", "72", 1.0),
+    ("The answer is 1000", extract_gsm8k_answer("#### 1,000"), 1.0),
+    ("We get $0.5$.", "\\frac{1}{2}", 1.0),
+    ("So x = -3", "-3", 1.0),
+    ("The answer is \\boxed{73}", "72", 0.0),
+    ("I have no idea", "72", 0.0),
+    ("}}}\\frac{{{$$ \\boxed{", "72", 0.0),
+    ("", "72", 0.0),
+    (None, "72", 0.0),
+    ([{"role": "assistant", "content": "\\boxed{72}"}], "72", 1.0),
+    ("\\boxed{72}", "", 0.0),
+]
+
+
+def test_math_reward():
+    completions = [c for c, _, _ in CASES]
+    answers = [a for _, a, _ in CASES]
+    assert math_reward([""] * len(CASES), completions, answers) == [s for _, _, s in CASES]
+
+
+def test_math_reward_in_pool():
+    n = 4
+    with RewardPool(["polyrl.data.math:math_reward"], timeout_s=30.0) as pool:
+        completions = [c for c, _, _ in CASES[:n]]
+        scores = pool.score([""] * n, completions, {"answer": [a for _, a, _ in CASES[:n]]})
+    assert scores == [1.0] * n
