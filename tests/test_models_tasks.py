@@ -36,9 +36,9 @@ def test_tiny_model_is_seeded(tmp_path):
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
 
 
-def test_bad_tiny_shape(tmp_path):
+def test_bad_tiny_shape():
     with pytest.raises(ValueError, match="divisible"):
-        save_tiny_model(tmp_path, TinyModelConfig(hidden_size=30, num_heads=4))
+        TinyModelConfig(hidden_size=30, num_heads=4)
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -98,3 +98,10 @@ def test_prompt_source_dataset_epochs_and_skips(tiny_model_dir, tmp_path):
     assert all(p.columns["answer"] == str(2 * int(p.text.split("+")[0])) for p in prompts)
     with pytest.raises(ValueError, match="data.path"):
         PromptSource(DataConfig(task="dataset"), tok, seed=0)
+
+
+def test_prompt_source_gives_up_when_every_prompt_is_too_long(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    src = PromptSource(DataConfig(task="copy", max_prompt_tokens=2), tok, seed=0)
+    with pytest.raises(ValueError, match="data.max_prompt_tokens"):
+        src.take(1)

@@ -131,3 +131,29 @@ def test_lr_schedule():
     assert f(4) == pytest.approx(1.0) and f(14) == pytest.approx(0.1) and f(9) == pytest.approx(0.55)
     lin = lr_lambda(TrainerConfig(warmup_steps=0, lr_schedule="linear", min_lr_ratio=0.0), total_updates=10)
     assert lin(5) == pytest.approx(0.5)
+
+
+def test_rollout_ignores_the_models_generation_config(model_tok):
+    """A checkpoint's own sampling tweaks (n-gram bans, penalties) must not leak into rollout:
+    they would change what is sampled without changing the log-probs we report."""
+    model, tok = model_tok
+    model.generation_config.no_repeat_ngram_size = 1  # would forbid any repeated token
+    model.generation_config.repetition_penalty = 5.0
+    torch.manual_seed(0)
+    rollout = LocalRollout(model, pad_id=tok.pad_token_id, batch_size=64)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=())
+    groups = list(rollout.generate(_prompts(tok, ["ab>", "1+1="]), n=16, params=params))
+    samples = [s for g in groups for s in g.samples]
+    assert any(len(set(s.completion_ids)) < len(s.completion_ids) for s in samples)
+
+
+def test_bf16_compute_keeps_fp32_master_weights(model_tok):
+    model, tok = model_tok
+    learner = _learner(model)
+    learner.compute_dtype = torch.bfloat16
+    items = [SeqItem(tok("ab>").input_ids + [7, 8], 4, [-3.0, -3.0], 1.0), SeqItem(tok("ab>").input_ids + [9], 4, [-3.0], -1.0)]
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = learner.train_mini_batch(items, weights_as_sampled=False)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert torch.isfinite(torch.tensor(metrics["actor/grad_norm"]))
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))

@@ -96,3 +96,47 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     fb = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "final_model")
     for p, q in zip(fa.parameters(), fb.parameters()):
         assert torch.equal(p, q)
+
+
+def test_ctrl_c_saves_a_consistent_checkpoint_and_resume_continues(tmp_path):
+    """SIGINT mid-run: the step in progress finishes, is saved, exit code 130; resume goes on."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir), *SMALL]
+    args = [a for a in args if not a.startswith("trainer.total_steps")] + ["trainer.total_steps=500"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            path = run_dir / "metrics.jsonl"
+            if path.exists() and len(path.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    last_logged = _metrics(run_dir)[-1]["step"]
+    assert latest_checkpoint(run_dir).name == f"step_{last_logged:06d}"
+    cfg = load_config(run_dir / "config.toml", ["trainer.total_steps=" + str(last_logged + 1)])
+    state = train(cfg, run_dir, resume=True)
+    assert state.step == last_logged + 1
+    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, last_logged + 2))
+
+
+def test_cli_refuses_to_overwrite_a_run(tmp_path):
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("")
+    proc = subprocess.run(
+        [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "--resume" in proc.stderr

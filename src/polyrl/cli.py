@@ -51,7 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(cfg.data.task)
-        if (run_dir / "checkpoints").exists():
+        if any((run_dir / name).exists() for name in ("checkpoints", "metrics.jsonl", "init_model")):
             raise ConfigError(f"config error: --run-dir {run_dir} already holds a run; use --resume {run_dir}")
     log.info("run directory: %s", run_dir)
     try:

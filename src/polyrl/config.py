@@ -21,6 +21,12 @@ class _Section(BaseModel):
 class TinyModelConfig(_Section):
     """Shape of the offline model built when `model.path` is not given."""
 
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("hidden_size must be divisible by num_heads, and num_heads by num_kv_heads")
+        return self
+
     arch: Literal["qwen3", "qwen2", "llama"] = "qwen3"
     hidden_size: int = Field(96, ge=8)
     num_layers: int = Field(2, ge=1)
@@ -34,12 +40,13 @@ class TinyModelConfig(_Section):
 class ModelConfig(_Section):
     path: str | None = None
     """A local HF model directory. When empty, a tiny model for the task is built offline."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype (autocast). Master weights and optimizer state stay float32."""
     tiny: TinyModelConfig = TinyModelConfig()
 
 
 class DataConfig(_Section):
-    task: str = "digit_sum"
+    task: str = "copy"
     """A built-in synthetic task (see `polyrl.data.tasks`), or `dataset` to read `path`."""
     path: str | None = None
     """Local parquet/jsonl/json/csv file read through `datasets` (when task = "dataset")."""
@@ -72,9 +79,9 @@ class RewardConfig(_Section):
 
 class RolloutConfig(_Section):
     mode: Literal["local"] = "local"
-    n: int = Field(8, ge=1)
+    n: int = Field(16, ge=1)
     """Samples per prompt (the GRPO group size)."""
-    max_new_tokens: int = Field(8, ge=1)
+    max_new_tokens: int = Field(6, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
@@ -91,7 +98,8 @@ class AlgoConfig(_Section):
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k3"] = "k3"
-    entropy_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.003, ge=0)
+    """A small bonus keeps a from-scratch tiny model exploring; use 0 for pretrained models."""
     recompute_old_logprobs: bool = True
     """Recompute old log-probs with the trainer before each mini-batch's update (the proximal
     policy); otherwise the engine's behaviour log-probs serve as the old ones."""
@@ -103,12 +111,13 @@ class AlgoConfig(_Section):
 
 class TrainerConfig(_Section):
     total_steps: int = Field(150, ge=1)
-    train_batch_size: int = Field(32, ge=1)
+    train_batch_size: int = Field(64, ge=1)
     """Prompts per step."""
     ppo_mini_batch_size: int = Field(32, ge=1)
     """Prompts per optimizer step."""
     micro_batch_max_tokens: int = Field(4096, ge=16)
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    """The default suits the tiny from-scratch model; pretrained LLMs want ~1e-6."""
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = Field(1.0, gt=0)

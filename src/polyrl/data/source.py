@@ -12,13 +12,14 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from polyrl.config import DataConfig
+from polyrl.config import ConfigError, DataConfig
 from polyrl.data.tasks import get_task, task_record
 from polyrl.rollout.types import Prompt
 
 log = logging.getLogger(__name__)
 
 MATH_REWARD = "polyrl.data.math:math_reward"
+MAX_SKIPS_IN_A_ROW = 1000
 
 
 class PromptSource:
@@ -26,6 +27,7 @@ class PromptSource:
         self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
         self.cursor = 0
         self.num_skipped = 0
+        self.max_prompt_tokens = cfg.max_prompt_tokens  # the run may lower it to fit the model
         if cfg.task == "dataset":
             if not cfg.path:
                 raise ValueError("data.path: required when data.task = 'dataset'")
@@ -65,15 +67,26 @@ class PromptSource:
     def take(self, count: int) -> list[Prompt]:
         """The next `count` prompts; over-long ones are skipped (and counted), never cut."""
         prompts: list[Prompt] = []
+        skipped_before = self.num_skipped
+        skipped_in_a_row = 0
         while len(prompts) < count:
             index = self.cursor
             self.cursor += 1
             rec = self.record(index)
             text = str(rec.pop("prompt"))
             ids = self.encode(text)
-            if len(ids) > self.cfg.max_prompt_tokens:
+            if len(ids) > self.max_prompt_tokens:
                 self.num_skipped += 1
-                log.warning("skipping prompt %d: %d tokens > data.max_prompt_tokens", index, len(ids))
+                skipped_in_a_row += 1
+                log.debug("skipping prompt %d: %d tokens > %d", index, len(ids), self.max_prompt_tokens)
+                if skipped_in_a_row >= MAX_SKIPS_IN_A_ROW:
+                    raise ConfigError(
+                        f"config error: data.max_prompt_tokens: {skipped_in_a_row} prompts in a row are longer than "
+                        f"{self.max_prompt_tokens} tokens (the limit, lowered to fit the model's context)"
+                    )
                 continue
+            skipped_in_a_row = 0
             prompts.append(Prompt(index=index, text=text, prompt_ids=ids, columns=rec))
+        if self.num_skipped > skipped_before:
+            log.warning("skipped %d prompts longer than %d tokens", self.num_skipped - skipped_before, self.max_prompt_tokens)
         return prompts

@@ -38,7 +38,7 @@ class JsonlSink:
 
     def __init__(self, path: Path, resume_step: int | None) -> None:
         if resume_step is not None and path.exists():
-            kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            kept = [ln for ln in path.read_text().splitlines() if _step_of(ln) <= resume_step]
             path.write_text("".join(ln + "\n" for ln in kept))
         self._file = path.open("a")
 
@@ -48,6 +48,14 @@ class JsonlSink:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics line; a torn last line (crash mid-write) counts as past any step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 class TensorBoardSink:

@@ -54,10 +54,6 @@ def build_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
 
 
 def build_model_config(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
-    if cfg.hidden_size % cfg.num_heads or cfg.num_heads % cfg.num_kv_heads:
-        raise ValueError(
-            "model.tiny: hidden_size must be divisible by num_heads, and num_heads by num_kv_heads"
-        )
     return _CONFIG_CLASSES[cfg.arch](
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,

@@ -16,14 +16,18 @@ import time
 from collections.abc import Iterator
 
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
+from polyrl.models.precision import autocast
 from polyrl.rollout.types import Group, Prompt, Sample, SamplingParams
 
 
 class LocalRollout:
-    def __init__(self, model: PreTrainedModel, pad_id: int, batch_size: int) -> None:
+    def __init__(
+        self, model: PreTrainedModel, pad_id: int, batch_size: int, compute_dtype: torch.dtype = torch.float32
+    ) -> None:
         self.model, self.pad_id, self.batch_size = model, pad_id, batch_size
+        self.compute_dtype = compute_dtype
         self.weight_version = 0
 
     @property
@@ -54,23 +58,35 @@ class LocalRollout:
             input_ids[i, max_len - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
             attention_mask[i, max_len - len(p.prompt_ids) :] = 1
         stop_ids = list(params.stop_token_ids)
-        out = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
+        # A fresh config: the model's own generation_config may carry repetition penalties or
+        # n-gram bans that would change sampling without changing the log-probs we report.
+        gen_cfg = GenerationConfig(
             do_sample=True,
             temperature=params.temperature,
             top_p=params.top_p,
-            top_k=params.top_k,  # 0 disables; None would fall back to HF's default of 50
+            top_k=params.top_k,  # 0 disables
             max_new_tokens=params.max_new_tokens,
             eos_token_id=stop_ids or None,
             pad_token_id=self.pad_id,
             output_logits=True,
             return_dict_in_generate=True,
         )
-        new_ids = out.sequences[:, max_len:].cpu()  # [B, T]
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, T, V] raw, untruncated
-        logp = torch.log_softmax(logits / params.temperature, dim=-1)
-        logp = logp.gather(-1, new_ids.unsqueeze(-1)).squeeze(-1)  # [B, T]
+        with autocast(device, self.compute_dtype):
+            out = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=gen_cfg
+            )
+        new_ids = out.sequences[:, max_len:]  # [B, T]
+        # One [B, V] step at a time: stacking all steps would hold a [B, T, V] float copy.
+        logp = torch.stack(
+            [
+                torch.log_softmax(step_logits.float() / params.temperature, dim=-1)
+                .gather(-1, new_ids[:, t : t + 1])
+                .squeeze(-1)
+                for t, step_logits in enumerate(out.logits)
+            ],
+            dim=1,
+        ).cpu()  # [B, T] raw (untruncated) tempered log-probs of the sampled tokens
+        new_ids = new_ids.cpu()
         elapsed = time.perf_counter() - t0
         return [
             self._to_sample(new_ids[i].tolist(), logp[i].tolist(), stop_ids, params, elapsed)

@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from polyrl.config import AlgoConfig, TrainerConfig
+from polyrl.models.precision import autocast
 from polyrl.trainer.batching import MicroBatch, SeqItem, collate, pack_micro_batches
 from polyrl.trainer.grpo import LossInputs, policy_loss, token_logprobs
 
@@ -52,16 +53,19 @@ class Learner:
         cfg: TrainerConfig,
         temperature: float,
         pad_id: int,
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.model, self.ref_model = model, ref_model
         self.optimizer, self.scheduler = optimizer, scheduler
         self.algo, self.cfg = algo, cfg
         self.temperature, self.pad_id = temperature, pad_id
+        self.compute_dtype = compute_dtype
 
     def logprobs(self, model: PreTrainedModel, mb: MicroBatch, with_entropy: bool):
-        logits = model(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
-        ).logits[:, :-1]  # [B, L-1, V]
+        with autocast(mb.input_ids.device, self.compute_dtype):
+            logits = model(
+                input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
+            ).logits[:, :-1]  # [B, L-1, V]
         logp, entropy = token_logprobs(logits, mb.target_ids, self.temperature)
         return logp, (entropy if with_entropy else None)
 

@@ -10,6 +10,8 @@ Departures from textbook GRPO (each switchable in `[algo]`):
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +36,7 @@ def train(
     run = Run.create(cfg, run_dir, resume)
     tcfg = cfg.trainer
     try:
-        with _progress(cfg.logging.console) as progress:
+        with _progress(cfg.logging.console) as progress, StopRequest() as stop:
             bar = progress.add_task("train", total=tcfg.total_steps, completed=run.state.step)
             for step in range(run.state.step + 1, tcfg.total_steps + 1):
                 timer = Timer()
@@ -58,17 +60,41 @@ def train(
                     run.save()
                 if on_step_end is not None:
                     on_step_end(step, metrics)
+                if stop.requested:
+                    # Between steps, model, optimizer, RNG and cursor agree: a safe save point.
+                    log.warning("stopping after step %d; saving so --resume can continue", step)
+                    run.save()
+                    raise KeyboardInterrupt
         run.save()
         final = run.save_final()
         log.info("training done: %d steps; final model in %s", run.state.step, final)
-    except KeyboardInterrupt:
-        if run.state.step:
-            log.warning("interrupted: saving step %d so --resume can continue", run.state.step)
-            run.save()
-        raise
     finally:
         run.close()
     return run.state
+
+
+class StopRequest:
+    """First Ctrl-C: finish the current step, save, stop. Second: stop at once, no save
+    (a save mid-step would mix two steps' state and break exact resume)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("Ctrl-C: finishing this step, then saving (Ctrl-C again to stop without saving)")
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def _progress(enabled: bool) -> Progress:

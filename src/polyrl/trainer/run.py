@@ -19,6 +19,7 @@ from polyrl.data.rewards import RewardPool
 from polyrl.data.source import PromptSource
 from polyrl.metrics.step_stats import num_tokens, perf_metrics, rollout_metrics
 from polyrl.metrics.tracker import Tracker
+from polyrl.models.precision import DTYPES
 from polyrl.models.tiny import save_tiny_model
 from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.types import Group, SamplingParams
@@ -27,8 +28,6 @@ from polyrl.trainer.learner import Learner, build_optimizer
 from polyrl.trainer.stream import GroupScorer, StreamResult
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def pick_device(name: str) -> torch.device:
@@ -45,10 +44,23 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_model(path: str | Path, dtype: str, device: torch.device) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype]).to(device)
+def load_model(path: str | Path, device: torch.device) -> PreTrainedModel:
+    """float32 master weights; lower precision is applied by autocast (models/precision.py)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     model.eval()
     return model
+
+
+def fit_prompts_to_context(source: PromptSource, model: PreTrainedModel, max_new_tokens: int) -> None:
+    """Prompt + completion must fit the model's positions: lower the prompt limit if needed."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is None:
+        return
+    if max_new_tokens >= context:
+        raise ValueError(f"rollout.max_new_tokens ({max_new_tokens}) leaves no room in the model's {context} positions")
+    if source.max_prompt_tokens + max_new_tokens > context:
+        source.max_prompt_tokens = context - max_new_tokens
+        log.info("prompts limited to %d tokens to fit the model's %d positions", source.max_prompt_tokens, context)
 
 
 def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -88,33 +100,37 @@ class Run:
         seed_everything(tcfg.seed)
         if tcfg.num_threads:
             torch.set_num_threads(tcfg.num_threads)
-        device = pick_device(tcfg.device)
 
         init_path = Path(cfg.model.path) if cfg.model.path else run_dir / "init_model"
-        if not cfg.model.path and not (init_path / "config.json").exists():
-            save_tiny_model(init_path, cfg.model.tiny)
         ckpt = latest_checkpoint(run_dir) if resume else None
         if resume and ckpt is None:
             log.warning("no checkpoint in %s: starting from step 0", run_dir)
-        model = load_model(ckpt / "model" if ckpt else init_path, cfg.model.dtype, device)
-        tokenizer = AutoTokenizer.from_pretrained(init_path)
-        ref_model = None
-        if cfg.algo.kl_coef > 0:
-            ref_model = load_model(init_path, cfg.model.dtype, device).requires_grad_(False)
-
         try:  # user input checked against real files and modules: report it as config
+            device = pick_device(tcfg.device)
+            if not cfg.model.path and not (init_path / "config.json").exists():
+                save_tiny_model(init_path, cfg.model.tiny)
+            model = load_model(ckpt / "model" if ckpt else init_path, device)
+            tokenizer = AutoTokenizer.from_pretrained(init_path)
             source = PromptSource(cfg.data, tokenizer, tcfg.seed)
+            fit_prompts_to_context(source, model, cfg.rollout.max_new_tokens)
             functions = cfg.reward.functions or [source.default_reward]
             pool = RewardPool(functions, cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             raise ConfigError(f"config error: {e}") from None
+        ref_model = None
+        if cfg.algo.kl_coef > 0:
+            ref_model = load_model(init_path, device).requires_grad_(False)
+
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         updates_per_step = tcfg.train_batch_size // tcfg.ppo_mini_batch_size * cfg.algo.ppo_epochs
         optimizer, scheduler = build_optimizer(model, tcfg, tcfg.total_steps * updates_per_step)
-        learner = Learner(model, ref_model, optimizer, scheduler, cfg.algo, tcfg, cfg.rollout.temperature, pad_id)
+        compute_dtype = DTYPES[cfg.model.dtype]
+        learner = Learner(
+            model, ref_model, optimizer, scheduler, cfg.algo, tcfg, cfg.rollout.temperature, pad_id, compute_dtype
+        )
         state = load_trainer_state(ckpt, optimizer, scheduler) if ckpt else TrainState()
         source.cursor = state.cursor
-        rollout = LocalRollout(model, pad_id, cfg.rollout.batch_size)
+        rollout = LocalRollout(model, pad_id, cfg.rollout.batch_size, compute_dtype)
         rollout.weight_version = state.weight_version
         sampling = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens,
@@ -124,7 +140,8 @@ class Run:
             stop_token_ids=stop_token_ids(model, tokenizer),
         )
         name = cfg.run_name or run_dir.name
-        tracker = Tracker(cfg.logging, run_dir, state.step if ckpt else None, name, cfg.model_dump(mode="json"))
+        # On resume, metrics past the checkpoint (or all of them, without one) are dropped.
+        tracker = Tracker(cfg.logging, run_dir, state.step if resume else None, name, cfg.model_dump(mode="json"))
         if ckpt:
             log.info("resumed from %s at step %d", ckpt, state.step)
         return cls(cfg, run_dir, model, tokenizer, source, rollout, GroupScorer(pool, tokenizer), learner, tracker, sampling, state)
