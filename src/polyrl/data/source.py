@@ -6,6 +6,7 @@ the seed and `i`, so a checkpoint stores one integer and resume replays the same
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -48,11 +49,13 @@ class PromptSource:
     def record(self, index: int) -> dict[str, Any]:
         if self._task is not None:
             return task_record(self._task, self.seed, index)
-        n = len(self._dataset)
-        epoch, pos = divmod(index, n)
+        epoch, pos = divmod(index, len(self._dataset))
+        return dict(self._dataset[int(self._epoch_order(epoch)[pos])])
+
+    @functools.lru_cache(maxsize=2)
+    def _epoch_order(self, epoch: int) -> np.ndarray:
         # A fresh permutation per epoch, fixed by (seed, epoch): resumable without state.
-        order = np.random.default_rng([self.seed, epoch]).permutation(n)
-        return dict(self._dataset[int(order[pos])])
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self._dataset))
 
     def encode(self, text: str) -> list[int]:
         text = self.cfg.prompt_template.format(prompt=text)
