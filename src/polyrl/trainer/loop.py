@@ -56,14 +56,16 @@ def train(
                 if cfg.logging.console:
                     progress.console.print(format_step_line(step, tcfg.total_steps, metrics), soft_wrap=True)
                 progress.update(bar, completed=step)
-                if tcfg.save_every and step % tcfg.save_every == 0 and step < tcfg.total_steps:
+                # Between steps, model, optimizer, RNG and cursor agree: a safe save point. The
+                # last step is saved after the loop, so neither case saves it twice.
+                stopping = stop.requested and step < tcfg.total_steps
+                periodic = tcfg.save_every and step % tcfg.save_every == 0 and step < tcfg.total_steps
+                if stopping or periodic:
                     run.save()
                 if on_step_end is not None:
                     on_step_end(step, metrics)
-                if stop.requested:
-                    # Between steps, model, optimizer, RNG and cursor agree: a safe save point.
-                    log.warning("stopping after step %d; saving so --resume can continue", step)
-                    run.save()
+                if stopping:
+                    log.warning("stopped after step %d; continue with --resume", step)
                     raise KeyboardInterrupt
         run.save()
         final = run.save_final()
