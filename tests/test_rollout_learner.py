@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from polyrl.config import AlgoConfig, TrainerConfig
+from polyrl.config import AlgoConfig, EngineConfig, TrainerConfig
+from polyrl.engine.engine import Engine
 from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.types import Group, Prompt, Sample, SamplingParams
 from polyrl.trainer.batching import SeqItem, collate, pack_micro_batches
@@ -35,11 +36,12 @@ def _learner(model, algo=AlgoConfig(), **trainer_kw):
 def test_rollout_groups_and_logprobs_match_a_forward_pass(model_tok):
     model, tok = model_tok
     torch.manual_seed(0)
-    rollout = LocalRollout(model, pad_id=tok.pad_token_id, batch_size=5)  # chunks straddle groups
+    # 5 running sequences at most: the groups of different prompts interleave.
+    rollout = LocalRollout(Engine(model, EngineConfig(block_size=4, max_num_seqs=5)))
     params = SamplingParams(max_new_tokens=6, temperature=0.7, stop_token_ids=(tok.eos_token_id,))
     prompts = _prompts(tok, ["1+2=", "13+4=", "ab>", "abcd|"])
     groups = list(rollout.generate(prompts, n=3, params=params))
-    assert [g.prompt.text for g in groups] == [p.text for p in prompts]
+    assert sorted(g.prompt.text for g in groups) == sorted(p.text for p in prompts)
     assert all(len(g.samples) == 3 for g in groups)
     samples = [s for g in groups for s in g.samples]
     for s in samples:
@@ -140,7 +142,7 @@ def test_rollout_ignores_the_models_generation_config(model_tok):
     model.generation_config.no_repeat_ngram_size = 1  # would forbid any repeated token
     model.generation_config.repetition_penalty = 5.0
     torch.manual_seed(0)
-    rollout = LocalRollout(model, pad_id=tok.pad_token_id, batch_size=64)
+    rollout = LocalRollout(Engine(model, EngineConfig()))
     params = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=())
     groups = list(rollout.generate(_prompts(tok, ["ab>", "1+1="]), n=16, params=params))
     samples = [s for g in groups for s in g.samples]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -86,8 +86,31 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     """0 disables top-k."""
-    batch_size: int = Field(64, ge=1)
-    """Sequences generated together by the local engine."""
+
+
+class EngineConfig(_Section):
+    """The embedded continuous-batching engine (workers and the trainer's local rollout)."""
+
+    block_size: int = Field(16, ge=1)
+    """Tokens per KV-cache block."""
+    num_kv_blocks: int = Field(0, ge=0)
+    """0: sized automatically (CUDA: `kv_cache_memory_fraction` of free memory; CPU: enough
+    for `max_num_seqs` full-length sequences, capped at `cpu_kv_cache_gib`)."""
+    kv_cache_memory_fraction: float = Field(0.5, gt=0, le=0.95)
+    cpu_kv_cache_gib: float = Field(2.0, gt=0)
+    max_num_seqs: int = Field(256, ge=1)
+    """Sequences decoded together (the running batch)."""
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    """Token budget of one step: decode tokens first, then prefill chunks."""
+    max_model_len: int = Field(0, ge=0)
+    """Prompt + completion limit; 0: the model's max_position_embeddings."""
+    max_queued_requests: int = Field(4096, ge=1)
+    """Requests waiting beyond this are refused (HTTP 429)."""
+    swap_policy: Literal["recompute", "continue", "abort"] = "recompute"
+    """What a weight update does to requests in flight (see README, "Weight hot-swap")."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """auto: bfloat16 on CUDA, float32 on CPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
 class AlgoConfig(_Section):
@@ -154,9 +177,41 @@ class RunConfig(_Section):
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
     rollout: RolloutConfig = RolloutConfig()
+    engine: EngineConfig = EngineConfig()
     algo: AlgoConfig = AlgoConfig()
     trainer: TrainerConfig = TrainerConfig()
     logging: LoggingConfig = LoggingConfig()
+
+
+class WorkerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=0, le=65535)
+    """0 picks a free port (printed at start)."""
+    manager_url: str | None = None
+    """Register with this rollout manager and heartbeat; without it the worker serves alone."""
+    token: str | None = None
+    """Shared secret for the manager (default: the POLYRL_TOKEN environment variable)."""
+    worker_id: str | None = None
+    """Default: <hostname>-<port>."""
+    advertise_url: str | None = None
+    """The URL the manager should call; default http://<host>:<port>."""
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    manager_timeout_s: float = Field(10.0, gt=0)
+    """Timeout of each call to the manager."""
+    drain_timeout_s: float = Field(30.0, ge=0)
+    """On SIGTERM/SIGINT: in-flight requests get this long to finish, then are aborted and
+    handed back with their partial tokens."""
+
+
+class WorkerRunConfig(_Section):
+    """`polyrl worker`: one engine behind the HTTP API."""
+
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    worker: WorkerConfig = WorkerConfig()
+
+
+_Config = TypeVar("_Config", bound=BaseModel)
 
 
 class ConfigError(ValueError):
@@ -200,8 +255,10 @@ def _format_error(err: ValidationError) -> str:
     return f"config error: {key}: {msg}{more}"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Read `path` (TOML), apply dotted overrides, validate. Raises ConfigError."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] = (), schema: type[_Config] = RunConfig
+) -> _Config:
+    """Read `path` (TOML), apply dotted overrides, validate against `schema`. Raises ConfigError."""
     tree: dict[str, Any] = {}
     if path is not None:
         try:
@@ -214,11 +271,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         parts, value = parse_override(text)
         _set_dotted(tree, parts, value)
     try:
-        return RunConfig.model_validate(tree)
+        return schema.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_error(e)) from None
 
 
-def save_config(cfg: RunConfig, path: str | Path) -> None:
+def save_config(cfg: BaseModel, path: str | Path) -> None:
     # TOML has no null: every None-able key defaults to None, so dropping them round-trips.
     Path(path).write_text(tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True)))

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from polyrl.config import ConfigError, RunConfig, save_config
 from polyrl.data.rewards import RewardPool
 from polyrl.data.source import PromptSource
+from polyrl.engine.engine import Engine
 from polyrl.metrics.step_stats import num_tokens, perf_metrics, rollout_metrics
 from polyrl.metrics.tracker import Tracker
 from polyrl.models.precision import DTYPES
@@ -130,8 +131,8 @@ class Run:
         )
         state = load_trainer_state(ckpt, optimizer, scheduler) if ckpt else TrainState()
         source.cursor = state.cursor
-        rollout = LocalRollout(model, pad_id, cfg.rollout.batch_size, compute_dtype)
-        rollout.weight_version = state.weight_version
+        rollout = LocalRollout(Engine(model, cfg.engine, compute_dtype))
+        rollout.publish(state.weight_version)
         sampling = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.rollout.temperature,
@@ -148,7 +149,7 @@ class Run:
 
     def publish_weights(self) -> None:
         """Colocated: the engine runs on the trainer's own model, so publishing is a version bump."""
-        self.rollout.weight_version += 1
+        self.rollout.publish(self.rollout.weight_version + 1)
 
     def step_metrics(self, groups: list[Group], result: StreamResult, timings: dict[str, float]) -> dict[str, float]:
         step_s = timings["step"]

@@ -1,0 +1,98 @@
+"""Attention over the paged KV cache, and the per-step metadata every layer shares.
+
+A step's tokens are flat ([T, ...]) through the projections and MLPs; only attention
+needs them per sequence. Sequences are split into two groups: decodes (one query token
+each) and prefill chunks (several). Each group gathers its sequences' cached keys and
+values by slot into a padded [B, C, ...] view and runs one SDPA with a mask, so a long
+prompt in the batch does not pad every decode to its length. The decode group has a
+fixed shape per (batch, context) bucket: the later CUDA-graph path captures exactly it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    token_index: torch.Tensor  # [Tg] positions of this group's query tokens in the flat batch
+    batch_index: torch.Tensor  # [Tg] row of each query token in the padded [B, Q] layout
+    query_index: torch.Tensor  # [Tg] column of each query token
+    context_slots: torch.Tensor  # [B, C] cache slot of every context position (0 where padded)
+    mask: torch.Tensor  # [B, 1, Q, C] bool, True where a query may attend
+    num_seqs: int
+    max_query_len: int
+
+    @classmethod
+    def build(
+        cls,
+        token_offsets: list[int],
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionGroup:
+        """Sequence b feeds `query_lens[b]` tokens starting at flat position
+        `token_offsets[b]`; they are its last tokens of `context_lens[b]`."""
+        num_seqs, max_q, max_ctx = len(query_lens), max(query_lens), max(context_lens)
+        token_index = torch.tensor([o + i for o, q in zip(token_offsets, query_lens) for i in range(q)])
+        batch_index = torch.tensor([b for b, q in enumerate(query_lens) for _ in range(q)])
+        query_index = torch.tensor([i for q in query_lens for i in range(q)])
+        max_blocks = -(-max_ctx // block_size)
+        tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables])
+        pos = torch.arange(max_blocks * block_size)[:max_ctx]  # [C]
+        slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, C]
+        ctx = torch.tensor(context_lens)[:, None, None]  # [B, 1, 1]
+        last_query_pos = ctx - torch.tensor(query_lens)[:, None, None] + torch.arange(max_q)[None, :, None]
+        mask = (pos[None, None, :] <= last_query_pos) & (pos[None, None, :] < ctx)  # [B, Q, C]
+        slots = torch.where(pos[None, :] < ctx[:, 0], slots, 0)
+        return cls(
+            token_index=token_index.to(device),
+            batch_index=batch_index.to(device),
+            query_index=query_index.to(device),
+            context_slots=slots.to(device),
+            mask=mask[:, None].to(device),
+            num_seqs=num_seqs,
+            max_query_len=max_q,
+        )
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything about one step's layout, built once and shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [T] cache slot where each fed token's K/V is written
+    groups: list[AttentionGroup]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [S, KVH, D] one layer's keys, S = num_blocks * block_size
+    v_cache: torch.Tensor,  # [S, KVH, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    out = torch.empty_like(q)
+    for g in meta.groups:
+        keys = k_cache[g.context_slots].transpose(1, 2)  # [B, KVH, C, D]
+        values = v_cache[g.context_slots].transpose(1, 2)
+        q_group = q[g.token_index]  # [Tg, H, D]
+        if g.max_query_len == 1:  # decodes: one query per sequence, already in row order
+            queries = q_group[:, :, None]  # [B, H, 1, D]
+        else:
+            queries = q.new_zeros(g.num_seqs, g.max_query_len, *q.shape[1:])  # [B, Q, H, D]
+            queries[g.batch_index, g.query_index] = q_group
+            queries = queries.transpose(1, 2)  # [B, H, Q, D]
+        keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+        attn = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=keys.shape[1] != queries.shape[1]
+        )  # [B, H, Q, D]
+        if g.max_query_len == 1:
+            out[g.token_index] = attn[:, :, 0]
+        else:
+            out[g.token_index] = attn.transpose(1, 2)[g.batch_index, g.query_index]
+    return out

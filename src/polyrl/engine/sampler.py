@@ -1,0 +1,81 @@
+"""Token sampling that depends only on (seed, position), never on the batch.
+
+Sampling is Gumbel-max: argmax(logits / T + g) over the allowed tokens, with the Gumbel
+noise g computed by hashing (seed, absolute position, token id). That is an exact draw
+from softmax(logits / T) restricted to the top-k/top-p support, and it makes every draw
+reproducible wherever the sequence runs: the same request gives the same tokens alone or
+in any batch, after a preemption, or resumed on another worker with the same seed (up to
+the floating-point noise of the logits themselves).
+
+Reported log-probs are log softmax(logits / T) of the chosen token, *before* truncation
+(log softmax(logits) for greedy); see README "Log-probs".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32) without signed 64-bit overflow."""
+    lo = x * (c & 0xFFFF)  # < 2**48
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16  # < 2**32
+    return (lo + hi) & _M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (murmur3's): every input bit affects every output bit."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S, V] float32 Gumbel(0, 1) noise keyed by (seed [S], position [S], token id)."""
+    key = mix32((seeds >> 32) ^ 0x9E3779B9)
+    key = mix32(key ^ (seeds & _M32))
+    key = mix32(key ^ (positions & _M32))  # [S]
+    token_keys = mix32(torch.arange(vocab_size, device=seeds.device) ^ 0x7F4A7C15)  # [V]
+    bits = mix32(key[:, None] ^ token_keys[None, :])  # [S, V] uniform 32-bit
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits like a float32 mantissa
+    return -torch.log(-torch.log(uniform))
+
+
+def truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[S, V] bool, True for tokens inside each row's top-k and top-p (nucleus) sets."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # [S, V] probability of strictly better tokens
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    keep_sorted = (mass_before < top_p[:, None]) & ((top_k[:, None] <= 0) | (rank < top_k[:, None]))
+    keep_sorted[:, 0] = True
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [S] float32, 0 = greedy
+    top_p: torch.Tensor  # [S] float32
+    top_k: torch.Tensor  # [S] int64, <= 0 = off
+    seeds: torch.Tensor  # [S] int64 in [0, 2**63)
+    positions: torch.Tensor  # [S] int64 absolute position of the token being sampled
+    needs_truncation: bool
+
+
+def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [S, V] float32 -> (token ids [S], log-probs [S])."""
+    greedy = params.temperature == 0
+    temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+    scaled = logits / temperature[:, None]
+    logprobs = scaled.log_softmax(dim=-1)
+    scores = scaled + gumbel_noise(params.seeds, params.positions, logits.shape[-1])
+    if params.needs_truncation:
+        scores = scores.masked_fill(~truncation_mask(scaled, params.top_k, params.top_p), float("-inf"))
+    token_ids = torch.where(greedy, logits.argmax(dim=-1), scores.argmax(dim=-1))
+    return token_ids, logprobs.gather(-1, token_ids[:, None])[:, 0]

@@ -1,0 +1,102 @@
+"""Which sequences run in the next step, and how many tokens each.
+
+One step is one forward over a flat batch of tokens: a decode feeds 1 token, a prefill a
+chunk of its prompt. Running sequences go first (oldest first), so decodes are never
+starved by new prompts; then waiting sequences are admitted while the token budget,
+the sequence cap and free KV blocks allow. When blocks run out, the newest running
+sequence is preempted: its blocks are freed and it goes back to the front of the queue
+to be recomputed later (its tokens are kept, and sampling is keyed by position, so the
+result does not change).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from polyrl.engine.block_manager import BlockManager
+from polyrl.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed, budget)
+            if not self._make_room(seq, num_new):
+                break  # seq itself was preempted (it was the newest)
+            self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
+            batch.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            i += 1
+        while self.waiting and budget > 0 and self._has_seq_room(self.waiting[0]):
+            seq = self.waiting[0]
+            num_new = min(seq.num_uncomputed, budget)
+            # Room for the forks' copied last blocks too, so a shared prefill can fork.
+            needed = self.blocks.blocks_needed(seq, seq.num_computed_tokens + num_new) + seq.num_forks - 1
+            if not self.blocks.can_allocate(needed):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return batch
+
+    def _has_seq_room(self, seq: Sequence) -> bool:
+        return not self.running or len(self.running) + seq.num_forks <= self.max_num_seqs
+
+    def _make_room(self, seq: Sequence, num_new: int) -> bool:
+        """Preempt from the tail until `seq` has its blocks; False if `seq` was preempted."""
+        while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, seq.num_computed_tokens + num_new)):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def preempt_all(self) -> None:
+        """Drop every running sequence's KV (they recompute it on their next turn), in order."""
+        for seq in reversed(list(self.running)):
+            self.preempt(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished (or aborted) sequence and release its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.FINISHED

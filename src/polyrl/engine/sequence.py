@@ -1,0 +1,65 @@
+"""One sample being generated: its tokens, KV blocks and progress.
+
+A sequence's state changes in one place only, `Engine._postprocess` (plus preemption and
+abort in the scheduler), so the invariants below hold between steps:
+`num_computed_tokens < num_tokens` while it is unfinished (the last token's KV is computed
+by the step that feeds it), and `block_table` covers `num_computed_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from polyrl.engine.types import EngineSampling, FinishReason
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    rid: str
+    index: int  # sample index within its request
+    token_ids: list[int]  # prompt (incl. resumed tokens) + generated here
+    num_prompt_tokens: int
+    sampling: EngineSampling
+    seed: int
+    stop_ids: frozenset[int]
+    num_forks: int = 1  # > 1: a shared-prefill parent; forks into samples index..index+num_forks-1
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def append(self, token_id: int, logprob: float, weight_version: int) -> None:
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        self.weight_versions.append(weight_version)
+        if token_id in self.stop_ids:
+            self.finish_reason, self.matched_stop = "stop", token_id
+        elif self.num_generated >= self.sampling.max_new_tokens:
+            self.finish_reason = "length"

@@ -1,0 +1,101 @@
+"""What goes into the engine and what comes out of it.
+
+Log-prob definition (shared with the learner, see README "Log-probs"): the log-prob of a
+sampled token is log softmax(logits / temperature) at that position, *before* top-p/top-k
+truncation; with temperature 0 (greedy) it is log softmax(logits). The learner recomputes
+exactly this quantity, so the importance ratio compares like with like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad ids, too long, bad sampling values); the message
+    is meant for the client."""
+
+
+class EngineFullError(RuntimeError):
+    """Too many requests are queued; the client should retry later (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class EngineSampling:
+    """Per-request sampling. Sample `i` of a request with `seed` s draws from the random
+    stream of seed s + i, so `n` samples of one request equal `n` requests with seeds
+    s, s+1, ..., s+n-1, and a request resumed elsewhere with the same seed continues the
+    same stream (draws are keyed by seed and absolute token position, not by step)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # True: the model's EOS ids do not stop generation
+    n: int = 1
+    seed: int | None = None  # None: a fresh random seed per request
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """`input_ids` is the prompt, or for a resumed request the prompt followed by the tokens
+    already generated elsewhere (with `max_new_tokens` reduced by their number)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: EngineSampling
+
+
+@dataclass
+class SampleDelta:
+    """What one step added to one sample: tokens appended since the last delta, and the
+    finish reason once the sample is done. Consumers concatenate deltas."""
+
+    rid: str
+    index: int  # sample index within the request, 0..n-1
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: int | None = None  # the stop token that ended the sample, if any
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SampleResult:
+    """A sample accumulated from its deltas."""
+
+    rid: str
+    index: int
+    prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: int | None = None
+
+    def add(self, delta: SampleDelta) -> None:
+        assert delta.rid == self.rid and delta.index == self.index
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        self.weight_versions += delta.weight_versions
+        if delta.finish_reason is not None:
+            self.finish_reason, self.matched_stop = delta.finish_reason, delta.matched_stop
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    weight_version: int
+    num_free_blocks: int
+    num_total_blocks: int
+    gen_throughput: float  # generated tokens/s over the recent window
+    num_generated_tokens: int  # since start

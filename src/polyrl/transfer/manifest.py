@@ -1,0 +1,71 @@
+"""A weight version as one flat byte buffer plus a manifest saying where each tensor is.
+
+This is the unit the transfer layer moves over the network (DESIGN.md, "Weight data
+plane"); the engine loads it through `unflatten`, which returns views into the buffer,
+so no tensor is copied twice on the receiving side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+ALIGN_BYTES = 64  # every tensor starts on a 64-byte boundary (safe for any dtype and SIMD copies)
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
+
+
+class TensorEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int
+    total_bytes: int
+    tensors: list[TensorEntry]
+
+
+def flatten(state_dict: Mapping[str, torch.Tensor], version: int) -> tuple[torch.Tensor, Manifest]:
+    """Pack tensors into one uint8 CPU buffer. Returns (buffer, manifest)."""
+    entries, offset = [], 0
+    for name, t in state_dict.items():
+        if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} is not supported")
+        nbytes = t.numel() * t.element_size()
+        entries.append(TensorEntry(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), offset=offset, nbytes=nbytes))
+        offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    buffer = torch.empty(offset, dtype=torch.uint8)
+    for entry, t in zip(entries, state_dict.values()):
+        flat = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+        buffer[entry.offset : entry.offset + entry.nbytes] = flat
+    return buffer, Manifest(version=version, total_bytes=offset, tensors=entries)
+
+
+def unflatten(buffer: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Views into `buffer` (uint8, 1-D), one per manifest entry."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < manifest.total_bytes:
+        raise ValueError(f"buffer must be 1-D uint8 of at least {manifest.total_bytes} bytes")
+    out = {}
+    for e in manifest.tensors:
+        dtype = _DTYPES.get(e.dtype)
+        if dtype is None:
+            raise ValueError(f"{e.name}: unknown dtype {e.dtype!r}")
+        if e.offset + e.nbytes > manifest.total_bytes or e.nbytes != dtype.itemsize * _numel(e.shape):
+            raise ValueError(f"{e.name}: entry does not fit its shape or the buffer")
+        out[e.name] = buffer[e.offset : e.offset + e.nbytes].view(dtype).view(e.shape)
+    return out
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

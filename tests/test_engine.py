@@ -1,0 +1,265 @@
+"""The embedded engine against HF transformers: greedy tokens, log-probs, abort/resume,
+shared prefill, preemption, weight hot-swap, and the asyncio driver."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from polyrl.config import EngineConfig, TinyModelConfig
+from polyrl.engine.async_engine import AsyncEngine
+from polyrl.engine.engine import Engine
+from polyrl.engine.sampler import gumbel_noise, mix32
+from polyrl.engine.types import EngineFullError, EngineRequest, EngineSampling, RequestError, SampleResult
+from polyrl.models.tiny import save_tiny_model
+from polyrl.trainer.grpo import token_logprobs
+from polyrl.transfer.manifest import flatten, unflatten
+
+PROMPTS = [[1, 5, 6, 7, 8, 9, 10], [1, 11, 12], [1, *range(3, 30)], [1, 40, 41, 42, 43, 44, 45, 46, 47]]
+GREEDY = EngineSampling(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+# Small blocks and a small token budget: prompts are prefilled in chunks next to decodes.
+SMALL = EngineConfig(block_size=4, max_num_batched_tokens=16)
+
+
+def spicy_model(path, seed: int = 0):
+    """The tiny model with large random weights, so greedy outputs vary from token to token
+    (a freshly initialised model mostly repeats its input, which would test little)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3 if p.dim() > 1 else 1.0, generator=g)
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def model(request, tmp_path_factory):
+    path = save_tiny_model(tmp_path_factory.mktemp(request.param), TinyModelConfig(arch=request.param, hidden_size=64, intermediate_size=128))
+    return spicy_model(path)
+
+
+def run(engine: Engine, requests: list[EngineRequest], max_steps: int = 10_000) -> dict[tuple[str, int], SampleResult]:
+    results: dict[tuple[str, int], SampleResult] = {}
+    for r in requests:
+        engine.add_request(r)
+        for i in range(r.sampling.n):
+            results[(r.rid, i)] = SampleResult(r.rid, i, len(r.input_ids))
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        for d in engine.step():
+            results[(d.rid, d.index)].add(d)
+    return results
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_equals_hf_generate(model):
+    results = run(Engine(model, SMALL), [EngineRequest(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)])
+    for i, p in enumerate(PROMPTS):
+        r = results[(str(i), 0)]
+        assert r.token_ids == hf_greedy(model, p, 12)
+        assert r.finish_reason == "length" and r.weight_versions == [0] * 12
+    assert len({tuple(r.token_ids) for r in results.values()}) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20), (0.0, 1.0, 0)])
+def test_logprobs_equal_the_trainers_full_forward(model, temperature, top_p, top_k):
+    s = EngineSampling(max_new_tokens=10, temperature=temperature, top_p=top_p, top_k=top_k, n=3, seed=7, ignore_eos=True)
+    results = run(Engine(model, SMALL), [EngineRequest(str(i), p, s) for i, p in enumerate(PROMPTS)])
+    for (rid, _), r in results.items():
+        prompt = PROMPTS[int(rid)]
+        ids = torch.tensor([prompt + r.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[:, len(prompt) - 1 : -1]
+        # The learner's own function, at the temperature the trainer uses (1 for greedy).
+        ref, _ = token_logprobs(logits, torch.tensor([r.token_ids]), temperature or 1.0)
+        assert torch.allclose(ref[0], torch.tensor(r.logprobs), atol=1e-4), (ref[0] - torch.tensor(r.logprobs)).abs().max()
+
+
+def test_sampling_respects_top_k_and_top_p(model):
+    s = EngineSampling(max_new_tokens=8, temperature=1.0, top_k=1, n=4, seed=3, ignore_eos=True)
+    results = run(Engine(model, SMALL), [EngineRequest("k", PROMPTS[0], s)])
+    assert all(r.token_ids == hf_greedy(model, PROMPTS[0], 8) for r in results.values())  # top-1 == greedy
+    s = dataclasses.replace(s, top_k=0, top_p=1e-6)
+    results = run(Engine(model, SMALL), [EngineRequest("p", PROMPTS[0], s)])
+    assert all(r.token_ids == hf_greedy(model, PROMPTS[0], 8) for r in results.values())
+
+
+def test_shared_prefill_equals_separate_seeded_requests(model):
+    s = EngineSampling(max_new_tokens=10, temperature=1.0, n=4, seed=123, ignore_eos=True)
+    prompt = [1, *range(3, 32)]  # 30 tokens: 7 full blocks of 4 and a partial one
+    engine = Engine(model, SMALL)
+    engine.add_request(EngineRequest("shared", prompt, s))
+    engine.step()  # the first 16-token chunk of the prompt
+    assert len(engine._requests["shared"]) == 1
+    engine.step()  # the rest, then the fork
+    # The 4 samples share the 7 full blocks; each fork got a copy of the partial one.
+    assert len(engine._requests["shared"]) == 4
+    assert engine.blocks.num_blocks - engine.blocks.num_free == 8 + 3
+    while engine.has_work:
+        engine.step()
+    assert engine.blocks.num_free == engine.blocks.num_blocks  # shared blocks freed exactly once
+    engine = Engine(model, SMALL)
+    separate = run(engine, [EngineRequest(f"s{j}", prompt, dataclasses.replace(s, n=1, seed=123 + j)) for j in range(4)])
+    assert len({tuple(r.token_ids) for r in separate.values()}) > 1  # the seeds do differ
+    engine = Engine(model, SMALL)
+    again = run(engine, [EngineRequest("shared", prompt, s)])
+    for j in range(4):
+        assert again[("shared", j)].token_ids == separate[(f"s{j}", 0)].token_ids
+        assert again[("shared", j)].logprobs == pytest.approx(separate[(f"s{j}", 0)].logprobs, abs=1e-4)
+
+
+def test_abort_then_resume_equals_uninterrupted(model):
+    for sampling in (GREEDY, EngineSampling(max_new_tokens=12, temperature=1.0, seed=99, ignore_eos=True)):
+        full = run(Engine(model, SMALL), [EngineRequest("r", PROMPTS[0], sampling)])[("r", 0)]
+        engine = Engine(model, SMALL)
+        part = SampleResult("r", 0, len(PROMPTS[0]))
+        engine.add_request(EngineRequest("r", PROMPTS[0], sampling))
+        while len(part.token_ids) < 5:
+            for d in engine.step():
+                part.add(d)
+        for d in engine.abort("r"):
+            part.add(d)
+        assert part.finish_reason == "abort" and len(part.token_ids) == 5 and not engine.has_work
+        # Resume on a fresh engine (another worker): prompt + partial tokens, fewer new tokens.
+        resumed_req = EngineRequest("r2", PROMPTS[0] + part.token_ids, dataclasses.replace(sampling, max_new_tokens=7))
+        rest = run(Engine(model, SMALL), [resumed_req])[("r2", 0)]
+        assert part.token_ids + rest.token_ids == full.token_ids
+        assert part.logprobs + rest.logprobs == pytest.approx(full.logprobs, abs=1e-4)
+
+
+def test_preemption_under_a_small_kv_cache_changes_nothing(model):
+    s = EngineSampling(max_new_tokens=12, temperature=1.0, n=3, seed=5, ignore_eos=True)
+    requests = [EngineRequest(str(i), p, s) for i, p in enumerate(PROMPTS)]
+    roomy = run(Engine(model, SMALL), requests)
+    tight_engine = Engine(model, SMALL.model_copy(update={"num_kv_blocks": 14}))
+    tight = run(tight_engine, requests)
+    assert tight_engine.scheduler.num_preemptions > 0
+    assert {k: r.token_ids for k, r in tight.items()} == {k: r.token_ids for k, r in roomy.items()}
+    assert tight_engine.blocks.num_free == 14
+
+
+def test_stop_tokens_and_eos(model):
+    ref = hf_greedy(model, PROMPTS[1], 12)
+    stop = ref[3]
+    r = run(Engine(model, SMALL), [EngineRequest("s", PROMPTS[1], dataclasses.replace(GREEDY, stop_token_ids=(stop,)))])[("s", 0)]
+    assert r.finish_reason == "stop" and r.matched_stop == stop
+    assert r.token_ids == ref[: ref.index(stop) + 1]
+
+
+@pytest.mark.parametrize("policy", ["recompute", "continue", "abort"])
+def test_weight_hot_swap_mid_run(model, tmp_path, policy):
+    new_model = spicy_model(save_tiny_model(tmp_path / "m2", TinyModelConfig(arch=model.config.model_type, hidden_size=64, intermediate_size=128)), seed=1)
+    engine = Engine(spicy_model(model.name_or_path), SMALL.model_copy(update={"swap_policy": policy}))
+    part = SampleResult("r", 0, len(PROMPTS[0]))
+    engine.add_request(EngineRequest("r", PROMPTS[0], GREEDY))
+    while len(part.token_ids) < 4:
+        for d in engine.step():
+            part.add(d)
+    # The new version arrives as a flat buffer + manifest, the transfer layer's format.
+    buffer, manifest = flatten(new_model.state_dict(), version=1)
+    for d in engine.update_weights(unflatten(buffer, manifest), version=1):
+        part.add(d)
+    while engine.has_work:
+        for d in engine.step():
+            part.add(d)
+    assert part.token_ids[:4] == hf_greedy(model, PROMPTS[0], 4)
+    if policy == "abort":
+        assert part.finish_reason == "abort" and part.weight_versions == [0] * 4
+        return
+    assert part.weight_versions == [0] * 4 + [1] * 8
+    after = hf_greedy(new_model, PROMPTS[0] + part.token_ids[:4], 8)
+    if policy == "recompute":
+        assert part.token_ids[4:] == after  # exactly the new model's continuation
+    else:
+        assert part.token_ids[4:] != hf_greedy(model, PROMPTS[0], 12)[4:]  # changed, on stale KV
+    fresh = run(engine, [EngineRequest("fresh", PROMPTS[1], GREEDY)])[("fresh", 0)]
+    assert fresh.token_ids == hf_greedy(new_model, PROMPTS[1], 12) and fresh.weight_versions == [1] * 12
+
+
+def test_bad_weights_are_refused_and_leave_the_model_alone(model):
+    engine = Engine(spicy_model(model.name_or_path), SMALL)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    sd = dict(engine.model.state_dict())
+    with pytest.raises(RequestError, match="unknown"):
+        engine.update_weights({**sd, "nope.weight": torch.zeros(1)}, 1)
+    name = next(iter(sd))
+    with pytest.raises(RequestError, match="shape"):
+        engine.update_weights({**sd, name: torch.zeros(3)}, 1)
+    with pytest.raises(RequestError, match="missing"):
+        engine.update_weights({name: sd[name]}, 1)
+    assert engine.weight_version == 0
+    assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "ids,sampling,match",
+    [
+        ([], GREEDY, "empty"),
+        ([1, 999], GREEDY, "outside the vocabulary"),
+        ([1, -1], GREEDY, "outside the vocabulary"),
+        ([1, 2], dataclasses.replace(GREEDY, max_new_tokens=0), "max_new_tokens"),
+        ([1, 2], dataclasses.replace(GREEDY, max_new_tokens=255), "context length"),
+        ([1, 2], dataclasses.replace(GREEDY, top_p=0.0), "top_p"),
+        ([1, 2], dataclasses.replace(GREEDY, n=0), "n must be"),
+        ([1, 2], dataclasses.replace(GREEDY, stop_token_ids=(500,)), "outside"),
+    ],
+)
+def test_invalid_requests_are_refused(model, ids, sampling, match):
+    engine = Engine(model, SMALL)
+    with pytest.raises(RequestError, match=match):
+        engine.add_request(EngineRequest("bad", ids, sampling))
+    assert not engine.has_work
+
+
+def test_sampler_noise_is_uniform_enough_and_keyed():
+    seeds = torch.tensor([1, 1, 2], dtype=torch.long)
+    positions = torch.tensor([5, 6, 5], dtype=torch.long)
+    g = gumbel_noise(seeds, positions, 50_000)
+    assert not torch.equal(g[0], g[1]) and not torch.equal(g[0], g[2])
+    assert torch.equal(g[0], gumbel_noise(seeds[:1], positions[:1], 50_000)[0])  # batch-independent
+    assert abs(g.mean().item() - 0.5772) < 0.02 and abs(g.std().item() - 1.2825) < 0.03  # Gumbel(0,1)
+    x = torch.arange(1 << 16, dtype=torch.long)
+    assert mix32(x).unique().numel() == 1 << 16 and int(mix32(x).max()) < 2**32
+
+
+def test_async_engine_streams_aborts_and_refuses_when_full(model):
+    async def main():
+        engine = AsyncEngine(Engine(model, SMALL.model_copy(update={"max_num_seqs": 1, "max_queued_requests": 1})))
+        engine.start()
+        try:
+            async def collect(rid, prompt, sampling):
+                r = SampleResult(rid, 0, len(prompt))
+                async for deltas in engine.generate(EngineRequest(rid, prompt, sampling)):
+                    for d in deltas:
+                        r.add(d)
+                return r
+
+            long = EngineSampling(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+            first = asyncio.create_task(collect("a", [1, 5], long))
+            second = asyncio.create_task(collect("b", PROMPTS[0], GREEDY))
+            await asyncio.sleep(0.05)
+            with pytest.raises(EngineFullError):
+                await collect("c", PROMPTS[0], GREEDY)
+            while engine.stats().num_generated_tokens < 3:
+                await asyncio.sleep(0.01)
+            assert engine.abort("a") and not engine.abort("unknown")
+            a, b = await asyncio.wait_for(asyncio.gather(first, second), 30)
+            assert a.finish_reason == "abort" and 0 < len(a.token_ids) < 200
+            assert b.token_ids == hf_greedy(model, PROMPTS[0], 12)
+            assert await engine.wait_idle(1.0)
+            await engine.update_weights(None, 5)
+            c = await collect("c", PROMPTS[0], GREEDY)
+            assert c.weight_versions == [5] * 12
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
