@@ -1,15 +1,16 @@
-"""`polyrl` command line: `train` now; `worker`, `manager`, `bench` arrive with their issues."""
+"""`polyrl` command line: `train`, `worker`, `tiny-model`; `manager`, `bench` arrive with their issues."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
 
-from polyrl.config import ConfigError, TinyModelConfig, load_config
+from polyrl.config import ConfigError, TinyModelConfig, WorkerRunConfig, load_config
 
 log = logging.getLogger("polyrl")
 
@@ -71,6 +72,39 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+_WORKER_FLAGS = {
+    "model": "model.path",
+    "manager": "worker.manager_url",
+    "token": "worker.token",
+    "host": "worker.host",
+    "port": "worker.port",
+    "worker_id": "worker.worker_id",
+}
+
+
+def worker_config(args: argparse.Namespace) -> WorkerRunConfig:
+    """The worker's config: defaults < --config file < dotted overrides < flags."""
+    # Flags win over the file and the dotted overrides; values go in as TOML literals (JSON
+    # strings are valid TOML strings), so a path or token is never re-read as a number.
+    flags = [f"{key}={json.dumps(getattr(args, name))}" for name, key in _WORKER_FLAGS.items()
+             if getattr(args, name) is not None]  # fmt: skip
+    cfg = load_config(args.config, [*args.overrides, *flags], schema=WorkerRunConfig)
+    if not cfg.model.path:
+        raise ConfigError(
+            "config error: model.path: the worker needs a model directory: pass --model PATH "
+            "(for a tiny offline one: polyrl tiny-model --out DIR)"
+        )
+    if not Path(cfg.model.path).is_dir():
+        raise ConfigError(f"config error: model.path: not a directory (got {cfg.model.path!r})")
+    return cfg
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from polyrl.worker.main import run_worker
+
+    return run_worker(worker_config(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="polyrl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -87,6 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="model.tiny keys, e.g. arch=llama hidden_size=64")
     p.set_defaults(func=cmd_tiny_model)
+
+    p = sub.add_parser("worker", help="serve one engine over HTTP (SGLang-compatible) as a rollout worker")
+    p.add_argument("--config", help="TOML config file (sections model, engine, worker)")
+    p.add_argument("--model", metavar="PATH", help="local HF model directory (model.path)")
+    p.add_argument("--manager", metavar="URL", help="rollout manager to register with (worker.manager_url)")
+    p.add_argument("--token", help="shared secret for the manager (worker.token; default: $POLYRL_TOKEN)")
+    p.add_argument("--host", help="address to listen on (worker.host)")
+    p.add_argument("--port", type=int, help="port to listen on, 0 = any free one (worker.port)")
+    p.add_argument("--worker-id", help="id to register under (worker.worker_id; default: <hostname>-<port>)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. engine.max_num_seqs=64")
+    p.set_defaults(func=cmd_worker)
     return parser
 
 

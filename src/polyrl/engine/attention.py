@@ -21,8 +21,8 @@ class AttentionGroup:
     token_index: torch.Tensor  # [Tg] positions of this group's query tokens in the flat batch
     batch_index: torch.Tensor  # [Tg] row of each query token in the padded [B, Q] layout
     query_index: torch.Tensor  # [Tg] column of each query token
-    context_slots: torch.Tensor  # [B, C] cache slot of every context position (0 where padded)
-    mask: torch.Tensor  # [B, 1, Q, C] bool, True where a query may attend
+    block_tables: torch.Tensor  # [B, NB] cache blocks holding each sequence's context (0 where padded)
+    mask: torch.Tensor  # [B, 1, Q, C] bool, True where a query may attend; C = NB * block_size
     num_seqs: int
     max_query_len: int
 
@@ -44,17 +44,15 @@ class AttentionGroup:
         query_index = torch.tensor([i for q in query_lens for i in range(q)])
         max_blocks = -(-max_ctx // block_size)
         tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables])
-        pos = torch.arange(max_blocks * block_size)[:max_ctx]  # [C]
-        slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, C]
+        pos = torch.arange(max_blocks * block_size)  # [C]
         ctx = torch.tensor(context_lens)[:, None, None]  # [B, 1, 1]
         last_query_pos = ctx - torch.tensor(query_lens)[:, None, None] + torch.arange(max_q)[None, :, None]
         mask = (pos[None, None, :] <= last_query_pos) & (pos[None, None, :] < ctx)  # [B, Q, C]
-        slots = torch.where(pos[None, :] < ctx[:, 0], slots, 0)
         return cls(
             token_index=token_index.to(device),
             batch_index=batch_index.to(device),
             query_index=query_index.to(device),
-            context_slots=slots.to(device),
+            block_tables=tables.to(device),
             mask=mask[:, None].to(device),
             num_seqs=num_seqs,
             max_query_len=max_q,
@@ -71,15 +69,19 @@ class AttentionMetadata:
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k_cache: torch.Tensor,  # [S, KVH, D] one layer's keys, S = num_blocks * block_size
-    v_cache: torch.Tensor,  # [S, KVH, D]
+    k_cache: torch.Tensor,  # [NBLK, BS, KVH, D] one layer's keys
+    v_cache: torch.Tensor,  # [NBLK, BS, KVH, D]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     out = torch.empty_like(q)
     for g in meta.groups:
-        keys = k_cache[g.context_slots].transpose(1, 2)  # [B, KVH, C, D]
-        values = v_cache[g.context_slots].transpose(1, 2)
+        # Whole blocks are gathered (contiguous runs of BS * KVH * D values), not single slots.
+        num_seqs, num_blocks = g.block_tables.shape
+        shape = (num_seqs, num_blocks * k_cache.shape[1], *k_cache.shape[2:])  # [B, C, KVH, D]
+        blocks = g.block_tables.view(-1)
+        keys = k_cache.index_select(0, blocks).view(shape).transpose(1, 2)  # [B, KVH, C, D]
+        values = v_cache.index_select(0, blocks).view(shape).transpose(1, 2)
         q_group = q[g.token_index]  # [Tg, H, D]
         if g.max_query_len == 1:  # decodes: one query per sequence, already in row order
             queries = q_group[:, :, None]  # [B, H, 1, D]

@@ -169,6 +169,7 @@ class Engine:
             seeds=torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev),
             positions=torch.tensor([s.num_tokens for s in seqs], dtype=torch.long, device=dev),
             needs_truncation=any(s.sampling.top_p < 1 or s.sampling.top_k > 0 for s in seqs),
+            all_greedy=all(s.sampling.temperature == 0 for s in seqs),
         )
 
     def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float]) -> list[SampleDelta]:

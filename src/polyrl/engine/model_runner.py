@@ -131,10 +131,11 @@ class ModelRunner:
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = self.kv_cache[layer_idx]
+        k_cache, v_cache = self.kv_cache[layer_idx]  # [S, KVH, D] each, S = num_blocks * block_size
         k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
         v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        blocked = (-1, self.block_size, *k_cache.shape[1:])
+        out = paged_attention(q, k_cache.view(blocked), v_cache.view(blocked), meta, self.scale)  # [T, H, D]
         return attn.o_proj(out.reshape(num_tokens, -1))
 
 

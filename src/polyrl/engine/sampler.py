@@ -66,6 +66,7 @@ class SamplingBatch:
     seeds: torch.Tensor  # [S] int64 in [0, 2**63)
     positions: torch.Tensor  # [S] int64 absolute position of the token being sampled
     needs_truncation: bool
+    all_greedy: bool
 
 
 def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +75,10 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
     temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
     scaled = logits / temperature[:, None]
     logprobs = scaled.log_softmax(dim=-1)
-    scores = scaled + gumbel_noise(params.seeds, params.positions, logits.shape[-1])
-    if params.needs_truncation:
-        scores = scores.masked_fill(~truncation_mask(scaled, params.top_k, params.top_p), float("-inf"))
-    token_ids = torch.where(greedy, logits.argmax(dim=-1), scores.argmax(dim=-1))
+    token_ids = logits.argmax(dim=-1)
+    if not params.all_greedy:
+        scores = scaled + gumbel_noise(params.seeds, params.positions, logits.shape[-1])
+        if params.needs_truncation:
+            scores = scores.masked_fill(~truncation_mask(scaled, params.top_k, params.top_p), float("-inf"))
+        token_ids = torch.where(greedy, token_ids, scores.argmax(dim=-1))
     return token_ids, logprobs.gather(-1, token_ids[:, None])[:, 0]

@@ -1,0 +1,221 @@
+"""`polyrl worker`: one engine behind the HTTP API, a member of a manager's fleet.
+
+Lifecycle: load the engine, bind the port, serve, print one ready line, register with
+the manager and heartbeat. SIGTERM (a spot-instance notice), SIGINT or POST /shutdown
+starts the drain: new /generate calls get 503 and the heartbeat says `draining`;
+in-flight requests get `worker.drain_timeout_s` to finish, then are aborted so their
+clients receive the partial tokens with finish_reason "abort" (the hand-back the
+manager migrates); then leave, stop serving, exit 0. A second signal skips the wait.
+
+uvicorn's own signal handling is switched off: it would stop serving at once, cutting
+the very responses the drain exists to deliver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from polyrl.config import WorkerRunConfig
+from polyrl.engine.async_engine import AsyncEngine
+from polyrl.engine.engine import Engine
+from polyrl.manager.protocol import Heartbeat, RegisterRequest, RegisterResponse
+from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession
+from polyrl.worker.server import WorkerState, create_app
+
+log = logging.getLogger(__name__)
+
+FLUSH_TIMEOUT_S = 5.0
+"""After the drain, how long the handlers get to send the (partial) results out."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers; `run_worker` installs its own."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # uvicorn >= 0.30
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.30
+        pass
+
+
+def run_worker(cfg: WorkerRunConfig) -> int:
+    """Serve until a signal or POST /shutdown, drain, leave; returns the exit code."""
+    assert cfg.model.path, "the CLI checks that a model path is given"
+    engine = AsyncEngine(Engine.from_pretrained(cfg.model.path, cfg.engine))
+    tokenizer = _load_tokenizer(cfg.model.path)
+    sock = _bind(cfg.worker.host, cfg.worker.port)
+    engine.start()
+    try:
+        return asyncio.run(_serve(cfg, engine, tokenizer, sock))
+    finally:
+        engine.shutdown()
+        sock.close()
+
+
+def _load_tokenizer(path: str) -> Any | None:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        log.warning("no tokenizer in %s (%s): text input is refused, output text is empty", path, e)
+        return None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before serving so that port 0 resolves to a real port we can print and register."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def _serve(cfg: WorkerRunConfig, engine: AsyncEngine, tokenizer: Any | None, sock: socket.socket) -> int:
+    host, port = cfg.worker.host, sock.getsockname()[1]
+    state = WorkerState(
+        engine,
+        model_path=str(cfg.model.path),
+        worker_id=cfg.worker.worker_id or f"{socket.gethostname()}-{port}",
+        tokenizer=tokenizer,
+        block_size=cfg.engine.block_size,
+        max_num_seqs=cfg.engine.max_num_seqs,
+    )
+    config = uvicorn.Config(
+        create_app(state), log_config=None, log_level="warning", access_log=False, lifespan="off",
+        timeout_graceful_shutdown=int(FLUSH_TIMEOUT_S),
+    )  # fmt: skip
+    server = _Server(config)
+    _install_signal_handlers(state)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    await _wait_started(server, serving)
+    print(f"polyrl worker {state.worker_id} serving on {_url(host, port)}", flush=True)
+    session = _manager_session(cfg, state, port) if cfg.worker.manager_url else None
+    membership = asyncio.create_task(session.run()) if session else None
+    exit_code = await _wait_for_end(state, serving, membership)
+    await _drain(state, cfg.worker.drain_timeout_s, session)
+    await _stop_membership(membership, session, exit_code)
+    server.should_exit = True
+    await serving
+    log.info("worker %s stopped", state.worker_id)
+    return exit_code
+
+
+def _install_signal_handlers(state: WorkerState) -> None:
+    def on_signal(sig: signal.Signals) -> None:
+        if state.shutdown_requested.is_set():
+            log.warning("%s again: aborting in-flight requests now", sig.name)
+            state.engine.abort_all()
+            return
+        state.request_shutdown(sig.name)
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+async def _wait_started(server: uvicorn.Server, serving: asyncio.Task[None]) -> None:
+    while not server.started:
+        if serving.done():
+            serving.result()  # raises what stopped the server
+            raise RuntimeError("uvicorn stopped before it started serving")
+        await asyncio.sleep(0.02)
+
+
+def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> ManagerSession:
+    w = cfg.worker
+    assert w.manager_url is not None
+    advertise = w.advertise_url or _url(socket.gethostname() if w.host in ("0.0.0.0", "::") else w.host, port)
+    client = ManagerClient(w.manager_url, w.token or os.environ.get("POLYRL_TOKEN"), w.manager_timeout_s)
+
+    def registration() -> RegisterRequest:
+        return RegisterRequest(
+            worker_id=state.worker_id,
+            url=advertise,
+            model_path=state.model_path,
+            weight_version=state.weight_version,
+            max_num_seqs=state.max_num_seqs,
+            max_model_len=state.engine.engine.max_model_len,
+        )
+
+    def on_registered(reply: RegisterResponse) -> None:
+        state.worker_id = reply.worker_id
+
+    return ManagerSession(
+        client, registration, lambda: _heartbeat(state), w.heartbeat_interval_s, on_registered=on_registered
+    )
+
+
+def _heartbeat(state: WorkerState) -> Heartbeat:
+    stats = state.engine.stats()
+    return Heartbeat(
+        state=state.lifecycle,
+        weight_version=stats.weight_version,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        gen_throughput=stats.gen_throughput,
+    )
+
+
+async def _wait_for_end(
+    state: WorkerState, serving: asyncio.Task[None], membership: asyncio.Task[None] | None
+) -> int:
+    """Wait for a shutdown request (exit 0), a manager refusal or the server dying (exit 1)."""
+    requested = asyncio.create_task(state.shutdown_requested.wait())
+    tasks = {requested, serving} | ({membership} if membership else set())
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    requested.cancel()
+    if membership is not None and membership.done() and not membership.cancelled():
+        error = membership.exception()
+        log.error("%s; stopping", error if isinstance(error, ManagerRejected) else repr(error))
+        state.request_shutdown("manager refused")
+        return 1
+    if serving.done():
+        log.error("the HTTP server stopped unexpectedly: %r", serving.exception())
+        state.request_shutdown("server stopped")
+        return 1
+    return 0
+
+
+async def _drain(state: WorkerState, timeout_s: float, session: ManagerSession | None) -> None:
+    """Let in-flight requests finish for `timeout_s`, then abort (hand back) the rest."""
+    if session is not None:
+        session.wake()  # tell the manager `draining` now, not at the next beat
+    stats = state.engine.stats()
+    log.info(
+        "draining (%s): %d running, %d waiting, up to %.1fs",
+        state.shutdown_reason, stats.num_running, stats.num_waiting, timeout_s,
+    )
+    if not await state.engine.wait_idle(timeout_s):
+        num_aborted = state.engine.abort_all()
+        log.info("drain deadline: aborted %d requests; their partial results go back to the clients", num_aborted)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + FLUSH_TIMEOUT_S
+    while state.num_open_generates > 0 and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+
+
+async def _stop_membership(
+    membership: asyncio.Task[None] | None, session: ManagerSession | None, exit_code: int
+) -> None:
+    if membership is None or session is None:
+        return
+    membership.cancel()
+    await asyncio.wait({membership}, timeout=FLUSH_TIMEOUT_S)  # its failure, if any, is logged
+    if exit_code == 0:  # a refused worker has nothing to leave
+        await session.leave("shutdown")
+    await session.client.aclose()

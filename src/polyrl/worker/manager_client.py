@@ -1,0 +1,174 @@
+"""The worker's side of membership: register with the manager, heartbeat, leave.
+
+Only transient failures are retried (connection errors, timeouts, 5xx, 429), with capped
+exponential backoff; a refusal (401/403/422 and other 4xx) raises `ManagerRejected`, which
+stops the worker with a clear message, since retrying a wrong token or a protocol
+mismatch forever would hide the mistake. A 404 on heartbeat means the manager restarted
+and forgot us: register again. Each outage is logged once when it starts and once when
+it ends, not on every beat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from polyrl.manager.protocol import Heartbeat, LeaveRequest, RegisterRequest, RegisterResponse
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE_STATUS = {408, 429}
+
+
+class ManagerRejected(RuntimeError):
+    """The manager refused this worker (bad token, protocol mismatch): retrying cannot help."""
+
+
+class ManagerClient:
+    """HTTP calls to the manager, each under `timeout_s`, with the bearer token.
+
+    `transport` lets tests swap the network (httpx.MockTransport)."""
+
+    def __init__(
+        self, base_url: str, token: str | None, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport)
+
+    async def post(self, path: str, message: BaseModel, timeout_s: float | None = None) -> httpx.Response:
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
+        return await self._http.post(path, json=message.model_dump(mode="json"), timeout=timeout)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+def _is_transient(response: httpx.Response) -> bool:
+    return response.status_code >= 500 or response.status_code in _RETRYABLE_STATUS
+
+
+def _rejected(action: str, response: httpx.Response) -> ManagerRejected:
+    hint = " (check worker.token / POLYRL_TOKEN)" if response.status_code in (401, 403) else ""
+    return ManagerRejected(
+        f"manager refused {action}: HTTP {response.status_code} {response.text[:200]!r}{hint}"
+    )
+
+
+class ManagerSession:
+    """Keeps one worker registered for as long as `run()` runs."""
+
+    def __init__(
+        self,
+        client: ManagerClient,
+        registration: Callable[[], RegisterRequest],
+        heartbeat: Callable[[], Heartbeat],
+        interval_s: float,
+        max_backoff_s: float = 10.0,
+        on_registered: Callable[[RegisterResponse], None] | None = None,
+    ) -> None:
+        self.client, self.registration, self.heartbeat = client, registration, heartbeat
+        self.interval_s, self.max_backoff_s = interval_s, max_backoff_s
+        self.on_registered = on_registered
+        self.worker_id: str | None = None
+        self._wake = asyncio.Event()
+        self._in_outage = False
+
+    async def run(self) -> None:
+        """Register, then heartbeat until cancelled. Raises ManagerRejected."""
+        await self.register()
+        while True:
+            await self._sleep()
+            await self.beat_once()
+
+    async def _sleep(self) -> None:
+        """One heartbeat interval, cut short by `wake()`. Not `asyncio.wait_for`: on
+        Python 3.11 it swallows a cancellation that coincides with the wake-up, and the
+        worker would then never stop heartbeating."""
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({woken}, timeout=self.interval_s)
+        finally:
+            woken.cancel()
+        self._wake.clear()
+
+    def wake(self) -> None:
+        """Heartbeat now (e.g. on entering `draining`, so the manager stops routing to us)."""
+        self._wake.set()
+
+    async def register(self) -> RegisterResponse:
+        """Register, retrying transient failures with capped exponential backoff."""
+        delay_s = min(0.5, self.max_backoff_s)
+        while True:
+            request = self.registration()
+            try:
+                response = await self.client.post("/v1/workers/register", request)
+                if not _is_transient(response):
+                    return self._registered(response)
+                self._outage_started(f"HTTP {response.status_code}")
+            except httpx.TransportError as e:
+                self._outage_started(f"{type(e).__name__}: {e}")
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, self.max_backoff_s)
+
+    def _registered(self, response: httpx.Response) -> RegisterResponse:
+        if response.status_code != 200:
+            raise _rejected("registration", response)
+        try:
+            reply = RegisterResponse.model_validate_json(response.content)
+        except ValidationError as e:
+            raise ManagerRejected(f"manager sent an unreadable registration reply: {e}") from None
+        self.worker_id = reply.worker_id
+        if reply.heartbeat_interval_s is not None:
+            self.interval_s = reply.heartbeat_interval_s
+        self._outage_ended()
+        log.info("registered with %s as %s (heartbeat every %.1fs)", self.client.base_url, reply.worker_id, self.interval_s)
+        if self.on_registered is not None:
+            self.on_registered(reply)
+        return reply
+
+    async def beat_once(self) -> None:
+        """One heartbeat; a transient failure is only recorded, the next beat retries."""
+        assert self.worker_id is not None, "heartbeat before registration"
+        try:
+            response = await self.client.post(f"/v1/workers/{self.worker_id}/heartbeat", self.heartbeat())
+        except httpx.TransportError as e:
+            self._outage_started(f"{type(e).__name__}: {e}")
+            return
+        if response.status_code == 404:
+            log.warning("manager does not know worker %s (restarted?); registering again", self.worker_id)
+            await self.register()
+        elif _is_transient(response):
+            self._outage_started(f"HTTP {response.status_code}")
+        elif response.is_error:
+            raise _rejected("heartbeat", response)
+        else:
+            self._outage_ended()
+
+    async def leave(self, reason: str, timeout_s: float = 2.0) -> bool:
+        """Best effort: the manager also notices a worker that stops heartbeating."""
+        if self.worker_id is None:
+            return False
+        try:
+            response = await self.client.post(
+                f"/v1/workers/{self.worker_id}/leave", LeaveRequest(reason=reason), timeout_s=timeout_s
+            )
+        except httpx.HTTPError as e:
+            log.warning("leave not delivered to %s: %s: %s", self.client.base_url, type(e).__name__, e)
+            return False
+        log.info("left %s (%s): HTTP %d", self.client.base_url, reason, response.status_code)
+        return not response.is_error
+
+    def _outage_started(self, why: str) -> None:
+        if not self._in_outage:
+            log.warning("manager %s unreachable (%s); retrying", self.client.base_url, why)
+        self._in_outage = True
+
+    def _outage_ended(self) -> None:
+        if self._in_outage:
+            log.info("manager %s reachable again", self.client.base_url)
+        self._in_outage = False

@@ -1,0 +1,244 @@
+"""Wire models of the worker's HTTP API: a subset of SGLang's native API, so a client
+written for SGLang's `/generate` works against a polyrl worker and a real SGLang server
+can stand in for one.
+
+Requests forbid unknown fields (422 naming the field): a misspelt sampling parameter
+silently ignored would change what the trainer learns from. The SGLang fields that only
+shape detokenisation (`skip_special_tokens`, ...) are accepted and ignored.
+
+The pure builders at the bottom turn engine results into response JSON; the server only
+glues them to HTTP, so they are tested without one.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from polyrl.engine.types import EngineRequest, EngineSampling, FinishReason, SampleResult
+
+BATCHED_INPUT_MESSAGE = "batched input is not supported: send one request per prompt"
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _refuse_batched(value: Any) -> Any:
+    """SGLang accepts lists of prompts; we refuse them with a message saying what to do
+    instead of pydantic's 'Input should be a valid integer' on the inner list."""
+    if isinstance(value, list) and any(isinstance(item, list | str) for item in value):
+        raise ValueError(BATCHED_INPUT_MESSAGE)
+    return value
+
+
+# ---------------------------------------------------------------------------------- requests
+
+
+class SamplingParams(_Wire):
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    """0: greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    """-1 or 0: off."""
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1)
+    seed: int | None = None
+    sampling_seed: int | None = None
+    """SGLang's name for `seed`."""
+    # Accepted for SGLang clients, ignored: the text is always decoded the same way.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @model_validator(mode="after")
+    def _one_seed(self) -> SamplingParams:
+        if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
+            raise ValueError("seed and sampling_seed differ; send one of them")
+        return self
+
+    def to_engine(self) -> EngineSampling:
+        return EngineSampling(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            seed=self.seed if self.seed is not None else self.sampling_seed,
+        )
+
+
+class GenerateRequest(_Wire):
+    input_ids: list[int] | None = None
+    text: str | None = None
+    rid: str | None = None
+    """Default: a fresh uuid4 hex. `/abort_request` takes this id."""
+    sampling_params: SamplingParams = SamplingParams()
+    return_logprob: bool = False
+    stream: bool = False
+
+    _no_batched_ids = field_validator("input_ids", mode="before")(_refuse_batched)
+
+    @field_validator("text", "rid", mode="before")
+    @classmethod
+    def _no_batched_text(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            raise ValueError(BATCHED_INPUT_MESSAGE)
+        return value
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.input_ids is None) == (self.text is None):
+            raise ValueError("send exactly one of input_ids and text")
+        return self
+
+    def to_engine(self, input_ids: list[int]) -> EngineRequest:
+        rid = self.rid if self.rid is not None else uuid.uuid4().hex
+        return EngineRequest(rid=rid, input_ids=input_ids, sampling=self.sampling_params.to_engine())
+
+
+class AbortRequest(_Wire):
+    rid: str = ""
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one_target(self) -> AbortRequest:
+        if bool(self.rid) == self.abort_all:
+            raise ValueError('send either {"rid": ...} or {"abort_all": true}')
+        return self
+
+
+class UpdateWeightsFromDiskRequest(_Wire):
+    model_path: str
+    weight_version: int | None = None
+    """Default: the current version + 1."""
+    load_format: str | None = None
+    """Ignored: the directory's `*.safetensors` files are read."""
+    abort_all_requests: bool = False
+    """Abort in-flight requests (they return partial tokens) before the swap."""
+
+
+# --------------------------------------------------------------------------------- responses
+
+
+class FinishReasonInfo(_Wire):
+    type: FinishReason
+    matched: int | None = None
+    """The stop token id that ended the sample (type "stop"), else null."""
+
+
+class MetaInfo(_Wire):
+    id: str
+    finish_reason: FinishReasonInfo | None
+    """null while a streamed sample is still running."""
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: int
+    """Version of the weights that produced the last token (the current one if none)."""
+    output_token_weight_versions: list[int]
+    output_token_logprobs: list[tuple[float, int, None]] | None = None
+    """[logprob, token_id, null] per output token; only with `return_logprob`."""
+
+
+class GenerateResponse(_Wire):
+    text: str
+    """The decoded completion without its final stop token; other special tokens stay."""
+    output_ids: list[int]
+    """Every generated token, the stop token included (aligned with the log-probs)."""
+    meta_info: MetaInfo
+    index: int | None = None
+    """Sample index, present when n > 1 and in every stream chunk."""
+
+
+class AbortResponse(_Wire):
+    num_aborted: int
+
+
+class UpdateWeightsResponse(_Wire):
+    success: bool
+    message: str
+    weight_version: int | None = None
+
+
+class ServerInfo(_Wire):
+    worker_id: str
+    state: Literal["active", "draining"]
+    model_path: str
+    weight_version: int
+    num_running_reqs: int
+    num_queued_reqs: int
+    gen_throughput: float
+    num_generated_tokens: int
+    max_total_num_tokens: int
+    max_model_len: int
+    max_num_seqs: int
+
+
+class ModelInfo(_Wire):
+    model_path: str
+    is_generation: bool = True
+
+
+class ErrorDetail(_Wire):
+    message: str
+    type: str
+
+
+class ErrorBody(_Wire):
+    error: ErrorDetail
+
+
+# ---------------------------------------------------------------------------------- builders
+
+
+def text_token_ids(result: SampleResult) -> list[int]:
+    """The tokens that make up the text: the stop token that ended the sample is trimmed."""
+    if result.finish_reason == "stop" and result.matched_stop is not None and result.token_ids:
+        return result.token_ids[:-1]
+    return result.token_ids
+
+
+def sample_response(
+    result: SampleResult, text: str, *, return_logprob: bool, current_version: int, with_index: bool
+) -> dict[str, Any]:
+    """One sample as SGLang's /generate reports it (cumulative, so also one stream chunk)."""
+    finish = None
+    if result.finish_reason is not None:
+        finish = FinishReasonInfo(type=result.finish_reason, matched=result.matched_stop)
+    logprobs = None
+    if return_logprob:
+        logprobs = [(lp, tok, None) for lp, tok in zip(result.logprobs, result.token_ids, strict=True)]
+    meta = MetaInfo(
+        id=result.rid,
+        finish_reason=finish,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=len(result.token_ids),
+        weight_version=result.weight_versions[-1] if result.weight_versions else current_version,
+        output_token_weight_versions=result.weight_versions,
+        output_token_logprobs=logprobs,
+    )
+    index = result.index if with_index else None
+    response = GenerateResponse(text=text, output_ids=result.token_ids, meta_info=meta, index=index)
+    exclude: dict[str, Any] = {}
+    if not with_index:
+        exclude["index"] = True
+    if not return_logprob:
+        exclude["meta_info"] = {"output_token_logprobs"}
+    return response.model_dump(mode="json", exclude=exclude)
+
+
+def sse_event(payload: Any) -> bytes:
+    """One server-sent event, as SGLang streams them: `data: <json>` and a blank line."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_body(message: str, type_: str) -> dict[str, Any]:
+    return ErrorBody(error=ErrorDetail(message=message, type=type_)).model_dump()

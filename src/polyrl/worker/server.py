@@ -1,0 +1,420 @@
+"""The worker's HTTP API over one AsyncEngine: app factory and thin handlers.
+
+All state lives in one `WorkerState`, built by the caller and handed to `create_app`;
+the handlers translate HTTP to engine calls and back through the pure builders in
+`protocol.py`. Errors always come back as `{"error": {"message", "type"}}` with a real
+status: 422 invalid body, 400 refused by the engine, 429 engine full, 503 draining (or
+the engine loop died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from polyrl.engine.async_engine import AsyncEngine, EngineDeadError
+from polyrl.engine.types import (
+    EngineFullError,
+    EngineRequest,
+    EngineSampling,
+    RequestError,
+    SampleDelta,
+    SampleResult,
+)
+from polyrl.worker.protocol import (
+    SSE_DONE,
+    AbortRequest,
+    AbortResponse,
+    GenerateRequest,
+    ModelInfo,
+    ServerInfo,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsResponse,
+    error_body,
+    sample_response,
+    sse_event,
+    text_token_ids,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+LifecycleState = Literal["active", "draining"]
+
+
+class ApiError(Exception):
+    """An HTTP error with a client-facing message, rendered as the common error body."""
+
+    def __init__(self, status_code: int, message: str, type_: str) -> None:
+        super().__init__(message)
+        self.status_code, self.message, self.type = status_code, message, type_
+
+
+class WorkerState:
+    """Everything the handlers share: the engine, the tokenizer, identity and lifecycle.
+
+    `shutdown_requested` is set by POST /shutdown and by the signal handlers; the process
+    owner (`run_worker`) waits on it and runs the drain.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        model_path: str,
+        worker_id: str,
+        tokenizer: Any | None,
+        block_size: int,
+        max_num_seqs: int,
+        health_timeout_s: float = 10.0,
+    ) -> None:
+        self.engine = engine
+        self.model_path, self.worker_id, self.tokenizer = model_path, worker_id, tokenizer
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.health_timeout_s = health_timeout_s
+        self.lifecycle: LifecycleState = "active"
+        self.shutdown_requested = asyncio.Event()
+        self.shutdown_reason = ""
+        self.num_open_generates = 0
+        """/generate responses not yet fully sent; the drain waits for them to flush."""
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.engine.weight_version
+
+    def request_shutdown(self, reason: str) -> None:
+        """Refuse new work at once; `run_worker` sees the event and drains."""
+        self.lifecycle = "draining"
+        self.shutdown_reason = self.shutdown_reason or reason
+        self.shutdown_requested.set()
+
+    def require_active(self) -> None:
+        if self.lifecycle != "active":
+            raise ApiError(503, "worker is draining; send the request to another worker", "draining")
+
+    def prompt_ids(self, body: GenerateRequest) -> list[int]:
+        if body.input_ids is not None:
+            return body.input_ids
+        if self.tokenizer is None:
+            raise RequestError("this worker has no tokenizer: send input_ids instead of text")
+        return list(self.tokenizer(body.text)["input_ids"])
+
+    def decode(self, result: SampleResult) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(text_token_ids(result), skip_special_tokens=False)
+
+    def server_info(self) -> ServerInfo:
+        stats = self.engine.stats()
+        return ServerInfo(
+            worker_id=self.worker_id,
+            state=self.lifecycle,
+            model_path=self.model_path,
+            weight_version=stats.weight_version,
+            num_running_reqs=stats.num_running,
+            num_queued_reqs=stats.num_waiting,
+            gen_throughput=stats.gen_throughput,
+            num_generated_tokens=stats.num_generated_tokens,
+            max_total_num_tokens=stats.num_total_blocks * self.block_size,
+            max_model_len=self.engine.engine.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+        )
+
+
+# ------------------------------------------------------------------------ stream plumbing
+
+_END = object()
+
+
+async def _pump(source: AsyncIterator[list[T]], queue: asyncio.Queue[Any]) -> None:
+    try:
+        async for item in source:
+            queue.put_nowait(item)
+    except Exception as e:  # handed to the consumer, which re-raises it in its own task
+        queue.put_nowait(e)
+        return
+    queue.put_nowait(_END)
+
+
+async def coalesce(source: AsyncIterator[list[T]]) -> AsyncIterator[list[T]]:
+    """Re-yield `source`, merging every list that arrived while the consumer was busy.
+
+    A slow stream client then gets one chunk per sample covering many engine steps
+    instead of falling further behind one event per token. Closing this generator
+    cancels the pump, whose cancellation runs the source's cleanup (the engine abort).
+    """
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    pump = asyncio.ensure_future(_pump(source, queue))
+    try:
+        while True:
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            merged = [x for item in items if isinstance(item, list) for x in item]
+            if merged:
+                yield merged
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise item
+            if _END in items:
+                return
+    finally:
+        pump.cancel()
+        with suppress(asyncio.CancelledError):
+            await pump
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client hangs up (the body has been read, so only that can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is always closed when the response ends, so a
+    client hanging up mid-stream aborts its request at once, not at garbage collection."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of the `*.safetensors` files in `path` (HF sharded or single-file layout)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model_path {path!r} is not a directory")
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    return weights
+
+
+# -------------------------------------------------------------------------------- handlers
+
+
+class _Handlers:
+    """The endpoints, as methods over one WorkerState (registered by `create_app`)."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+
+    async def generate(self, body: GenerateRequest, request: Request) -> Response:
+        st = self.state
+        st.require_active()
+        engine_request = body.to_engine(st.prompt_ids(body))
+        results = [
+            SampleResult(engine_request.rid, i, len(engine_request.input_ids))
+            for i in range(engine_request.sampling.n)
+        ]
+        st.num_open_generates += 1
+        stream = coalesce(st.engine.generate(engine_request))
+        is_streaming = False  # once True, the event generator owns `stream` and the count
+        try:
+            first = await anext(stream, [])  # refusals (400/429) raise here, before any output
+            if body.stream:
+                events = self._events(body, results, first, stream)
+                is_streaming = True
+                return _EventStream(events, headers={"Cache-Control": "no-cache"})
+            _apply(results, first)
+            if not await _consume_unless_disconnected(request, stream, results):
+                return Response(status_code=499)  # nobody is listening; the request was aborted
+            return JSONResponse(self._final_json(body, results))
+        finally:
+            if not is_streaming:
+                st.num_open_generates -= 1
+                await stream.aclose()
+
+    async def _events(
+        self,
+        body: GenerateRequest,
+        results: list[SampleResult],
+        first: list[SampleDelta],
+        stream: AsyncIterator[list[SampleDelta]],
+    ) -> AsyncIterator[bytes]:
+        try:
+            batch: list[SampleDelta] | None = first
+            while batch is not None:
+                touched = sorted(_apply(results, batch))
+                yield b"".join(sse_event(self._sample_json(body, results[i], True)) for i in touched)
+                try:
+                    batch = await anext(stream, None)
+                except Exception as e:  # the status line is sent: report in the stream, as SGLang does
+                    log.warning("stream %s failed: %s: %s", results[0].rid, type(e).__name__, e)
+                    yield sse_event(error_body(f"{type(e).__name__}: {e}", "engine_error"))
+                    batch = None
+            yield SSE_DONE
+        finally:
+            self.state.num_open_generates -= 1
+            await stream.aclose()
+
+    def _sample_json(self, body: GenerateRequest, result: SampleResult, with_index: bool) -> dict[str, Any]:
+        return sample_response(
+            result,
+            self.state.decode(result),
+            return_logprob=body.return_logprob,
+            current_version=self.state.weight_version,
+            with_index=with_index,
+        )
+
+    def _final_json(self, body: GenerateRequest, results: list[SampleResult]) -> Any:
+        if len(results) == 1:
+            return self._sample_json(body, results[0], False)
+        return [self._sample_json(body, r, True) for r in results]
+
+    async def health(self) -> dict[str, Any]:
+        return {}
+
+    async def health_generate(self) -> dict[str, Any]:
+        """A one-token greedy generation through the engine: proves the loop is alive."""
+        self.state.require_active()
+        sampling = EngineSampling(max_new_tokens=1, temperature=0.0)
+        request = EngineRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=[0], sampling=sampling)
+        try:
+            await asyncio.wait_for(_run_to_end(self.state.engine.generate(request)), self.state.health_timeout_s)
+        except (TimeoutError, RequestError, EngineFullError, EngineDeadError) as e:
+            raise ApiError(503, f"engine is not generating: {type(e).__name__}: {e}", "unhealthy") from None
+        return {}
+
+    async def abort_request(self, body: AbortRequest) -> AbortResponse:
+        engine = self.state.engine
+        num_aborted = engine.abort_all() if body.abort_all else int(engine.abort(body.rid))
+        return AbortResponse(num_aborted=num_aborted)
+
+    async def get_server_info(self) -> ServerInfo:
+        return self.state.server_info()
+
+    async def get_model_info(self) -> ModelInfo:
+        return ModelInfo(model_path=self.state.model_path)
+
+    async def update_weights_from_disk(self, body: UpdateWeightsFromDiskRequest) -> Response:
+        st = self.state
+        version = body.weight_version if body.weight_version is not None else st.weight_version + 1
+        try:
+            weights = await asyncio.to_thread(load_safetensors_dir, body.model_path)
+            if body.abort_all_requests:
+                st.engine.abort_all()
+            await st.engine.update_weights(weights, version)
+        except (OSError, ValueError, SafetensorError) as e:  # RequestError is a ValueError
+            message = f"weights not updated: {e}"
+            content = UpdateWeightsResponse(success=False, message=message).model_dump()
+            return JSONResponse(content | error_body(message, "invalid_request"), status_code=400)
+        log.debug("weights version %d loaded from %s", version, body.model_path)  # the engine logs the swap
+        message = f"loaded {len(weights)} tensors from {body.model_path}"
+        ok = UpdateWeightsResponse(success=True, message=message, weight_version=version)
+        return JSONResponse(ok.model_dump())
+
+    async def shutdown(self) -> dict[str, Any]:
+        self.state.request_shutdown("POST /shutdown")
+        return {"state": "draining"}
+
+
+def _apply(results: list[SampleResult], deltas: list[SampleDelta]) -> set[int]:
+    """Accumulate deltas into their samples; returns the indices that changed."""
+    for delta in deltas:
+        results[delta.index].add(delta)
+    return {delta.index for delta in deltas}
+
+
+async def _run_to_end(stream: AsyncIterator[Any]) -> None:
+    async for _ in stream:
+        pass
+
+
+async def _consume_unless_disconnected(
+    request: Request, stream: AsyncIterator[list[SampleDelta]], results: list[SampleResult]
+) -> bool:
+    """Accumulate the rest of the stream; False (request aborted) if the client hangs up."""
+
+    async def consume() -> None:
+        async for batch in stream:
+            _apply(results, batch)
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (consumer, watcher):
+            task.cancel()
+    if consumer.cancelled():
+        return False
+    consumer.result()  # re-raise an engine failure
+    return True
+
+
+# ---------------------------------------------------------------------------------- the app
+
+
+def _validation_message(err: RequestValidationError) -> str:
+    """'sampling_params.top_k: unknown field' style, one clause per error."""
+    clauses = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if p != "body")
+        msg = "unknown field" if e["type"] == "extra_forbidden" else str(e["msg"])
+        msg = msg.removeprefix("Value error, ")
+        if e["type"] == "json_invalid":
+            msg, loc = f"invalid JSON: {e.get('ctx', {}).get('error', msg)}", ""
+        elif e["type"] == "model_attributes_type" and not loc:  # also a non-JSON content type
+            msg = "the body must be a JSON object (Content-Type: application/json)"
+        clauses.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(clauses)
+
+
+def _error_handlers() -> dict[type[Exception], Callable[..., Any]]:
+    def handler(status: int, type_: str, text: Callable[[Any], str] = str) -> Callable[..., Any]:
+        async def handle(_: Request, exc: Any) -> JSONResponse:
+            return JSONResponse(error_body(text(exc), type_), status_code=status)
+
+        return handle
+
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.type), status_code=exc.status_code)
+
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # 404, 405, ...
+        return JSONResponse(error_body(str(exc.detail), "http_error"), status_code=exc.status_code)
+
+    return {
+        ApiError: api_error,
+        HTTPException: http_error,
+        RequestValidationError: handler(422, "invalid_request", _validation_message),
+        RequestError: handler(400, "invalid_request"),
+        EngineFullError: handler(429, "engine_full"),
+        EngineDeadError: handler(503, "engine_dead"),
+    }
+
+
+def create_app(state: WorkerState) -> FastAPI:
+    """The worker's FastAPI app over `state` (which the caller owns and shuts down)."""
+    app = FastAPI(title="polyrl worker", exception_handlers=_error_handlers())
+    h = _Handlers(state)
+    app.post("/generate")(h.generate)
+    app.get("/health")(h.health)
+    app.get("/health_generate")(h.health_generate)
+    app.post("/abort_request")(h.abort_request)
+    app.get("/get_server_info")(h.get_server_info)
+    app.get("/get_model_info")(h.get_model_info)
+    app.post("/update_weights_from_disk")(h.update_weights_from_disk)
+    app.post("/shutdown")(h.shutdown)
+    return app
