@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from polyrl.config import EngineConfig, TinyModelConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
-from polyrl.engine.sampler import gumbel_noise, mix32
+from polyrl.engine.sampler import SamplingBatch, gumbel_noise, mix32, sample
 from polyrl.engine.types import EngineFullError, EngineRequest, EngineSampling, RequestError, SampleResult
 from polyrl.models.tiny import save_tiny_model
 from polyrl.trainer.grpo import token_logprobs
@@ -281,3 +281,35 @@ def test_engine_on_cuda_matches_hf_and_runs_bf16(tmp_path):
     b = run(engine, [EngineRequest("a", PROMPTS[0], s), EngineRequest("b", PROMPTS[1], s)])
     assert all(len(r.token_ids) == 12 and all(lp <= 0 for lp in r.logprobs) for r in a.values())
     assert sum(a[k].token_ids == b[k].token_ids for k in a) >= 3  # bf16 batch noise may flip a rare draw
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.8, 0), (1.0, 1.0, 3)])
+def test_sampled_frequencies_match_the_truncated_softmax(temperature, top_p, top_k):
+    """Gumbel-max over hashed noise is an exact draw: 40k seeds reproduce the distribution."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 8) * 2
+    num = 40_000
+    batch = SamplingBatch(
+        temperature=torch.full((num,), temperature), top_p=torch.full((num,), top_p),
+        top_k=torch.full((num,), top_k, dtype=torch.long), seeds=torch.arange(num, dtype=torch.long) * 7919,
+        positions=torch.full((num,), 5, dtype=torch.long), needs_truncation=top_p < 1 or top_k > 0, all_greedy=False,
+    )
+    token_ids, logprobs = sample(logits.expand(num, 8), batch)
+    freq = torch.bincount(token_ids, minlength=8).float() / num
+    probs = (logits[0] / temperature).softmax(-1)
+    sorted_probs, order = probs.sort(descending=True)
+    keep = (sorted_probs.cumsum(0) - sorted_probs < top_p) & ((top_k <= 0) | (torch.arange(8) < top_k))
+    target = torch.zeros(8).index_put((order[keep],), sorted_probs[keep])
+    target /= target.sum()
+    assert (freq - target).abs().max() < 0.012  # ~5 standard errors at 40k draws
+    assert torch.allclose(logprobs, probs.log()[token_ids])  # reported: untruncated, tempered
+
+
+def test_float32_weights_generate_under_bf16_autocast(model):
+    """The colocated trainer's case: float32 master weights, bf16 compute and KV cache."""
+    engine = Engine(model, SMALL, compute_dtype=torch.bfloat16)
+    assert engine.runner.kv_cache.dtype == torch.bfloat16
+    s = EngineSampling(max_new_tokens=8, temperature=1.0, n=2, seed=1, ignore_eos=True)
+    results = run(engine, [EngineRequest(str(i), p, s) for i, p in enumerate(PROMPTS)])
+    assert all(len(r.token_ids) == 8 and all(-30 < lp <= 0 for lp in r.logprobs) for r in results.values())
+    assert next(model.parameters()).dtype == torch.float32

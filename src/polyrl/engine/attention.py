@@ -65,6 +65,12 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] cache slot where each fed token's K/V is written
     groups: list[AttentionGroup]
+    num_tokens: int
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """One decode group covering every token in order: no gather/scatter needed."""
+        return len(self.groups) == 1 and self.groups[0].max_query_len == 1
 
 
 def paged_attention(
@@ -74,6 +80,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
+    q = q.to(k_cache.dtype)  # under autocast, RoPE in float32 promotes q past the cache's dtype
     out = torch.empty_like(q)
     for g in meta.groups:
         # Whole blocks are gathered (contiguous runs of BS * KVH * D values), not single slots.
@@ -82,17 +89,18 @@ def paged_attention(
         blocks = g.block_tables.view(-1)
         keys = k_cache.index_select(0, blocks).view(shape).transpose(1, 2)  # [B, KVH, C, D]
         values = v_cache.index_select(0, blocks).view(shape).transpose(1, 2)
-        q_group = q[g.token_index]  # [Tg, H, D]
+        q_group = q if meta.is_pure_decode else q[g.token_index]  # [Tg, H, D]
         if g.max_query_len == 1:  # decodes: one query per sequence, already in row order
             queries = q_group[:, :, None]  # [B, H, 1, D]
         else:
             queries = q.new_zeros(g.num_seqs, g.max_query_len, *q.shape[1:])  # [B, Q, H, D]
             queries[g.batch_index, g.query_index] = q_group
             queries = queries.transpose(1, 2)  # [B, H, Q, D]
-        keys, values = keys.to(queries.dtype), values.to(queries.dtype)
         attn = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=keys.shape[1] != queries.shape[1]
         )  # [B, H, Q, D]
+        if meta.is_pure_decode:
+            return attn[:, :, 0]
         if g.max_query_len == 1:
             out[g.token_index] = attn[:, :, 0]
         else:

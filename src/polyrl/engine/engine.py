@@ -162,12 +162,14 @@ class Engine:
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         dev = self.device
+        floats = torch.tensor([[s.sampling.temperature, s.sampling.top_p] for s in seqs], dtype=torch.float32).to(dev)
+        ints = torch.tensor([[s.sampling.top_k, s.seed, s.num_tokens] for s in seqs], dtype=torch.long).to(dev)
         return SamplingBatch(
-            temperature=torch.tensor([s.sampling.temperature for s in seqs], dtype=torch.float32, device=dev),
-            top_p=torch.tensor([s.sampling.top_p for s in seqs], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([s.sampling.top_k for s in seqs], dtype=torch.long, device=dev),
-            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev),
-            positions=torch.tensor([s.num_tokens for s in seqs], dtype=torch.long, device=dev),
+            temperature=floats[:, 0],
+            top_p=floats[:, 1],
+            top_k=ints[:, 0],
+            seeds=ints[:, 1],
+            positions=ints[:, 2],
             needs_truncation=any(s.sampling.top_p < 1 or s.sampling.top_k > 0 for s in seqs),
             all_greedy=all(s.sampling.temperature == 0 for s in seqs),
         )

@@ -102,12 +102,14 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(i)
         dev = self.device
+        # One host tensor and one copy for the three per-token arrays.
+        ids, pos, slot_mapping = torch.tensor([input_ids, positions, slots], dtype=torch.long).to(dev).unbind(0)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=dev),
+            slot_mapping=slot_mapping,
             groups=[AttentionGroup.build(*g, bs, dev) for g in groups.values() if g[0]],
+            num_tokens=len(input_ids),
         )
-        ids = torch.tensor(input_ids, device=dev)
-        return ids, torch.tensor(positions, device=dev), meta, torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_seqs
+        return ids, pos, meta, torch.tensor(sample_rows, dtype=torch.long).to(dev), sample_seqs
 
     def _decoder(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         inner = self.model.model

@@ -13,6 +13,7 @@ Reported log-probs are log softmax(logits / T) of the chosen token, *before* tru
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +37,17 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+@functools.lru_cache(maxsize=4)
+def _token_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
+    return mix32(torch.arange(vocab_size, device=device) ^ 0x7F4A7C15)
+
+
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[S, V] float32 Gumbel(0, 1) noise keyed by (seed [S], position [S], token id)."""
     key = mix32((seeds >> 32) ^ 0x9E3779B9)
     key = mix32(key ^ (seeds & _M32))
     key = mix32(key ^ (positions & _M32))  # [S]
-    token_keys = mix32(torch.arange(vocab_size, device=seeds.device) ^ 0x7F4A7C15)  # [V]
+    token_keys = _token_keys(vocab_size, seeds.device)  # [V]
     bits = mix32(key[:, None] ^ token_keys[None, :])  # [S, V] uniform 32-bit
     uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits like a float32 mantissa
     return -torch.log(-torch.log(uniform))
