@@ -65,7 +65,6 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] cache slot where each fed token's K/V is written
     groups: list[AttentionGroup]
-    num_tokens: int
 
     @property
     def is_pure_decode(self) -> bool:
@@ -81,7 +80,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     q = q.to(k_cache.dtype)  # under autocast, RoPE in float32 promotes q past the cache's dtype
-    out = torch.empty_like(q)
+    out = q if meta.is_pure_decode else torch.empty_like(q)  # a pure decode returns from the loop
     for g in meta.groups:
         # Whole blocks are gathered (contiguous runs of BS * KVH * D values), not single slots.
         num_seqs, num_blocks = g.block_tables.shape

@@ -136,10 +136,6 @@ class Engine:
     def abort_all(self) -> list[SampleDelta]:
         return [d for rid in list(self._requests) for d in self.abort(rid)]
 
-    @property
-    def request_ids(self) -> list[str]:
-        return list(self._requests)
-
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[SampleDelta]:

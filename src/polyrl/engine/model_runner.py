@@ -9,7 +9,6 @@ optional q/k norms and projection biases), which is what RL post-training uses t
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 from torch import nn
@@ -18,8 +17,6 @@ from transformers import PreTrainedModel
 from polyrl.engine.attention import AttentionGroup, AttentionMetadata, paged_attention
 from polyrl.engine.block_manager import cdiv
 from polyrl.engine.scheduler import ScheduledSeq
-
-log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -107,7 +104,6 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             groups=[AttentionGroup.build(*g, bs, dev) for g in groups.values() if g[0]],
-            num_tokens=len(input_ids),
         )
         return ids, pos, meta, torch.tensor(sample_rows, dtype=torch.long).to(dev), sample_seqs
 

@@ -51,10 +51,6 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED
-
     def append(self, token_id: int, logprob: float, weight_version: int) -> None:
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
