@@ -1,4 +1,4 @@
-"""`polyrl` command line: `train`, `worker`, `tiny-model`; `manager`, `bench` arrive with their issues."""
+"""`polyrl` command line: `train`, `worker`, `manager`, `tiny-model`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from polyrl.config import ConfigError, TinyModelConfig, WorkerRunConfig, load_config
+from polyrl.config import ConfigError, ManagerRunConfig, WorkerRunConfig, load_config
 
 log = logging.getLogger("polyrl")
 
@@ -82,13 +82,19 @@ _WORKER_FLAGS = {
 }
 
 
+_MANAGER_FLAGS = {"host": "manager.host", "port": "manager.port", "token": "manager.token"}
+
+
+def _flag_overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
+    """Flags as dotted overrides. They go last, so they win over the file and the other
+    overrides; values go in as TOML literals (JSON strings are valid TOML strings), so a
+    path or token is never re-read as a number."""
+    return [f"{key}={json.dumps(getattr(args, name))}" for name, key in flags.items() if getattr(args, name) is not None]
+
+
 def worker_config(args: argparse.Namespace) -> WorkerRunConfig:
     """The worker's config: defaults < --config file < dotted overrides < flags."""
-    # Flags win over the file and the dotted overrides; values go in as TOML literals (JSON
-    # strings are valid TOML strings), so a path or token is never re-read as a number.
-    flags = [f"{key}={json.dumps(getattr(args, name))}" for name, key in _WORKER_FLAGS.items()
-             if getattr(args, name) is not None]  # fmt: skip
-    cfg = load_config(args.config, [*args.overrides, *flags], schema=WorkerRunConfig)
+    cfg = load_config(args.config, [*args.overrides, *_flag_overrides(args, _WORKER_FLAGS)], schema=WorkerRunConfig)
     if not cfg.model.path:
         raise ConfigError(
             "config error: model.path: the worker needs a model directory: pass --model PATH "
@@ -103,6 +109,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from polyrl.worker.main import run_worker
 
     return run_worker(worker_config(args))
+
+
+def manager_config(args: argparse.Namespace) -> ManagerRunConfig:
+    from polyrl.manager.main import resolve_token
+
+    overrides = [*args.overrides, *_flag_overrides(args, _MANAGER_FLAGS)]
+    cfg = load_config(args.config, overrides, schema=ManagerRunConfig)
+    resolve_token(cfg.manager)  # refuses a non-loopback address without a token
+    return cfg
+
+
+def cmd_manager(args: argparse.Namespace) -> int:
+    from polyrl.manager.main import run_manager
+
+    return run_manager(manager_config(args).manager)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id", help="id to register under (worker.worker_id; default: <hostname>-<port>)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. engine.max_num_seqs=64")
     p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("manager", help="run the rollout manager standalone (workers register with it)")
+    p.add_argument("--config", help="TOML config file (section manager)")
+    p.add_argument("--host", help="address to listen on (manager.host)")
+    p.add_argument("--port", type=int, help="port to listen on, 0 = any free one (manager.port; default 5000)")
+    p.add_argument("--token", help="shared secret (manager.token; default: $POLYRL_TOKEN)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. manager.retry_budget=3")
+    p.set_defaults(func=cmd_manager)
     return parser
 
 

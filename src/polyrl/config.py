@@ -211,6 +211,62 @@ class WorkerRunConfig(_Section):
     worker: WorkerConfig = WorkerConfig()
 
 
+class TransferConfig(_Section):
+    """How workers pull weight versions (consumed by the transfer layer)."""
+
+    streams_per_group: int = Field(4, ge=1, le=64)
+    """Parallel TCP streams per pull (one stream is far from a link's ceiling)."""
+    num_groups: int = Field(1, ge=1)
+    """Publisher groups that serve pulls; workers are spread over them."""
+
+
+class ManagerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(5000, ge=0, le=65535)
+    """0 picks a free port (printed at start)."""
+    token: str | None = None
+    """Shared secret for every mutating endpoint (default: the POLYRL_TOKEN environment
+    variable). Required when `host` is not a loopback address."""
+    allowed_worker_cidrs: list[str] = ["0.0.0.0/0", "::/0"]
+    """Address ranges a worker may register from (the seeds' `allowed_sender_ips`)."""
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    """Told to workers at registration."""
+    heartbeat_timeout_s: float = Field(10.0, gt=0)
+    """A worker silent this long is declared gone and its requests migrate."""
+    readiness_timeout_s: float = Field(60.0, gt=0)
+    """A new worker must answer /health_generate within this long, or it is dropped."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    stall_timeout_s: float = Field(30.0, gt=0)
+    """A generation stream that sends nothing for this long counts as a hung worker."""
+    max_inflight_per_worker: int = Field(256, ge=1)
+    """Samples in flight on one worker (also capped by the worker's own max_num_seqs)."""
+    retry_budget: int = Field(5, ge=0)
+    """Failures one sample may meet (worker died, stalled, errored) before its batch fails;
+    hand-backs from a draining worker do not count."""
+    batch_deadline_s: float = Field(3600.0, gt=0)
+    """A batch unfinished after this long fails with an error instead of hanging."""
+    max_body_bytes: int = Field(64 * 2**20, ge=1024)
+    """Largest request body (a batch of prompts); control messages are capped at 64 KiB."""
+    transfer: TransferConfig = TransferConfig()
+
+    @model_validator(mode="after")
+    def _cidrs_parse(self) -> ManagerConfig:
+        import ipaddress
+
+        for cidr in self.allowed_worker_cidrs:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"allowed_worker_cidrs: {cidr!r} is not an address range") from None
+        return self
+
+
+class ManagerRunConfig(_Section):
+    """`polyrl manager`: the standalone rollout manager."""
+
+    manager: ManagerConfig = ManagerConfig()
+
+
 _Config = TypeVar("_Config", bound=BaseModel)
 
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PROTOCOL_VERSION = 1
 
 WorkerLifecycleState = Literal["active", "draining"]
+"""What a worker says about itself in a heartbeat."""
 
 
 class _Message(BaseModel):
@@ -55,3 +56,151 @@ class Heartbeat(_Message):
 
 class LeaveRequest(_Message):
     reason: str
+
+
+# ------------------------------------------------------------------ trainer-facing batch API
+#
+# `POST {manager}/v1/batches` takes a BatchRequest and answers NDJSON: one GroupResult line
+# per prompt as soon as its last sample finishes (completion order), then one BatchEnd
+# line. A failed batch ends with a BatchFailed line instead; a stream that stops without
+# either was cut, and the client treats it as a failure. In-process,
+# `RolloutManager.generate` yields the same GroupResult objects and raises BatchError.
+
+WorkerState = Literal["registering", "syncing", "active", "draining", "gone"]
+
+
+class BatchSampling(_Message):
+    max_new_tokens: int = Field(ge=1)
+    """The token budget of each sample, kept across migrations."""
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    """0 or -1: off."""
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class BatchPrompt(_Message):
+    id: str = Field(min_length=1, max_length=256)
+    """The client's name for the prompt, returned with its group."""
+    input_ids: list[int] = Field(min_length=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    """Sample i uses seed + i wherever it runs, so a migrated sample continues the same
+    random stream. Default: drawn by the manager."""
+
+
+class BatchRequest(_Message):
+    prompts: list[BatchPrompt] = Field(min_length=1)
+    n: int = Field(1, ge=1, le=4096)
+    """Samples per prompt (the GRPO group size)."""
+    sampling: BatchSampling
+    min_weight_version: int | None = None
+    """Only workers at this weight version or newer serve the batch. Default: the
+    manager's latest version at submission."""
+    deadline_s: float | None = Field(None, gt=0)
+    """Default: manager.batch_deadline_s."""
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> BatchRequest:
+        ids = [p.id for p in self.prompts]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"prompt ids must be unique; {dup!r} repeats")
+        return self
+
+
+class Segment(_Message):
+    """A run of consecutive tokens of one sample produced by one worker."""
+
+    worker: str
+    num_tokens: int
+
+
+class SampleResultOut(_Message):
+    index: int
+    output_ids: list[int]
+    """Every generated token, the stop token included (aligned with `logprobs`)."""
+    logprobs: list[float]
+    """Behaviour log-probs: log softmax(logits / temperature), before top-p/top-k."""
+    finish_reason: Literal["stop", "length"]
+    weight_versions: list[int]
+    """The weight version that produced each token."""
+    segments: list[Segment]
+    """Which workers produced the tokens, in order; more than one when it migrated."""
+    num_failures: int
+    """Worker failures this sample survived."""
+    queue_time_s: float
+    """Submission to first placement."""
+    latency_s: float
+    """Submission to the last token."""
+
+
+class GroupResult(_Message):
+    type: Literal["group"] = "group"
+    prompt_id: str
+    prompt_tokens: int
+    samples: list[SampleResultOut]
+
+
+class BatchEnd(_Message):
+    type: Literal["end"] = "end"
+    batch_id: str
+    num_groups: int
+    num_migrated: int
+    """Sample moves to another worker (failures and hand-backs)."""
+    elapsed_s: float
+
+
+BatchFailureKind = Literal["deadline", "retry_budget", "invalid_request", "cancelled", "shutdown", "disconnected"]
+"""`disconnected` is only raised by clients: the stream was cut before its last line."""
+
+
+class BatchFailed(_Message):
+    type: Literal["error"] = "error"
+    batch_id: str
+    kind: BatchFailureKind
+    message: str
+
+
+class BatchError(RuntimeError):
+    """A batch ended without all its groups; `str()` says why and what is left."""
+
+    def __init__(self, failure: BatchFailed) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+    @property
+    def kind(self) -> BatchFailureKind:
+        return self.failure.kind
+
+
+# ---------------------------------------------------------------------- status and versions
+
+
+class WorkerInfo(_Message):
+    worker_id: str
+    url: str
+    state: WorkerState
+    weight_version: int
+    num_running: int
+    num_waiting: int
+    num_inflight: int
+    """Samples this manager has on the worker now."""
+    gen_throughput: float
+    """Generated tokens/s, as the worker last reported."""
+    joined_at: float
+    """Unix time of registration."""
+    last_heartbeat_age_s: float
+    num_failures: int
+
+
+class WorkerList(_Message):
+    latest_weight_version: int
+    workers: list[WorkerInfo]
+
+
+class PublishVersion(_Message):
+    """`POST {manager}/v1/weights/version`: the trainer has weights `version`; new batches
+    need it by default and workers below it go to `syncing`."""
+
+    version: int = Field(ge=0)

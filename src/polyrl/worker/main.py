@@ -7,19 +7,16 @@ in-flight requests get `worker.drain_timeout_s` to finish, then are aborted so t
 clients receive the partial tokens with finish_reason "abort" (the hand-back the
 manager migrates); then leave, stop serving, exit 0. A second signal skips the wait.
 
-uvicorn's own signal handling is switched off: it would stop serving at once, cutting
-the very responses the drain exists to deliver.
+uvicorn's own signal handling is switched off (`polyrl.serving.QuietServer`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -29,6 +26,7 @@ from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.manager.protocol import Heartbeat, RegisterRequest, RegisterResponse
 from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession
+from polyrl.serving import QuietServer, bind, http_url, wait_started
 from polyrl.worker.server import WorkerState, create_app
 
 log = logging.getLogger(__name__)
@@ -37,23 +35,12 @@ FLUSH_TIMEOUT_S = 5.0
 """After the drain, how long the handlers get to send the (partial) results out."""
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handlers; `run_worker` installs its own."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:  # uvicorn >= 0.30
-        yield
-
-    def install_signal_handlers(self) -> None:  # uvicorn < 0.30
-        pass
-
-
 def run_worker(cfg: WorkerRunConfig) -> int:
     """Serve until a signal or POST /shutdown, drain, leave; returns the exit code."""
     assert cfg.model.path, "the CLI checks that a model path is given"
     engine = AsyncEngine(Engine.from_pretrained(cfg.model.path, cfg.engine))
     tokenizer = _load_tokenizer(cfg.model.path)
-    sock = _bind(cfg.worker.host, cfg.worker.port)
+    sock = bind(cfg.worker.host, cfg.worker.port)
     engine.start()
     try:
         return asyncio.run(_serve(cfg, engine, tokenizer, sock))
@@ -72,19 +59,6 @@ def _load_tokenizer(path: str) -> Any | None:
         return None
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """Bind before serving so that port 0 resolves to a real port we can print and register."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
-
-
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 async def _serve(cfg: WorkerRunConfig, engine: AsyncEngine, tokenizer: Any | None, sock: socket.socket) -> int:
     host, port = cfg.worker.host, sock.getsockname()[1]
     state = WorkerState(
@@ -99,11 +73,11 @@ async def _serve(cfg: WorkerRunConfig, engine: AsyncEngine, tokenizer: Any | Non
         create_app(state), log_config=None, log_level="warning", access_log=False, lifespan="off",
         timeout_graceful_shutdown=int(FLUSH_TIMEOUT_S),
     )  # fmt: skip
-    server = _Server(config)
+    server = QuietServer(config)
     _install_signal_handlers(state)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
-    await _wait_started(server, serving)
-    print(f"polyrl worker {state.worker_id} serving on {_url(host, port)}", flush=True)
+    await wait_started(server, serving)
+    print(f"polyrl worker {state.worker_id} serving on {http_url(host, port)}", flush=True)
     session = _manager_session(cfg, state, port) if cfg.worker.manager_url else None
     membership = asyncio.create_task(session.run()) if session else None
     exit_code = await _wait_for_end(state, serving, membership)
@@ -128,18 +102,10 @@ def _install_signal_handlers(state: WorkerState) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
 
 
-async def _wait_started(server: uvicorn.Server, serving: asyncio.Task[None]) -> None:
-    while not server.started:
-        if serving.done():
-            serving.result()  # raises what stopped the server
-            raise RuntimeError("uvicorn stopped before it started serving")
-        await asyncio.sleep(0.02)
-
-
 def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> ManagerSession:
     w = cfg.worker
     assert w.manager_url is not None
-    advertise = w.advertise_url or _url(socket.gethostname() if w.host in ("0.0.0.0", "::") else w.host, port)
+    advertise = w.advertise_url or http_url(socket.gethostname() if w.host in ("0.0.0.0", "::") else w.host, port)
     client = ManagerClient(w.manager_url, w.token or os.environ.get("POLYRL_TOKEN"), w.manager_timeout_s)
 
     def registration() -> RegisterRequest:

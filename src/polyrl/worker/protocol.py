@@ -187,15 +187,6 @@ class ModelInfo(_Wire):
     is_generation: bool = True
 
 
-class ErrorDetail(_Wire):
-    message: str
-    type: str
-
-
-class ErrorBody(_Wire):
-    error: ErrorDetail
-
-
 # ---------------------------------------------------------------------------------- builders
 
 
@@ -238,7 +229,3 @@ def sample_response(
 def sse_event(payload: Any) -> bytes:
     """One server-sent event, as SGLang streams them: `data: <json>` and a blank line."""
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-def error_body(message: str, type_: str) -> dict[str, Any]:
-    return ErrorBody(error=ErrorDetail(message=message, type=type_)).model_dump()

@@ -12,18 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from polyrl.engine.async_engine import AsyncEngine, EngineDeadError
@@ -35,6 +33,7 @@ from polyrl.engine.types import (
     SampleDelta,
     SampleResult,
 )
+from polyrl.httpapi import ApiError, error_body, error_handlers
 from polyrl.worker.protocol import (
     SSE_DONE,
     AbortRequest,
@@ -44,7 +43,6 @@ from polyrl.worker.protocol import (
     ServerInfo,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsResponse,
-    error_body,
     sample_response,
     sse_event,
     text_token_ids,
@@ -54,14 +52,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 LifecycleState = Literal["active", "draining"]
-
-
-class ApiError(Exception):
-    """An HTTP error with a client-facing message, rendered as the common error body."""
-
-    def __init__(self, status_code: int, message: str, type_: str) -> None:
-        super().__init__(message)
-        self.status_code, self.message, self.type = status_code, message, type_
 
 
 class WorkerState:
@@ -367,47 +357,12 @@ async def _consume_unless_disconnected(
 # ---------------------------------------------------------------------------------- the app
 
 
-def _validation_message(err: RequestValidationError) -> str:
-    """'sampling_params.top_k: unknown field' style, one clause per error."""
-    clauses = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if p != "body")
-        msg = "unknown field" if e["type"] == "extra_forbidden" else str(e["msg"])
-        msg = msg.removeprefix("Value error, ")
-        if e["type"] == "json_invalid":
-            msg, loc = f"invalid JSON: {e.get('ctx', {}).get('error', msg)}", ""
-        elif e["type"] == "model_attributes_type" and not loc:  # also a non-JSON content type
-            msg = "the body must be a JSON object (Content-Type: application/json)"
-        clauses.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(clauses)
-
-
-def _error_handlers() -> dict[type[Exception], Callable[..., Any]]:
-    def handler(status: int, type_: str, text: Callable[[Any], str] = str) -> Callable[..., Any]:
-        async def handle(_: Request, exc: Any) -> JSONResponse:
-            return JSONResponse(error_body(text(exc), type_), status_code=status)
-
-        return handle
-
-    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.type), status_code=exc.status_code)
-
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # 404, 405, ...
-        return JSONResponse(error_body(str(exc.detail), "http_error"), status_code=exc.status_code)
-
-    return {
-        ApiError: api_error,
-        HTTPException: http_error,
-        RequestValidationError: handler(422, "invalid_request", _validation_message),
-        RequestError: handler(400, "invalid_request"),
-        EngineFullError: handler(429, "engine_full"),
-        EngineDeadError: handler(503, "engine_dead"),
-    }
-
-
 def create_app(state: WorkerState) -> FastAPI:
     """The worker's FastAPI app over `state` (which the caller owns and shuts down)."""
-    app = FastAPI(title="polyrl worker", exception_handlers=_error_handlers())
+    handlers = error_handlers(
+        {RequestError: (400, "invalid_request"), EngineFullError: (429, "engine_full"), EngineDeadError: (503, "engine_dead")}
+    )
+    app = FastAPI(title="polyrl worker", exception_handlers=handlers)
     h = _Handlers(state)
     app.post("/generate")(h.generate)
     app.get("/health")(h.health)

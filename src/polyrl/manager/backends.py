@@ -1,0 +1,202 @@
+"""How the manager runs one generation call: on a remote worker over HTTP (SGLang's
+streaming `/generate`), or on the trainer's local engine in-process.
+
+Both yield cumulative snapshots per sample and raise one of four errors, which decide
+what the manager does next:
+
+* `WorkerUnreachable`: connection refused/reset, stream cut, nothing for
+  `stall_timeout_s` -> the worker is gone, all its work migrates (counts as a failure);
+* `WorkerFailed`: the worker answered with an error -> this call's samples retry
+  elsewhere (counts as a failure), the worker stays;
+* `WorkerBusy`: 429 (full) or 503 (draining) -> retry elsewhere, no failure counted;
+* `RequestRefused`: 400/422, the request itself is invalid -> the batch fails at once,
+  since every worker would refuse it the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import httpx
+
+from polyrl.engine.async_engine import AsyncEngine, EngineDeadError
+from polyrl.engine.types import EngineFullError, EngineRequest, EngineSampling, RequestError, SampleResult
+from polyrl.manager.protocol import BatchSampling
+from polyrl.manager.registry import WorkerRecord
+
+
+class WorkerUnreachable(Exception):
+    pass
+
+
+class WorkerFailed(Exception):
+    pass
+
+
+class WorkerBusy(Exception):
+    pass
+
+
+class RequestRefused(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class GenerationCall:
+    rid: str
+    input_ids: list[int]
+    n: int
+    seed: int
+    """Sample j of the call uses seed + j."""
+    max_new_tokens: int
+    sampling: BatchSampling
+
+
+class Snapshot(NamedTuple):
+    """Everything one sample of a call has produced so far."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    finish_reason: str | None
+
+
+# ------------------------------------------------------------------------------ remote (HTTP)
+
+
+def generate_body(call: GenerationCall) -> dict[str, Any]:
+    s = call.sampling
+    return {
+        "rid": call.rid,
+        "input_ids": call.input_ids,
+        "stream": True,
+        "return_logprob": True,
+        "sampling_params": {
+            "max_new_tokens": call.max_new_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k if s.top_k > 0 else -1,
+            "stop_token_ids": s.stop_token_ids,
+            "ignore_eos": s.ignore_eos,
+            "n": call.n,
+            "sampling_seed": call.seed,
+        },
+    }
+
+
+def parse_snapshot(payload: dict[str, Any]) -> Snapshot:
+    """One SSE chunk of SGLang's /generate (cumulative output of one sample)."""
+    if "error" in payload:
+        error = payload["error"]
+        raise WorkerFailed(f"worker reported: {error.get('message', error) if isinstance(error, dict) else error}")
+    try:
+        meta = payload["meta_info"]
+        tokens = [int(t) for t in payload["output_ids"]]
+        logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
+        versions = meta.get("output_token_weight_versions")
+        if versions is None:  # a plain SGLang server: one version for the whole response
+            versions = [int(meta.get("weight_version") or 0)] * len(tokens)
+        finish = meta.get("finish_reason")
+        return Snapshot(int(payload.get("index") or 0), tokens, logprobs, [int(v) for v in versions],
+                        finish["type"] if finish else None)  # fmt: skip
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise WorkerFailed(f"unreadable stream chunk ({type(e).__name__}: {e})") from None
+
+
+def _error_message(response: httpx.Response, body: bytes) -> str:
+    try:
+        error = json.loads(body)["error"]
+        text = error["message"] if isinstance(error, dict) else str(error)
+    except (ValueError, KeyError, TypeError):
+        text = body[:300].decode(errors="replace")
+    return f"HTTP {response.status_code}: {text}"
+
+
+class RemoteBackend:
+    """Streaming /generate calls through one shared httpx client.
+
+    The read timeout is the stall detector: a worker that sends nothing for
+    `stall_timeout_s` (frozen, partitioned) raises WorkerUnreachable. Closing the stream
+    (task cancelled) makes the worker abort the request."""
+
+    def __init__(self, connect_timeout_s: float, stall_timeout_s: float) -> None:
+        timeout = httpx.Timeout(connect=connect_timeout_s, read=stall_timeout_s, write=connect_timeout_s, pool=None)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.http = httpx.AsyncClient(timeout=timeout, limits=limits)
+
+    async def stream(self, worker: WorkerRecord, call: GenerationCall) -> AsyncIterator[list[Snapshot]]:
+        done = False
+        try:
+            async with self.http.stream("POST", f"{worker.url}/generate", json=generate_body(call)) as response:
+                if response.status_code != 200:
+                    _raise_for_status(response, await response.aread())
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    yield [parse_snapshot(json.loads(data))]
+        except httpx.TimeoutException as e:
+            raise WorkerUnreachable(f"no response for {type(e).__name__}") from None
+        except (httpx.TransportError, httpx.StreamError) as e:
+            raise WorkerUnreachable(f"{type(e).__name__}: {e}") from None
+        except json.JSONDecodeError as e:
+            raise WorkerFailed(f"unreadable stream chunk: {e}") from None
+        if not done:
+            raise WorkerUnreachable("stream ended without [DONE]")
+
+    async def get(self, worker: WorkerRecord, path: str, timeout_s: float) -> httpx.Response:
+        return await self.http.get(f"{worker.url}{path}", timeout=timeout_s)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+def _raise_for_status(response: httpx.Response, body: bytes) -> None:
+    message = _error_message(response, body)
+    if response.status_code in (429, 503):
+        raise WorkerBusy(message)
+    if response.status_code in (400, 413, 422):
+        raise RequestRefused(message)
+    raise WorkerFailed(message)
+
+
+# ------------------------------------------------------------------------------ local engine
+
+
+class LocalBackend:
+    """The trainer's own engine, used only when no remote worker can serve a batch."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def stream(self, worker: WorkerRecord, call: GenerationCall) -> AsyncIterator[list[Snapshot]]:
+        s = call.sampling
+        sampling = EngineSampling(
+            max_new_tokens=call.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
+            stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, n=call.n, seed=call.seed,
+        )  # fmt: skip
+        request = EngineRequest(call.rid, call.input_ids, sampling)
+        results = [SampleResult(call.rid, i, len(call.input_ids)) for i in range(call.n)]
+        try:
+            async for deltas in self.engine.generate(request):
+                for d in deltas:
+                    results[d.index].add(d)
+                touched = sorted({d.index for d in deltas})
+                yield [_local_snapshot(results[i]) for i in touched]
+        except RequestError as e:
+            raise RequestRefused(str(e)) from None
+        except EngineFullError as e:
+            raise WorkerBusy(str(e)) from None
+        except EngineDeadError as e:
+            raise WorkerUnreachable(f"local engine died: {e}") from None
+
+
+def _local_snapshot(r: SampleResult) -> Snapshot:
+    return Snapshot(r.index, list(r.token_ids), list(r.logprobs), list(r.weight_versions), r.finish_reason)

@@ -1,0 +1,191 @@
+"""A batch's bookkeeping: every sample's tokens so far, where it ran, and when it is done.
+
+A sample is built from segments, one per worker that worked on it. A segment's tokens
+arrive as cumulative snapshots (`update`) and are committed when the segment ends, so a
+worker dying mid-stream costs only what it produced after its last snapshot reached us;
+the rest moves on (prompt + committed tokens) to the next worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from polyrl.manager.protocol import (
+    BatchFailed,
+    BatchPrompt,
+    BatchRequest,
+    GroupResult,
+    SampleResultOut,
+    Segment,
+)
+
+
+@dataclass(eq=False)
+class SampleState:
+    group: GroupState
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_failures: int = 0
+    counted: bool = False
+    """Reported to the batch as finished (exactly once)."""
+    placed_at: float | None = None
+    finished_at: float | None = None
+    # the running segment: a cumulative snapshot, replaced on every update
+    _seg_worker: str | None = None
+    _seg_tokens: list[int] = field(default_factory=list)
+    _seg_logprobs: list[float] = field(default_factory=list)
+    _seg_versions: list[int] = field(default_factory=list)
+
+    @property
+    def seed(self) -> int:
+        return self.group.seed + self.index
+
+    @property
+    def remaining(self) -> int:
+        return self.group.batch.request.sampling.max_new_tokens - len(self.token_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def start_segment(self, worker_id: str) -> None:
+        if self.placed_at is None:
+            self.placed_at = time.monotonic()
+        self._seg_worker = worker_id
+        self._seg_tokens, self._seg_logprobs, self._seg_versions = [], [], []
+
+    def update(self, tokens: list[int], logprobs: list[float], versions: list[int], finish: str | None) -> int:
+        """A cumulative snapshot of the running segment; returns how many tokens are new."""
+        if not (len(tokens) == len(logprobs) == len(versions)):
+            raise ValueError(f"worker sent {len(tokens)} tokens, {len(logprobs)} log-probs, {len(versions)} versions")
+        if len(tokens) > self.remaining:
+            raise ValueError(f"worker sent {len(tokens)} tokens for a budget of {self.remaining}")
+        if finish == "abort":
+            finish = None  # handed back: the sample continues elsewhere
+        new = len(tokens) - len(self._seg_tokens)
+        self._seg_tokens, self._seg_logprobs, self._seg_versions = tokens, logprobs, versions
+        if finish is not None:
+            self.end_segment()
+            self.finish_reason = finish
+            self.finished_at = time.monotonic()
+        return new
+
+    def end_segment(self) -> None:
+        """Commit the running segment (also when its worker failed: what arrived is kept)."""
+        if self._seg_worker is None:
+            return
+        if self._seg_tokens:
+            self.token_ids += self._seg_tokens
+            self.logprobs += self._seg_logprobs
+            self.weight_versions += self._seg_versions
+            self.segments.append(Segment(worker=self._seg_worker, num_tokens=len(self._seg_tokens)))
+        self._seg_worker = None
+        self._seg_tokens, self._seg_logprobs, self._seg_versions = [], [], []
+        if not self.done and self.remaining <= 0:  # the budget was spent without a finish
+            self.finish_reason = "length"
+            self.finished_at = time.monotonic()
+
+    def result(self) -> SampleResultOut:
+        assert self.finish_reason in ("stop", "length") and self.finished_at is not None
+        submitted = self.group.batch.submitted_at
+        return SampleResultOut(
+            index=self.index,
+            output_ids=self.token_ids,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,  # type: ignore[arg-type]
+            weight_versions=self.weight_versions,
+            segments=self.segments,
+            num_failures=self.num_failures,
+            queue_time_s=round((self.placed_at or submitted) - submitted, 6),
+            latency_s=round(self.finished_at - submitted, 6),
+        )
+
+
+@dataclass(eq=False)
+class GroupState:
+    batch: Batch
+    prompt: BatchPrompt
+    seed: int
+    samples: list[SampleState] = field(default_factory=list)
+    num_done: int = 0
+
+    def result(self) -> GroupResult:
+        return GroupResult(
+            prompt_id=self.prompt.id,
+            prompt_tokens=len(self.prompt.input_ids),
+            samples=[s.result() for s in self.samples],
+        )
+
+
+@dataclass(eq=False)
+class WorkUnit:
+    """Samples that go to one worker in one request: either fresh samples of one group
+    with consecutive indices (one request with `n`, sharing the prompt's prefill), or one
+    sample that resumes from its tokens so far."""
+
+    group: GroupState
+    samples: list[SampleState]
+
+    @property
+    def is_fresh(self) -> bool:
+        return not self.samples[0].token_ids
+
+    def split(self, k: int) -> tuple[WorkUnit, WorkUnit | None]:
+        """The first `k` samples, and the rest (None if nothing is left)."""
+        if k >= len(self.samples):
+            return self, None
+        return WorkUnit(self.group, self.samples[:k]), WorkUnit(self.group, self.samples[k:])
+
+
+@dataclass(eq=False)
+class Batch:
+    batch_id: str
+    request: BatchRequest
+    required_version: int
+    deadline: float
+    """Monotonic time at which the batch fails."""
+    groups: list[GroupState] = field(default_factory=list)
+    submitted_at: float = field(default_factory=time.monotonic)
+    results: asyncio.Queue[GroupResult | BatchFailed] = field(default_factory=asyncio.Queue)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    num_groups_done: int = 0
+    num_migrated: int = 0
+    failed: BatchFailed | None = None
+
+    @classmethod
+    def build(cls, batch_id: str, request: BatchRequest, required_version: int, deadline: float, seeds: list[int]) -> Batch:
+        batch = cls(batch_id, request, required_version, deadline)
+        for prompt, seed in zip(request.prompts, seeds, strict=True):
+            group = GroupState(batch, prompt, seed)
+            group.samples = [SampleState(group, i) for i in range(request.n)]
+            batch.groups.append(group)
+        return batch
+
+    @property
+    def finished(self) -> bool:
+        return self.failed is not None or self.num_groups_done == len(self.groups)
+
+    def fresh_units(self) -> list[WorkUnit]:
+        return [WorkUnit(g, list(g.samples)) for g in self.groups]
+
+    def sample_done(self, sample: SampleState) -> None:
+        """Count a finished sample; emit its group when it was the last one."""
+        group = sample.group
+        group.num_done += 1
+        if group.num_done == len(group.samples):
+            self.num_groups_done += 1
+            self.results.put_nowait(group.result())
+
+    def fail(self, failure: BatchFailed) -> None:
+        if self.failed is None:
+            self.failed = failure
+            self.results.put_nowait(failure)
+
+    def unfinished_samples(self) -> int:
+        return sum(len(g.samples) - g.num_done for g in self.groups)

@@ -1,0 +1,93 @@
+"""The trainer's side of the batch API: submit a BatchRequest, read groups as they finish.
+
+Only a connection that never opened is retried (the batch cannot have started); a
+stream cut halfway raises BatchError(kind="disconnected"), since resubmitting would
+generate every finished group again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+from pydantic import TypeAdapter, ValidationError
+
+from polyrl.manager.protocol import BatchEnd, BatchError, BatchFailed, BatchRequest, GroupResult
+
+_Line = TypeAdapter(GroupResult | BatchEnd | BatchFailed)
+
+
+class BatchClient:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        connect_timeout_s: float = 10.0,
+        connect_retries: int = 3,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # No read timeout: groups may be minutes apart; the manager's batch deadline ends
+        # a stuck batch with an error line.
+        timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=connect_timeout_s)
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout, transport=transport)
+        self.connect_retries = connect_retries
+
+    def generate(self, request: BatchRequest) -> Iterator[GroupResult]:
+        """Groups in completion order; raises BatchError when the batch fails or the
+        stream is cut, httpx.HTTPStatusError-like BatchError(invalid_request) when refused."""
+        body = request.model_dump(mode="json")
+        for attempt in range(self.connect_retries + 1):
+            try:
+                with self.http.stream("POST", "/v1/batches", json=body) as response:
+                    if response.status_code != 200:
+                        response.read()
+                        raise BatchError(_refused(response))
+                    yield from _read_lines(response)
+                    return
+            except httpx.ConnectError:
+                if attempt == self.connect_retries:
+                    raise
+                time.sleep(0.5 * 2**attempt)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> BatchClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_lines(response: httpx.Response) -> Iterator[GroupResult]:
+    try:
+        for line in response.iter_lines():
+            if not line.strip():
+                continue
+            try:
+                item = _Line.validate_json(line)
+            except ValidationError as e:
+                raise BatchError(_failed("disconnected", f"unreadable line from the manager: {e}")) from None
+            if isinstance(item, BatchFailed):
+                raise BatchError(item)
+            if isinstance(item, BatchEnd):
+                return
+            yield item
+    except httpx.TransportError as e:
+        raise BatchError(_failed("disconnected", f"stream from the manager cut: {type(e).__name__}: {e}")) from None
+    raise BatchError(_failed("disconnected", "stream from the manager ended before the batch did"))
+
+
+def _failed(kind: str, message: str) -> BatchFailed:
+    return BatchFailed(batch_id="", kind=kind, message=message)  # type: ignore[arg-type]
+
+
+def _refused(response: httpx.Response) -> BatchFailed:
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:300]
+    kind = "shutdown" if response.status_code == 503 else "invalid_request"
+    return _failed(kind, f"manager refused the batch: HTTP {response.status_code}: {message}")

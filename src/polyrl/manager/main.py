@@ -1,0 +1,173 @@
+"""Running the manager: standalone (`polyrl manager`) or in-process on trainer rank 0
+(`ManagerThread`, an event loop in a background thread with a synchronous facade).
+
+Stopping (SIGTERM/SIGINT, or `ManagerThread.stop`) first fails the open batches, so
+their clients read an error line instead of a cut stream, then stops serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import uvicorn
+
+from polyrl.config import ConfigError, ManagerConfig
+from polyrl.engine.async_engine import AsyncEngine
+from polyrl.manager.manager import RolloutManager
+from polyrl.manager.protocol import BatchRequest, GroupResult
+from polyrl.manager.server import create_app
+from polyrl.serving import QuietServer, bind, http_url, is_loopback, wait_started
+
+log = logging.getLogger("polyrl.manager")
+
+T = TypeVar("T")
+GRACEFUL_S = 5
+
+
+def resolve_token(cfg: ManagerConfig) -> ManagerConfig:
+    """Take the token from POLYRL_TOKEN when the config has none; refuse to serve a
+    non-loopback address without one."""
+    token = cfg.token or os.environ.get("POLYRL_TOKEN") or None
+    if token is None and not is_loopback(cfg.host):
+        raise ConfigError(
+            f"config error: manager.token: required when listening on {cfg.host} "
+            "(set manager.token, --token or POLYRL_TOKEN)"
+        )
+    return cfg.model_copy(update={"token": token})
+
+
+class ManagerService:
+    """One RolloutManager behind its HTTP API, on the running event loop."""
+
+    def __init__(self, cfg: ManagerConfig, local_engine: AsyncEngine | None = None) -> None:
+        self.cfg = resolve_token(cfg)
+        self.manager = RolloutManager(self.cfg, local_engine)
+        self.sock: socket.socket | None = None
+        self.server: uvicorn.Server | None = None
+        self.serving: asyncio.Task[None] | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        self.sock = bind(self.cfg.host, self.cfg.port)
+        await self.manager.start()
+        config = uvicorn.Config(
+            create_app(self.manager), log_config=None, log_level="warning", access_log=False, lifespan="off",
+            timeout_graceful_shutdown=GRACEFUL_S,
+        )  # fmt: skip
+        self.server = QuietServer(config)
+        self.serving = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        await wait_started(self.server, self.serving)
+        self.url = http_url(self.cfg.host, self.sock.getsockname()[1])
+        return self.url
+
+    async def stop(self) -> None:
+        await self.manager.close()
+        if self.server is not None and self.serving is not None:
+            self.server.should_exit = True
+            await asyncio.wait({self.serving}, timeout=GRACEFUL_S + 2)
+        if self.sock is not None:
+            self.sock.close()
+
+
+def run_manager(cfg: ManagerConfig) -> int:
+    """`polyrl manager`: serve until SIGTERM/SIGINT."""
+    return asyncio.run(_serve(cfg))
+
+
+async def _serve(cfg: ManagerConfig) -> int:
+    service = ManagerService(cfg)
+    url = await service.start()
+    print(f"polyrl manager serving on {url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    assert service.serving is not None
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({waiter, service.serving}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    crashed = service.serving.done()
+    if crashed:
+        log.error("the HTTP server stopped unexpectedly: %r", service.serving.exception())
+    log.info("manager stopping")
+    await service.stop()
+    return 1 if crashed else 0
+
+
+class ManagerThread:
+    """The manager on a background event loop, for a synchronous trainer.
+
+    `generate` is a plain iterator over the same GroupResult objects as the HTTP stream;
+    breaking out of it cancels the rest of the batch."""
+
+    def __init__(self, cfg: ManagerConfig, local_engine: AsyncEngine | None = None) -> None:
+        self.service = ManagerService(cfg, local_engine)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="polyrl-manager", daemon=True)
+        self.url = ""
+
+    @property
+    def manager(self) -> RolloutManager:
+        return self.service.manager
+
+    def start(self) -> ManagerThread:
+        self.thread.start()
+        self.url = self.run(self.service.start())
+        log.info("rollout manager serving on %s", self.url)
+        return self
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a plain manager method on the loop (its state is not thread-safe)."""
+
+        async def wrapper() -> T:
+            return fn(*args)
+
+        return self.run(wrapper())
+
+    def publish_version(self, version: int) -> None:
+        self.call(self.manager.publish_version, version)
+
+    def generate(self, request: BatchRequest) -> Iterator[GroupResult]:
+        stream: AsyncIterator[GroupResult] = self.call(self.manager.generate, request)
+        try:
+            while True:
+                future = asyncio.run_coroutine_threadsafe(_next(stream), self.loop)
+                try:
+                    item = future.result()
+                except concurrent.futures.CancelledError:
+                    return
+                if item is None:
+                    return
+                yield item
+        finally:
+            self.run(stream.aclose())  # type: ignore[attr-defined]
+
+    def stop(self) -> None:
+        if not self.thread.is_alive():
+            return
+        try:
+            self.run(self.service.stop(), timeout_s=GRACEFUL_S + 5)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=5)
+
+    def __enter__(self) -> ManagerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+async def _next(stream: AsyncIterator[T]) -> T | None:
+    return await anext(stream, None)

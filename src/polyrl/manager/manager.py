@@ -1,0 +1,450 @@
+"""The rollout manager: workers come and go, and every batch still gets all its samples.
+
+One asyncio loop owns all state, so nothing here locks. Three things run on it:
+
+* the dispatcher places waiting work on the least-loaded worker that serves the batch's
+  weight version and has a free slot (a fresh group goes as one request with `n`, split
+  over workers when one has too few slots);
+* one task per generation call streams cumulative snapshots into the samples; when it
+  ends without finishing them (worker died, froze, errored, handed back while
+  draining), the unfinished samples go back to the front of the queue and continue
+  from their tokens so far on the next worker, with the budget reduced;
+* the monitor declares silent workers gone and fails batches past their deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+
+from polyrl.config import ManagerConfig
+from polyrl.engine.async_engine import AsyncEngine
+from polyrl.manager.backends import (
+    GenerationCall,
+    LocalBackend,
+    RemoteBackend,
+    RequestRefused,
+    WorkerBusy,
+    WorkerFailed,
+    WorkerUnreachable,
+)
+from polyrl.manager.batch import Batch, SampleState, WorkUnit
+from polyrl.manager.metrics import ManagerMetrics
+from polyrl.manager.protocol import (
+    BatchError,
+    BatchFailed,
+    BatchFailureKind,
+    BatchRequest,
+    GroupResult,
+    Heartbeat,
+    RegisterRequest,
+    RegisterResponse,
+    WorkerList,
+)
+from polyrl.manager.registry import Registry, WorkerRecord
+
+log = logging.getLogger("polyrl.manager")
+
+SyncHook = Callable[[WorkerRecord, int], Awaitable[None] | None]
+"""Called with (worker, version) when a worker needs weights `version` (the transfer layer)."""
+
+BUSY_BACKOFF_S = 1.0
+"""A worker that answered 429/503 gets no new work for this long."""
+
+
+class _Cancel:
+    """Why a generation task was cancelled; no reason means its batch ended."""
+
+    def __init__(self, why: str, is_failure: bool) -> None:
+        self.why, self.is_failure = why, is_failure
+
+
+class RolloutManager:
+    def __init__(self, cfg: ManagerConfig, local_engine: AsyncEngine | None = None, seed: int | None = None) -> None:
+        self.cfg = cfg
+        self.registry = Registry()
+        self.metrics = ManagerMetrics(self)
+        self.remote = RemoteBackend(cfg.connect_timeout_s, cfg.stall_timeout_s)
+        self.local = LocalBackend(local_engine) if local_engine is not None else None
+        self.local_record: WorkerRecord | None = None
+        if local_engine is not None:
+            e = local_engine.engine
+            self.local_record = self.registry.add_local(e.cfg.max_num_seqs, e.max_model_len, e.weight_version)
+        self.pending: deque[WorkUnit] = deque()
+        self.batches: dict[str, Batch] = {}
+        self.sync_hooks: list[SyncHook] = []
+        self._rng = random.Random(seed)
+        self._ids = itertools.count()
+        self._cancels: dict[asyncio.Task[None], _Cancel] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._wake: asyncio.Event | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------------ life of the service
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._spawn(self._dispatch_loop())
+        self._spawn(self._monitor_loop())
+
+    async def close(self) -> None:
+        """Fail open batches (clients get an error, not a cut stream) and stop everything."""
+        self._closed = True
+        for batch in list(self.batches.values()):
+            self._fail(batch, "shutdown", "the rollout manager is shutting down")
+        tasks = set(self._background)
+        for record in self.registry:
+            tasks |= record.tasks
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.remote.aclose()
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+        return task
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("manager task failed: %r", task.exception(), exc_info=task.exception())
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    # ---------------------------------------------------------------------------- membership
+
+    def register(self, request: RegisterRequest) -> RegisterResponse:
+        url = request.url.rstrip("/")
+        for old in self.registry:  # a restarted worker: its old streams are dead
+            if not old.is_local and (old.worker_id == request.worker_id or old.url == url):
+                self._worker_gone(old, "registered again", is_failure=True)
+        record = self.registry.add(request, request.worker_id)
+        self.metrics.worker_events.labels("registered").inc()
+        self._spawn(self._admit(record))
+        return RegisterResponse(worker_id=record.worker_id, heartbeat_interval_s=self.cfg.heartbeat_interval_s)
+
+    async def _admit(self, record: WorkerRecord) -> None:
+        """Readiness: /health_generate must succeed within readiness_timeout_s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.readiness_timeout_s
+        why = "no answer"
+        while record.state == "registering":
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                self._worker_gone(record, f"not ready within {self.cfg.readiness_timeout_s:g}s: {why}", is_failure=False)
+                return
+            try:
+                response = await self.remote.get(record, "/health_generate", timeout_s=min(remaining, 10.0))
+                if response.status_code == 200:
+                    break
+                why = f"HTTP {response.status_code}"
+            except httpx.HTTPError as e:
+                why = f"{type(e).__name__}: {e}"
+            await asyncio.sleep(min(0.5, max(remaining, 0)))
+        if record.state != "registering":
+            return  # left or replaced meanwhile
+        self.registry.ready(record)
+        self._after_version_change(record)
+
+    def heartbeat(self, worker_id: str, beat: Heartbeat) -> bool:
+        """False: unknown worker (it registers again)."""
+        record = self.registry.get(worker_id)
+        if record is None or record.is_local:
+            return False
+        self.registry.heartbeat(record, beat)
+        self._after_version_change(record)
+        return True
+
+    def leave(self, worker_id: str, reason: str) -> bool:
+        record = self.registry.get(worker_id)
+        if record is None or record.is_local:
+            return False
+        self.metrics.worker_events.labels("left").inc()
+        self._worker_gone(record, f"left: {reason}", is_failure=False)
+        return True
+
+    def publish_version(self, version: int) -> None:
+        """The trainer has weights `version`: batches need it from now on by default."""
+        if version < self.registry.latest_version:
+            raise ValueError(f"version {version} is older than the latest ({self.registry.latest_version})")
+        for record in self.registry.publish(version):
+            self._call_sync_hooks(record, version)
+
+    def mark_synced(self, worker_id: str, version: int) -> None:
+        """The transfer layer's hook: `worker_id` now serves `version`."""
+        record = self.registry.get(worker_id)
+        if record is not None:
+            self.registry.set_version(record, version)
+            self._after_version_change(record)
+
+    def _after_version_change(self, record: WorkerRecord) -> None:
+        if record.state == "syncing":
+            self._call_sync_hooks(record, self.registry.latest_version)
+        self.wake()
+
+    def _call_sync_hooks(self, record: WorkerRecord, version: int) -> None:
+        for hook in self.sync_hooks:
+            try:
+                result = hook(record, version)
+            except Exception as e:
+                log.error("sync hook for worker %s failed: %r", record.worker_id, e)
+                continue
+            if inspect.isawaitable(result):
+                self._spawn(result)
+
+    def _worker_gone(self, record: WorkerRecord, why: str, is_failure: bool) -> None:
+        """Forget the worker and move its unfinished work to others."""
+        if record.state == "gone":
+            return
+        self.registry.remove(record, why)
+        if is_failure:
+            record.num_failures += 1
+            self.metrics.worker_events.labels("failed").inc()
+        if record.tasks:
+            log.info("worker %s: migrating %d samples (%s)", record.worker_id, record.inflight, why)
+        for task in list(record.tasks):
+            self._cancels[task] = _Cancel(why, is_failure)
+            task.cancel()
+        self.wake()
+
+    def worker_list(self) -> WorkerList:
+        now = time.monotonic()
+        return WorkerList(
+            latest_weight_version=self.registry.latest_version,
+            workers=[r.info(now) for r in self.registry],
+        )
+
+    # ------------------------------------------------------------------------------- batches
+
+    def submit(self, request: BatchRequest) -> Batch:
+        if self._closed:
+            raise RuntimeError("the rollout manager is shut down")
+        required = request.min_weight_version
+        if required is None:
+            required = self.registry.latest_version
+        deadline = time.monotonic() + (request.deadline_s or self.cfg.batch_deadline_s)
+        seeds = [p.seed if p.seed is not None else self._rng.getrandbits(62) for p in request.prompts]
+        batch = Batch.build(f"b{next(self._ids)}", request, required, deadline, seeds)
+        self.batches[batch.batch_id] = batch
+        self.pending.extend(batch.fresh_units())
+        log.debug("batch %s: %d prompts x %d, weights >= v%d", batch.batch_id, len(request.prompts), request.n, required)
+        self.wake()
+        return batch
+
+    async def results(self, batch: Batch) -> AsyncIterator[GroupResult]:
+        """The batch's groups in completion order; raises BatchError if it fails. The
+        caller calls `close_batch` when done with it (also after an early exit)."""
+        for _ in range(len(batch.groups)):
+            item = await batch.results.get()
+            if isinstance(item, BatchFailed):
+                raise BatchError(item)
+            yield item
+        self.metrics.batches.labels("ok").inc()
+        log.debug("batch %s done in %.2fs", batch.batch_id, time.monotonic() - batch.submitted_at)
+
+    def close_batch(self, batch: Batch) -> None:
+        """Forget the batch; what is left of it is cancelled (its workers abort it)."""
+        if batch.num_groups_done < len(batch.groups):
+            self._fail(batch, "cancelled", f"batch {batch.batch_id} was cancelled by its client")
+        self.batches.pop(batch.batch_id, None)
+
+    async def generate(self, request: BatchRequest) -> AsyncIterator[GroupResult]:
+        """submit + results + close_batch: groups in completion order; closing the
+        iterator early cancels the rest of the batch."""
+        batch = self.submit(request)
+        try:
+            async for group in self.results(batch):
+                yield group
+        finally:
+            self.close_batch(batch)
+
+    def _fail(self, batch: Batch, kind: BatchFailureKind, message: str) -> None:
+        if batch.finished:
+            return
+        batch.fail(BatchFailed(batch_id=batch.batch_id, kind=kind, message=message))
+        self.metrics.batches.labels(kind).inc()
+        if kind != "cancelled":
+            log.warning("batch %s failed: %s", batch.batch_id, message)
+        for task in list(batch.tasks):
+            task.cancel()  # no _Cancel reason: nothing is requeued
+        self.wake()  # the dispatcher drops its waiting units
+
+    # ------------------------------------------------------------------------------- placing
+
+    async def _dispatch_loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            self._place()
+
+    def _place(self) -> None:
+        now = time.monotonic()
+        waiting: deque[WorkUnit] = deque()
+        no_worker: set[int] = set()  # versions for which nothing is free right now
+        while self.pending:
+            unit = self.pending.popleft()
+            batch = unit.group.batch
+            if batch.finished:
+                continue
+            version = batch.required_version
+            worker = None if version in no_worker else self._pick(version, now)
+            if worker is None:
+                no_worker.add(version)
+                waiting.append(unit)
+                continue
+            piece, rest = unit.split(worker.free_slots(self.cfg.max_inflight_per_worker))
+            self._launch(piece, worker)
+            if rest is not None:
+                self.pending.appendleft(rest)
+        self.pending = waiting
+
+    def _pick(self, version: int, now: float) -> WorkerRecord | None:
+        """Least loaded remote worker with a free slot; the local engine only when no
+        remote worker serves the version at all."""
+        cap = self.cfg.max_inflight_per_worker
+        serving = [r for r in self.registry if not r.is_local and r.serves(version, now)]
+        free = [r for r in serving if r.free_slots(cap) > 0]
+        if free:
+            return min(free, key=lambda r: (r.load(), r.inflight))
+        local = self.local_record
+        if not serving and local is not None and self.local is not None:
+            local.weight_version = self.local.engine.engine.weight_version
+            if local.serves(version, now) and local.free_slots(cap) > 0:
+                return local
+        return None
+
+    def _launch(self, unit: WorkUnit, worker: WorkerRecord) -> None:
+        first = unit.samples[0]
+        call = GenerationCall(
+            rid=f"{unit.group.batch.batch_id}-{next(self._ids)}",
+            input_ids=unit.group.prompt.input_ids + first.token_ids,
+            n=len(unit.samples),
+            seed=first.seed,
+            max_new_tokens=first.remaining,
+            sampling=unit.group.batch.request.sampling,
+        )
+        for sample in unit.samples:
+            sample.start_segment(worker.worker_id)
+        worker.inflight += len(unit.samples)
+        task = asyncio.ensure_future(self._run(unit, worker, call))
+        worker.tasks.add(task)
+        unit.group.batch.tasks.add(task)
+
+    # ----------------------------------------------------------------------------- generating
+
+    async def _run(self, unit: WorkUnit, worker: WorkerRecord, call: GenerationCall) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        batch = unit.group.batch
+        backend = self.local if worker.is_local else self.remote
+        assert backend is not None
+        error: Exception | None = None
+        try:
+            async for snapshots in backend.stream(worker, call):
+                for snap in snapshots:
+                    if not 0 <= snap.index < len(unit.samples):
+                        raise WorkerFailed(f"worker sent sample index {snap.index} of {len(unit.samples)}")
+                    sample = unit.samples[snap.index]
+                    try:
+                        new = sample.update(snap.token_ids, snap.logprobs, snap.weight_versions, snap.finish_reason)
+                    except ValueError as e:
+                        raise WorkerFailed(str(e)) from None
+                    self.metrics.tokens.inc(new)
+                    self._count_if_done(sample)
+        except asyncio.CancelledError:
+            pass  # see self._cancels; a task cancelled for its batch's end has no reason
+        except (WorkerUnreachable, WorkerFailed, WorkerBusy, RequestRefused) as e:
+            error = e
+        finally:
+            worker.inflight -= len(unit.samples)
+            worker.tasks.discard(task)
+            batch.tasks.discard(task)
+            cancel = self._cancels.pop(task, None)
+        self._settle(unit, worker, error, cancel)
+
+    def _settle(self, unit: WorkUnit, worker: WorkerRecord, error: Exception | None, cancel: _Cancel | None) -> None:
+        """After a call: count what finished, decide about the worker, requeue the rest."""
+        batch = unit.group.batch
+        for sample in unit.samples:
+            sample.end_segment()
+            self._count_if_done(sample)
+        unfinished = [s for s in unit.samples if not s.done]
+        is_failure, why = False, "handed back"
+        if isinstance(error, WorkerUnreachable):
+            self._worker_gone(worker, str(error), is_failure=True)
+            is_failure, why = True, str(error)
+        elif isinstance(error, WorkerFailed):
+            worker.num_failures += 1
+            is_failure, why = True, str(error)
+            log.warning("worker %s failed a request: %s", worker.worker_id, error)
+        elif isinstance(error, WorkerBusy):
+            worker.busy_until = time.monotonic() + BUSY_BACKOFF_S
+            why = str(error)
+        elif isinstance(error, RequestRefused):
+            self._fail(batch, "invalid_request", f"worker {worker.worker_id} refused a request: {error}")
+        elif cancel is not None:
+            is_failure, why = cancel.is_failure, cancel.why
+        if batch.finished or not unfinished:
+            self.wake()
+            return
+        for sample in unfinished:
+            sample.num_failures += is_failure
+            if sample.num_failures > self.cfg.retry_budget:
+                self._fail(
+                    batch, "retry_budget",
+                    f"sample {sample.index} of prompt {unit.group.prompt.id!r} met {sample.num_failures} worker "
+                    f"failures (retry_budget {self.cfg.retry_budget}); last: {why}",
+                )  # fmt: skip
+                return
+        batch.num_migrated += len(unfinished)
+        self.metrics.migrations.labels("failure" if is_failure else "handback").inc(len(unfinished))
+        for sample in reversed(unfinished):  # to the front: the oldest work goes first
+            self.pending.appendleft(WorkUnit(unit.group, [sample]))
+        self.wake()
+
+    def _count_if_done(self, sample: SampleState) -> None:
+        if sample.done and not sample.counted:
+            sample.counted = True
+            self.metrics.samples.inc()
+            sample.group.batch.sample_done(sample)
+
+    # ------------------------------------------------------------------------------- monitor
+
+    async def _monitor_loop(self) -> None:
+        tick = min(0.5, self.cfg.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for record in self.registry:
+                silent = now - record.last_seen
+                if not record.is_local and record.state != "registering" and silent > self.cfg.heartbeat_timeout_s:
+                    self._worker_gone(record, f"no heartbeat for {silent:.1f}s", is_failure=True)
+            for batch in list(self.batches.values()):
+                if not batch.finished and now > batch.deadline:
+                    self._fail(batch, "deadline", self._deadline_message(batch))
+            if self.pending:
+                self.wake()  # busy back-offs expire without an event
+
+    def _deadline_message(self, batch: Batch) -> str:
+        counts = self.registry.counts()
+        return (
+            f"batch {batch.batch_id} missed its deadline "
+            f"({batch.request.deadline_s or self.cfg.batch_deadline_s:g}s): "
+            f"{batch.num_groups_done}/{len(batch.groups)} groups done, {batch.unfinished_samples()} samples "
+            f"unfinished; workers: {counts['active']} active, {counts['syncing']} syncing, "
+            f"{counts['registering']} registering (needs weights >= v{batch.required_version})"
+        )
+

@@ -1,0 +1,167 @@
+"""The manager's view of its workers: one record each, and the lifecycle transitions.
+
+`registering -> syncing -> active -> draining -> gone` (DESIGN.md). Every transition is
+one log line. A worker serves a batch only while `active` and at the batch's weight
+version or newer; `syncing` means it is below the latest version and waits for the
+transfer layer (or a heartbeat showing the new version).
+
+Pure state, no I/O: the RolloutManager drives it and owns the tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from polyrl.manager.protocol import Heartbeat, RegisterRequest, WorkerInfo, WorkerState
+
+log = logging.getLogger("polyrl.manager")
+
+LOCAL_WORKER_ID = "local"
+
+
+@dataclass(eq=False)
+class WorkerRecord:
+    worker_id: str
+    url: str
+    model_path: str
+    max_num_seqs: int
+    max_model_len: int
+    weight_version: int
+    state: WorkerState = "registering"
+    joined_at: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.monotonic)
+    num_running: int = 0
+    num_waiting: int = 0
+    gen_throughput: float = 0.0
+    external_load: int = 0
+    """Sequences on the worker that are not this manager's (other clients)."""
+    inflight: int = 0
+    """This manager's samples on the worker now."""
+    busy_until: float = 0.0
+    """After a 429/503 the worker gets no new work until then (monotonic)."""
+    num_failures: int = 0
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    is_local: bool = False
+
+    def free_slots(self, cap: int) -> int:
+        return min(cap, self.max_num_seqs) - self.inflight
+
+    def load(self) -> float:
+        """Fraction of the worker's sequence slots in use, ours and others'."""
+        return (self.inflight + self.external_load) / self.max_num_seqs
+
+    def serves(self, version: int, now: float) -> bool:
+        return self.state == "active" and self.weight_version >= version and now >= self.busy_until
+
+    def info(self, now: float) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            url=self.url,
+            state=self.state,
+            weight_version=self.weight_version,
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_inflight=self.inflight,
+            gen_throughput=self.gen_throughput,
+            joined_at=self.joined_at,
+            last_heartbeat_age_s=round(now - self.last_seen, 3),
+            num_failures=self.num_failures,
+        )
+
+
+class Registry:
+    """Records by id and the transitions between states."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerRecord] = {}
+        self.latest_version = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(self.workers.values()))
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        return self.workers.get(worker_id)
+
+    def add(self, request: RegisterRequest, worker_id: str) -> WorkerRecord:
+        record = WorkerRecord(
+            worker_id=worker_id,
+            url=request.url.rstrip("/"),
+            model_path=request.model_path,
+            max_num_seqs=request.max_num_seqs,
+            max_model_len=request.max_model_len,
+            weight_version=request.weight_version,
+        )
+        self.workers[worker_id] = record
+        log.info("worker %s registered from %s (weights v%d)", worker_id, record.url, record.weight_version)
+        return record
+
+    def add_local(self, max_num_seqs: int, max_model_len: int, weight_version: int) -> WorkerRecord:
+        record = WorkerRecord(
+            worker_id=LOCAL_WORKER_ID, url="local", model_path="", max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, weight_version=weight_version, state="active", is_local=True,
+        )  # fmt: skip
+        self.workers[LOCAL_WORKER_ID] = record
+        return record
+
+    def ready(self, record: WorkerRecord) -> None:
+        """Passed the readiness check: active if it holds the latest weights, else syncing."""
+        log.info("worker %s ready", record.worker_id)
+        self._to_version_state(record)
+
+    def heartbeat(self, record: WorkerRecord, beat: Heartbeat) -> None:
+        record.last_seen = time.monotonic()
+        record.num_running, record.num_waiting = beat.num_running, beat.num_waiting
+        record.gen_throughput = beat.gen_throughput
+        record.external_load = max(0, beat.num_running + beat.num_waiting - record.inflight)
+        if beat.state == "draining" and record.state != "draining":
+            log.info("worker %s draining (%d of our samples in flight)", record.worker_id, record.inflight)
+            record.state = "draining"
+        self.set_version(record, beat.weight_version)
+
+    def set_version(self, record: WorkerRecord, version: int) -> None:
+        if version != record.weight_version:
+            record.weight_version = version
+            if record.state in ("syncing", "active"):
+                self._to_version_state(record)
+
+    def publish(self, version: int) -> list[WorkerRecord]:
+        """A new latest version; returns the workers that now need to sync."""
+        self.latest_version = version
+        stale = []
+        for record in self:
+            if record.state in ("active", "syncing") and record.weight_version < version and not record.is_local:
+                if record.state == "active":
+                    record.state = "syncing"
+                stale.append(record)
+        log.info("weights v%d published; %d workers to sync", version, len(stale))
+        return stale
+
+    def _to_version_state(self, record: WorkerRecord) -> None:
+        current = record.weight_version >= self.latest_version
+        if current and record.state != "active":
+            if record.state == "syncing":
+                log.info("worker %s synced to v%d", record.worker_id, record.weight_version)
+            record.state = "active"
+            log.info("worker %s active", record.worker_id)
+        elif not current and record.state != "syncing":
+            record.state = "syncing"
+            log.info(
+                "worker %s syncing (has v%d, latest v%d)", record.worker_id, record.weight_version, self.latest_version
+            )
+
+    def remove(self, record: WorkerRecord, why: str) -> None:
+        """The worker is gone; the caller migrates its in-flight work."""
+        if self.workers.get(record.worker_id) is record:
+            del self.workers[record.worker_id]
+        if record.state != "gone":
+            record.state = "gone"
+            log.info("worker %s gone (%s)", record.worker_id, why)
+
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(("registering", "syncing", "active", "draining"), 0)
+        for record in self:
+            counts[record.state] += 1
+        return counts

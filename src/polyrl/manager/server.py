@@ -1,0 +1,150 @@
+"""The manager's HTTP API over one RolloutManager.
+
+Mutating endpoints need the bearer token; registrations must come from an allowed
+address range; bodies are size-limited (control messages to 64 KiB). A refused or
+malformed request gets a 4xx naming the reason and changes nothing.
+
+    POST /v1/workers/register            RegisterRequest -> RegisterResponse
+    POST /v1/workers/{id}/heartbeat      Heartbeat (404: unknown, register again)
+    POST /v1/workers/{id}/leave          LeaveRequest
+    GET  /v1/workers                     WorkerList
+    POST /v1/batches                     BatchRequest -> NDJSON GroupResult lines + BatchEnd
+    POST /v1/weights/version             PublishVersion
+    GET  /health, GET /metrics
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from polyrl.httpapi import ApiError, BodyLimit, check_bearer, error_handlers
+from polyrl.manager.manager import RolloutManager
+from polyrl.manager.metrics import CONTENT_TYPE
+from polyrl.manager.protocol import (
+    BatchEnd,
+    BatchError,
+    BatchRequest,
+    Heartbeat,
+    LeaveRequest,
+    PublishVersion,
+    RegisterRequest,
+    RegisterResponse,
+    WorkerList,
+)
+
+CONTROL_BODY_LIMIT = 64 * 1024
+
+
+def _line(model: Any) -> bytes:
+    return model.model_dump_json().encode() + b"\n"
+
+
+class _ClosingStream(StreamingResponse):
+    """Closes its generator when the response ends, so a client hanging up cancels its
+    batch at once (not at garbage collection)."""
+
+    media_type = "application/x-ndjson"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class _Handlers:
+    def __init__(self, manager: RolloutManager, allowed: list[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> None:
+        self.manager, self.allowed = manager, allowed
+
+    def _check_peer(self, request: Request) -> None:
+        host = request.client.host if request.client else ""
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            raise ApiError(403, f"cannot tell the sender's address ({host!r})", "forbidden") from None
+        if not any(address in network for network in self.allowed):
+            raise ApiError(403, f"{host} is outside manager.allowed_worker_cidrs", "forbidden")
+
+    async def register(self, body: RegisterRequest, request: Request) -> RegisterResponse:
+        self._check_peer(request)
+        return self.manager.register(body)
+
+    async def heartbeat(self, worker_id: str, body: Heartbeat) -> dict[str, Any]:
+        if not self.manager.heartbeat(worker_id, body):
+            raise ApiError(404, f"unknown worker {worker_id!r}; register again", "unknown_worker")
+        return {}
+
+    async def leave(self, worker_id: str, body: LeaveRequest) -> dict[str, Any]:
+        if not self.manager.leave(worker_id, body.reason):
+            raise ApiError(404, f"unknown worker {worker_id!r}", "unknown_worker")
+        return {}
+
+    async def workers(self) -> WorkerList:
+        return self.manager.worker_list()
+
+    async def publish(self, body: PublishVersion) -> dict[str, Any]:
+        try:
+            self.manager.publish_version(body.version)
+        except ValueError as e:
+            raise ApiError(409, str(e), "version_conflict") from None
+        return {"latest_weight_version": body.version}
+
+    async def batches(self, body: BatchRequest) -> Response:
+        try:
+            batch = self.manager.submit(body)
+        except RuntimeError as e:
+            raise ApiError(503, str(e), "shutting_down") from None
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                async for group in self.manager.results(batch):
+                    yield _line(group)
+                yield _line(BatchEnd(
+                    batch_id=batch.batch_id, num_groups=len(batch.groups), num_migrated=batch.num_migrated,
+                    elapsed_s=round(time.monotonic() - batch.submitted_at, 6),
+                ))  # fmt: skip
+            except BatchError as e:
+                yield _line(e.failure)
+            finally:
+                self.manager.close_batch(batch)
+
+        return _ClosingStream(lines(), headers={"Cache-Control": "no-cache"})
+
+    async def health(self) -> dict[str, Any]:
+        return {"status": "ok", "latest_weight_version": self.manager.registry.latest_version}
+
+    async def metrics(self) -> Response:
+        return Response(self.manager.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def create_app(manager: RolloutManager) -> FastAPI:
+    cfg = manager.cfg
+    allowed = [ipaddress.ip_network(c, strict=False) for c in cfg.allowed_worker_cidrs]
+    h = _Handlers(manager, allowed)
+    app = FastAPI(title="polyrl manager", exception_handlers=error_handlers())
+
+    def authorized(request: Request) -> None:  # a dependency: checked before the body is validated
+        check_bearer(request, cfg.token)
+
+    auth = [Depends(authorized)]
+    app.post("/v1/workers/register", dependencies=auth)(h.register)
+    app.post("/v1/workers/{worker_id}/heartbeat", dependencies=auth)(h.heartbeat)
+    app.post("/v1/workers/{worker_id}/leave", dependencies=auth)(h.leave)
+    app.get("/v1/workers")(h.workers)
+    app.post("/v1/batches", dependencies=auth)(h.batches)
+    app.post("/v1/weights/version", dependencies=auth)(h.publish)
+    app.get("/health")(h.health)
+    app.get("/metrics")(h.metrics)
+
+    def limit_for(path: str) -> int:
+        return CONTROL_BODY_LIMIT if path.startswith(("/v1/workers", "/v1/weights")) else cfg.max_body_bytes
+
+    app.add_middleware(BodyLimit, limit_for=limit_for)
+    return app

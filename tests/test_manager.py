@@ -1,0 +1,516 @@
+"""The rollout manager: batches through fake workers with injected faults (token-exact
+migration, freezes, hand-backs, busy and broken workers, version gating, deadlines),
+the security of its API, the local-engine fallback, and real `polyrl worker` processes
+killed with SIGKILL or frozen with SIGSTOP mid-batch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from test_worker import ThreadedServer, WorkerProcess, _tiny, _wait_until
+
+from polyrl.config import EngineConfig, ManagerConfig
+from polyrl.engine.async_engine import AsyncEngine
+from polyrl.engine.engine import Engine
+from polyrl.manager.client import BatchClient
+from polyrl.manager.main import ManagerThread
+from polyrl.manager.protocol import BatchError, BatchPrompt, BatchRequest, BatchSampling, GroupResult
+
+TOKEN = "test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def fast_cfg(**overrides: Any) -> ManagerConfig:
+    base: dict[str, Any] = dict(
+        port=0, token=TOKEN, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, readiness_timeout_s=10,
+        stall_timeout_s=5.0, batch_deadline_s=60,
+    )  # fmt: skip
+    return ManagerConfig(**(base | overrides))
+
+
+@pytest.fixture
+def manager() -> Iterator[ManagerThread]:
+    with ManagerThread(fast_cfg()) as mt:
+        yield mt
+
+
+def batch(num_prompts: int, n: int, max_new_tokens: int, **extra: Any) -> BatchRequest:
+    prompts = [BatchPrompt(id=f"p{i}", input_ids=[5 + i, 6, 7], seed=1000 * i) for i in range(num_prompts)]
+    return BatchRequest(prompts=prompts, n=n, sampling=BatchSampling(max_new_tokens=max_new_tokens), **extra)
+
+
+# ------------------------------------------------------------------------------ fake workers
+
+
+def fake_token(seed: int, position: int) -> int:
+    """The fake's deterministic 'model': the token depends on (seed, absolute position)
+    only, like the engine's position-keyed sampling, so a migrated sample must come out
+    exactly as an uninterrupted one."""
+    return 3 + (seed * 31 + position * 17) % 50
+
+
+def fake_logprob(seed: int, position: int) -> float:
+    return -((seed + position) % 7) / 8
+
+
+def expected_sample(prompt: BatchPrompt, index: int, length: int) -> list[int]:
+    start = len(prompt.input_ids)
+    seed = (prompt.seed or 0) + index
+    return [fake_token(seed, start + t) for t in range(length)]
+
+
+class FakeWorker:
+    """An SGLang-style streaming /generate plus a registration/heartbeat thread.
+
+    `mode` injects a fault after `fault_after` tokens of every stream: "die" (connection
+    cut, heartbeats stop), "freeze" (stream and heartbeats stop), "handback" (finish
+    "abort", as a draining worker does), "error" (HTTP 500), "busy" (HTTP 429)."""
+
+    def __init__(self, manager_url: str, worker_id: str, *, token_delay_s: float = 0.002, max_num_seqs: int = 64,
+                 version: int = 0, mode: str = "ok", fault_after: int = 3, token: str = TOKEN) -> None:  # fmt: skip
+        self.manager_url, self.worker_id, self.token = manager_url, worker_id, token
+        self.token_delay_s, self.max_num_seqs, self.version = token_delay_s, max_num_seqs, version
+        self.mode, self.fault_after = mode, fault_after
+        self.calls: list[dict[str, Any]] = []
+        self.running = 0
+        self.beating = True
+        self.frozen = asyncio.Event()  # never set: awaiting it is freezing
+        app = FastAPI()
+        app.post("/generate")(self.generate)
+        app.get("/health_generate")(self.health)
+        self.http = ThreadedServer(app)
+        self.url = self.http.url
+        self.heartbeats = threading.Thread(target=self._membership, daemon=True)
+
+    def __enter__(self) -> FakeWorker:
+        self.http.__enter__()
+        self.heartbeats.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.beating = False
+        self.http.__exit__(*exc)
+
+    def _membership(self) -> None:
+        with httpx.Client(base_url=self.manager_url, headers={"Authorization": f"Bearer {self.token}"}, timeout=5) as c:
+            registration = {
+                "worker_id": self.worker_id, "url": self.url, "model_path": "fake", "weight_version": self.version,
+                "max_num_seqs": self.max_num_seqs, "max_model_len": 4096,
+            }  # fmt: skip
+            c.post("/v1/workers/register", json=registration).raise_for_status()
+            while self.beating:
+                beat = {"state": "active", "weight_version": self.version, "num_running": self.running,
+                        "num_waiting": 0, "gen_throughput": 0.0}  # fmt: skip
+                c.post(f"/v1/workers/{self.worker_id}/heartbeat", json=beat)
+                time.sleep(0.05)
+
+    async def health(self) -> dict[str, Any]:
+        return {}
+
+    async def generate(self, request: Request) -> Response:
+        body = await request.json()
+        self.calls.append(body)
+        if self.mode == "error":
+            return JSONResponse({"error": {"message": "engine exploded", "type": "x"}}, status_code=500)
+        if self.mode == "busy":
+            return JSONResponse({"error": {"message": "engine full", "type": "engine_full"}}, status_code=429)
+        sp = body["sampling_params"]
+        n, seed, budget, start = sp["n"], sp["sampling_seed"], sp["max_new_tokens"], len(body["input_ids"])
+
+        async def events() -> Iterator[bytes]:  # type: ignore[misc]
+            self.running += n
+            try:
+                for t in range(1, budget + 1):
+                    if t > self.fault_after and self.mode in ("die", "freeze"):
+                        self.beating = False
+                        if self.mode == "die":
+                            raise RuntimeError("fake worker killed")  # uvicorn cuts the connection
+                        await self.frozen.wait()
+                    handback = t > self.fault_after and self.mode == "handback"
+                    if handback:
+                        t -= 1
+                    await asyncio.sleep(self.token_delay_s)
+                    finish = {"type": "abort"} if handback else ({"type": "length"} if t == budget else None)
+                    for j in range(n):
+                        tokens = [fake_token(seed + j, start + i) for i in range(t)]
+                        chunk = {
+                            "text": "", "output_ids": tokens, "index": j,
+                            "meta_info": {
+                                "id": body["rid"], "finish_reason": finish, "prompt_tokens": start,
+                                "completion_tokens": t, "weight_version": self.version,
+                                "output_token_weight_versions": [self.version] * t,
+                                "output_token_logprobs": [[fake_logprob(seed + j, start + i), tok, None]
+                                                          for i, tok in enumerate(tokens)],
+                            },
+                        }  # fmt: skip
+                        yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                    if finish is not None:
+                        break
+                yield b"data: [DONE]\n\n"
+            finally:
+                self.running -= n
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+class Consumer(threading.Thread):
+    """Reads a batch from a background thread; `join_ok` re-raises what it hit."""
+
+    def __init__(self, mt: ManagerThread, request: BatchRequest) -> None:
+        super().__init__(daemon=True)
+        self.mt, self.request = mt, request
+        self.groups: list[GroupResult] = []
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.groups.extend(self.mt.generate(self.request))
+        except BaseException as e:  # handed to the test thread
+            self.error = e
+
+    def join_ok(self, timeout_s: float) -> list[GroupResult]:
+        self.join(timeout_s)
+        assert not self.is_alive(), "batch did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.groups
+
+
+def workers_of(mt: ManagerThread) -> dict[str, dict[str, Any]]:
+    return {w.worker_id: w.model_dump() for w in mt.call(mt.manager.worker_list).workers}
+
+
+def wait_active(mt: ManagerThread, *ids: str, timeout_s: float = 20) -> None:
+    _wait_until(lambda: all(workers_of(mt).get(i, {}).get("state") == "active" for i in ids), timeout_s,
+                f"workers {ids} active")  # fmt: skip
+
+
+def check_exact(request: BatchRequest, groups: list[GroupResult], version: int = 0) -> None:
+    """Every sample has its whole budget, token for token what an uninterrupted run gives."""
+    prompts = {p.id: p for p in request.prompts}
+    assert sorted(g.prompt_id for g in groups) == sorted(prompts)
+    budget = request.sampling.max_new_tokens
+    for g in groups:
+        prompt = prompts[g.prompt_id]
+        assert [s.index for s in g.samples] == list(range(request.n))
+        for s in g.samples:
+            assert s.output_ids == expected_sample(prompt, s.index, budget)
+            start, seed = len(prompt.input_ids), (prompt.seed or 0) + s.index
+            assert s.logprobs == [fake_logprob(seed, start + i) for i in range(budget)]
+            assert s.weight_versions == [version] * budget
+            assert s.finish_reason == "length"
+            assert sum(seg.num_tokens for seg in s.segments) == budget
+
+
+# ----------------------------------------------------------------------------------- batches
+
+
+def test_batch_streams_exact_groups_over_http_and_in_process(manager: ManagerThread) -> None:
+    with FakeWorker(manager.url, "a"), FakeWorker(manager.url, "b"):
+        wait_active(manager, "a", "b")
+        request = batch(6, 4, 8)
+        with BatchClient(manager.url, token=TOKEN) as client:
+            over_http = list(client.generate(request))
+        in_process = list(manager.generate(request))
+    for groups in (over_http, in_process):
+        check_exact(request, groups)
+        assert all(s.num_failures == 0 and len(s.segments) == 1 for g in groups for s in g.samples)
+    used = {seg.worker for g in over_http for s in g.samples for seg in s.segments}
+    assert used == {"a", "b"}  # load spread over both
+    metrics = httpx.get(f"{manager.url}/metrics").text
+    assert 'polyrl_manager_batches_total{outcome="ok"} 2.0' in metrics
+    assert "polyrl_manager_samples_total 48.0" in metrics
+    assert 'polyrl_manager_workers{state="active"} 2.0' in metrics
+
+
+def test_groups_come_in_completion_order(manager: ManagerThread) -> None:
+    with FakeWorker(manager.url, "slow", token_delay_s=0.05), FakeWorker(manager.url, "fast", token_delay_s=0.001):
+        wait_active(manager, "slow", "fast")
+        # equal load: the first prompt goes to the first registered worker, the slow one
+        order = [(g.prompt_id, g.samples[0].segments[0].worker) for g in manager.generate(batch(2, 1, 10))]
+    assert order == [("p1", "fast"), ("p0", "slow")]
+
+
+def test_killed_worker_mid_stream_migrates_token_exact(manager: ManagerThread) -> None:
+    with FakeWorker(manager.url, "dying", mode="die", fault_after=3) as dying:
+        wait_active(manager, "dying")
+        request = batch(4, 3, 12)
+        with FakeWorker(manager.url, "healthy") as healthy:
+            wait_active(manager, "healthy")
+            groups = list(manager.generate(request))
+    check_exact(request, groups)
+    resumed = [c for c in healthy.calls if len(c["input_ids"]) > 3]
+    assert resumed and all(c["sampling_params"]["max_new_tokens"] == 12 - (len(c["input_ids"]) - 3) for c in resumed)
+    moved = [s for g in groups for s in g.samples if len(s.segments) == 2]
+    assert moved, "no sample started on the dying worker"
+    for s in moved:
+        assert [seg.worker for seg in s.segments] == ["dying", "healthy"]
+        # the chunk in flight when the connection dropped may be lost: it is regenerated
+        assert 1 <= s.segments[0].num_tokens <= 3 and s.num_failures == 1
+    assert dying.calls and "dying" not in workers_of(manager)
+    # the resumed requests carried the prompt + partial tokens and a reduced budget
+    assert all(len(c["input_ids"]) == 3 for c in dying.calls)  # only fresh samples went there
+
+
+def test_frozen_worker_is_detected_and_its_requests_migrate() -> None:
+    with ManagerThread(fast_cfg(heartbeat_timeout_s=1.0, stall_timeout_s=30)) as mt:
+        with FakeWorker(mt.url, "frozen", mode="freeze", fault_after=2):
+            wait_active(mt, "frozen")
+            request = batch(2, 2, 6)
+            with FakeWorker(mt.url, "healthy"):
+                wait_active(mt, "healthy")
+                t0 = time.monotonic()
+                groups = list(mt.generate(request))
+                elapsed = time.monotonic() - t0
+            assert "frozen" not in workers_of(mt)
+    check_exact(request, groups)
+    assert any(s.segments[0].worker == "frozen" for g in groups for s in g.samples)
+    assert elapsed < 10, f"freeze took {elapsed:.1f}s to detect (heartbeat timeout 1s, stall timeout 30s)"
+
+
+def test_handback_from_draining_worker_is_not_a_failure(manager: ManagerThread) -> None:
+    with FakeWorker(manager.url, "drainer", mode="handback", fault_after=4), FakeWorker(manager.url, "b"):
+        wait_active(manager, "drainer", "b")
+        request = batch(3, 2, 10)
+        groups = list(manager.generate(request))
+    check_exact(request, groups)
+    handed = [s for g in groups for s in g.samples if s.segments[0].worker == "drainer"]
+    assert handed and all(s.num_failures == 0 and s.segments[0].num_tokens == 4 for s in handed)
+
+
+def test_zero_workers_then_one_joins(manager: ManagerThread) -> None:
+    request = batch(3, 2, 5)
+    consumer = Consumer(manager, request)
+    time.sleep(0.5)
+    assert not consumer.groups
+    with FakeWorker(manager.url, "late"):
+        groups = consumer.join_ok(30)
+    check_exact(request, groups)
+
+
+def test_worker_joining_mid_batch_gets_work(manager: ManagerThread) -> None:
+    with FakeWorker(manager.url, "first", max_num_seqs=2, token_delay_s=0.02):
+        wait_active(manager, "first")
+        request = batch(8, 1, 10)
+        consumer = Consumer(manager, request)
+        _wait_until(lambda: len(consumer.groups) >= 1, 20, "first group")
+        with FakeWorker(manager.url, "joiner", max_num_seqs=2, token_delay_s=0.02):
+            groups = consumer.join_ok(30)
+    check_exact(request, groups)
+    assert any(seg.worker == "joiner" for g in groups for s in g.samples for seg in s.segments)
+
+
+def test_busy_worker_is_skipped_without_counting_a_failure(manager: ManagerThread) -> None:
+    with FakeWorker(manager.url, "busy", mode="busy"), FakeWorker(manager.url, "ok", max_num_seqs=1):
+        wait_active(manager, "busy", "ok")
+        request = batch(3, 1, 4)
+        groups = list(manager.generate(request))
+    check_exact(request, groups)
+    assert all(s.num_failures == 0 and s.segments[0].worker == "ok" for g in groups for s in g.samples)
+
+
+def test_retry_budget_ends_the_batch_with_a_clear_error() -> None:
+    with ManagerThread(fast_cfg(retry_budget=2)) as mt, FakeWorker(mt.url, "broken", mode="error") as broken:
+        wait_active(mt, "broken")
+        with pytest.raises(BatchError) as err:
+            list(mt.generate(batch(1, 1, 4)))
+        assert err.value.kind == "retry_budget"
+        assert "3 worker failures" in str(err.value) and "engine exploded" in str(err.value)
+        assert len(broken.calls) == 3
+        assert not mt.manager.batches and not mt.manager.pending
+
+
+def test_deadline_ends_a_batch_nobody_can_serve(manager: ManagerThread) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(BatchError) as err:
+        list(manager.generate(batch(2, 2, 4, deadline_s=0.5)))
+    assert err.value.kind == "deadline"
+    assert "0/2 groups done" in str(err.value) and "0 active" in str(err.value)
+    assert time.monotonic() - t0 < 5
+
+
+def test_version_gating_and_sync_hooks(manager: ManagerThread) -> None:
+    needs: list[tuple[str, int]] = []
+    manager.call(manager.manager.sync_hooks.append, lambda rec, v: needs.append((rec.worker_id, v)))
+    manager.publish_version(1)
+    with FakeWorker(manager.url, "old", version=0) as old:
+        _wait_until(lambda: workers_of(manager).get("old", {}).get("state") == "syncing", 20, "old syncing")
+        assert ("old", 1) in needs
+        consumer = Consumer(manager, batch(2, 1, 4))
+        time.sleep(0.5)
+        assert not old.calls, "a worker below the batch's version got work"
+        old.version = 1  # the transfer layer delivered v1; the next heartbeat says so
+        groups = consumer.join_ok(20)
+    check_exact(batch(2, 1, 4), groups, version=1)
+    assert len(old.calls) == 2
+
+
+def test_client_going_away_cancels_the_batch(manager: ManagerThread) -> None:
+    with FakeWorker(manager.url, "a", token_delay_s=0.02, max_num_seqs=1) as fake:
+        wait_active(manager, "a")
+        stream = manager.generate(batch(4, 1, 20))
+        next(stream)  # one prompt at a time: the first group, then hang up
+        stream.close()
+        _wait_until(lambda: fake.running == 0, 10, "fake worker's streams closed")
+        assert not manager.manager.batches and not manager.manager.pending
+
+
+# ---------------------------------------------------------------------------------- security
+
+
+def test_refusals_change_nothing() -> None:
+    with ManagerThread(fast_cfg(allowed_worker_cidrs=["10.0.0.0/8"], max_body_bytes=4096)) as mt:
+        url = mt.url
+        reg = {"worker_id": "x", "url": "http://127.0.0.1:9", "model_path": "m", "weight_version": 0,
+               "max_num_seqs": 4, "max_model_len": 64}  # fmt: skip
+        cases = [
+            (httpx.post(f"{url}/v1/workers/register", json=reg), 401),  # no token
+            (httpx.post(f"{url}/v1/workers/register", json=reg, headers={"Authorization": "Bearer nope"}), 401),
+            (httpx.post(f"{url}/v1/workers/register", json=reg, headers=AUTH), 403),  # 127.0.0.1 not allowed
+            (httpx.post(f"{url}/v1/workers/register", json=reg | {"extra": 1}, headers=AUTH), 422),
+            (httpx.post(f"{url}/v1/workers/register", content=b"{not json", headers=AUTH), 422),
+            (httpx.post(f"{url}/v1/workers/register", json=reg | {"model_path": "m" * 70000}, headers=AUTH), 413),
+            (httpx.post(f"{url}/v1/workers/x/heartbeat", json={"state": "active", "weight_version": 0,
+             "num_running": 0, "num_waiting": 0, "gen_throughput": 0}, headers=AUTH), 404),  # fmt: skip
+            (httpx.post(f"{url}/v1/batches", json=batch(1, 1, 4).model_dump(), headers={}), 401),
+            (httpx.post(f"{url}/v1/batches", json=batch(400, 1, 4).model_dump(), headers=AUTH), 413),
+            (httpx.post(f"{url}/v1/batches", json={"prompts": [], "sampling": {"max_new_tokens": 1}}, headers=AUTH), 422),
+            (httpx.post(f"{url}/v1/weights/version", json={"version": 3}, headers={}), 401),
+            (httpx.post(f"{url}/v1/weights/version", json={"version": -1}, headers=AUTH), 422),
+        ]
+        for response, status in cases:
+            assert response.status_code == status, (status, response.text)
+            assert "message" in response.json()["error"]
+        assert "outside manager.allowed_worker_cidrs" in cases[2][0].json()["error"]["message"]
+        dup = batch(2, 1, 4).model_dump()
+        dup["prompts"][1]["id"] = dup["prompts"][0]["id"]
+        response = httpx.post(f"{url}/v1/batches", json=dup, headers=AUTH)
+        assert response.status_code == 422 and "repeats" in response.json()["error"]["message"]
+        assert workers_of(mt) == {} and not mt.manager.batches and not mt.manager.pending
+        assert mt.manager.registry.latest_version == 0
+        assert httpx.post(f"{url}/v1/weights/version", json={"version": 2}, headers=AUTH).status_code == 200
+        assert httpx.post(f"{url}/v1/weights/version", json={"version": 1}, headers=AUTH).status_code == 409
+        assert httpx.get(f"{url}/v1/workers").json()["latest_weight_version"] == 2
+
+
+def test_client_sees_refusal_and_error_lines(manager: ManagerThread) -> None:
+    with BatchClient(manager.url, token="wrong") as client, pytest.raises(BatchError) as err:
+        list(client.generate(batch(1, 1, 2)))
+    assert "HTTP 401" in str(err.value)
+    with BatchClient(manager.url, token=TOKEN) as client, pytest.raises(BatchError) as err:
+        list(client.generate(batch(1, 1, 2, deadline_s=0.3)))
+    assert err.value.kind == "deadline"
+
+
+def test_config_refuses_open_non_loopback_manager(tmp_path: Path) -> None:
+    from polyrl.cli import main
+
+    assert main(["manager", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert main(["manager", "manager.allowed_worker_cidrs=[\"nonsense\"]"]) == 2
+
+
+# ------------------------------------------------------------------------ local-engine fallback
+
+
+def test_local_engine_serves_when_no_worker_is_left(tiny_model_dir: Path) -> None:
+    engine = AsyncEngine(Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_num_seqs=8)))
+    engine.start()
+    try:
+        with ManagerThread(fast_cfg(), local_engine=engine) as mt:
+            request = batch(2, 3, 6)
+            request.sampling.ignore_eos = True
+            groups = list(mt.generate(request))
+    finally:
+        engine.shutdown()
+    assert len(groups) == 2
+    for g in groups:
+        for s in g.samples:
+            assert len(s.output_ids) == 6 and len(s.logprobs) == 6 and s.finish_reason == "length"
+            assert [seg.worker for seg in s.segments] == ["local"]
+            assert all(lp <= 0 for lp in s.logprobs)
+
+
+# ------------------------------------------------------------------ real worker processes
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny(tmp_path_factory.mktemp("manager_model"))
+
+
+def _start_worker(model_dir: Path, manager_url: str, worker_id: str) -> WorkerProcess:
+    return WorkerProcess(model_dir, "--manager", manager_url, "--token", TOKEN, "--worker-id", worker_id)
+
+
+def test_real_workers_join_and_die_mid_batch(long_context_model: Path) -> None:
+    """Zero workers at submission; one joins, a second joins mid-batch and gets work; the
+    first is killed with SIGKILL mid-stream: every sample still gets its full budget."""
+    budget = 1000
+    request = batch(8, 2, budget)
+    request.sampling.ignore_eos = True
+    procs: list[WorkerProcess] = []
+    with ManagerThread(fast_cfg(heartbeat_timeout_s=3.0, stall_timeout_s=20)) as mt:
+        consumer = Consumer(mt, request)
+        try:
+            procs.append(_start_worker(long_context_model, mt.url, "w1"))
+            procs[0].wait_ready()
+            wait_active(mt, "w1")
+            procs.append(_start_worker(long_context_model, mt.url, "w2"))
+            procs[1].wait_ready()
+            wait_active(mt, "w2")
+            _wait_until(lambda: workers_of(mt).get("w2", {}).get("num_inflight", 0) > 0, 30, "w2 gets work")
+            assert consumer.is_alive(), "the batch ended before the kill: raise the budget"
+            procs[0].proc.send_signal(signal.SIGKILL)
+            groups = consumer.join_ok(120)
+        finally:
+            for p in procs:
+                p.kill()
+    assert len(groups) == 8
+    samples = [s for g in groups for s in g.samples]
+    assert all(len(s.output_ids) == budget == len(s.logprobs) == len(s.weight_versions) for s in samples)
+    workers = {seg.worker for s in samples for seg in s.segments}
+    assert workers == {"w1", "w2"}
+    migrated = [s for s in samples if [seg.worker for seg in s.segments] == ["w1", "w2"]]
+    assert migrated and all(s.num_failures == 1 for s in migrated)
+
+
+def test_real_worker_frozen_with_sigstop_is_detected(long_context_model: Path) -> None:
+    budget = 300
+    request = batch(4, 2, budget)
+    request.sampling.ignore_eos = True
+    procs = []
+    with ManagerThread(fast_cfg(heartbeat_timeout_s=2.0, stall_timeout_s=60)) as mt:
+        try:
+            procs = [_start_worker(long_context_model, mt.url, f"w{i}") for i in (1, 2)]
+            for p in procs:
+                p.wait_ready()
+            wait_active(mt, "w1", "w2")
+            consumer = Consumer(mt, request)
+            _wait_until(lambda: workers_of(mt).get("w1", {}).get("num_inflight", 0) > 0, 30, "w1 busy")
+            time.sleep(0.5)
+            os.kill(procs[0].proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            _wait_until(lambda: "w1" not in workers_of(mt), 20, "frozen w1 declared gone")
+            detected_s = time.monotonic() - t0
+            groups = consumer.join_ok(120)
+        finally:
+            for p in procs:
+                os.kill(p.proc.pid, signal.SIGCONT)
+                p.kill()
+    assert detected_s < 2.0 + 2.0
+    samples = [s for g in groups for s in g.samples]
+    assert len(samples) == 8 and all(len(s.output_ids) == budget for s in samples)
+    assert any([seg.worker for seg in s.segments] == ["w1", "w2"] for s in samples)
