@@ -258,6 +258,28 @@ def test_stream_final_chunk_equals_non_stream(worker: InProcessWorker) -> None:
     assert final == expected
 
 
+def test_incremental_stream_chunks_add_up_to_the_full_answer(worker: InProcessWorker) -> None:
+    body = {"input_ids": [1, 5], "return_logprob": True, "sampling_params": {"max_new_tokens": 9, "n": 2, "seed": 3,
+            "ignore_eos": True}}  # fmt: skip
+    expected = {r["index"]: r for r in worker.client.post("/generate", json=body).json()}
+    with worker.client.stream("POST", "/generate", json=body | {"stream": True, "incremental_stream": True}) as r:
+        events = list(read_sse(r))
+    assert events[-1] == "[DONE]"
+    joined: dict[int, dict[str, list[Any]]] = {0: {"ids": [], "lps": [], "vs": []}, 1: {"ids": [], "lps": [], "vs": []}}
+    for chunk in events[:-1]:
+        acc, meta = joined[chunk["index"]], chunk["meta_info"]
+        acc["ids"] += chunk["output_ids"]
+        acc["lps"] += [lp for lp, _, _ in meta["output_token_logprobs"]]
+        acc["vs"] += meta["output_token_weight_versions"]
+        assert meta["completion_tokens"] == len(acc["ids"])  # the running total
+    assert sum(len(c["output_ids"]) for c in events[:-1]) == 18  # nothing sent twice
+    for i, acc in joined.items():
+        assert acc["ids"] == expected[i]["output_ids"]
+        want = [lp for lp, _, _ in expected[i]["meta_info"]["output_token_logprobs"]]
+        assert acc["lps"] == pytest.approx(want, abs=1e-5)
+        assert acc["vs"] == [0] * 9
+
+
 def test_n_samples_with_logprobs(worker: InProcessWorker) -> None:
     body = {"input_ids": [1, 5], "return_logprob": True, "sampling_params": {"max_new_tokens": 5, "n": 3, "seed": 11}}
     r = worker.client.post("/generate", json=body)

@@ -1,7 +1,8 @@
 """How the manager runs one generation call: on a remote worker over HTTP (SGLang's
 streaming `/generate`), or on the trainer's local engine in-process.
 
-Both yield cumulative snapshots per sample and raise one of four errors, which decide
+Both yield deltas (what is new for a sample since its previous delta) and raise one of
+four errors, which decide
 what the manager does next:
 
 * `WorkerUnreachable`: connection refused/reset, stream cut, nothing for
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from polyrl.engine.async_engine import AsyncEngine, EngineDeadError
-from polyrl.engine.types import EngineFullError, EngineRequest, EngineSampling, RequestError, SampleResult
+from polyrl.engine.types import EngineFullError, EngineRequest, EngineSampling, RequestError
 from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import WorkerRecord
 
@@ -55,8 +56,8 @@ class GenerationCall:
     sampling: BatchSampling
 
 
-class Snapshot(NamedTuple):
-    """Everything one sample of a call has produced so far."""
+class Delta(NamedTuple):
+    """What one sample of a call produced since its previous delta."""
 
     index: int
     token_ids: list[int]
@@ -68,9 +69,9 @@ class Snapshot(NamedTuple):
 # ------------------------------------------------------------------------------ remote (HTTP)
 
 
-def generate_body(call: GenerationCall) -> dict[str, Any]:
+def generate_body(call: GenerationCall, incremental: bool) -> dict[str, Any]:
     s = call.sampling
-    return {
+    body: dict[str, Any] = {
         "rid": call.rid,
         "input_ids": call.input_ids,
         "stream": True,
@@ -86,10 +87,15 @@ def generate_body(call: GenerationCall) -> dict[str, Any]:
             "sampling_seed": call.seed,
         },
     }
+    if incremental:
+        body["incremental_stream"] = True
+    return body
 
 
-def parse_snapshot(payload: dict[str, Any]) -> Snapshot:
-    """One SSE chunk of SGLang's /generate (cumulative output of one sample)."""
+def parse_chunk(payload: dict[str, Any], seen: dict[int, int], incremental: bool) -> Delta:
+    """One SSE chunk of /generate as a delta. `seen` counts each sample's tokens so far:
+    a cumulative snapshot (SGLang's format) is cut past them; an incremental chunk must
+    continue exactly where the last one ended."""
     if "error" in payload:
         error = payload["error"]
         raise WorkerFailed(f"worker reported: {error.get('message', error) if isinstance(error, dict) else error}")
@@ -101,10 +107,20 @@ def parse_snapshot(payload: dict[str, Any]) -> Snapshot:
         if versions is None:  # a plain SGLang server: one version for the whole response
             versions = [int(meta.get("weight_version") or 0)] * len(tokens)
         finish = meta.get("finish_reason")
-        return Snapshot(int(payload.get("index") or 0), tokens, logprobs, [int(v) for v in versions],
-                        finish["type"] if finish else None)  # fmt: skip
+        index, total = int(payload.get("index") or 0), int(meta.get("completion_tokens", -1))
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise WorkerFailed(f"unreadable stream chunk ({type(e).__name__}: {e})") from None
+    if not len(tokens) == len(logprobs) == len(versions):
+        raise WorkerFailed(f"chunk has {len(tokens)} tokens, {len(logprobs)} log-probs, {len(versions)} versions")
+    before = seen.get(index, 0)
+    if not incremental:
+        if len(tokens) < before:
+            raise WorkerFailed(f"snapshot of sample {index} shrank from {before} to {len(tokens)} tokens")
+        tokens, logprobs, versions = tokens[before:], logprobs[before:], versions[before:]
+    elif total != before + len(tokens):
+        raise WorkerFailed(f"sample {index}: chunk of {len(tokens)} tokens after {before} claims a total of {total}")
+    seen[index] = before + len(tokens)
+    return Delta(index, tokens, logprobs, [int(v) for v in versions], finish["type"] if finish else None)
 
 
 def _error_message(response: httpx.Response, body: bytes) -> str:
@@ -128,10 +144,13 @@ class RemoteBackend:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.http = httpx.AsyncClient(timeout=timeout, limits=limits)
 
-    async def stream(self, worker: WorkerRecord, call: GenerationCall) -> AsyncIterator[list[Snapshot]]:
+    async def stream(self, worker: WorkerRecord, call: GenerationCall) -> AsyncIterator[list[Delta]]:
         done = False
+        incremental = worker.incremental_stream
+        seen: dict[int, int] = {}
+        body = generate_body(call, incremental)
         try:
-            async with self.http.stream("POST", f"{worker.url}/generate", json=generate_body(call)) as response:
+            async with self.http.stream("POST", f"{worker.url}/generate", json=body) as response:
                 if response.status_code != 200:
                     _raise_for_status(response, await response.aread())
                 async for line in response.aiter_lines():
@@ -141,7 +160,7 @@ class RemoteBackend:
                     if data == "[DONE]":
                         done = True
                         break
-                    yield [parse_snapshot(json.loads(data))]
+                    yield [parse_chunk(json.loads(data), seen, incremental)]
         except httpx.TimeoutException as e:
             raise WorkerUnreachable(f"no response for {type(e).__name__}") from None
         except (httpx.TransportError, httpx.StreamError) as e:
@@ -176,20 +195,16 @@ class LocalBackend:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
-    async def stream(self, worker: WorkerRecord, call: GenerationCall) -> AsyncIterator[list[Snapshot]]:
+    async def stream(self, worker: WorkerRecord, call: GenerationCall) -> AsyncIterator[list[Delta]]:
         s = call.sampling
         sampling = EngineSampling(
             max_new_tokens=call.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
             stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, n=call.n, seed=call.seed,
         )  # fmt: skip
         request = EngineRequest(call.rid, call.input_ids, sampling)
-        results = [SampleResult(call.rid, i, len(call.input_ids)) for i in range(call.n)]
         try:
             async for deltas in self.engine.generate(request):
-                for d in deltas:
-                    results[d.index].add(d)
-                touched = sorted({d.index for d in deltas})
-                yield [_local_snapshot(results[i]) for i in touched]
+                yield [Delta(d.index, d.token_ids, d.logprobs, d.weight_versions, d.finish_reason) for d in deltas]
         except RequestError as e:
             raise RequestRefused(str(e)) from None
         except EngineFullError as e:
@@ -197,6 +212,3 @@ class LocalBackend:
         except EngineDeadError as e:
             raise WorkerUnreachable(f"local engine died: {e}") from None
 
-
-def _local_snapshot(r: SampleResult) -> Snapshot:
-    return Snapshot(r.index, list(r.token_ids), list(r.logprobs), list(r.weight_versions), r.finish_reason)

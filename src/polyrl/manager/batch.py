@@ -1,9 +1,9 @@
 """A batch's bookkeeping: every sample's tokens so far, where it ran, and when it is done.
 
 A sample is built from segments, one per worker that worked on it. A segment's tokens
-arrive as cumulative snapshots (`update`) and are committed when the segment ends, so a
-worker dying mid-stream costs only what it produced after its last snapshot reached us;
-the rest moves on (prompt + committed tokens) to the next worker.
+arrive as deltas (`extend`) and are committed when the segment ends, so a worker dying
+mid-stream costs only what it produced after its last chunk reached us; the rest moves
+on (prompt + committed tokens) to the next worker.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class SampleState:
     """Reported to the batch as finished (exactly once)."""
     placed_at: float | None = None
     finished_at: float | None = None
-    # the running segment: a cumulative snapshot, replaced on every update
+    # the running segment
     _seg_worker: str | None = None
     _seg_tokens: list[int] = field(default_factory=list)
     _seg_logprobs: list[float] = field(default_factory=list)
@@ -60,21 +60,17 @@ class SampleState:
         self._seg_worker = worker_id
         self._seg_tokens, self._seg_logprobs, self._seg_versions = [], [], []
 
-    def update(self, tokens: list[int], logprobs: list[float], versions: list[int], finish: str | None) -> int:
-        """A cumulative snapshot of the running segment; returns how many tokens are new."""
-        if not (len(tokens) == len(logprobs) == len(versions)):
-            raise ValueError(f"worker sent {len(tokens)} tokens, {len(logprobs)} log-probs, {len(versions)} versions")
-        if len(tokens) > self.remaining:
-            raise ValueError(f"worker sent {len(tokens)} tokens for a budget of {self.remaining}")
-        if finish == "abort":
-            finish = None  # handed back: the sample continues elsewhere
-        new = len(tokens) - len(self._seg_tokens)
-        self._seg_tokens, self._seg_logprobs, self._seg_versions = tokens, logprobs, versions
-        if finish is not None:
+    def extend(self, tokens: list[int], logprobs: list[float], versions: list[int], finish: str | None) -> None:
+        """New tokens of the running segment, and its finish reason once it has one."""
+        if len(self._seg_tokens) + len(tokens) > self.remaining:
+            raise ValueError(f"worker sent {len(self._seg_tokens) + len(tokens)} tokens for a budget of {self.remaining}")
+        self._seg_tokens += tokens
+        self._seg_logprobs += logprobs
+        self._seg_versions += versions
+        if finish is not None and finish != "abort":  # abort: handed back, it continues elsewhere
             self.end_segment()
             self.finish_reason = finish
             self.finished_at = time.monotonic()
-        return new
 
     def end_segment(self) -> None:
         """Commit the running segment (also when its worker failed: what arrived is kept)."""

@@ -292,6 +292,8 @@ class RolloutManager:
 
     def _place(self) -> None:
         now = time.monotonic()
+        if self.pending and not self._any_free_slot(now):
+            return  # the common case under load: every worker is full
         waiting: deque[WorkUnit] = deque()
         no_worker: set[int] = set()  # versions for which nothing is free right now
         while self.pending:
@@ -310,6 +312,10 @@ class RolloutManager:
             if rest is not None:
                 self.pending.appendleft(rest)
         self.pending = waiting
+
+    def _any_free_slot(self, now: float) -> bool:
+        cap = self.cfg.max_inflight_per_worker
+        return any(r.state == "active" and now >= r.busy_until and r.free_slots(cap) > 0 for r in self.registry)
 
     def _pick(self, version: int, now: float) -> WorkerRecord | None:
         """Least loaded remote worker with a free slot; the local engine only when no
@@ -353,21 +359,26 @@ class RolloutManager:
         assert backend is not None
         error: Exception | None = None
         try:
-            async for snapshots in backend.stream(worker, call):
-                for snap in snapshots:
-                    if not 0 <= snap.index < len(unit.samples):
-                        raise WorkerFailed(f"worker sent sample index {snap.index} of {len(unit.samples)}")
-                    sample = unit.samples[snap.index]
+            async for deltas in backend.stream(worker, call):
+                for d in deltas:
+                    if not 0 <= d.index < len(unit.samples):
+                        raise WorkerFailed(f"worker sent sample index {d.index} of {len(unit.samples)}")
+                    sample = unit.samples[d.index]
+                    if sample.done:
+                        raise WorkerFailed(f"worker sent more for finished sample {d.index}")
                     try:
-                        new = sample.update(snap.token_ids, snap.logprobs, snap.weight_versions, snap.finish_reason)
+                        sample.extend(d.token_ids, d.logprobs, d.weight_versions, d.finish_reason)
                     except ValueError as e:
                         raise WorkerFailed(str(e)) from None
-                    self.metrics.tokens.inc(new)
+                    self.metrics.tokens.inc(len(d.token_ids))
                     self._count_if_done(sample)
         except asyncio.CancelledError:
             pass  # see self._cancels; a task cancelled for its batch's end has no reason
         except (WorkerUnreachable, WorkerFailed, WorkerBusy, RequestRefused) as e:
             error = e
+        except Exception as e:  # a bug here must not lose the samples: retry them elsewhere
+            log.exception("generation call %s on %s failed unexpectedly", call.rid, worker.worker_id)
+            error = WorkerFailed(f"internal error: {type(e).__name__}: {e}")
         finally:
             worker.inflight -= len(unit.samples)
             worker.tasks.discard(task)

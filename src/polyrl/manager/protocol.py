@@ -36,6 +36,8 @@ class RegisterRequest(_Message):
     weight_version: int
     max_num_seqs: int
     max_model_len: int
+    capabilities: list[str] = []
+    """Extensions beyond SGLang's API the worker speaks: "incremental_stream"."""
 
 
 class RegisterResponse(_Message):

@@ -45,6 +45,8 @@ class WorkerRecord:
     num_failures: int = 0
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     is_local: bool = False
+    incremental_stream: bool = False
+    """Speaks polyrl's incremental stream chunks (else: SGLang's cumulative snapshots)."""
 
     def free_slots(self, cap: int) -> int:
         return min(cap, self.max_num_seqs) - self.inflight
@@ -93,6 +95,7 @@ class Registry:
             max_num_seqs=request.max_num_seqs,
             max_model_len=request.max_model_len,
             weight_version=request.weight_version,
+            incremental_stream="incremental_stream" in request.capabilities,
         )
         self.workers[worker_id] = record
         log.info("worker %s registered from %s (weights v%d)", worker_id, record.url, record.weight_version)

@@ -116,6 +116,7 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
             weight_version=state.weight_version,
             max_num_seqs=state.max_num_seqs,
             max_model_len=state.engine.engine.max_model_len,
+            capabilities=["incremental_stream"],
         )
 
     def on_registered(reply: RegisterResponse) -> None:

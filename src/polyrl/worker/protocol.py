@@ -84,6 +84,10 @@ class GenerateRequest(_Wire):
     sampling_params: SamplingParams = SamplingParams()
     return_logprob: bool = False
     stream: bool = False
+    incremental_stream: bool = False
+    """polyrl extension: each stream chunk carries only what is new since the sample's
+    previous chunk (tokens, log-probs, versions, text); `completion_tokens` stays the
+    running total. Cumulative snapshots cost O(length^2) bytes over a sample's life."""
 
     _no_batched_ids = field_validator("input_ids", mode="before")(_refuse_batched)
 
@@ -198,26 +202,28 @@ def text_token_ids(result: SampleResult) -> list[int]:
 
 
 def sample_response(
-    result: SampleResult, text: str, *, return_logprob: bool, current_version: int, with_index: bool
+    result: SampleResult, text: str, *, return_logprob: bool, current_version: int, with_index: bool, start: int = 0
 ) -> dict[str, Any]:
-    """One sample as SGLang's /generate reports it (cumulative, so also one stream chunk)."""
+    """One sample as SGLang's /generate reports it: cumulative (also one stream chunk),
+    or from token `start` on (an incremental stream chunk; `text` is then the caller's)."""
     finish = None
     if result.finish_reason is not None:
         finish = FinishReasonInfo(type=result.finish_reason, matched=result.matched_stop)
+    token_ids, versions = result.token_ids[start:], result.weight_versions[start:]
     logprobs = None
     if return_logprob:
-        logprobs = [(lp, tok, None) for lp, tok in zip(result.logprobs, result.token_ids, strict=True)]
+        logprobs = [(lp, tok, None) for lp, tok in zip(result.logprobs[start:], token_ids, strict=True)]
     meta = MetaInfo(
         id=result.rid,
         finish_reason=finish,
         prompt_tokens=result.prompt_tokens,
         completion_tokens=len(result.token_ids),
         weight_version=result.weight_versions[-1] if result.weight_versions else current_version,
-        output_token_weight_versions=result.weight_versions,
+        output_token_weight_versions=versions,
         output_token_logprobs=logprobs,
     )
     index = result.index if with_index else None
-    response = GenerateResponse(text=text, output_ids=result.token_ids, meta_info=meta, index=index)
+    response = GenerateResponse(text=text, output_ids=token_ids, meta_info=meta, index=index)
     exclude: dict[str, Any] = {}
     if not with_index:
         exclude["index"] = True

@@ -243,11 +243,17 @@ class _Handlers:
         first: list[SampleDelta],
         stream: AsyncIterator[list[SampleDelta]],
     ) -> AsyncIterator[bytes]:
+        sent = [0] * len(results)  # tokens already streamed per sample (incremental mode)
         try:
             batch: list[SampleDelta] | None = first
             while batch is not None:
                 touched = sorted(_apply(results, batch))
-                yield b"".join(sse_event(self._sample_json(body, results[i], True)) for i in touched)
+                chunks = []
+                for i in touched:
+                    chunks.append(sse_event(self._chunk_json(body, results[i], sent[i])))
+                    if body.incremental_stream:
+                        sent[i] = len(results[i].token_ids)
+                yield b"".join(chunks)
                 try:
                     batch = await anext(stream, None)
                 except Exception as e:  # the status line is sent: report in the stream, as SGLang does
@@ -258,6 +264,18 @@ class _Handlers:
         finally:
             self.state.num_open_generates -= 1
             await stream.aclose()
+
+    def _chunk_json(self, body: GenerateRequest, result: SampleResult, start: int) -> dict[str, Any]:
+        if not body.incremental_stream:
+            return self._sample_json(body, result, True)
+        # the new tokens' text, decoded on their own: cheap, but a character split across
+        # two chunks decodes as replacement characters (join output_ids for exact text)
+        text_ids = text_token_ids(result)[start:]
+        text = self.state.tokenizer.decode(text_ids, skip_special_tokens=False) if self.state.tokenizer else ""
+        return sample_response(
+            result, text, return_logprob=body.return_logprob, current_version=self.state.weight_version,
+            with_index=True, start=start,
+        )  # fmt: skip
 
     def _sample_json(self, body: GenerateRequest, result: SampleResult, with_index: bool) -> dict[str, Any]:
         return sample_response(
