@@ -190,7 +190,7 @@ class Consumer(threading.Thread):
 
 
 def workers_of(mt: ManagerThread) -> dict[str, dict[str, Any]]:
-    return {w.worker_id: w.model_dump() for w in mt.call(mt.manager.worker_list).workers}
+    return {w.worker_id: w.model_dump() for w in mt.worker_list().workers}
 
 
 def wait_active(mt: ManagerThread, *ids: str, timeout_s: float = 20) -> None:
@@ -344,7 +344,7 @@ def test_deadline_ends_a_batch_nobody_can_serve(manager: ManagerThread) -> None:
 
 def test_version_gating_and_sync_hooks(manager: ManagerThread) -> None:
     needs: list[tuple[str, int]] = []
-    manager.call(manager.manager.sync_hooks.append, lambda rec, v: needs.append((rec.worker_id, v)))
+    manager.add_sync_hook(lambda rec, v: needs.append((rec.worker_id, v)))
     manager.publish_version(1)
     with FakeWorker(manager.url, "old", version=0) as old:
         _wait_until(lambda: workers_of(manager).get("old", {}).get("state") == "syncing", 20, "old syncing")
@@ -354,8 +354,16 @@ def test_version_gating_and_sync_hooks(manager: ManagerThread) -> None:
         assert not old.calls, "a worker below the batch's version got work"
         old.version = 1  # the transfer layer delivered v1; the next heartbeat says so
         groups = consumer.join_ok(20)
-    check_exact(batch(2, 1, 4), groups, version=1)
-    assert len(old.calls) == 2
+        check_exact(batch(2, 1, 4), groups, version=1)
+        assert len(old.calls) == 2
+        manager.publish_version(2)
+        _wait_until(lambda: workers_of(manager)["old"]["state"] == "syncing", 10, "old syncing to v2")
+        time.sleep(0.5)  # heartbeats keep coming while the (slow) transfer runs
+        assert needs == [("old", 1), ("old", 2)]  # asked once per version, not once per beat
+        manager.mark_synced("old", 2)
+        time.sleep(0.3)  # heartbeats still say v1: sent before the swap, they must not undo it
+        info = workers_of(manager)["old"]
+        assert info["state"] == "active" and info["weight_version"] == 2
 
 
 def test_client_going_away_cancels_the_batch(manager: ManagerThread) -> None:
@@ -395,6 +403,9 @@ def test_refusals_change_nothing() -> None:
             assert response.status_code == status, (status, response.text)
             assert "message" in response.json()["error"]
         assert "outside manager.allowed_worker_cidrs" in cases[2][0].json()["error"]["message"]
+        for bad in ({"worker_id": "local"}, {"url": "ftp://x"}, {"url": "http://:80"}, {"worker_id": "a b"}):
+            response = httpx.post(f"{url}/v1/workers/register", json=reg | bad, headers=AUTH)
+            assert response.status_code == 422, (bad, response.text)
         dup = batch(2, 1, 4).model_dump()
         dup["prompts"][1]["id"] = dup["prompts"][0]["id"]
         response = httpx.post(f"{url}/v1/batches", json=dup, headers=AUTH)

@@ -112,6 +112,9 @@ def parse_chunk(payload: dict[str, Any], seen: dict[int, int], incremental: bool
         raise WorkerFailed(f"unreadable stream chunk ({type(e).__name__}: {e})") from None
     if not len(tokens) == len(logprobs) == len(versions):
         raise WorkerFailed(f"chunk has {len(tokens)} tokens, {len(logprobs)} log-probs, {len(versions)} versions")
+    finish_type = finish["type"] if finish else None
+    if finish_type not in (None, "stop", "length", "abort"):
+        raise WorkerFailed(f"unknown finish reason {finish_type!r}")
     before = seen.get(index, 0)
     if not incremental:
         if len(tokens) < before:
@@ -120,7 +123,7 @@ def parse_chunk(payload: dict[str, Any], seen: dict[int, int], incremental: bool
     elif total != before + len(tokens):
         raise WorkerFailed(f"sample {index}: chunk of {len(tokens)} tokens after {before} claims a total of {total}")
     seen[index] = before + len(tokens)
-    return Delta(index, tokens, logprobs, [int(v) for v in versions], finish["type"] if finish else None)
+    return Delta(index, tokens, logprobs, [int(v) for v in versions], finish_type)
 
 
 def _error_message(response: httpx.Response, body: bytes) -> str:

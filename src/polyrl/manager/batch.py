@@ -44,7 +44,7 @@ class SampleState:
 
     @property
     def seed(self) -> int:
-        return self.group.seed + self.index
+        return (self.group.seed + self.index) % 2**63  # the engine's seed range
 
     @property
     def remaining(self) -> int:
@@ -175,8 +175,9 @@ class Batch:
         group = sample.group
         group.num_done += 1
         if group.num_done == len(group.samples):
+            result = group.result()  # before counting: it validates every sample
             self.num_groups_done += 1
-            self.results.put_nowait(group.result())
+            self.results.put_nowait(result)
 
     def fail(self, failure: BatchFailed) -> None:
         if self.failed is None:

@@ -21,8 +21,8 @@ import uvicorn
 
 from polyrl.config import ConfigError, ManagerConfig
 from polyrl.engine.async_engine import AsyncEngine
-from polyrl.manager.manager import RolloutManager
-from polyrl.manager.protocol import BatchRequest, GroupResult
+from polyrl.manager.manager import RolloutManager, SyncHook
+from polyrl.manager.protocol import BatchError, BatchFailed, BatchRequest, GroupResult, WorkerList
 from polyrl.manager.server import create_app
 from polyrl.serving import QuietServer, bind, http_url, is_loopback, wait_started
 
@@ -125,10 +125,14 @@ class ManagerThread:
         return self
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        if not self.loop.is_running():
+            coro.close()
+            raise RuntimeError("the manager thread is not running")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a plain manager method on the loop (its state is not thread-safe)."""
+        """Run a plain manager method on the loop: the manager's state is only ever
+        touched from there."""
 
         async def wrapper() -> T:
             return fn(*args)
@@ -138,6 +142,16 @@ class ManagerThread:
     def publish_version(self, version: int) -> None:
         self.call(self.manager.publish_version, version)
 
+    def mark_synced(self, worker_id: str, version: int) -> None:
+        self.call(self.manager.mark_synced, worker_id, version)
+
+    def add_sync_hook(self, hook: SyncHook) -> None:
+        """`hook(worker, version)` runs on the manager's loop (see RolloutManager.sync_hooks)."""
+        self.call(self.manager.sync_hooks.append, hook)
+
+    def worker_list(self) -> WorkerList:
+        return self.call(self.manager.worker_list)
+
     def generate(self, request: BatchRequest) -> Iterator[GroupResult]:
         stream: AsyncIterator[GroupResult] = self.call(self.manager.generate, request)
         try:
@@ -145,13 +159,15 @@ class ManagerThread:
                 future = asyncio.run_coroutine_threadsafe(_next(stream), self.loop)
                 try:
                     item = future.result()
-                except concurrent.futures.CancelledError:
-                    return
+                except concurrent.futures.CancelledError:  # the loop stopped under us
+                    failure = BatchFailed(batch_id="", kind="shutdown", message="the manager thread stopped")
+                    raise BatchError(failure) from None
                 if item is None:
                     return
                 yield item
         finally:
-            self.run(stream.aclose())  # type: ignore[attr-defined]
+            if self.loop.is_running():
+                self.run(stream.aclose())  # type: ignore[attr-defined]
 
     def stop(self) -> None:
         if not self.thread.is_alive():

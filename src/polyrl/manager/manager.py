@@ -15,6 +15,8 @@ One asyncio loop owns all state, so nothing here locks. Three things run on it:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import inspect
 import itertools
 import logging
@@ -23,11 +25,10 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import httpx
-
 from polyrl.config import ManagerConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.manager.backends import (
+    Delta,
     GenerationCall,
     LocalBackend,
     RemoteBackend,
@@ -58,6 +59,12 @@ SyncHook = Callable[[WorkerRecord, int], Awaitable[None] | None]
 
 BUSY_BACKOFF_S = 1.0
 """A worker that answered 429/503 gets no new work for this long."""
+
+
+class _Outcome:
+    """How a generation call ended, when it did not simply finish."""
+
+    error: Exception | None = None
 
 
 class _Cancel:
@@ -150,7 +157,7 @@ class RolloutManager:
                 if response.status_code == 200:
                     break
                 why = f"HTTP {response.status_code}"
-            except httpx.HTTPError as e:
+            except Exception as e:  # anything: a worker must never stay `registering` forever
                 why = f"{type(e).__name__}: {e}"
             await asyncio.sleep(min(0.5, max(remaining, 0)))
         if record.state != "registering":
@@ -195,6 +202,10 @@ class RolloutManager:
         self.wake()
 
     def _call_sync_hooks(self, record: WorkerRecord, version: int) -> None:
+        """Once per (worker, version): a heartbeat during a long transfer starts no other."""
+        if record.sync_requested >= version:
+            return
+        record.sync_requested = version
         for hook in self.sync_hooks:
             try:
                 result = hook(record, version)
@@ -279,7 +290,7 @@ class RolloutManager:
             log.warning("batch %s failed: %s", batch.batch_id, message)
         for task in list(batch.tasks):
             task.cancel()  # no _Cancel reason: nothing is requeued
-        self.wake()  # the dispatcher drops its waiting units
+        self.pending = deque(u for u in self.pending if u.group.batch is not batch)
 
     # ------------------------------------------------------------------------------- placing
 
@@ -345,46 +356,49 @@ class RolloutManager:
         for sample in unit.samples:
             sample.start_segment(worker.worker_id)
         worker.inflight += len(unit.samples)
-        task = asyncio.ensure_future(self._run(unit, worker, call))
+        outcome = _Outcome()
+        task = asyncio.ensure_future(self._run(unit, worker, call, outcome))
         worker.tasks.add(task)
         unit.group.batch.tasks.add(task)
+        # a done-callback, not a `finally`: a task cancelled before its first step never
+        # runs its body, and its samples and slots must come back all the same
+        task.add_done_callback(functools.partial(self._call_done, unit, worker, outcome))
 
     # ----------------------------------------------------------------------------- generating
 
-    async def _run(self, unit: WorkUnit, worker: WorkerRecord, call: GenerationCall) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        batch = unit.group.batch
+    async def _run(self, unit: WorkUnit, worker: WorkerRecord, call: GenerationCall, outcome: _Outcome) -> None:
         backend = self.local if worker.is_local else self.remote
         assert backend is not None
-        error: Exception | None = None
         try:
-            async for deltas in backend.stream(worker, call):
-                for d in deltas:
-                    if not 0 <= d.index < len(unit.samples):
-                        raise WorkerFailed(f"worker sent sample index {d.index} of {len(unit.samples)}")
-                    sample = unit.samples[d.index]
-                    if sample.done:
-                        raise WorkerFailed(f"worker sent more for finished sample {d.index}")
-                    try:
-                        sample.extend(d.token_ids, d.logprobs, d.weight_versions, d.finish_reason)
-                    except ValueError as e:
-                        raise WorkerFailed(str(e)) from None
-                    self.metrics.tokens.inc(len(d.token_ids))
-                    self._count_if_done(sample)
-        except asyncio.CancelledError:
-            pass  # see self._cancels; a task cancelled for its batch's end has no reason
+            async with contextlib.aclosing(backend.stream(worker, call)) as stream:  # closed at once on errors
+                async for deltas in stream:
+                    for d in deltas:
+                        self._apply(unit, d)
         except (WorkerUnreachable, WorkerFailed, WorkerBusy, RequestRefused) as e:
-            error = e
+            outcome.error = e
         except Exception as e:  # a bug here must not lose the samples: retry them elsewhere
             log.exception("generation call %s on %s failed unexpectedly", call.rid, worker.worker_id)
-            error = WorkerFailed(f"internal error: {type(e).__name__}: {e}")
-        finally:
-            worker.inflight -= len(unit.samples)
-            worker.tasks.discard(task)
-            batch.tasks.discard(task)
-            cancel = self._cancels.pop(task, None)
-        self._settle(unit, worker, error, cancel)
+            outcome.error = WorkerFailed(f"internal error: {type(e).__name__}: {e}")
+
+    def _apply(self, unit: WorkUnit, d: Delta) -> None:
+        if not 0 <= d.index < len(unit.samples):
+            raise WorkerFailed(f"worker sent sample index {d.index} of {len(unit.samples)}")
+        sample = unit.samples[d.index]
+        if sample.done:
+            raise WorkerFailed(f"worker sent more for finished sample {d.index}")
+        try:
+            sample.extend(d.token_ids, d.logprobs, d.weight_versions, d.finish_reason)
+        except ValueError as e:
+            raise WorkerFailed(str(e)) from None
+        self.metrics.tokens.inc(len(d.token_ids))
+        self._count_if_done(sample)
+
+    def _call_done(self, unit: WorkUnit, worker: WorkerRecord, outcome: _Outcome, task: asyncio.Task[None]) -> None:
+        worker.inflight -= len(unit.samples)
+        worker.tasks.discard(task)
+        unit.group.batch.tasks.discard(task)
+        cancel = self._cancels.pop(task, None)  # no reason: cancelled because its batch ended
+        self._settle(unit, worker, outcome.error, cancel)
 
     def _settle(self, unit: WorkUnit, worker: WorkerRecord, error: Exception | None, cancel: _Cancel | None) -> None:
         """After a call: count what finished, decide about the worker, requeue the rest."""

@@ -14,8 +14,9 @@ on the first message with a 422 naming the field instead of misreading each othe
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PROTOCOL_VERSION = 1
 
@@ -29,15 +30,34 @@ class _Message(BaseModel):
 
 class RegisterRequest(_Message):
     protocol_version: Literal[1] = PROTOCOL_VERSION
-    worker_id: str
-    url: str
-    """Where the manager reaches the worker's HTTP API."""
+    worker_id: str = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@-]+$")
+    url: str = Field(max_length=2048)
+    """Where the manager reaches the worker's HTTP API: http(s)://host:port."""
     model_path: str
     weight_version: int
     max_num_seqs: int
     max_model_len: int
     capabilities: list[str] = []
     """Extensions beyond SGLang's API the worker speaks: "incremental_stream"."""
+
+    @field_validator("worker_id")
+    @classmethod
+    def _not_reserved(cls, value: str) -> str:
+        if value == "local":
+            raise ValueError("'local' is reserved for the trainer's own engine")
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        parsed = urlsplit(value)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"not an http(s) URL with a host: {value!r}")
+        try:
+            parsed.port  # noqa: B018 - raises on a bad port
+        except ValueError as e:
+            raise ValueError(f"bad port in {value!r}: {e}") from None
+        return value
 
 
 class RegisterResponse(_Message):

@@ -45,6 +45,8 @@ class WorkerRecord:
     num_failures: int = 0
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     is_local: bool = False
+    sync_requested: int = -1
+    """The newest version the sync hooks were already asked to deliver."""
     incremental_stream: bool = False
     """Speaks polyrl's incremental stream chunks (else: SGLang's cumulative snapshots)."""
 
@@ -122,7 +124,9 @@ class Registry:
         if beat.state == "draining" and record.state != "draining":
             log.info("worker %s draining (%d of our samples in flight)", record.worker_id, record.inflight)
             record.state = "draining"
-        self.set_version(record, beat.weight_version)
+        # only forward: a beat sent before a swap may arrive after the transfer layer's
+        # mark_synced; a worker that really lost its weights restarts and registers again
+        self.set_version(record, max(record.weight_version, beat.weight_version))
 
     def set_version(self, record: WorkerRecord, version: int) -> None:
         if version != record.weight_version:

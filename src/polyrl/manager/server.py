@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -46,16 +46,22 @@ def _line(model: Any) -> bytes:
     return model.model_dump_json().encode() + b"\n"
 
 
-class _ClosingStream(StreamingResponse):
-    """Closes its generator when the response ends, so a client hanging up cancels its
-    batch at once (not at garbage collection)."""
+class _BatchStream(StreamingResponse):
+    """Closes the batch when the response ends, however it ends: a client hanging up
+    cancels the rest at once, even before the first line (a generator that never started
+    would not run its own cleanup)."""
 
     media_type = "application/x-ndjson"
+
+    def __init__(self, lines: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(lines, headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            self.on_close()
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
@@ -112,10 +118,8 @@ class _Handlers:
                 ))  # fmt: skip
             except BatchError as e:
                 yield _line(e.failure)
-            finally:
-                self.manager.close_batch(batch)
 
-        return _ClosingStream(lines(), headers={"Cache-Control": "no-cache"})
+        return _BatchStream(lines(), on_close=lambda: self.manager.close_batch(batch))
 
     async def health(self) -> dict[str, Any]:
         return {"status": "ok", "latest_weight_version": self.manager.registry.latest_version}
