@@ -468,7 +468,8 @@ def _start_worker(model_dir: Path, manager_url: str, worker_id: str) -> WorkerPr
 
 def test_real_workers_join_and_die_mid_batch(long_context_model: Path) -> None:
     """Zero workers at submission; one joins, a second joins mid-batch and gets work; the
-    first is killed with SIGKILL mid-stream: every sample still gets its full budget."""
+    first is killed with SIGKILL mid-stream: every sample still gets its full budget, and
+    a migrated sample is token for token what an uninterrupted run produces."""
     budget = 1000
     request = batch(8, 2, budget)
     request.sampling.ignore_eos = True
@@ -487,6 +488,7 @@ def test_real_workers_join_and_die_mid_batch(long_context_model: Path) -> None:
             assert consumer.is_alive(), "the batch ended before the kill: raise the budget"
             procs[0].proc.send_signal(signal.SIGKILL)
             groups = consumer.join_ok(120)
+            reference = {g.prompt_id: g for g in mt.generate(request)}  # the same seeds, w2 alone
         finally:
             for p in procs:
                 p.kill()
@@ -495,8 +497,13 @@ def test_real_workers_join_and_die_mid_batch(long_context_model: Path) -> None:
     assert all(len(s.output_ids) == budget == len(s.logprobs) == len(s.weight_versions) for s in samples)
     workers = {seg.worker for s in samples for seg in s.segments}
     assert workers == {"w1", "w2"}
-    migrated = [s for s in samples if [seg.worker for seg in s.segments] == ["w1", "w2"]]
-    assert migrated and all(s.num_failures == 1 for s in migrated)
+    migrated = [(g.prompt_id, s) for g in groups for s in g.samples if [seg.worker for seg in s.segments] == ["w1", "w2"]]
+    assert migrated and all(s.num_failures == 1 for _, s in migrated)
+    for prompt_id, s in migrated:
+        uninterrupted = reference[prompt_id].samples[s.index]
+        assert [seg.worker for seg in uninterrupted.segments] == ["w2"]
+        assert s.output_ids == uninterrupted.output_ids
+        assert s.logprobs == pytest.approx(uninterrupted.logprobs, abs=1e-4)
 
 
 def test_real_worker_frozen_with_sigstop_is_detected(long_context_model: Path) -> None:
