@@ -24,6 +24,7 @@ from test_worker import ThreadedServer, WorkerProcess, _tiny, _wait_until
 from polyrl.config import EngineConfig, ManagerConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
+from polyrl.engine.types import EngineRequest, EngineSampling
 from polyrl.manager.client import BatchClient
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import BatchError, BatchPrompt, BatchRequest, BatchSampling, GroupResult
@@ -237,10 +238,11 @@ def test_batch_streams_exact_groups_over_http_and_in_process(manager: ManagerThr
 
 
 def test_groups_come_in_completion_order(manager: ManagerThread) -> None:
-    with FakeWorker(manager.url, "slow", token_delay_s=0.05), FakeWorker(manager.url, "fast", token_delay_s=0.001):
-        wait_active(manager, "slow", "fast")
-        # equal load: the first prompt goes to the first registered worker, the slow one
-        order = [(g.prompt_id, g.samples[0].segments[0].worker) for g in manager.generate(batch(2, 1, 10))]
+    with FakeWorker(manager.url, "slow", token_delay_s=0.05):
+        wait_active(manager, "slow")  # registered first: equal loads go to it first
+        with FakeWorker(manager.url, "fast", token_delay_s=0.001):
+            wait_active(manager, "fast")
+            order = [(g.prompt_id, g.samples[0].segments[0].worker) for g in manager.generate(batch(2, 1, 10))]
     assert order == [("p1", "fast"), ("p0", "slow")]
 
 
@@ -533,3 +535,46 @@ def test_real_worker_frozen_with_sigstop_is_detected(long_context_model: Path) -
     samples = [s for g in groups for s in g.samples]
     assert len(samples) == 8 and all(len(s.output_ids) == budget for s in samples)
     assert any([seg.worker for seg in s.segments] == ["w1", "w2"] for s in samples)
+
+
+def test_real_worker_pulls_published_weights(long_context_model: Path, tmp_path: Path) -> None:
+    """publish_version -> the sync hook grants a token -> the worker pulls over TCP (raw,
+    then a delta) -> the manager routes to it at the new version, and the worker really
+    generates with the published weights."""
+    from polyrl.manager.weight_sync import PublisherSync
+    from polyrl.transfer.publisher import WeightPublisher
+
+    other = _tiny(tmp_path / "other", seed=7)
+    reference = Engine.from_pretrained(str(other), EngineConfig(max_num_seqs=4))
+    new_weights = {k: p.detach().clone() for k, p in reference.model.named_parameters()}
+    request = batch(2, 1, 12)
+    request.sampling.temperature, request.sampling.ignore_eos = 0.0, True
+    with ManagerThread(fast_cfg()) as mt, WeightPublisher(chunk_bytes=64 * 1024) as pub:
+        sync = PublisherSync(mt.manager, pub)
+        mt.add_sync_hook(sync)
+        proc = _start_worker(long_context_model, mt.url, "w1")
+        try:
+            proc.wait_ready()
+            wait_active(mt, "w1")
+            pub.publish(new_weights, 1)
+            mt.publish_version(1)
+            _wait_until(lambda: workers_of(mt)["w1"]["weight_version"] == 1, 30, "w1 at v1")
+            assert "raw" in sync.last_message["w1"]
+            groups = list(mt.generate(request))
+            nudged = {k: (v + 0.5 if k.endswith("norm.weight") else v) for k, v in new_weights.items()}
+            pub.publish(nudged, 2)
+            mt.publish_version(2)
+            _wait_until(lambda: workers_of(mt)["w1"]["weight_version"] == 2, 30, "w1 at v2")
+            assert "delta" in sync.last_message["w1"]
+        finally:
+            proc.kill()
+    for g in groups:
+        s = g.samples[0]
+        assert s.weight_versions == [1] * 12
+        prompt = next(p for p in request.prompts if p.id == g.prompt_id)
+        sampling = EngineSampling(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+        reference.add_request(EngineRequest(g.prompt_id, prompt.input_ids, sampling))
+        out: list[int] = []
+        while reference.has_work:
+            out += [t for d in reference.step() for t in d.token_ids]
+        assert s.output_ids == out  # greedy tokens of the published weights

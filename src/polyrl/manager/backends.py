@@ -24,7 +24,12 @@ from typing import Any, NamedTuple
 import httpx
 
 from polyrl.engine.async_engine import AsyncEngine, EngineDeadError
-from polyrl.engine.types import EngineFullError, EngineRequest, EngineSampling, RequestError
+from polyrl.engine.types import (
+    EngineFullError,
+    EngineRequest,
+    EngineSampling,
+    RequestError,
+)
 from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import WorkerRecord
 

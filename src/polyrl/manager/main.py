@@ -22,7 +22,13 @@ import uvicorn
 from polyrl.config import ConfigError, ManagerConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.manager.manager import RolloutManager, SyncHook
-from polyrl.manager.protocol import BatchError, BatchFailed, BatchRequest, GroupResult, WorkerList
+from polyrl.manager.protocol import (
+    BatchError,
+    BatchFailed,
+    BatchRequest,
+    GroupResult,
+    WorkerList,
+)
 from polyrl.manager.server import create_app
 from polyrl.serving import QuietServer, bind, http_url, is_loopback, wait_started
 

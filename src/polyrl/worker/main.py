@@ -25,8 +25,8 @@ from polyrl.config import WorkerRunConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.manager.protocol import Heartbeat, RegisterRequest, RegisterResponse
-from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession
 from polyrl.serving import QuietServer, bind, http_url, wait_started
+from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession
 from polyrl.worker.server import WorkerState, create_app
 
 log = logging.getLogger(__name__)

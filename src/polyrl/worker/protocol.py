@@ -18,7 +18,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from polyrl.engine.types import EngineRequest, EngineSampling, FinishReason, SampleResult
+from polyrl.engine.types import (
+    EngineRequest,
+    EngineSampling,
+    FinishReason,
+    SampleResult,
+)
 
 BATCHED_INPUT_MESSAGE = "batched input is not supported: send one request per prompt"
 SSE_DONE = b"data: [DONE]\n\n"
@@ -128,6 +133,21 @@ class UpdateWeightsFromDiskRequest(_Wire):
     """Ignored: the directory's `*.safetensors` files are read."""
     abort_all_requests: bool = False
     """Abort in-flight requests (they return partial tokens) before the swap."""
+
+
+class UpdateWeightsFromPublisherRequest(_Wire):
+    """polyrl extension: pull `weight_version` from the trainer's weight publisher
+    (`polyrl.transfer`), as a delta against the current version when it can."""
+
+    host: str
+    port: int = Field(ge=1, le=65535)
+    weight_version: int = Field(ge=0)
+    token: str
+    """The per-transfer secret the manager got from the publisher for this worker."""
+    worker_id: str
+    """The id the token was granted to."""
+    num_streams: int = Field(4, ge=1, le=64)
+    timeout_s: float = Field(60.0, gt=0)
 
 
 # --------------------------------------------------------------------------------- responses

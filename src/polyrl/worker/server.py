@@ -34,6 +34,8 @@ from polyrl.engine.types import (
     SampleResult,
 )
 from polyrl.httpapi import ApiError, error_body, error_handlers
+from polyrl.transfer.receiver import PullSource
+from polyrl.transfer.wire import TransferError
 from polyrl.worker.protocol import (
     SSE_DONE,
     AbortRequest,
@@ -42,11 +44,13 @@ from polyrl.worker.protocol import (
     ModelInfo,
     ServerInfo,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromPublisherRequest,
     UpdateWeightsResponse,
     sample_response,
     sse_event,
     text_token_ids,
 )
+from polyrl.worker.weight_sync import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,7 @@ class WorkerState:
         self.shutdown_reason = ""
         self.num_open_generates = 0
         """/generate responses not yet fully sent; the drain waits for them to flush."""
+        self.weight_receiver = WeightReceiver(engine)
 
     @property
     def weight_version(self) -> int:
@@ -333,6 +338,22 @@ class _Handlers:
         ok = UpdateWeightsResponse(success=True, message=message, weight_version=version)
         return JSONResponse(ok.model_dump())
 
+    async def update_weights_from_publisher(self, body: UpdateWeightsFromPublisherRequest) -> Response:
+        source = PullSource(body.host, body.port, body.worker_id, body.token)
+        try:
+            pulled = await self.state.weight_receiver.sync(source, body.weight_version, body.num_streams, body.timeout_s)
+        except (TransferError, RequestError) as e:
+            message = f"weights not updated: {e}"
+            content = UpdateWeightsResponse(success=False, message=message).model_dump()
+            return JSONResponse(content | error_body(message, "transfer_failed"), status_code=400)
+        version = self.state.weight_version
+        if pulled is None:
+            message = f"already serving v{version}"
+        else:
+            message = (f"pulled {pulled.manifest.total_bytes} bytes ({pulled.codec}, {pulled.wire_bytes} on the wire) "
+                       f"in {pulled.seconds:.3f}s")  # fmt: skip
+        return JSONResponse(UpdateWeightsResponse(success=True, message=message, weight_version=version).model_dump())
+
     async def shutdown(self) -> dict[str, Any]:
         self.state.request_shutdown("POST /shutdown")
         return {"state": "draining"}
@@ -389,5 +410,6 @@ def create_app(state: WorkerState) -> FastAPI:
     app.get("/get_server_info")(h.get_server_info)
     app.get("/get_model_info")(h.get_model_info)
     app.post("/update_weights_from_disk")(h.update_weights_from_disk)
+    app.post("/update_weights_from_publisher")(h.update_weights_from_publisher)
     app.post("/shutdown")(h.shutdown)
     return app

@@ -1,0 +1,162 @@
+"""Weight pulls over TCP: bytes/s of `polyrl.transfer` next to a raw-socket ceiling
+measured in the same run with the same number of streams.
+
+The ceiling is N threads doing sendall from one buffer into N threads doing recv_into
+one preallocated buffer over loopback, nothing else. The pull adds the protocol, the
+per-chunk xxh3 checksums and the whole-buffer checksum.
+
+    python benchmarks/transfer.py --sizes-gib 1 --streams 1 4 8 16 --json out.json
+
+`--delta` also measures the delta codec on a realistic update: bf16 weights of
+Qwen3-0.6B's shapes (random values, std 0.02), fp32 master copies, one torch Adam step
+at lr 1e-6 on random gradients, cast back to bf16; wire bytes of the delta against raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from polyrl.transfer.publisher import WeightPublisher
+from polyrl.transfer.receiver import PullSource, pull
+
+
+def raw_ceiling(total: int, num_streams: int, src: memoryview, dst: memoryview) -> float:
+    """Bytes/s of plain loopback TCP: stream i moves bytes [i*share, (i+1)*share)."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=num_streams)
+    port = listener.getsockname()[1]
+    share = -(-total // num_streams)
+
+    def serve() -> None:
+        for _ in range(num_streams):
+            conn, _ = listener.accept()
+            threading.Thread(target=send, args=(conn,), daemon=True).start()
+
+    def send(conn: socket.socket) -> None:
+        with conn:
+            i = int.from_bytes(conn.recv(2), "big")
+            conn.sendall(src[i * share : min((i + 1) * share, total)])
+
+    def receive(i: int) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(i.to_bytes(2, "big"))
+            view, got = dst[i * share : min((i + 1) * share, total)], 0
+            while got < len(view):
+                got += sock.recv_into(view[got:])
+
+    threading.Thread(target=serve, daemon=True).start()
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=receive, args=(i,)) for i in range(num_streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    listener.close()
+    return total / elapsed
+
+
+QWEN3_0_6B = {"vocab": 151936, "hidden": 1024, "layers": 28, "inter": 3072, "q": 2048, "kv": 1024, "head_dim": 128}
+
+
+def qwen3_shapes(c: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab"], c["hidden"]),
+                                          "model.norm.weight": (c["hidden"],)}  # fmt: skip
+    for i in range(c["layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (c["q"], c["hidden"]), p + "self_attn.k_proj.weight": (c["kv"], c["hidden"]),
+            p + "self_attn.v_proj.weight": (c["kv"], c["hidden"]), p + "self_attn.o_proj.weight": (c["hidden"], c["q"]),
+            p + "self_attn.q_norm.weight": (c["head_dim"],), p + "self_attn.k_norm.weight": (c["head_dim"],),
+            p + "mlp.gate_proj.weight": (c["inter"], c["hidden"]), p + "mlp.up_proj.weight": (c["inter"], c["hidden"]),
+            p + "mlp.down_proj.weight": (c["hidden"], c["inter"]),
+            p + "input_layernorm.weight": (c["hidden"],), p + "post_attention_layernorm.weight": (c["hidden"],),
+        }  # fmt: skip
+    return shapes
+
+
+def adam_step_versions(lr: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(bf16 before, bf16 after one Adam step), tensor by tensor to bound memory."""
+    g = torch.Generator().manual_seed(0)
+    before, after = {}, {}
+    for name, shape in qwen3_shapes(QWEN3_0_6B).items():
+        init = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=g) * 0.02
+        master = torch.nn.Parameter(init)
+        before[name] = master.detach().to(torch.bfloat16)
+        master.grad = torch.randn(shape, generator=g) * 1e-3
+        torch.optim.Adam([master], lr=lr).step()
+        after[name] = master.detach().to(torch.bfloat16)
+    return before, after
+
+
+def measure_delta(lr: float) -> dict[str, float]:
+    from polyrl.transfer.delta import apply_delta, encode_delta
+    from polyrl.transfer.manifest import flatten
+
+    before, after = adam_step_versions(lr)
+    old, _ = flatten(before, 0)
+    new, _ = flatten(after, 1)
+    del before, after
+    t0 = time.perf_counter()
+    payload = encode_delta(old.numpy(), new.numpy())
+    encode_s = time.perf_counter() - t0
+    out = torch.empty_like(new)
+    t0 = time.perf_counter()
+    changed = apply_delta(old.numpy(), payload, out.numpy())
+    apply_s = time.perf_counter() - t0
+    assert torch.equal(out, new), "delta round trip is not bit-exact"
+    raw = new.numel()
+    print(f"\ndelta, Qwen3-0.6B shapes (bf16), one Adam step at lr {lr:g}:")
+    print(f"  raw {raw / 1e6:.1f} MB, delta {len(payload) / 1e6:.1f} MB = {len(payload) / raw:.1%} of raw; "
+          f"{changed / (raw // 2):.2%} of the bf16 words changed; encode {encode_s:.2f}s, apply {apply_s:.2f}s")  # fmt: skip
+    return {"raw_bytes": raw, "delta_bytes": len(payload), "fraction": len(payload) / raw,
+            "changed_words": changed, "encode_s": encode_s, "apply_s": apply_s}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes-gib", type=float, nargs="+", default=[1.0])
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--chunk-mib", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=2, help="best of N for both rows")
+    p.add_argument("--delta", action="store_true", help="also measure the delta codec (see above)")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--json", help="write the numbers here")
+    args = p.parse_args()
+
+    rows = []
+    print(f"{'size':>8} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13}")
+    for size_gib in args.sizes_gib:
+        total = int(size_gib * 2**30) // 4 * 4
+        weights = {"w": torch.randn(total // 4)}
+        with WeightPublisher(chunk_bytes=args.chunk_mib * 2**20, keep_versions=1) as pub:
+            t0 = time.perf_counter()
+            info = pub.publish(weights, 1)
+            publish_s = time.perf_counter() - t0
+            src = memoryview(pub._lookup(1).view)  # type: ignore[union-attr]
+            recv_buffer = torch.empty(info.manifest.total_bytes, dtype=torch.uint8)  # reused, as a worker does
+            recv_buffer.fill_(0)  # touch the pages once, for both rows
+            dst = memoryview(recv_buffer.numpy()).cast("B")
+            source = PullSource(*pub.address, worker_id="bench", token=pub.grant("bench", 1))
+            for n in args.streams:
+                ceiling = max(raw_ceiling(info.manifest.total_bytes, n, src, dst) for _ in range(args.repeats))
+                rate = max(pull(source, 1, num_streams=n, timeout_s=120, into=recv_buffer).bytes_per_s
+                           for _ in range(args.repeats))  # fmt: skip
+                rows.append({"size_gib": size_gib, "streams": n, "ceiling_Bps": ceiling, "pull_Bps": rate,
+                             "fraction": rate / ceiling, "publish_s": publish_s})  # fmt: skip
+                print(f"{size_gib:>6.1f}Gi {n:>7} {ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} {rate / ceiling:>12.0%}",
+                      flush=True)  # fmt: skip
+        print(f"  publish (snapshot + checksums) of {size_gib:g} GiB: {publish_s:.2f}s")
+    delta = measure_delta(args.lr) if args.delta else None
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "delta": delta}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Lossless sparse delta between two weight versions of the same layout.
+
+After a small RL step most bf16 entries are bit-identical to the previous version (an
+update below half a unit in the last place rounds away). The delta lists the 16-bit
+words that changed: their positions as gaps (zstd-compressed: runs of small numbers)
+and their new values (zstd-compressed too, which pays on the exponent bytes). Applying
+it to the exact base gives the exact new buffer; the receiver proves that with the new
+version's chunk checksums.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import zstandard
+
+_HEADER = struct.Struct("!4sQQQQ")
+_MAGIC = b"PRD1"
+
+
+def encode_delta(base: np.ndarray, new: np.ndarray, level: int = 3) -> bytes:
+    """`base`, `new`: 1-D uint8 arrays of the same even length."""
+    if base.shape != new.shape or base.dtype != np.uint8 or new.dtype != np.uint8 or base.size % 2:
+        raise ValueError("delta needs two uint8 buffers of the same even length")
+    b16, n16 = base.view(np.uint16), new.view(np.uint16)
+    positions = np.flatnonzero(b16 != n16)
+    if positions.size and positions[-1] >= 2**32:
+        raise ValueError("buffers over 8 GiB are not supported by the delta codec")
+    gaps = np.diff(positions, prepend=0).astype(np.uint32)
+    values = n16[positions]
+    compressor = zstandard.ZstdCompressor(level=level, threads=-1)
+    packed_gaps = compressor.compress(gaps.tobytes())
+    packed_values = compressor.compress(values.tobytes())
+    header = _HEADER.pack(_MAGIC, b16.size, positions.size, len(packed_gaps), len(packed_values))
+    return header + packed_gaps + packed_values
+
+
+def apply_delta(base: np.ndarray, payload: bytes | memoryview, out: np.ndarray) -> int:
+    """Write `base` + delta into `out` (same size as base; may not be `base`, which must
+    stay intact until the result is verified). Returns the number of words changed.
+    Raises ValueError on a payload that does not fit the base."""
+    if len(payload) < _HEADER.size:
+        raise ValueError("delta payload too short")
+    magic, num_words, num_changed, len_gaps, len_values = _HEADER.unpack_from(payload)
+    if magic != _MAGIC or num_words * 2 != base.size or out.shape != base.shape:
+        raise ValueError(f"delta does not fit: {num_words} words for a base of {base.size} bytes")
+    if _HEADER.size + len_gaps + len_values != len(payload):
+        raise ValueError("delta payload length does not match its header")
+    decompressor = zstandard.ZstdDecompressor()
+    start = _HEADER.size
+    try:
+        gaps = np.frombuffer(decompressor.decompress(payload[start : start + len_gaps], max_output_size=num_changed * 4), np.uint32)
+        values = np.frombuffer(decompressor.decompress(payload[start + len_gaps :], max_output_size=num_changed * 2), np.uint16)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"corrupt delta payload: {e}") from None
+    if gaps.size != num_changed or values.size != num_changed:
+        raise ValueError("delta payload does not hold what its header says")
+    positions = np.cumsum(gaps, dtype=np.int64)
+    if num_changed and positions[-1] >= num_words:
+        raise ValueError("delta positions run past the buffer")
+    np.copyto(out, base)
+    out.view(np.uint16)[positions] = values
+    return int(num_changed)

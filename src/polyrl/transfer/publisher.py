@@ -1,0 +1,182 @@
+"""The trainer's side of the weight data plane: hold recent versions, serve pulls.
+
+`publish` snapshots the weights into a new host buffer (the trainer goes on training
+while workers pull), computes the chunk checksums, and keeps the newest `keep_versions`
+versions. Receivers pull; the publisher never waits on one: each connection has its own
+thread and a socket timeout, and a receiver that dies mid-transfer only ends its own
+connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import socketserver
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from polyrl.transfer.delta import encode_delta
+from polyrl.transfer.manifest import flatten
+from polyrl.transfer.wire import (
+    OP_DELTA,
+    OP_DESCRIBE,
+    STATUS_OK,
+    STATUS_REFUSED,
+    TransferInfo,
+    chunk_checksums,
+    combined_checksum,
+    read_request,
+    send_text,
+    transfer_token,
+)
+
+log = logging.getLogger("polyrl.transfer")
+
+DEFAULT_CHUNK_BYTES = 8 * 2**20
+
+
+@dataclass
+class _Held:
+    buffer: torch.Tensor
+    view: memoryview
+    info: TransferInfo
+
+
+class WeightPublisher:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        key: bytes | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        keep_versions: int = 2,
+        io_timeout_s: float = 30.0,
+    ) -> None:
+        if chunk_bytes < 4096 or keep_versions < 1:
+            raise ValueError("chunk_bytes must be >= 4096 and keep_versions >= 1")
+        self.key = key if key is not None else os.urandom(32)
+        self.chunk_bytes, self.keep_versions, self.io_timeout_s = chunk_bytes, keep_versions, io_timeout_s
+        self._held: dict[int, _Held] = {}
+        self._lock = threading.Lock()
+        self._delta_lock = threading.Lock()
+        self._delta_cache: tuple[tuple[int, int], bytes] | None = None
+        self.bytes_sent = 0
+        self._server = _Server((host, port), _Handler)
+        self._server.publisher = self
+        self.address: tuple[str, int] = self._server.server_address[:2]  # type: ignore[assignment]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="polyrl-publisher", daemon=True)
+
+    def start(self) -> WeightPublisher:
+        self._thread.start()
+        log.info("weight publisher serving on %s:%d", *self.address)
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> WeightPublisher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> TransferInfo:
+        """Snapshot `state_dict` as `version`; the oldest versions beyond `keep_versions`
+        are dropped (a pull already reading one finishes; new pulls of it are refused)."""
+        buffer, manifest = flatten(state_dict, version)
+        view = memoryview(buffer.numpy()).cast("B")
+        sums = chunk_checksums(view, self.chunk_bytes)
+        info = TransferInfo(
+            manifest=manifest, chunk_bytes=self.chunk_bytes, chunk_checksums=sums, buffer_checksum=combined_checksum(sums)
+        )
+        with self._lock:
+            self._held[version] = _Held(buffer, view, info)
+            for old in sorted(self._held)[: -self.keep_versions]:
+                del self._held[old]
+        log.info("weights v%d published: %.1f MB in %d chunks", version, manifest.total_bytes / 1e6, info.num_chunks)
+        return info
+
+    def grant(self, worker_id: str, version: int) -> str:
+        """The secret that lets `worker_id` pull `version` (hand it out over an
+        authenticated channel, e.g. the manager's API)."""
+        return transfer_token(self.key, worker_id, version)
+
+    @property
+    def versions(self) -> list[int]:
+        with self._lock:
+            return sorted(self._held)
+
+    def _lookup(self, version: int) -> _Held | None:
+        with self._lock:
+            return self._held.get(version)
+
+    def _delta(self, base: int, version: int) -> bytes | None:
+        """The delta `base -> version`, computed once and shared by every receiver at
+        `base`; None if either is not held or the layouts differ."""
+        key = (base, version)
+        with self._delta_lock:  # one computation at a time: they are large
+            if self._delta_cache is not None and self._delta_cache[0] == key:
+                return self._delta_cache[1]
+            old, new = self._lookup(base), self._lookup(version)
+            if old is None or new is None or old.info.manifest.tensors != new.info.manifest.tensors:
+                return None
+            t0 = time.perf_counter()
+            payload = encode_delta(old.buffer.numpy(), new.buffer.numpy())
+            self._delta_cache = (key, payload)
+        log.info("delta v%d -> v%d: %.1f MB (%.1f%% of raw) in %.2fs", base, version, len(payload) / 1e6,
+                 100 * len(payload) / max(new.info.manifest.total_bytes, 1), time.perf_counter() - t0)  # fmt: skip
+        return payload
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+    publisher: WeightPublisher
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        pub: WeightPublisher = self.server.publisher  # type: ignore[attr-defined]
+        sock: socket.socket = self.request
+        sock.settimeout(pub.io_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = f"{self.client_address[0]}:{self.client_address[1]}"
+        try:
+            req = read_request(sock)
+            held = pub._lookup(req.version)
+            if not _token_ok(pub, req.worker_id, req.version, req.token):
+                log.warning("weight pull refused for %r from %s: bad token for v%d", req.worker_id, peer, req.version)
+                send_text(sock, STATUS_REFUSED, b"bad transfer token for this worker and version")
+            elif held is None:
+                send_text(sock, STATUS_REFUSED, f"version {req.version} is not held (held: {pub.versions})".encode())
+            elif req.op == OP_DESCRIBE:
+                send_text(sock, STATUS_OK, held.info.model_dump_json().encode())
+            elif req.op == OP_DELTA:
+                payload = pub._delta(req.base, req.version)
+                if payload is None:
+                    send_text(sock, STATUS_REFUSED, f"no delta from v{req.base} (held: {pub.versions})".encode())
+                else:
+                    sock.sendall(bytes([STATUS_OK]) + len(payload).to_bytes(8, "big"))
+                    sock.sendall(payload)
+                    pub.bytes_sent += len(payload)
+            else:
+                sock.sendall(bytes([STATUS_OK]))
+                for index in range(req.stream, held.info.num_chunks, req.num_streams):
+                    start, end = held.info.chunk_range(index)
+                    sock.sendall(held.view[start:end])
+                    pub.bytes_sent += end - start
+        except (OSError, ValueError, UnicodeDecodeError) as e:  # a receiver that died or spoke garbage
+            log.debug("weight pull from %s ended: %s: %s", peer, type(e).__name__, e)
+
+
+def _token_ok(pub: WeightPublisher, worker: str, version: int, token: str) -> bool:
+    import hmac
+
+    return hmac.compare_digest(token.encode(), pub.grant(worker, version).encode())

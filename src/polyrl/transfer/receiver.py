@@ -1,0 +1,181 @@
+"""The worker's side of the weight data plane: pull a version into a preallocated
+buffer over parallel TCP streams, verify it, and only then hand it to the engine.
+
+Every chunk is checked against its xxh3 checksum as it lands, and the whole buffer
+against the version's checksum at the end, so what the engine loads is bit-exact or
+nothing: any failure raises TransferError and the engine keeps its current weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from pydantic import ValidationError
+
+from polyrl.transfer.delta import apply_delta
+from polyrl.transfer.manifest import Manifest
+from polyrl.transfer.wire import (
+    OP_CHUNKS,
+    OP_DELTA,
+    OP_DESCRIBE,
+    STATUS_OK,
+    TransferError,
+    TransferInfo,
+    checksum,
+    combined_checksum,
+    encode_request,
+    read_reply_text,
+    recv_exact,
+    recv_into_exact,
+)
+
+log = logging.getLogger("polyrl.transfer")
+
+
+@dataclass(frozen=True)
+class PullSource:
+    host: str
+    port: int
+    worker_id: str
+    token: str
+
+
+@dataclass
+class Pulled:
+    buffer: torch.Tensor
+    manifest: Manifest
+    seconds: float
+    codec: str = "raw"
+    """raw, or delta (against the base the receiver held)."""
+    wire_bytes: int = 0
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.manifest.total_bytes / max(self.seconds, 1e-9)
+
+
+def describe(source: PullSource, version: int, timeout_s: float = 30.0) -> TransferInfo:
+    with _connect(source, timeout_s) as sock:
+        sock.sendall(encode_request(OP_DESCRIBE, version, source.worker_id, source.token))
+        status, text = read_reply_text(sock)
+    if status != STATUS_OK:
+        raise TransferError(f"publisher refused v{version}: {text.decode(errors='replace')}")
+    try:
+        info = TransferInfo.model_validate_json(text)
+    except ValidationError as e:
+        raise TransferError(f"bad description of v{version}: {e.errors()[0]['msg']}") from None
+    total, chunk = info.manifest.total_bytes, info.chunk_bytes
+    if chunk <= 0 or info.num_chunks != -(-total // chunk) or info.manifest.version != version:
+        raise TransferError(f"bad description of v{version}: {info.num_chunks} chunks of {chunk} for {total} bytes")
+    return info
+
+
+def pull(
+    source: PullSource,
+    version: int,
+    num_streams: int = 4,
+    timeout_s: float = 30.0,
+    into: torch.Tensor | None = None,
+    base: tuple[int, torch.Tensor] | None = None,
+) -> Pulled:
+    """Fetch `version` over `num_streams` connections; raises TransferError.
+
+    `into`: a uint8 CPU buffer to reuse (e.g. the one of the version before last), which
+    saves allocating and first-touching the pages; it is used when large enough.
+    `base`: (version, buffer) the receiver holds; the publisher then sends only the
+    words that changed, when it still holds that version (else a raw pull follows)."""
+    t0 = time.perf_counter()
+    info = describe(source, version, timeout_s)
+    total = info.manifest.total_bytes
+    usable = into is not None and into.dtype == torch.uint8 and into.dim() == 1 and into.numel() >= total
+    if usable and not into.is_cuda and (base is None or into.data_ptr() != base[1].data_ptr()):  # type: ignore[union-attr]
+        buffer = into[:total]  # type: ignore[index]
+    else:
+        buffer = torch.empty(total, dtype=torch.uint8)
+    if base is not None and base[1].numel() == total:
+        pulled = _pull_delta(source, info, base, buffer, timeout_s)
+        if pulled is not None:
+            pulled.seconds = time.perf_counter() - t0
+            log.info("pulled v%d as a delta from v%d: %.1f MB on the wire for %.1f MB in %.2fs", version, base[0],
+                     pulled.wire_bytes / 1e6, total / 1e6, pulled.seconds)  # fmt: skip
+            return pulled
+    view = memoryview(buffer.numpy()).cast("B")
+    num_streams = max(1, min(num_streams, info.num_chunks))
+    with ThreadPoolExecutor(num_streams, thread_name_prefix="polyrl-pull") as pool:
+        futures = [pool.submit(_pull_stream, source, info, view, i, num_streams, timeout_s) for i in range(num_streams)]
+        errors = [f.exception() for f in futures]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        if isinstance(first, TransferError):
+            raise first
+        raise TransferError(f"pull of v{version} failed: {type(first).__name__}: {first}") from first
+    if combined_checksum(info.chunk_checksums) != info.buffer_checksum:  # each chunk matched its own
+        raise TransferError(f"v{version}: the chunk checksums do not add up to the version's checksum")
+    pulled = Pulled(buffer, info.manifest, time.perf_counter() - t0, "raw", total)
+    log.info("pulled v%d: %.1f MB in %.2fs over %d streams", version, info.manifest.total_bytes / 1e6,
+             pulled.seconds, num_streams)  # fmt: skip
+    return pulled
+
+
+def _pull_stream(
+    source: PullSource, info: TransferInfo, view: memoryview, stream: int, num_streams: int, timeout_s: float
+) -> None:
+    version = info.manifest.version
+    with _connect(source, timeout_s) as sock:
+        sock.sendall(encode_request(OP_CHUNKS, version, source.worker_id, source.token, stream, num_streams))
+        status = recv_exact(sock, 1)[0]
+        if status != STATUS_OK:
+            length = int.from_bytes(recv_exact(sock, 4), "big")
+            text = recv_exact(sock, min(length, 4096))
+            raise TransferError(f"publisher refused v{version}: {text.decode(errors='replace')}")
+        for index in range(stream, info.num_chunks, num_streams):
+            start, end = info.chunk_range(index)
+            recv_into_exact(sock, view[start:end])
+            if checksum(view[start:end]) != info.chunk_checksums[index]:
+                raise TransferError(f"v{version}: chunk {index} (bytes {start}-{end}) failed its checksum")
+
+
+def _pull_delta(
+    source: PullSource, info: TransferInfo, base: tuple[int, torch.Tensor], out: torch.Tensor, timeout_s: float
+) -> Pulled | None:
+    """None when the publisher cannot make the delta (it no longer holds the base)."""
+    version = info.manifest.version
+    with _connect(source, timeout_s) as sock:
+        sock.sendall(encode_request(OP_DELTA, version, source.worker_id, source.token, base=base[0]))
+        status = recv_exact(sock, 1)[0]
+        if status != STATUS_OK:
+            length = int.from_bytes(recv_exact(sock, 4), "big")
+            text = recv_exact(sock, min(length, 4096)).decode(errors="replace")
+            if text.startswith("no delta"):
+                log.info("no delta for v%d from v%d (%s): pulling it whole", version, base[0], text)
+                return None
+            raise TransferError(f"publisher refused v{version}: {text}")
+        length = int.from_bytes(recv_exact(sock, 8), "big")
+        if length > 2 * info.manifest.total_bytes + 2**20:
+            raise TransferError(f"v{version}: a {length}-byte delta for a {info.manifest.total_bytes}-byte version")
+        payload = bytearray(length)
+        recv_into_exact(sock, memoryview(payload))
+    try:
+        apply_delta(base[1].numpy(), payload, out.numpy())
+    except ValueError as e:
+        raise TransferError(f"v{version}: bad delta from v{base[0]}: {e}") from None
+    view = memoryview(out.numpy()).cast("B")
+    for index in range(info.num_chunks):  # the result must be exactly the published version
+        start, end = info.chunk_range(index)
+        if checksum(view[start:end]) != info.chunk_checksums[index]:
+            raise TransferError(f"v{version}: delta from v{base[0]} gives a wrong chunk {index} (base not exact?)")
+    return Pulled(out, info.manifest, 0.0, "delta", length)
+
+
+def _connect(source: PullSource, timeout_s: float) -> socket.socket:
+    try:
+        sock = socket.create_connection((source.host, source.port), timeout=timeout_s)
+    except OSError as e:
+        raise TransferError(f"cannot reach the publisher at {source.host}:{source.port}: {e}") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock

@@ -1,0 +1,140 @@
+"""The weight data plane's wire format (TCP, one request per connection).
+
+A receiver opens one connection for the version's description, then N connections
+that each pull a stride of the chunks (chunk i goes over stream i mod N), straight into
+the receiver's preallocated buffer. Every request names the worker, the version and a
+per-transfer token (HMAC of both under the publisher's key, handed out by whoever
+authenticated the worker, i.e. the manager), so a connection can only read the version
+it was granted.
+
+    request  = MAGIC | op:u8 | version:i64 | base:i64 | stream:u16 | num_streams:u16
+               | worker_len:u16 | worker | token_len:u16 | token
+    op 1 (DESCRIBE) reply = status:u8 | len:u32 | JSON TransferInfo (or an error text)
+    op 2 (CHUNKS)   reply = status:u8 | then the raw bytes of chunks stream, stream+N, ...
+                            in order (or len:u32 | error text when status != 0)
+    op 3 (DELTA)    reply = status:u8 | len:u64 | the delta of `version` against `base`
+                            (`transfer/delta.py`), or len:u32 | error text
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import socket
+import struct
+from dataclasses import dataclass
+
+import xxhash
+from pydantic import BaseModel, ConfigDict
+
+from polyrl.transfer.manifest import Manifest
+
+MAGIC = b"PRLW1\n"
+OP_DESCRIBE, OP_CHUNKS, OP_DELTA = 1, 2, 3
+STATUS_OK, STATUS_REFUSED = 0, 1
+_HEADER = struct.Struct("!BqqHH")
+_U16, _U32 = struct.Struct("!H"), struct.Struct("!I")
+MAX_TEXT = 16 * 2**20
+"""Largest description or error text accepted (a manifest of a few thousand tensors)."""
+
+
+class TransferInfo(BaseModel):
+    """What a receiver needs before pulling: the manifest, how the buffer is chunked, and
+    a checksum per chunk plus one over the whole buffer (bit-exact result)."""
+
+    model_config = ConfigDict(extra="forbid")
+    manifest: Manifest
+    chunk_bytes: int
+    chunk_checksums: list[int]
+    """xxh3_64 of each chunk."""
+    buffer_checksum: int
+    """`combined_checksum(chunk_checksums)`: one value for the whole buffer that a receiver
+    checks without reading the buffer a second time."""
+
+    def chunk_range(self, index: int) -> tuple[int, int]:
+        start = index * self.chunk_bytes
+        return start, min(start + self.chunk_bytes, self.manifest.total_bytes)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_checksums)
+
+
+class TransferError(RuntimeError):
+    """A pull failed (refused, cut, corrupted); the receiver's old weights are untouched."""
+
+
+def checksum(data: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def chunk_checksums(buffer: memoryview, chunk_bytes: int) -> list[int]:
+    return [checksum(buffer[i : i + chunk_bytes]) for i in range(0, len(buffer), chunk_bytes)]
+
+
+def combined_checksum(chunk_sums: list[int]) -> int:
+    return xxhash.xxh3_64_intdigest(b"".join(c.to_bytes(8, "big") for c in chunk_sums))
+
+
+def transfer_token(key: bytes, worker_id: str, version: int) -> str:
+    return hmac.new(key, f"{worker_id}\0{version}".encode(), hashlib.sha256).hexdigest()
+
+
+def encode_request(
+    op: int, version: int, worker_id: str, token: str, stream: int = 0, num_streams: int = 1, base: int = -1
+) -> bytes:
+    worker, tok = worker_id.encode(), token.encode()
+    return b"".join([
+        MAGIC, _HEADER.pack(op, version, base, stream, num_streams),
+        _U16.pack(len(worker)), worker, _U16.pack(len(tok)), tok,
+    ])  # fmt: skip
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise TransferError(f"connection closed after {got} of {len(view)} bytes")
+        got += n
+
+
+@dataclass(frozen=True)
+class Request:
+    op: int
+    version: int
+    base: int
+    stream: int
+    num_streams: int
+    worker_id: str
+    token: str
+
+
+def read_request(sock: socket.socket) -> Request:
+    """Raises ValueError on anything that is not a well-formed request."""
+    if recv_exact(sock, len(MAGIC)) != MAGIC:
+        raise ValueError("not a polyrl weight-transfer request")
+    op, version, base, stream, num_streams = _HEADER.unpack(recv_exact(sock, _HEADER.size))
+    worker = recv_exact(sock, _U16.unpack(recv_exact(sock, 2))[0]).decode()
+    token = recv_exact(sock, _U16.unpack(recv_exact(sock, 2))[0]).decode()
+    if op not in (OP_DESCRIBE, OP_CHUNKS, OP_DELTA) or num_streams < 1 or stream >= num_streams:
+        raise ValueError(f"bad request header (op {op}, stream {stream} of {num_streams})")
+    return Request(op, version, base, stream, num_streams, worker, token)
+
+
+def send_text(sock: socket.socket, status: int, text: bytes) -> None:
+    sock.sendall(bytes([status]) + _U32.pack(len(text)) + text)
+
+
+def read_reply_text(sock: socket.socket) -> tuple[int, bytes]:
+    status = recv_exact(sock, 1)[0]
+    (length,) = _U32.unpack(recv_exact(sock, 4))
+    if length > MAX_TEXT:
+        raise TransferError(f"reply of {length} bytes is over the {MAX_TEXT}-byte limit")
+    return status, recv_exact(sock, length)

@@ -1,0 +1,46 @@
+"""The worker's weight receiver: pull a version from the trainer's publisher and swap it
+into the engine.
+
+Two host buffers take turns: the current version's (the base of the next delta pull)
+and a spare one the next pull lands in, so a pull allocates nothing after the first
+two. The engine keeps serving the old weights until the new buffer is complete and
+verified; a failed pull changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+
+from polyrl.engine.async_engine import AsyncEngine
+from polyrl.transfer.manifest import unflatten
+from polyrl.transfer.receiver import Pulled, PullSource, pull
+
+log = logging.getLogger(__name__)
+
+
+class WeightReceiver:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self._base: tuple[int, torch.Tensor] | None = None
+        self._spare: torch.Tensor | None = None
+        self._lock = asyncio.Lock()
+
+    async def sync(self, source: PullSource, version: int, num_streams: int, timeout_s: float) -> Pulled | None:
+        """Pull `version` and load it; None if the engine already serves it or a newer one.
+        Raises TransferError (the engine keeps its weights) or RequestError (the version
+        does not fit the model)."""
+        async with self._lock:  # one sync at a time; a second caller waits, then no-ops
+            if self.engine.engine.weight_version >= version:
+                return None
+            base = self._base
+            pulled = await asyncio.to_thread(
+                pull, source, version, num_streams=num_streams, timeout_s=timeout_s, into=self._spare, base=base
+            )
+            await self.engine.update_weights(unflatten(pulled.buffer, pulled.manifest), version)
+            if base is not None and base[1].data_ptr() != pulled.buffer.data_ptr():
+                self._spare = base[1]  # the old base is free now: the next pull lands there
+            self._base = (version, pulled.buffer)
+            return pulled

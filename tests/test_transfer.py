@@ -1,0 +1,228 @@
+"""The weight data plane: bit-exact pulls over several streams, and every way a pull can
+go wrong (bad token, unknown version, corrupted chunk, truncated stream, garbage
+description, a receiver dying mid-transfer) ending in TransferError with the
+publisher still serving."""
+
+from __future__ import annotations
+
+import socket
+import socketserver
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from polyrl.config import EngineConfig
+from polyrl.engine.engine import Engine
+from polyrl.transfer.manifest import unflatten
+from polyrl.transfer.publisher import WeightPublisher
+from polyrl.transfer.receiver import PullSource, describe, pull
+from polyrl.transfer.wire import OP_CHUNKS, STATUS_OK, TransferError, encode_request, read_request, send_text
+
+CHUNK = 4096
+
+
+def weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a.weight": torch.randn(64, 33, generator=g).to(torch.bfloat16),  # odd sizes: chunks straddle tensors
+        "b.bias": torch.randn(257, generator=g),
+        "c.weight": torch.randn(128, 96, generator=g),
+    }
+
+
+@pytest.fixture
+def publisher() -> Iterator[WeightPublisher]:
+    with WeightPublisher(chunk_bytes=CHUNK, keep_versions=2) as pub:
+        yield pub
+
+
+def source(pub: WeightPublisher, version: int, worker: str = "w1") -> PullSource:
+    return PullSource(*pub.address, worker_id=worker, token=pub.grant(worker, version))
+
+
+def assert_same(pulled: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> None:
+    assert pulled.keys() == sent.keys()
+    for name, t in sent.items():
+        assert pulled[name].dtype == t.dtype and torch.equal(pulled[name].view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.parametrize("num_streams", [1, 3, 8])
+def test_pull_is_bit_exact(publisher: WeightPublisher, num_streams: int) -> None:
+    sent = weights()
+    info = publisher.publish(sent, 1)
+    assert info.num_chunks > 8  # every stream gets several chunks
+    got = pull(source(publisher, 1), 1, num_streams=num_streams)
+    assert got.manifest.version == 1
+    assert_same(unflatten(got.buffer, got.manifest), sent)
+
+
+def test_two_receivers_at_once_and_a_late_joiner(publisher: WeightPublisher) -> None:
+    for v in (1, 2, 3):
+        publisher.publish(weights(v), v)
+    assert publisher.versions == [2, 3]  # keep_versions=2
+    results: dict[str, object] = {}
+
+    def run(worker: str) -> None:
+        results[worker] = pull(source(publisher, 3, worker), 3, num_streams=4)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for w in ("a", "b"):
+        got = results[w]
+        assert_same(unflatten(got.buffer, got.manifest), weights(3))  # type: ignore[attr-defined]
+    with pytest.raises(TransferError, match=r"version 1 is not held \(held: \[2, 3\]\)"):
+        pull(source(publisher, 1), 1)
+
+
+def test_bad_token_and_token_for_another_version_are_refused(publisher: WeightPublisher) -> None:
+    publisher.publish(weights(), 1)
+    publisher.publish(weights(), 2)
+    host, port = publisher.address
+    for token in ("nope", publisher.grant("w1", 2), publisher.grant("w2", 1)):
+        with pytest.raises(TransferError, match="bad transfer token"):
+            pull(PullSource(host, port, "w1", token), 1)
+
+
+def test_corrupted_chunk_is_rejected(publisher: WeightPublisher) -> None:
+    publisher.publish(weights(), 1)
+    held = publisher._lookup(1)
+    assert held is not None
+    held.buffer[3 * CHUNK + 7] ^= 0x10  # a bit flips in memory after publishing
+    with pytest.raises(TransferError, match="chunk 3 .* failed its checksum"):
+        pull(source(publisher, 1), 1, num_streams=2)
+
+
+def test_receiver_dying_mid_transfer_does_not_hurt_the_publisher(publisher: WeightPublisher) -> None:
+    sent = weights()
+    publisher.publish(sent, 1)
+    for _ in range(3):  # read a little of a stream, then vanish
+        with socket.create_connection(publisher.address) as sock:
+            sock.sendall(encode_request(OP_CHUNKS, 1, "w1", publisher.grant("w1", 1), 0, 1))
+            assert sock.recv(100)
+    got = pull(source(publisher, 1), 1, num_streams=4)
+    assert_same(unflatten(got.buffer, got.manifest), sent)
+
+
+class _Evil(socketserver.ThreadingTCPServer):
+    """A publisher that describes a version truthfully, then misbehaves."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, real: WeightPublisher, mode: str) -> None:
+        self.real, self.mode = real, mode
+        super().__init__(("127.0.0.1", 0), _EvilHandler)
+
+
+class _EvilHandler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        server: _Evil = self.server  # type: ignore[assignment]
+        req = read_request(self.request)
+        held = server.real._lookup(req.version)
+        assert held is not None
+        if req.op != OP_CHUNKS:
+            text = held.info.model_dump_json().encode()
+            if server.mode == "garbage":
+                text = text.replace(b'"total_bytes"', b'"total_bites"')
+            send_text(self.request, STATUS_OK, text)
+            return
+        self.request.sendall(bytes([STATUS_OK]))
+        start, end = held.info.chunk_range(req.stream)
+        self.request.sendall(held.view[start : start + (end - start) // 2])  # half a chunk, then hang up
+
+
+@pytest.mark.parametrize("mode", ["truncate", "garbage"])
+def test_truncated_stream_or_bad_description_is_rejected(publisher: WeightPublisher, mode: str) -> None:
+    publisher.publish(weights(), 1)
+    evil = _Evil(publisher, mode)
+    threading.Thread(target=evil.serve_forever, daemon=True).start()
+    try:
+        src = PullSource("127.0.0.1", evil.server_address[1], "w1", "any")
+        expected = "connection closed after" if mode == "truncate" else "bad description"
+        with pytest.raises(TransferError, match=expected):
+            pull(src, 1, num_streams=2)
+    finally:
+        evil.shutdown()
+        evil.server_close()
+
+
+def test_unreachable_publisher_is_a_clear_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(TransferError, match="cannot reach the publisher"):
+        describe(PullSource("127.0.0.1", port, "w", "t"), 1, timeout_s=2)
+
+
+def test_pulled_weights_load_into_an_engine(tiny_model_dir, publisher: WeightPublisher) -> None:
+    target = Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_num_seqs=2))
+    new = {k: torch.randn_like(p) for k, p in target.model.named_parameters()}  # tied weights once
+    publisher.publish(new, 5)
+    got = pull(source(publisher, 5), 5, num_streams=4)
+    target.update_weights(unflatten(got.buffer, got.manifest), 5)
+    assert target.weight_version == 5
+    for name, param in target.model.named_parameters():
+        assert torch.equal(param, new[name].to(param.dtype))
+
+
+# ------------------------------------------------------------------------------------ delta
+
+
+def small_step(w: dict[str, torch.Tensor], fraction: float, seed: int = 1) -> dict[str, torch.Tensor]:
+    """A copy where `fraction` of the entries moved (the rest bit-identical)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in w.items():
+        mask = torch.rand(t.shape, generator=g) < fraction
+        out[name] = torch.where(mask, (t.float() + 0.5).to(t.dtype), t)
+    return out
+
+
+def test_delta_codec_round_trip_and_refuses_garbage() -> None:
+    from polyrl.transfer.delta import apply_delta, encode_delta
+    from polyrl.transfer.manifest import flatten
+
+    old, _ = flatten(weights(), 1)
+    new, _ = flatten(small_step(weights(), 0.05), 2)
+    payload = encode_delta(old.numpy(), new.numpy())
+    assert len(payload) < 0.2 * new.numel()
+    out = torch.empty_like(new)
+    changed = apply_delta(old.numpy(), payload, out.numpy())
+    assert torch.equal(out, new) and 0 < changed < new.numel() // 2 // 10
+    same = encode_delta(old.numpy(), old.numpy())
+    apply_delta(old.numpy(), same, out.numpy())
+    assert torch.equal(out, old)
+    for bad in (payload[:10], payload[:-3], payload[:40] + bytes(len(payload) - 40)):
+        with pytest.raises(ValueError):
+            apply_delta(old.numpy(), bad, out.numpy())
+    with pytest.raises(ValueError, match="does not fit"):
+        apply_delta(old[:-64].numpy(), payload, out[:-64].numpy())
+
+
+def test_delta_pull_is_bit_exact_and_small(publisher: WeightPublisher) -> None:
+    v1, v2 = weights(), small_step(weights(), 0.02)
+    publisher.publish(v1, 1)
+    publisher.publish(v2, 2)
+    held = pull(source(publisher, 1), 1)
+    got = pull(source(publisher, 2), 2, base=(1, held.buffer))
+    assert got.codec == "delta" and got.wire_bytes < 0.2 * got.manifest.total_bytes
+    assert_same(unflatten(got.buffer, got.manifest), v2)
+    assert_same(unflatten(held.buffer, held.manifest), v1)  # the base is left intact
+
+
+def test_delta_falls_back_to_raw_and_catches_a_wrong_base(publisher: WeightPublisher) -> None:
+    for v in (1, 2, 3):
+        publisher.publish(small_step(weights(), 0.02, seed=v), v)
+    stale = pull(source(publisher, 2), 2).buffer
+    got = pull(source(publisher, 3), 3, base=(1, stale.clone()))  # v1 is no longer held: raw
+    assert got.codec == "raw"
+    assert_same(unflatten(got.buffer, got.manifest), small_step(weights(), 0.02, seed=3))
+    wrong = stale.clone()
+    wrong[100] ^= 1  # the receiver's copy of v2 is not exactly v2
+    with pytest.raises(TransferError, match="wrong chunk 0"):
+        pull(source(publisher, 3), 3, base=(2, wrong))
