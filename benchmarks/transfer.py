@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from polyrl.transfer.publisher import WeightPublisher
+from polyrl.transfer import receiver
 from polyrl.transfer.receiver import PullSource, pull
 
 
@@ -125,10 +126,14 @@ def main() -> None:
     p.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--chunk-mib", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2, help="best of N for both rows")
+    p.add_argument("--hash-piece-kib", type=int, default=0,
+                   help="receive+hash piece size (0: the receiver's default); set >= chunk to hash whole chunks")
     p.add_argument("--delta", action="store_true", help="also measure the delta codec (see above)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args()
+    if args.hash_piece_kib:
+        receiver.HASH_PIECE = args.hash_piece_kib * 1024
 
     rows = []
     print(f"{'size':>8} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13}")

@@ -566,6 +566,13 @@ def test_real_worker_pulls_published_weights(long_context_model: Path, tmp_path:
             mt.publish_version(2)
             _wait_until(lambda: workers_of(mt)["w1"]["weight_version"] == 2, 30, "w1 at v2")
             assert "delta" in sync.last_message["w1"]
+            late = _start_worker(long_context_model, mt.url, "w2")  # joins after v2: pulls it whole
+            try:
+                late.wait_ready()
+                _wait_until(lambda: workers_of(mt).get("w2", {}).get("state") == "active", 30, "w2 active")
+                assert workers_of(mt)["w2"]["weight_version"] == 2 and "raw" in sync.last_message["w2"]
+            finally:
+                late.kill()
         finally:
             proc.kill()
     for g in groups:

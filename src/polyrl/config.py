@@ -214,8 +214,9 @@ class WorkerRunConfig(_Section):
 class TransferConfig(_Section):
     """How workers pull weight versions (consumed by the transfer layer)."""
 
-    streams_per_group: int = Field(4, ge=1, le=64)
-    """Parallel TCP streams per pull (one stream is far from a link's ceiling)."""
+    streams_per_group: int = Field(8, ge=1, le=64)
+    """Parallel TCP streams per pull (one stream is far from a link's ceiling; 8 was the
+    best measured on a 16-core host, see BENCHMARKS.md)."""
     num_groups: int = Field(1, ge=1)
     """Publisher groups that serve pulls; workers are spread over them."""
 

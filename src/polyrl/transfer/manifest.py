@@ -33,8 +33,13 @@ class Manifest(BaseModel):
     tensors: list[TensorEntry]
 
 
-def flatten(state_dict: Mapping[str, torch.Tensor], version: int) -> tuple[torch.Tensor, Manifest]:
-    """Pack tensors into one uint8 CPU buffer. Returns (buffer, manifest)."""
+def flatten(
+    state_dict: Mapping[str, torch.Tensor], version: int, pin_memory: bool | None = None
+) -> tuple[torch.Tensor, Manifest]:
+    """Pack tensors into one uint8 CPU buffer. Returns (buffer, manifest).
+
+    `pin_memory` (default: when any tensor is on CUDA) makes the device-to-host copies
+    run at full PCIe speed."""
     entries, offset = [], 0
     for name, t in state_dict.items():
         if str(t.dtype).removeprefix("torch.") not in _DTYPES:
@@ -42,7 +47,9 @@ def flatten(state_dict: Mapping[str, torch.Tensor], version: int) -> tuple[torch
         nbytes = t.numel() * t.element_size()
         entries.append(TensorEntry(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), offset=offset, nbytes=nbytes))
         offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
-    buffer = torch.empty(offset, dtype=torch.uint8)
+    if pin_memory is None:
+        pin_memory = any(t.is_cuda for t in state_dict.values())
+    buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=pin_memory)
     for entry, t in zip(entries, state_dict.values()):
         flat = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
         buffer[entry.offset : entry.offset + entry.nbytes] = flat

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+import xxhash
 from pydantic import ValidationError
 
 from polyrl.transfer.delta import apply_delta
@@ -35,6 +36,9 @@ from polyrl.transfer.wire import (
 )
 
 log = logging.getLogger("polyrl.transfer")
+
+HASH_PIECE = 1 << 20
+"""A chunk is received and hashed piece by piece, so the hash reads from cache, not DRAM."""
 
 
 @dataclass(frozen=True)
@@ -135,8 +139,12 @@ def _pull_stream(
             raise TransferError(f"publisher refused v{version}: {text.decode(errors='replace')}")
         for index in range(stream, info.num_chunks, num_streams):
             start, end = info.chunk_range(index)
-            recv_into_exact(sock, view[start:end])
-            if checksum(view[start:end]) != info.chunk_checksums[index]:
+            hasher = xxhash.xxh3_64()
+            for piece in range(start, end, HASH_PIECE):  # hash each piece while it is still in cache
+                part = view[piece : min(piece + HASH_PIECE, end)]
+                recv_into_exact(sock, part)
+                hasher.update(part)
+            if hasher.intdigest() != info.chunk_checksums[index]:
                 raise TransferError(f"v{version}: chunk {index} (bytes {start}-{end}) failed its checksum")
 
 
