@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--versions", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--codec", choices=["auto", "raw", "delta"], default="auto")
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args()
 
@@ -48,7 +49,7 @@ def main() -> None:
         cfg = ManagerConfig(port=0, token="bench", heartbeat_interval_s=0.5)
         cfg.transfer.streams_per_group = args.streams
         with ManagerThread(cfg) as mt, WeightPublisher() as pub:
-            sync = PublisherSync(mt.manager, pub, pull_timeout_s=600)
+            sync = PublisherSync(mt.manager, pub, pull_timeout_s=600, codec=args.codec)
             mt.add_sync_hook(sync)
             cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", tmp, "--manager", mt.url, "--token", "bench",
                    "--port", "0", "--worker-id", "w", "engine.max_num_seqs=8"]  # fmt: skip

@@ -550,7 +550,7 @@ def test_real_worker_pulls_published_weights(long_context_model: Path, tmp_path:
     request = batch(2, 1, 12)
     request.sampling.temperature, request.sampling.ignore_eos = 0.0, True
     with ManagerThread(fast_cfg()) as mt, WeightPublisher(chunk_bytes=64 * 1024) as pub:
-        sync = PublisherSync(mt.manager, pub)
+        sync = PublisherSync(mt.manager, pub, codec="delta")  # auto would pick raw on loopback
         mt.add_sync_hook(sync)
         proc = _start_worker(long_context_model, mt.url, "w1")
         try:

@@ -29,8 +29,9 @@ class PublisherSync:
         advertise_host: str | None = None,
         retries: int = 3,
         pull_timeout_s: float = 120.0,
+        codec: str = "auto",
     ) -> None:
-        self.manager, self.publisher = manager, publisher
+        self.manager, self.publisher, self.codec = manager, publisher, codec
         self.host = advertise_host or publisher.address[0]
         self.retries, self.pull_timeout_s = retries, pull_timeout_s
         self.last_message: dict[str, str] = {}
@@ -47,6 +48,7 @@ class PublisherSync:
             "worker_id": record.worker_id,
             "num_streams": self.manager.cfg.transfer.streams_per_group,
             "timeout_s": self.pull_timeout_s,
+            "codec": self.codec,
         }
         why = ""
         for attempt in range(self.retries + 1):

@@ -341,7 +341,9 @@ class _Handlers:
     async def update_weights_from_publisher(self, body: UpdateWeightsFromPublisherRequest) -> Response:
         source = PullSource(body.host, body.port, body.worker_id, body.token)
         try:
-            pulled = await self.state.weight_receiver.sync(source, body.weight_version, body.num_streams, body.timeout_s)
+            pulled = await self.state.weight_receiver.sync(
+                source, body.weight_version, body.num_streams, body.timeout_s, body.codec
+            )
         except (TransferError, RequestError) as e:
             message = f"weights not updated: {e}"
             content = UpdateWeightsResponse(success=False, message=message).model_dump()

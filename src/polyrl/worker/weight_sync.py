@@ -21,14 +21,28 @@ from polyrl.transfer.receiver import Pulled, PullSource, pull
 log = logging.getLogger(__name__)
 
 
+DELTA_BELOW_BYTES_PER_S = 250e6
+"""`auto` asks for a delta only when raw pulls ran slower than this (about 2 Gbit/s):
+making and applying a delta costs seconds of CPU per GB (BENCHMARKS.md), which only a
+slow link repays."""
+
+
 class WeightReceiver:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self._base: tuple[int, torch.Tensor] | None = None
         self._spare: torch.Tensor | None = None
+        self._raw_bytes_per_s: float | None = None
         self._lock = asyncio.Lock()
 
-    async def sync(self, source: PullSource, version: int, num_streams: int, timeout_s: float) -> Pulled | None:
+    def _want_delta(self, codec: str) -> bool:
+        if codec != "auto":
+            return codec == "delta"
+        return self._raw_bytes_per_s is not None and self._raw_bytes_per_s < DELTA_BELOW_BYTES_PER_S
+
+    async def sync(
+        self, source: PullSource, version: int, num_streams: int, timeout_s: float, codec: str = "auto"
+    ) -> Pulled | None:
         """Pull `version` and load it; None if the engine already serves it or a newer one.
         Raises TransferError (the engine keeps its weights) or RequestError (the version
         does not fit the model)."""
@@ -37,8 +51,11 @@ class WeightReceiver:
                 return None
             base = self._base
             pulled = await asyncio.to_thread(
-                pull, source, version, num_streams=num_streams, timeout_s=timeout_s, into=self._spare, base=base
-            )
+                pull, source, version, num_streams=num_streams, timeout_s=timeout_s, into=self._spare,
+                base=base if self._want_delta(codec) else None,
+            )  # fmt: skip
+            if pulled.codec == "raw":
+                self._raw_bytes_per_s = pulled.bytes_per_s
             await self.engine.update_weights(unflatten(pulled.buffer, pulled.manifest), version)
             if base is not None and base[1].data_ptr() != pulled.buffer.data_ptr():
                 self._spare = base[1]  # the old base is free now: the next pull lands there
