@@ -585,3 +585,35 @@ def test_real_worker_pulls_published_weights(long_context_model: Path, tmp_path:
         while reference.has_work:
             out += [t for d in reference.step() for t in d.token_ids]
         assert s.output_ids == out  # greedy tokens of the published weights
+
+
+def test_real_worker_loads_versions_from_a_shared_directory(long_context_model: Path, tmp_path: Path) -> None:
+    from polyrl.manager.weight_sync import DiskSync
+
+    other = _tiny(tmp_path / "other", seed=9)
+    reference = Engine.from_pretrained(str(other), EngineConfig(max_num_seqs=4))
+    new_weights = {k: p.detach().clone() for k, p in reference.model.named_parameters()}
+    request = batch(1, 1, 8)
+    request.sampling.temperature, request.sampling.ignore_eos = 0.0, True
+    with ManagerThread(fast_cfg()) as mt:
+        disk = DiskSync(mt.manager, tmp_path / "versions")
+        mt.add_sync_hook(disk)
+        proc = _start_worker(long_context_model, mt.url, "w1")
+        try:
+            proc.wait_ready()
+            wait_active(mt, "w1")
+            disk.save(new_weights, 3)
+            mt.publish_version(3)
+            _wait_until(lambda: workers_of(mt)["w1"]["weight_version"] == 3, 30, "w1 at v3")
+            [group] = list(mt.generate(request))
+        finally:
+            proc.kill()
+    assert not list((tmp_path / "versions").glob("*.tmp"))
+    sample = group.samples[0]
+    assert sample.weight_versions == [3] * 8
+    reference.add_request(EngineRequest("r", request.prompts[0].input_ids,
+                                        EngineSampling(max_new_tokens=8, temperature=0.0, ignore_eos=True)))  # fmt: skip
+    out: list[int] = []
+    while reference.has_work:
+        out += [t for d in reference.step() for t in d.token_ids]
+    assert sample.output_ids == out

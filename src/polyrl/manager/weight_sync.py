@@ -1,18 +1,22 @@
-"""The manager's sync hook for the TCP data plane: a worker that needs version v is told
+"""The manager's sync hooks. `PublisherSync`, for the TCP data plane: a worker that needs version v is told
 to pull it from the trainer's WeightPublisher, with a token granted for that worker and
 version; when it answers, the manager marks it synced and routes to it again.
 
 The hook runs as its own task, so a slow or dead worker never holds anything up; a
 failed pull is retried with backoff, then logged (the worker stays `syncing` until the
-next version is published).
+next version is published). `DiskSync` does the same through a shared directory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
+from pathlib import Path
 
 import httpx
+import torch
+from safetensors.torch import save_file
 
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.registry import WorkerRecord
@@ -70,3 +74,51 @@ class PublisherSync:
             if attempt < self.retries:
                 await asyncio.sleep(min(2.0**attempt, 10.0))
         log.warning("worker %s could not pull v%d after %d tries: %s", record.worker_id, version, self.retries + 1, why)
+
+
+class DiskSync:
+    """The portable fallback (the Atropos seed's checkpoint mode): the trainer writes each
+    version as a safetensors directory on a filesystem the workers share, and a worker
+    that needs it loads it with `/update_weights_from_disk`."""
+
+    def __init__(self, manager: RolloutManager, root: str | Path, retries: int = 3, load_timeout_s: float = 300.0) -> None:
+        self.manager, self.root = manager, Path(root)
+        self.retries, self.load_timeout_s = retries, load_timeout_s
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, version: int) -> Path:
+        return self.root / f"v{version:06d}"
+
+    def save(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
+        """Write `version` (call before `publish_version`); written to a temporary name
+        first, so a worker never reads half a file."""
+        final = self.path(version)
+        tmp = final.with_name(final.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+        save_file(tensors, str(tmp / "model.safetensors"))
+        tmp.rename(final)
+        return final
+
+    async def __call__(self, record: WorkerRecord, version: int) -> None:
+        if record.is_local:
+            return
+        body = {"model_path": str(self.path(version).resolve()), "weight_version": version}
+        why = ""
+        for attempt in range(self.retries + 1):
+            if record.state == "gone" or version < self.manager.registry.latest_version:
+                return
+            try:
+                response = await self.manager.remote.http.post(
+                    f"{record.url}/update_weights_from_disk", json=body, timeout=self.load_timeout_s
+                )
+                if response.status_code == 200:
+                    self.manager.mark_synced(record.worker_id, int(response.json()["weight_version"]))
+                    log.info("worker %s loaded v%d from %s", record.worker_id, version, body["model_path"])
+                    return
+                why = f"HTTP {response.status_code}: {response.text[:300]}"
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                why = f"{type(e).__name__}: {e}"
+            if attempt < self.retries:
+                await asyncio.sleep(min(2.0**attempt, 10.0))
+        log.warning("worker %s could not load v%d after %d tries: %s", record.worker_id, version, self.retries + 1, why)
