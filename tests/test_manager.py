@@ -537,6 +537,16 @@ def test_real_worker_frozen_with_sigstop_is_detected(long_context_model: Path) -
     assert any([seg.worker for seg in s.segments] == ["w1", "w2"] for s in samples)
 
 
+def greedy_tokens(engine: Engine, input_ids: list[int], max_new_tokens: int) -> list[int]:
+    """What `engine` generates greedily, in-process: the reference for a worker's output."""
+    sampling = EngineSampling(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest(f"ref-{len(input_ids)}-{input_ids[0]}", input_ids, sampling))
+    out: list[int] = []
+    while engine.has_work:
+        out += [t for d in engine.step() for t in d.token_ids]
+    return out
+
+
 def test_real_worker_pulls_published_weights(long_context_model: Path, tmp_path: Path) -> None:
     """publish_version -> the sync hook grants a token -> the worker pulls over TCP (raw,
     then a delta) -> the manager routes to it at the new version, and the worker really
@@ -579,12 +589,7 @@ def test_real_worker_pulls_published_weights(long_context_model: Path, tmp_path:
         s = g.samples[0]
         assert s.weight_versions == [1] * 12
         prompt = next(p for p in request.prompts if p.id == g.prompt_id)
-        sampling = EngineSampling(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-        reference.add_request(EngineRequest(g.prompt_id, prompt.input_ids, sampling))
-        out: list[int] = []
-        while reference.has_work:
-            out += [t for d in reference.step() for t in d.token_ids]
-        assert s.output_ids == out  # greedy tokens of the published weights
+        assert s.output_ids == greedy_tokens(reference, prompt.input_ids, 12)  # the published weights' tokens
 
 
 def test_real_worker_loads_versions_from_a_shared_directory(long_context_model: Path, tmp_path: Path) -> None:
@@ -611,9 +616,4 @@ def test_real_worker_loads_versions_from_a_shared_directory(long_context_model: 
     assert not list((tmp_path / "versions").glob("*.tmp"))
     sample = group.samples[0]
     assert sample.weight_versions == [3] * 8
-    reference.add_request(EngineRequest("r", request.prompts[0].input_ids,
-                                        EngineSampling(max_new_tokens=8, temperature=0.0, ignore_eos=True)))  # fmt: skip
-    out: list[int] = []
-    while reference.has_work:
-        out += [t for d in reference.step() for t in d.token_ids]
-    assert sample.output_ids == out
+    assert sample.output_ids == greedy_tokens(reference, request.prompts[0].input_ids, 8)

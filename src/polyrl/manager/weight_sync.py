@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -54,26 +55,12 @@ class PublisherSync:
             "timeout_s": self.pull_timeout_s,
             "codec": self.codec,
         }
-        why = ""
-        for attempt in range(self.retries + 1):
-            if record.state == "gone" or version < self.manager.registry.latest_version:
-                return  # the worker left, or a newer version superseded this one
-            try:
-                response = await self.manager.remote.http.post(
-                    f"{record.url}/update_weights_from_publisher", json=body, timeout=self.pull_timeout_s + 10
-                )
-                if response.status_code == 200:
-                    reply = response.json()
-                    self.last_message[record.worker_id] = reply.get("message", "")
-                    self.manager.mark_synced(record.worker_id, int(reply["weight_version"]))
-                    log.info("worker %s pulled v%d: %s", record.worker_id, version, reply.get("message", ""))
-                    return
-                why = f"HTTP {response.status_code}: {response.text[:300]}"
-            except (httpx.HTTPError, ValueError, KeyError) as e:
-                why = f"{type(e).__name__}: {e}"
-            if attempt < self.retries:
-                await asyncio.sleep(min(2.0**attempt, 10.0))
-        log.warning("worker %s could not pull v%d after %d tries: %s", record.worker_id, version, self.retries + 1, why)
+        reply = await tell_worker(
+            self.manager, record, version, "/update_weights_from_publisher", body, self.pull_timeout_s + 10, self.retries
+        )
+        if reply is not None:
+            self.last_message[record.worker_id] = reply.get("message", "")
+            log.info("worker %s pulled v%d: %s", record.worker_id, version, reply.get("message", ""))
 
 
 class DiskSync:
@@ -104,21 +91,39 @@ class DiskSync:
         if record.is_local:
             return
         body = {"model_path": str(self.path(version).resolve()), "weight_version": version}
-        why = ""
-        for attempt in range(self.retries + 1):
-            if record.state == "gone" or version < self.manager.registry.latest_version:
-                return
-            try:
-                response = await self.manager.remote.http.post(
-                    f"{record.url}/update_weights_from_disk", json=body, timeout=self.load_timeout_s
-                )
-                if response.status_code == 200:
-                    self.manager.mark_synced(record.worker_id, int(response.json()["weight_version"]))
-                    log.info("worker %s loaded v%d from %s", record.worker_id, version, body["model_path"])
-                    return
-                why = f"HTTP {response.status_code}: {response.text[:300]}"
-            except (httpx.HTTPError, ValueError, KeyError) as e:
-                why = f"{type(e).__name__}: {e}"
-            if attempt < self.retries:
-                await asyncio.sleep(min(2.0**attempt, 10.0))
-        log.warning("worker %s could not load v%d after %d tries: %s", record.worker_id, version, self.retries + 1, why)
+        reply = await tell_worker(
+            self.manager, record, version, "/update_weights_from_disk", body, self.load_timeout_s, self.retries
+        )
+        if reply is not None:
+            log.info("worker %s loaded v%d from %s", record.worker_id, version, body["model_path"])
+
+
+async def tell_worker(
+    manager: RolloutManager,
+    record: WorkerRecord,
+    version: int,
+    endpoint: str,
+    body: dict[str, Any],
+    timeout_s: float,
+    retries: int,
+) -> dict[str, Any] | None:
+    """POST `body` to the worker's weight-update `endpoint`, retrying with backoff; on
+    success mark the worker synced at the version it reports and return its reply. None:
+    it left, a newer version superseded this one, or every try failed (logged)."""
+    why = ""
+    for attempt in range(retries + 1):
+        if record.state == "gone" or version < manager.registry.latest_version:
+            return None
+        try:
+            response = await manager.remote.http.post(f"{record.url}{endpoint}", json=body, timeout=timeout_s)
+            if response.status_code == 200:
+                reply = response.json()
+                manager.mark_synced(record.worker_id, int(reply["weight_version"]))
+                return reply
+            why = f"HTTP {response.status_code}: {response.text[:300]}"
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            why = f"{type(e).__name__}: {e}"
+        if attempt < retries:
+            await asyncio.sleep(min(2.0**attempt, 10.0))
+    log.warning("worker %s did not get v%d via %s after %d tries: %s", record.worker_id, version, endpoint, retries + 1, why)
+    return None

@@ -9,6 +9,7 @@ connection.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import socket
@@ -177,6 +178,4 @@ class _Handler(socketserver.BaseRequestHandler):
 
 
 def _token_ok(pub: WeightPublisher, worker: str, version: int, token: str) -> bool:
-    import hmac
-
     return hmac.compare_digest(token.encode(), pub.grant(worker, version).encode())

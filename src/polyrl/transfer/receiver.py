@@ -31,6 +31,7 @@ from polyrl.transfer.wire import (
     combined_checksum,
     encode_request,
     read_reply_text,
+    read_text,
     recv_exact,
     recv_into_exact,
 )
@@ -134,9 +135,7 @@ def _pull_stream(
         sock.sendall(encode_request(OP_CHUNKS, version, source.worker_id, source.token, stream, num_streams))
         status = recv_exact(sock, 1)[0]
         if status != STATUS_OK:
-            length = int.from_bytes(recv_exact(sock, 4), "big")
-            text = recv_exact(sock, min(length, 4096))
-            raise TransferError(f"publisher refused v{version}: {text.decode(errors='replace')}")
+            raise TransferError(f"publisher refused v{version}: {read_text(sock).decode(errors='replace')}")
         for index in range(stream, info.num_chunks, num_streams):
             start, end = info.chunk_range(index)
             hasher = xxhash.xxh3_64()
@@ -157,8 +156,7 @@ def _pull_delta(
         sock.sendall(encode_request(OP_DELTA, version, source.worker_id, source.token, base=base[0]))
         status = recv_exact(sock, 1)[0]
         if status != STATUS_OK:
-            length = int.from_bytes(recv_exact(sock, 4), "big")
-            text = recv_exact(sock, min(length, 4096)).decode(errors="replace")
+            text = read_text(sock).decode(errors="replace")
             if text.startswith("no delta"):
                 log.info("no delta for v%d from v%d (%s): pulling it whole", version, base[0], text)
                 return None

@@ -132,9 +132,14 @@ def send_text(sock: socket.socket, status: int, text: bytes) -> None:
     sock.sendall(bytes([status]) + _U32.pack(len(text)) + text)
 
 
-def read_reply_text(sock: socket.socket) -> tuple[int, bytes]:
-    status = recv_exact(sock, 1)[0]
+def read_text(sock: socket.socket) -> bytes:
+    """The len:u32 | text that follows a status byte (a description or an error)."""
     (length,) = _U32.unpack(recv_exact(sock, 4))
     if length > MAX_TEXT:
         raise TransferError(f"reply of {length} bytes is over the {MAX_TEXT}-byte limit")
-    return status, recv_exact(sock, length)
+    return recv_exact(sock, length)
+
+
+def read_reply_text(sock: socket.socket) -> tuple[int, bytes]:
+    status = recv_exact(sock, 1)[0]
+    return status, read_text(sock)
