@@ -617,3 +617,30 @@ def test_real_worker_loads_versions_from_a_shared_directory(long_context_model: 
     sample = group.samples[0]
     assert sample.weight_versions == [3] * 8
     assert sample.output_ids == greedy_tokens(reference, request.prompts[0].input_ids, 8)
+
+
+def test_task_reprs_stay_short() -> None:
+    """anyio formats the current task's repr on every cancel scope (each new connection);
+    the task's done-callback holds a work unit, which reached the whole batch through the
+    generated dataclass reprs and stalled the manager's loop for seconds per connection."""
+    import functools
+
+    from polyrl.manager.batch import Batch
+
+    request = batch(64, 16, 8)
+
+    async def main() -> str:
+        b = Batch.build("b0", request, 0, 1e9, list(range(64)))
+        tasks = []
+        for unit in b.fresh_units():
+            task = asyncio.ensure_future(asyncio.sleep(10))
+            task.add_done_callback(functools.partial(lambda u, t: None, unit))
+            b.tasks.add(task)
+            tasks.append(task)
+        text = repr(tasks[0])
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return text
+
+    assert len(asyncio.run(main())) < 1000

@@ -25,6 +25,7 @@ SMALL = [
     "algo.kl_coef=0.01",  # exercises the reference model path too
     "data.task=copy",  # partial credit: rewards differ within a group from the first step
     "logging.console=false",
+    "rollout.mode=local",  # the learner and resume semantics; the remote path is tests/test_e2e.py
 ]
 
 VERL_KEYS = [
@@ -144,7 +145,8 @@ def test_cli_refuses_to_overwrite_a_run(tmp_path):
 
 def test_grpo_learns_the_copy_task(tmp_path):
     """A sign or masking error in the learner shows up here: 40 steps must raise the reward."""
-    cfg = load_config(None, ["trainer.total_steps=40", "logging.console=false", "logging.tensorboard=false"])
+    cfg = load_config(None, ["trainer.total_steps=40", "logging.console=false", "logging.tensorboard=false",
+                             "rollout.mode=local"])  # fmt: skip
     train(cfg, tmp_path / "run")
     rewards = [r["critic/score/mean"] for r in _metrics(tmp_path / "run")]
     assert sum(rewards[-5:]) / 5 > rewards[0] + 0.15, rewards

@@ -78,7 +78,14 @@ class RewardConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    mode: Literal["local"] = "local"
+    mode: Literal["local", "remote", "hybrid"] = "remote"
+    """local: the trainer's own engine on its own weights (colocated baseline); remote:
+    every sample from rollout workers through the manager (the trainer's engine only when
+    no worker is left); hybrid: the trainer's engine also generates while workers sync
+    each new version, then hands its unfinished samples to them."""
+    hybrid_max_window_s: float = Field(30.0, gt=0)
+    """Hybrid: the local window never stays open longer than this (its usual length
+    follows the measured sync time of the fleet)."""
     n: int = Field(16, ge=1)
     """Samples per prompt (the GRPO group size)."""
     max_new_tokens: int = Field(6, ge=1)
@@ -164,23 +171,46 @@ class TrainerConfig(_Section):
         return self
 
 
+class FleetConfig(_Section):
+    """Rollout workers the trainer starts itself, as `polyrl worker` subprocesses on this
+    machine (remote and hybrid modes). Workers on other machines join with
+    `polyrl worker --manager URL --token T` at any time, on top of these."""
+
+    num_workers: int = Field(2, ge=0)
+    """Workers launched at start (with churn: the most alive at once)."""
+    worker_threads: int = Field(1, ge=1)
+    """torch threads per worker process."""
+    ready_timeout_s: float = Field(180.0, gt=0)
+    """Training waits this long at start for the launched workers, then goes on without
+    the missing ones."""
+    churn_interval_s: float = Field(0.0, ge=0)
+    """Spot churn as in the seeds' launch_sglang_step.sh: add a worker every T seconds up
+    to `num_workers`, then retire the oldest (SIGTERM: drain and hand back) every T down
+    to `churn_min_workers`, and again. 0: no churn."""
+    churn_min_workers: int = Field(0, ge=0)
+    kill_interval_s: float = Field(0.0, ge=0)
+    """Mean seconds between kill -9 of a random worker (exponential gaps); 0: never."""
+    kill_seed: int = 0
+    drain_timeout_s: float = Field(5.0, ge=0)
+    """A retired worker's in-flight requests get this long before they are handed back."""
+    usd_per_hour: float = Field(21.28 / 8, ge=0)
+    """Price each launched worker declares (default: one GPU of the seeds' spot H100x8)."""
+
+
+class CostConfig(_Section):
+    """Prices for `cost/*` metrics (defaults: the seeds' H100x8 prices, per GPU)."""
+
+    trainer_usd_per_hour: float = Field(83.79 / 8, ge=0)
+    """The trainer's reserved (on-demand) capacity."""
+    worker_usd_per_hour: float = Field(21.28 / 8, ge=0)
+    """For workers that do not declare a price (`worker.usd_per_hour`)."""
+
+
 class LoggingConfig(_Section):
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "polyrl"
     console: bool = True
-
-
-class RunConfig(_Section):
-    run_name: str | None = None
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
-    reward: RewardConfig = RewardConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    engine: EngineConfig = EngineConfig()
-    algo: AlgoConfig = AlgoConfig()
-    trainer: TrainerConfig = TrainerConfig()
-    logging: LoggingConfig = LoggingConfig()
 
 
 class WorkerConfig(_Section):
@@ -201,6 +231,9 @@ class WorkerConfig(_Section):
     drain_timeout_s: float = Field(30.0, ge=0)
     """On SIGTERM/SIGINT: in-flight requests get this long to finish, then are aborted and
     handed back with their partial tokens."""
+    usd_per_hour: float | None = Field(None, ge=0)
+    """This worker's price, told to the manager for cost accounting (None: the trainer's
+    `cost.worker_usd_per_hour`)."""
 
 
 class WorkerRunConfig(_Section):
@@ -219,6 +252,11 @@ class TransferConfig(_Section):
     best measured on a 16-core host, see BENCHMARKS.md)."""
     num_groups: int = Field(1, ge=1)
     """Publisher groups that serve pulls; workers are spread over them."""
+    port: int = Field(0, ge=0, le=65535)
+    """The trainer's weight publisher port (0: any free one); workers connect to it."""
+    advertise_host: str | None = None
+    """The address workers use to reach the publisher (default: the manager's host)."""
+    codec: Literal["auto", "raw", "delta"] = "auto"
 
 
 class ManagerConfig(_Section):
@@ -244,6 +282,10 @@ class ManagerConfig(_Section):
     retry_budget: int = Field(5, ge=0)
     """Failures one sample may meet (worker died, stalled, errored) before its batch fails;
     hand-backs from a draining worker do not count."""
+    local_fallback_s: float = Field(10.0, gt=0)
+    """With a local engine (the trainer's): a batch waiting this long while no remote worker
+    serves its weight version goes to the local engine, so a fleet stuck syncing never
+    stalls training."""
     batch_deadline_s: float = Field(3600.0, gt=0)
     """A batch unfinished after this long fails with an error instead of hanging."""
     max_body_bytes: int = Field(64 * 2**20, ge=1024)
@@ -266,6 +308,28 @@ class ManagerRunConfig(_Section):
     """`polyrl manager`: the standalone rollout manager."""
 
     manager: ManagerConfig = ManagerConfig()
+
+
+class RunConfig(_Section):
+    run_name: str | None = None
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    engine: EngineConfig = EngineConfig()
+    algo: AlgoConfig = AlgoConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    logging: LoggingConfig = LoggingConfig()
+    manager: ManagerConfig = ManagerConfig()
+    """The in-process rollout manager (remote and hybrid modes)."""
+    fleet: FleetConfig = FleetConfig()
+    cost: CostConfig = CostConfig()
+
+    @model_validator(mode="after")
+    def _churn_bounds(self) -> RunConfig:
+        if self.fleet.churn_min_workers > self.fleet.num_workers:
+            raise ValueError("fleet.churn_min_workers must not exceed fleet.num_workers")
+        return self
 
 
 _Config = TypeVar("_Config", bound=BaseModel)

@@ -233,7 +233,7 @@ class Engine:
         elif policy == "abort":
             deltas = [d for seq in list(self.scheduler.running) for d in self._abort_seq(seq)]
         if weights is not None or num_running:
-            log.info("weights v%d -> v%d (%d running, policy %s)", old, version, num_running, policy)
+            log.debug("weights v%d -> v%d (%d running, policy %s)", old, version, num_running, policy)
         return deltas
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:

@@ -22,7 +22,7 @@ from polyrl.manager.protocol import (
 )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class SampleState:
     group: GroupState
     index: int
@@ -41,6 +41,13 @@ class SampleState:
     _seg_tokens: list[int] = field(default_factory=list)
     _seg_logprobs: list[float] = field(default_factory=list)
     _seg_versions: list[int] = field(default_factory=list)
+
+    # Short reprs throughout: these objects reference each other (a batch holds its tasks,
+    # whose callbacks hold units, which hold the batch), and asyncio/anyio format task
+    # reprs on every cancel scope; the generated dataclass reprs made each new
+    # connection print a whole batch and stalled the manager's loop for seconds.
+    def __repr__(self) -> str:
+        return f"<SampleState {self.group.prompt.id!r}[{self.index}] {len(self.token_ids)} tokens>"
 
     @property
     def seed(self) -> int:
@@ -103,13 +110,16 @@ class SampleState:
         )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class GroupState:
     batch: Batch
     prompt: BatchPrompt
     seed: int
     samples: list[SampleState] = field(default_factory=list)
     num_done: int = 0
+
+    def __repr__(self) -> str:
+        return f"<GroupState {self.prompt.id!r} of {self.batch.batch_id}>"
 
     def result(self) -> GroupResult:
         return GroupResult(
@@ -119,7 +129,7 @@ class GroupState:
         )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class WorkUnit:
     """Samples that go to one worker in one request: either fresh samples of one group
     with consecutive indices (one request with `n`, sharing the prompt's prefill), or one
@@ -127,6 +137,9 @@ class WorkUnit:
 
     group: GroupState
     samples: list[SampleState]
+
+    def __repr__(self) -> str:
+        return f"<WorkUnit {self.group.prompt.id!r} x{len(self.samples)} of {self.group.batch.batch_id}>"
 
     @property
     def is_fresh(self) -> bool:
@@ -139,7 +152,7 @@ class WorkUnit:
         return WorkUnit(self.group, self.samples[:k]), WorkUnit(self.group, self.samples[k:])
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Batch:
     batch_id: str
     request: BatchRequest
@@ -153,6 +166,9 @@ class Batch:
     num_groups_done: int = 0
     num_migrated: int = 0
     failed: BatchFailed | None = None
+
+    def __repr__(self) -> str:
+        return f"<Batch {self.batch_id}: {self.num_groups_done}/{len(self.groups)} groups>"
 
     @classmethod
     def build(cls, batch_id: str, request: BatchRequest, required_version: int, deadline: float, seeds: list[int]) -> Batch:

@@ -25,6 +25,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import httpx
+
 from polyrl.config import ManagerConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.manager.backends import (
@@ -94,6 +96,13 @@ class RolloutManager:
         self._background: set[asyncio.Task[None]] = set()
         self._wake: asyncio.Event | None = None
         self._closed = False
+        self.local_window_open = False
+        """Hybrid mode: the local engine takes work while remote workers sync (see
+        `open_local_window`); otherwise it serves only when no remote worker is left."""
+        self._window_timer: asyncio.TimerHandle | None = None
+        self._window_opened_at = 0.0
+        self.last_window: tuple[float, str] | None = None
+        """(seconds open, why it closed) of the latest local window."""
 
     # ------------------------------------------------------------------------ life of the service
 
@@ -157,6 +166,9 @@ class RolloutManager:
                 if response.status_code == 200:
                     break
                 why = f"HTTP {response.status_code}"
+            except httpx.ConnectError as e:  # it listened before registering: refused means dead
+                self._worker_gone(record, f"readiness check: {type(e).__name__}: {e}", is_failure=True)
+                return
             except Exception as e:  # anything: a worker must never stay `registering` forever
                 why = f"{type(e).__name__}: {e}"
             await asyncio.sleep(min(0.5, max(remaining, 0)))
@@ -199,6 +211,49 @@ class RolloutManager:
     def _after_version_change(self, record: WorkerRecord) -> None:
         if record.state == "syncing":
             self._call_sync_hooks(record, self.registry.latest_version)
+        if self.local_window_open and self._fleet_synced():
+            self.close_local_window("remote workers synced")
+        self.wake()
+
+    def _alive_remote(self) -> list[WorkerRecord]:
+        """Remote workers that serve now or soon (not leaving, not gone)."""
+        return [r for r in self.registry if not r.is_local and r.state in ("registering", "syncing", "active")]
+
+    def _fleet_synced(self) -> bool:
+        alive = self._alive_remote()
+        return bool(alive) and all(r.state == "active" for r in alive)
+
+    # ------------------------------------------------------------------------- local window
+
+    def open_local_window(self, max_s: float) -> None:
+        """Hybrid mode: let the local engine take work while remote workers sync the new
+        weights. The window closes when every remote worker is synced, after `max_s`, or
+        on `close_local_window`; then the local engine's unfinished samples move to the
+        remote workers, token for token."""
+        assert self.local is not None, "the local window needs a local engine"
+        if self._window_timer is not None:
+            self._window_timer.cancel()
+        self.local_window_open = True
+        self._window_opened_at = time.monotonic()
+        self._window_timer = asyncio.get_running_loop().call_later(max_s, self.close_local_window, "window elapsed")
+        if self._fleet_synced():
+            self.close_local_window("remote workers synced")
+        self.wake()
+
+    def close_local_window(self, why: str) -> None:
+        if not self.local_window_open:
+            return
+        self.local_window_open = False
+        if self._window_timer is not None:
+            self._window_timer.cancel()
+            self._window_timer = None
+        self.last_window = (time.monotonic() - self._window_opened_at, why)
+        local = self.local_record
+        if local is not None and local.tasks and self._alive_remote():
+            log.debug("local window closed (%s): handing %d samples to remote workers", why, local.inflight)
+            for task in list(local.tasks):
+                self._cancels[task] = _Cancel(f"local window closed ({why})", is_failure=False)
+                task.cancel()
         self.wake()
 
     def _call_sync_hooks(self, record: WorkerRecord, version: int) -> None:
@@ -229,6 +284,10 @@ class RolloutManager:
             self._cancels[task] = _Cancel(why, is_failure)
             task.cancel()
         self.wake()
+
+    def worker_unreachable(self, record: WorkerRecord, why: str) -> None:
+        """A worker refused or cut a connection outside a generation call."""
+        self._worker_gone(record, why, is_failure=True)
 
     def worker_list(self) -> WorkerList:
         now = time.monotonic()
@@ -306,16 +365,18 @@ class RolloutManager:
         if self.pending and not self._any_free_slot(now):
             return  # the common case under load: every worker is full
         waiting: deque[WorkUnit] = deque()
-        no_worker: set[int] = set()  # versions for which nothing is free right now
+        no_worker: set[tuple[int, bool]] = set()  # (version, stalled) with nothing free right now
         while self.pending:
             unit = self.pending.popleft()
             batch = unit.group.batch
             if batch.finished:
                 continue
             version = batch.required_version
-            worker = None if version in no_worker else self._pick(version, now)
+            stalled = now - batch.submitted_at > self.cfg.local_fallback_s
+            key = (version, stalled)
+            worker = None if key in no_worker else self._pick(version, now, stalled)
             if worker is None:
-                no_worker.add(version)
+                no_worker.add(key)
                 waiting.append(unit)
                 continue
             piece, rest = unit.split(worker.free_slots(self.cfg.max_inflight_per_worker))
@@ -328,16 +389,20 @@ class RolloutManager:
         cap = self.cfg.max_inflight_per_worker
         return any(r.state == "active" and now >= r.busy_until and r.free_slots(cap) > 0 for r in self.registry)
 
-    def _pick(self, version: int, now: float) -> WorkerRecord | None:
-        """Least loaded remote worker with a free slot; the local engine only when no
-        remote worker serves the version at all."""
+    def _pick(self, version: int, now: float, stalled: bool = False) -> WorkerRecord | None:
+        """Least loaded remote worker with a free slot; the local engine only while the
+        local window is open, when no remote worker is left (none registering, syncing
+        or active), or when the batch is `stalled` (older than `local_fallback_s`) and no
+        remote worker serves its version: a fleet that is merely syncing is waited for,
+        one that cannot sync is not."""
         cap = self.cfg.max_inflight_per_worker
         serving = [r for r in self.registry if not r.is_local and r.serves(version, now)]
         free = [r for r in serving if r.free_slots(cap) > 0]
         if free:
             return min(free, key=lambda r: (r.load(), r.inflight))
         local = self.local_record
-        if not serving and local is not None and self.local is not None:
+        use_local = self.local_window_open or not self._alive_remote() or (stalled and not serving)
+        if use_local and local is not None and self.local is not None:
             local.weight_version = self.local.engine.engine.weight_version
             if local.serves(version, now) and local.free_slots(cap) > 0:
                 return local

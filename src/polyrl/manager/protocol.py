@@ -39,6 +39,8 @@ class RegisterRequest(_Message):
     max_model_len: int
     capabilities: list[str] = []
     """Extensions beyond SGLang's API the worker speaks: "incremental_stream"."""
+    usd_per_hour: float | None = Field(None, ge=0)
+    """What the worker costs, for the trainer's cost accounting (None: the trainer's default)."""
 
     @field_validator("worker_id")
     @classmethod
@@ -214,6 +216,7 @@ class WorkerInfo(_Message):
     """Unix time of registration."""
     last_heartbeat_age_s: float
     num_failures: int
+    usd_per_hour: float | None = None
 
 
 class WorkerList(_Message):

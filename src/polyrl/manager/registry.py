@@ -22,7 +22,7 @@ log = logging.getLogger("polyrl.manager")
 LOCAL_WORKER_ID = "local"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class WorkerRecord:
     worker_id: str
     url: str
@@ -49,6 +49,10 @@ class WorkerRecord:
     """The newest version the sync hooks were already asked to deliver."""
     incremental_stream: bool = False
     """Speaks polyrl's incremental stream chunks (else: SGLang's cumulative snapshots)."""
+    usd_per_hour: float | None = None
+
+    def __repr__(self) -> str:  # short: task reprs include it (see batch.SampleState)
+        return f"<WorkerRecord {self.worker_id} {self.state} v{self.weight_version}>"
 
     def free_slots(self, cap: int) -> int:
         return min(cap, self.max_num_seqs) - self.inflight
@@ -73,6 +77,7 @@ class WorkerRecord:
             joined_at=self.joined_at,
             last_heartbeat_age_s=round(now - self.last_seen, 3),
             num_failures=self.num_failures,
+            usd_per_hour=self.usd_per_hour,
         )
 
 
@@ -98,6 +103,7 @@ class Registry:
             max_model_len=request.max_model_len,
             weight_version=request.weight_version,
             incremental_stream="incremental_stream" in request.capabilities,
+            usd_per_hour=request.usd_per_hour,
         )
         self.workers[worker_id] = record
         log.info("worker %s registered from %s (weights v%d)", worker_id, record.url, record.weight_version)
@@ -143,16 +149,18 @@ class Registry:
                 if record.state == "active":
                     record.state = "syncing"
                 stale.append(record)
-        log.info("weights v%d published; %d workers to sync", version, len(stale))
+        log.debug("weights v%d published; %d workers to sync", version, len(stale))
         return stale
 
     def _to_version_state(self, record: WorkerRecord) -> None:
         current = record.weight_version >= self.latest_version
         if current and record.state != "active":
+            # a sync happens every training step: routine, not an operator's event
             if record.state == "syncing":
-                log.info("worker %s synced to v%d", record.worker_id, record.weight_version)
+                log.debug("worker %s synced to v%d", record.worker_id, record.weight_version)
+            else:
+                log.info("worker %s active", record.worker_id)
             record.state = "active"
-            log.info("worker %s active", record.worker_id)
         elif not current and record.state != "syncing":
             record.state = "syncing"
             log.info(

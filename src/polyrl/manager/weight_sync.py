@@ -60,7 +60,7 @@ class PublisherSync:
         )
         if reply is not None:
             self.last_message[record.worker_id] = reply.get("message", "")
-            log.info("worker %s pulled v%d: %s", record.worker_id, version, reply.get("message", ""))
+            log.debug("worker %s pulled v%d: %s", record.worker_id, version, reply.get("message", ""))
 
 
 class DiskSync:
@@ -95,7 +95,7 @@ class DiskSync:
             self.manager, record, version, "/update_weights_from_disk", body, self.load_timeout_s, self.retries
         )
         if reply is not None:
-            log.info("worker %s loaded v%d from %s", record.worker_id, version, body["model_path"])
+            log.debug("worker %s loaded v%d from %s", record.worker_id, version, body["model_path"])
 
 
 async def tell_worker(
@@ -109,7 +109,9 @@ async def tell_worker(
 ) -> dict[str, Any] | None:
     """POST `body` to the worker's weight-update `endpoint`, retrying with backoff; on
     success mark the worker synced at the version it reports and return its reply. None:
-    it left, a newer version superseded this one, or every try failed (logged)."""
+    it left, a newer version superseded this one, it is unreachable (declared gone), or
+    every try failed (logged; its next heartbeat asks again, so a worker is never left
+    syncing for good)."""
     why = ""
     for attempt in range(retries + 1):
         if record.state == "gone" or version < manager.registry.latest_version:
@@ -121,9 +123,15 @@ async def tell_worker(
                 manager.mark_synced(record.worker_id, int(reply["weight_version"]))
                 return reply
             why = f"HTTP {response.status_code}: {response.text[:300]}"
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
+            # refused or cut: the process is gone (a kill -9 mid-sync); do not wait for
+            # its heartbeats to stop before moving on
+            manager.worker_unreachable(record, f"weight update: {type(e).__name__}: {e}")
+            return None
         except (httpx.HTTPError, ValueError, KeyError) as e:
             why = f"{type(e).__name__}: {e}"
         if attempt < retries:
             await asyncio.sleep(min(2.0**attempt, 10.0))
     log.warning("worker %s did not get v%d via %s after %d tries: %s", record.worker_id, version, endpoint, retries + 1, why)
+    record.sync_requested = min(record.sync_requested, version - 1)
     return None

@@ -30,6 +30,20 @@ def num_tokens(groups: list[Group]) -> int:
     return sum(len(g.prompt.prompt_ids) * len(g.samples) + sum(len(s.completion_ids) for s in g.samples) for g in groups)
 
 
+def cost_metrics(
+    total_tokens: int, step_s: float, trainer_usd_per_hour: float, worker_usd_per_hour: list[float]
+) -> dict[str, float]:
+    """What the step cost at the configured prices: the trainer plus every worker alive
+    at the step's end (registering, syncing and draining ones included: they are paid)."""
+    usd_per_hour = trainer_usd_per_hour + sum(worker_usd_per_hour)
+    usd = usd_per_hour * step_s / 3600
+    return {
+        "cost/usd_per_hour": usd_per_hour,
+        "cost/usd_per_step": usd,
+        "cost/tokens_per_usd": total_tokens / usd if usd > 0 else 0.0,
+    }
+
+
 def perf_metrics(total_tokens: int, step_s: float, world_size: int) -> dict[str, float]:
     return {
         "perf/total_num_tokens": float(total_tokens),

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest, EngineSampling, SampleResult
+from polyrl.manager.registry import LOCAL_WORKER_ID
+from polyrl.rollout.stats import RolloutStats
 from polyrl.rollout.types import Group, Prompt, Sample, SamplingParams
 
 
@@ -33,8 +35,13 @@ def to_sample(result: SampleResult, worker: str, gen_time_s: float) -> Sample:
 
 
 class LocalRollout:
+    shares_weights = True
+    """The engine runs on the learner's own parameters: the caller must let a batch finish
+    generating before the first update."""
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.stats = RolloutStats()
 
     @property
     def num_instances(self) -> int:
@@ -51,6 +58,7 @@ class LocalRollout:
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> Iterator[Group]:
         """Yield each prompt's group as soon as its last sample is finished."""
         t0 = time.perf_counter()
+        self.stats = stats = RolloutStats(num_requested=len(prompts) * n)
         pending: dict[str, tuple[Prompt, list[SampleResult]]] = {}
         for p in prompts:
             rid = f"local-{p.index}"
@@ -73,4 +81,12 @@ class LocalRollout:
                 if d.finished and all(r.finish_reason is not None for r in results):
                     del pending[d.rid]
                     elapsed = time.perf_counter() - t0
-                    yield Group(prompt=prompt, samples=[to_sample(r, "local", elapsed) for r in results])
+                    stats.first_group_s = stats.first_group_s or elapsed
+                    stats.gen_s = elapsed
+                    stats.num_received += n
+                    stats.num_local += n
+                    stats.tokens_by_worker[LOCAL_WORKER_ID] += sum(len(r.token_ids) for r in results)
+                    yield Group(prompt=prompt, samples=[to_sample(r, LOCAL_WORKER_ID, elapsed) for r in results])
+
+    def close(self) -> None:
+        pass

@@ -1,4 +1,10 @@
-"""The training loop, colocated synchronous mode: generate, score, learn, publish, repeat.
+"""The training loop: generate, score, learn, publish, repeat.
+
+Every rollout mode runs this loop. Colocated (`local`), the engine shares the learner's
+weights, so the whole batch is generated before the first update. Remote and hybrid
+stream: groups are scored and trained on in completion order while workers finish the
+rest of the step's batch with the step's weights (all of a step's samples come from one
+version, as with PPO's mini-batches).
 
 Departures from textbook GRPO (each switchable in `[algo]`):
 * clip-higher: separate low/high PPO clip bounds (DAPO);
@@ -42,16 +48,15 @@ def train(
                 timer = Timer()
                 t0 = time.perf_counter()
                 prompts = run.source.take(tcfg.train_batch_size)
-                with timer("gen"):
-                    # Colocated: the engine shares the learner's weights, so the whole batch is
-                    # generated before the first update (on-policy). Remote workers stream instead.
-                    groups = list(run.rollout.generate(prompts, cfg.rollout.n, run.sampling))
+                groups = run.rollout.generate(prompts, cfg.rollout.n, run.sampling)
+                if run.rollout.shares_weights:
+                    groups = list(groups)  # generated in full before the learner changes the weights
                 result = learn_from_stream(groups, run.scorer, run.learner, cfg.algo, tcfg.ppo_mini_batch_size)
                 with timer("update_weights"):
                     run.publish_weights()
                 timer.spans["step"] = time.perf_counter() - t0
                 run.state = TrainState(step, run.source.cursor, run.rollout.weight_version)
-                metrics = run.step_metrics(groups, result, timer.spans)
+                metrics = run.step_metrics(result.groups, result, timer.spans)
                 run.tracker.log(step, metrics)
                 if cfg.logging.console:
                     progress.console.print(format_step_line(step, tcfg.total_steps, metrics), soft_wrap=True)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
+import secrets
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,11 +21,14 @@ from polyrl.config import ConfigError, RunConfig, save_config
 from polyrl.data.rewards import RewardPool
 from polyrl.data.source import PromptSource
 from polyrl.engine.engine import Engine
-from polyrl.metrics.step_stats import num_tokens, perf_metrics, rollout_metrics
+from polyrl.manager.main import resolve_token
+from polyrl.metrics.step_stats import cost_metrics, num_tokens, perf_metrics, rollout_metrics
 from polyrl.metrics.tracker import Tracker
 from polyrl.models.precision import DTYPES
 from polyrl.models.tiny import save_tiny_model
+from polyrl.rollout.fleet import WorkerFleet
 from polyrl.rollout.local import LocalRollout
+from polyrl.rollout.remote import RemoteRollout
 from polyrl.rollout.types import Group, SamplingParams
 from polyrl.trainer.checkpoint import TrainState, latest_checkpoint, load_trainer_state, save_checkpoint, save_hf
 from polyrl.trainer.learner import Learner, build_optimizer
@@ -92,6 +98,7 @@ class Run:
     tracker: Tracker
     sampling: SamplingParams
     state: TrainState
+    fleet: WorkerFleet | None = None
 
     @classmethod
     def create(cls, cfg: RunConfig, run_dir: Path, resume: bool) -> Run:
@@ -131,7 +138,11 @@ class Run:
         )
         state = load_trainer_state(ckpt, optimizer, scheduler) if ckpt else TrainState()
         source.cursor = state.cursor
-        rollout = LocalRollout(Engine(model, cfg.engine, compute_dtype))
+        fleet = None
+        if cfg.rollout.mode == "local":
+            rollout: LocalRollout | RemoteRollout = LocalRollout(Engine(model, cfg.engine, compute_dtype))
+        else:
+            rollout, fleet = start_remote(cfg, run_dir, model, compute_dtype, init_path)
         rollout.publish(state.weight_version)
         sampling = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens,
@@ -145,10 +156,14 @@ class Run:
         tracker = Tracker(cfg.logging, run_dir, state.step if resume else None, name, cfg.model_dump(mode="json"))
         if ckpt:
             log.info("resumed from %s at step %d", ckpt, state.step)
-        return cls(cfg, run_dir, model, tokenizer, source, rollout, GroupScorer(pool, tokenizer), learner, tracker, sampling, state)
+        return cls(
+            cfg, run_dir, model, tokenizer, source, rollout, GroupScorer(pool, tokenizer), learner, tracker, sampling,
+            state, fleet,
+        )  # fmt: skip
 
     def publish_weights(self) -> None:
-        """Colocated: the engine runs on the trainer's own model, so publishing is a version bump."""
+        """Colocated: a version bump (the engine runs on the trainer's model); remote: a
+        snapshot the workers pull."""
         self.rollout.publish(self.rollout.weight_version + 1)
 
     def step_metrics(self, groups: list[Group], result: StreamResult, timings: dict[str, float]) -> dict[str, float]:
@@ -156,10 +171,22 @@ class Run:
         metrics = average_metrics(result.train_metrics)
         metrics.update(rollout_metrics(groups, self.cfg.rollout.max_new_tokens))
         metrics.update(perf_metrics(num_tokens(groups), step_s, world_size=1))
+        metrics.update(self.rollout.stats.metrics())
         metrics.update({f"timing_s/{k}": v for k, v in timings.items() if k != "step"})
+        metrics["timing_s/gen"] = self.rollout.stats.gen_s
         metrics["timing_s/reward"] = result.reward_wait_s
         metrics["timing_s/update_actor"] = result.update_s
         metrics["training/num_rollout_instances"] = float(self.rollout.num_instances)
+        prices: list[float] = []
+        if isinstance(self.rollout, RemoteRollout):
+            default = self.cfg.cost.worker_usd_per_hour
+            prices = [w.usd_per_hour if w.usd_per_hour is not None else default for w in self.rollout.workers()]
+            metrics["training/num_workers"] = float(len(prices))
+        metrics.update(cost_metrics(num_tokens(groups), step_s, self.cfg.cost.trainer_usd_per_hour, prices))
+        if self.fleet is not None:
+            events = self.fleet.events
+            metrics.update({"fleet/launched": float(events.launched), "fleet/retired": float(events.retired),
+                            "fleet/killed": float(events.killed)})  # fmt: skip
         metrics["training/filtered_groups"] = float(result.num_filtered_groups)
         metrics["training/weight_version"] = float(self.rollout.weight_version)
         return metrics
@@ -174,8 +201,62 @@ class Run:
         return out
 
     def close(self) -> None:
+        if self.fleet is not None:
+            self.fleet.stop()
+        self.rollout.close()
         self.tracker.close()
         self.scorer.pool.close()
+
+
+def start_remote(
+    cfg: RunConfig, run_dir: Path, model: PreTrainedModel, compute_dtype: torch.dtype, init_path: Path
+) -> tuple[RemoteRollout, WorkerFleet | None]:
+    """The in-process manager and weight publisher, then the launched workers (if any).
+    The manager always gets a token, so that workers from anywhere can be added later;
+    it is written to RUN_DIR/manager.json (owner-only), not to the log."""
+    mcfg = resolve_token(cfg.manager)
+    if mcfg.token is None:
+        mcfg = mcfg.model_copy(update={"token": secrets.token_hex(16)})
+    assert mcfg.token is not None
+    try:
+        rollout = RemoteRollout(
+            model, cfg.rollout.mode, cfg.rollout, mcfg, cfg.engine, compute_dtype, cfg.trainer.ppo_mini_batch_size
+        )  # type: ignore[arg-type]
+    except OSError as e:  # the port is taken, the address is not ours
+        raise ConfigError(f"config error: manager: cannot listen on {mcfg.host}:{mcfg.port}: {e}") from None
+    info = run_dir / "manager.json"
+    info.write_text(json.dumps({"url": rollout.url, "token": mcfg.token}))
+    os.chmod(info, 0o600)
+    log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token <token in %s>",
+             rollout.url, init_path, rollout.url, info)  # fmt: skip
+    if cfg.fleet.num_workers == 0:
+        return rollout, None
+    fleet = WorkerFleet(cfg.fleet, cfg.engine, init_path, rollout.url, mcfg.token, run_dir / "workers")
+    try:
+        wait_for_workers(rollout, fleet, fleet.start(), cfg.fleet.ready_timeout_s)
+    except BaseException:
+        fleet.stop()
+        rollout.close()
+        raise
+    return rollout, fleet
+
+
+def wait_for_workers(rollout: RemoteRollout, fleet: WorkerFleet, ids: list[str], timeout_s: float) -> None:
+    """Wait until the launched workers are active (a worker's start-up is mostly imports
+    and model loading); a worker that dies or is late is left behind with a warning."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        active = {w.worker_id for w in rollout.workers() if w.state == "active"}
+        launched = {w.worker_id for w in fleet.alive()}
+        if all(i in active or i not in launched for i in ids):
+            break
+        time.sleep(0.2)
+    active = {w.worker_id for w in rollout.workers() if w.state == "active"}
+    missing = [i for i in ids if i not in active]
+    if missing:
+        log.warning("workers %s died or were not ready within %.0fs (see %s): training goes on without them",
+                    missing, timeout_s, fleet.log_dir)  # fmt: skip
+    log.info("%d rollout workers ready", len(ids) - len(missing))
 
 
 class Timer:

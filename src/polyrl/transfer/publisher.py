@@ -100,7 +100,7 @@ class WeightPublisher:
             self._held[version] = _Held(buffer, view, info)
             for old in sorted(self._held)[: -self.keep_versions]:
                 del self._held[old]
-        log.info("weights v%d published: %.1f MB in %d chunks", version, manifest.total_bytes / 1e6, info.num_chunks)
+        log.debug("weights v%d published: %.1f MB in %d chunks", version, manifest.total_bytes / 1e6, info.num_chunks)
         return info
 
     def grant(self, worker_id: str, version: int) -> str:
@@ -130,7 +130,7 @@ class WeightPublisher:
             t0 = time.perf_counter()
             payload = encode_delta(old.buffer.numpy(), new.buffer.numpy())
             self._delta_cache = (key, payload)
-        log.info("delta v%d -> v%d: %.1f MB (%.1f%% of raw) in %.2fs", base, version, len(payload) / 1e6,
+        log.debug("delta v%d -> v%d: %.1f MB (%.1f%% of raw) in %.2fs", base, version, len(payload) / 1e6,
                  100 * len(payload) / max(new.info.manifest.total_bytes, 1), time.perf_counter() - t0)  # fmt: skip
         return payload
 

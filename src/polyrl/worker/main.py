@@ -117,6 +117,7 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
             max_num_seqs=state.max_num_seqs,
             max_model_len=state.engine.engine.max_model_len,
             capabilities=["incremental_stream"],
+            usd_per_hour=cfg.worker.usd_per_hour,
         )
 
     def on_registered(reply: RegisterResponse) -> None:

@@ -1,0 +1,220 @@
+"""Rollout workers the trainer launches on its own machine, and spot churn on demand.
+
+Each worker is an ordinary `polyrl worker` subprocess that registers with the trainer's
+manager, exactly like one started by hand on another machine; the fleet only decides
+when workers come and go. Churn follows the seeds' launch_sglang_step.sh (a worker
+every T seconds up to K, then retire the oldest every T), repeated, plus optional
+kill -9 of a random worker at seeded, exponentially spaced times. Retiring is SIGTERM:
+the worker drains and hands its unfinished requests back. A kill gives no notice: the
+manager sees the connection drop and migrates the requests token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from polyrl.config import EngineConfig, FleetConfig
+
+log = logging.getLogger("polyrl.fleet")
+
+
+@dataclass
+class LaunchedWorker:
+    worker_id: str
+    proc: subprocess.Popen[bytes]
+    log_file: IO[bytes]
+    started_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class FleetEvents:
+    launched: int = 0
+    retired: int = 0
+    killed: int = 0
+
+
+class WorkerFleet:
+    def __init__(
+        self, cfg: FleetConfig, engine: EngineConfig, model_dir: Path, manager_url: str, token: str, log_dir: Path
+    ) -> None:
+        self.cfg, self.engine, self.model_dir = cfg, engine, model_dir
+        self.manager_url, self.token, self.log_dir = manager_url, token, log_dir
+        self.workers: list[LaunchedWorker] = []  # oldest first
+        self.events = FleetEvents()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_id = 0
+
+    # ---------------------------------------------------------------------------- launching
+
+    def start(self) -> list[str]:
+        """Launch the initial workers (all of them, or one when churning) and start the
+        churn thread; returns the launched ids."""
+        first = 1 if self.cfg.churn_interval_s > 0 else self.cfg.num_workers
+        ids = [self.launch() for _ in range(min(first, self.cfg.num_workers))]
+        if self.cfg.churn_interval_s > 0 or self.cfg.kill_interval_s > 0:
+            self._thread = threading.Thread(target=self._churn, name="polyrl-fleet", daemon=True)
+            self._thread.start()
+        return ids
+
+    def launch(self) -> str:
+        with self._lock:
+            worker_id = f"w{self._next_id}"
+            self._next_id += 1
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_dir / f"{worker_id}.log", "ab")  # noqa: SIM115 - closed when the worker ends
+        proc = subprocess.Popen(
+            self.command(worker_id), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self._env(), start_new_session=True,  # a Ctrl-C in the trainer's terminal is the trainer's
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        with self._lock:
+            self.workers.append(LaunchedWorker(worker_id, proc, log_file))
+            self.events.launched += 1
+        log.info("launched worker %s (pid %d, log %s)", worker_id, proc.pid, self.log_dir / f"{worker_id}.log")
+        return worker_id
+
+    def command(self, worker_id: str) -> list[str]:
+        engine = [f"engine.{k}={json.dumps(v)}" for k, v in self.engine.model_dump(mode="json").items()]
+        return [
+            sys.executable, "-m", "polyrl.cli", "worker", "--model", str(self.model_dir), "--port", "0",
+            "--manager", self.manager_url, "--worker-id", worker_id, *engine,
+            f"worker.usd_per_hour={self.cfg.usd_per_hour}", f"worker.drain_timeout_s={self.cfg.drain_timeout_s}",
+        ]  # fmt: skip
+
+    def _env(self) -> dict[str, str]:
+        threads = str(self.cfg.worker_threads)
+        return os.environ | {
+            "POLYRL_TOKEN": self.token, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+            "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "200",
+        }  # fmt: skip
+
+    # ---------------------------------------------------------------------------- leaving
+
+    def alive(self) -> list[LaunchedWorker]:
+        with self._lock:
+            self._reap()
+            return list(self.workers)
+
+    def _reap(self) -> None:
+        for w in [w for w in self.workers if w.proc.poll() is not None]:
+            self.workers.remove(w)
+            w.log_file.close()
+            log.info("worker %s exited with code %s", w.worker_id, w.proc.returncode)
+
+    def retire_oldest(self) -> str | None:
+        """SIGTERM: the spot notice. The worker drains, hands back, deregisters."""
+        alive = self.alive()
+        if not alive:
+            return None
+        oldest = alive[0]
+        oldest.proc.send_signal(signal.SIGTERM)
+        with self._lock:
+            self.workers.remove(oldest)
+            self.events.retired += 1
+        threading.Thread(target=self._wait_then_kill, args=(oldest,), daemon=True).start()
+        log.info("retiring worker %s (SIGTERM)", oldest.worker_id)
+        return oldest.worker_id
+
+    def kill(self, worker: LaunchedWorker) -> None:
+        """kill -9: no notice, no hand-back."""
+        worker.proc.kill()
+        worker.proc.wait()
+        with self._lock:
+            if worker in self.workers:
+                self.workers.remove(worker)
+            self.events.killed += 1
+        worker.log_file.close()
+        log.warning("killed worker %s (SIGKILL)", worker.worker_id)
+
+    def _wait_then_kill(self, worker: LaunchedWorker) -> None:
+        try:
+            worker.proc.wait(timeout=self.cfg.drain_timeout_s + 30)
+        except subprocess.TimeoutExpired:
+            log.warning("worker %s did not exit after SIGTERM: killing it", worker.worker_id)
+            worker.proc.kill()
+            worker.proc.wait()
+        worker.log_file.close()
+
+    def stop(self) -> None:
+        """Every worker leaves (SIGTERM, then SIGKILL after the drain allowance)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            workers, self.workers = list(self.workers), []
+        for w in workers:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.drain_timeout_s + 15
+        for w in workers:
+            try:
+                w.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+            w.log_file.close()
+
+    # ------------------------------------------------------------------------------ churn
+
+    def _churn(self) -> None:
+        rng = random.Random(self.cfg.kill_seed)
+        period = self.cfg.churn_interval_s
+        now = time.monotonic()
+        next_change = now + period if period > 0 else float("inf")
+        next_kill = now + self._gap(rng)
+        growing = True
+        while not self._stop.wait(min(0.2, max(min(next_change, next_kill) - time.monotonic(), 0.0))):
+            now = time.monotonic()
+            if now >= next_kill:
+                alive = self.alive()
+                if alive:
+                    self.kill(rng.choice(alive))
+                next_kill = now + self._gap(rng)
+            if now >= next_change:
+                growing = self._churn_step(growing)
+                next_change = now + period
+
+    def _churn_step(self, growing: bool) -> bool:
+        growing = churn_direction(len(self.alive()), growing, self.cfg.num_workers, self.cfg.churn_min_workers)
+        if growing:
+            self.launch()
+        else:
+            self.retire_oldest()
+        return growing
+
+    def _gap(self, rng: random.Random) -> float:
+        mean = self.cfg.kill_interval_s
+        return rng.expovariate(1.0 / mean) if mean > 0 else float("inf")
+
+
+def churn_direction(count: int, growing: bool, max_workers: int, min_workers: int) -> bool:
+    """One tick of the schedule: True to launch a worker, False to retire the oldest.
+    Grow up to `max_workers`, then shrink down to `min_workers`, then grow again."""
+    if growing and count >= max_workers:
+        return False
+    if not growing and count <= min_workers:
+        return True
+    return growing
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the trainer dies, even by kill -9, so no
+    orphaned worker keeps heartbeating to a manager that is gone (Linux only)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -1,0 +1,186 @@
+"""Disaggregated training end to end on CPU: the trainer with its in-process manager,
+weight publisher and launched `polyrl worker` subprocesses (remote and hybrid modes),
+spot churn with kill -9, zero workers, a worker added from outside mid-run, and the
+hybrid window handing samples from the trainer's engine to a worker token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from test_manager import TOKEN, _start_worker, fast_cfg, long_context_model  # noqa: F401 - a fixture
+from test_worker import WorkerProcess, _wait_until
+
+from polyrl.config import EngineConfig, load_config
+from polyrl.engine.async_engine import AsyncEngine
+from polyrl.engine.engine import Engine
+from polyrl.engine.types import EngineRequest, EngineSampling
+from polyrl.manager.main import ManagerThread
+from polyrl.manager.protocol import BatchPrompt, BatchRequest, BatchSampling
+from polyrl.manager.weight_sync import PublisherSync
+from polyrl.trainer.loop import train
+from polyrl.transfer.publisher import WeightPublisher
+
+ON_POLICY = 1e-4
+"""fp32 on CPU: the engines' log-probs equal the learner's within this after every sync."""
+
+QUICK = [
+    "logging.console=false",
+    "logging.tensorboard=false",
+    "manager.port=0",
+    "trainer.save_every=0",
+    "fleet.ready_timeout_s=120",
+]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_every_step(rows: list[dict]) -> None:
+    for r in rows:
+        assert r["rollout/samples_received"] == r["rollout/samples_requested"] > 0, r["step"]
+        assert r["rollout/samples_lost"] == 0
+        assert r["rollout/logprob_diff"] < ON_POLICY, (r["step"], r["rollout/logprob_diff"])
+        assert r["cost/usd_per_hour"] > 0 and r["cost/tokens_per_usd"] > 0
+
+
+def test_default_run_learns_through_two_workers(tmp_path: Path) -> None:
+    """The default main job, shortened: remote mode, 2 launched workers."""
+    cfg = load_config(None, [*QUICK, "trainer.total_steps=40"])
+    assert cfg.rollout.mode == "remote" and cfg.fleet.num_workers == 2
+    train(cfg, tmp_path / "run")
+    rows = _metrics(tmp_path / "run")
+    _check_every_step(rows)
+    assert all(r["rollout/local_samples"] == 0 for r in rows)  # every sample came from a worker
+    assert all(r["training/num_rollout_instances"] == 2 for r in rows[1:])  # both workers served
+    assert rows[-1]["cost/usd_per_hour"] == pytest.approx(83.79 / 8 + 2 * 21.28 / 8)
+    rewards = [r["critic/score/mean"] for r in rows]
+    assert sum(rewards[-5:]) / 5 > rewards[0] + 0.15, rewards
+    assert (tmp_path / "run" / "workers" / "w0.log").exists()
+
+
+def test_churn_with_kill_minus_9_loses_no_sample(tmp_path: Path) -> None:
+    """A worker joins every 5 s up to 2, then the oldest retires every 5 s down to 1, and
+    so on; a random one is killed without notice every ~12 s. The run still gets every
+    sample of every step."""
+    overrides = [
+        *QUICK, "trainer.total_steps=50", "fleet.num_workers=2", "fleet.churn_interval_s=5",
+        "fleet.churn_min_workers=1", "fleet.kill_interval_s=12", "fleet.kill_seed=5",  # kills ~12 s and ~28 s in
+        "fleet.drain_timeout_s=0.5", "fleet.ready_timeout_s=60",
+    ]  # fmt: skip
+    train(load_config(None, overrides), tmp_path / "run")
+    rows = _metrics(tmp_path / "run")
+    _check_every_step(rows)
+    last = rows[-1]
+    assert last["fleet/killed"] >= 1 and last["fleet/retired"] >= 1 and last["fleet/launched"] >= 3, last
+    assert len({r["training/num_workers"] for r in rows}) > 1  # the fleet really changed
+
+
+def test_zero_workers_then_one_joins_from_outside(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """No launched worker: steps complete on the trainer's engine. A `polyrl worker`
+    started by hand with the manager's URL and token joins mid-run and takes over."""
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [*QUICK, "trainer.total_steps=400", "fleet.num_workers=0", f'manager.token="{TOKEN}"'])
+    joined_at: list[int] = []
+    worker: list[WorkerProcess] = []
+
+    class Enough(Exception):
+        pass
+
+    def on_step_end(step: int, metrics: dict[str, float]) -> None:
+        if step == 3:
+            url = json.loads((run_dir / "manager.json").read_text())["url"]
+            worker.append(_start_worker(run_dir / "init_model", url, "outside"))
+        if metrics["rollout/local_samples"] == 0 and not joined_at:
+            joined_at.append(step)
+        if joined_at and step >= joined_at[0] + 2:
+            raise Enough
+
+    try:
+        with pytest.raises(Enough):
+            train(cfg, run_dir, on_step_end=on_step_end)
+    finally:
+        for w in worker:
+            w.kill()
+    rows = _metrics(run_dir)
+    _check_every_step(rows)
+    assert all(r["rollout/local_samples"] == r["rollout/samples_requested"] for r in rows[:3])  # zero workers
+    assert joined_at and rows[-1]["training/num_workers"] == 1
+    assert rows[-1]["training/weight_version"] > 3  # the late joiner pulled a later version
+
+
+def test_hybrid_run_completes_on_policy(tmp_path: Path) -> None:
+    cfg = load_config(None, [*QUICK, "trainer.total_steps=6", "rollout.mode=hybrid", "fleet.num_workers=1"])
+    train(cfg, tmp_path / "run")
+    rows = _metrics(tmp_path / "run")
+    _check_every_step(rows)
+    assert all("timing_s/local_window" in r for r in rows)
+
+
+def _reference(engine: Engine, prompt: BatchPrompt, n: int, max_new_tokens: int) -> list[list[int]]:
+    """The uninterrupted samples of `prompt`, generated in-process."""
+    sampling = EngineSampling(max_new_tokens=max_new_tokens, temperature=1.0, ignore_eos=True, n=n, seed=prompt.seed)
+    engine.add_request(EngineRequest(f"ref-{prompt.id}", prompt.input_ids, sampling))
+    out: list[list[int]] = [[] for _ in range(n)]
+    while engine.has_work:
+        for d in engine.step():
+            out[d.index] += d.token_ids
+    return out
+
+
+def test_hybrid_window_hands_local_samples_to_a_worker_token_exact(long_context_model: Path) -> None:  # noqa: F811
+    """The trainer's engine generates while the only worker syncs; when the worker is in
+    sync the window closes and the unfinished samples continue there, token for token."""
+    budget = 400
+    engine = AsyncEngine(Engine.from_pretrained(str(long_context_model), EngineConfig(max_num_seqs=8)))
+    engine.start()
+    prompts = [BatchPrompt(id=f"p{i}", input_ids=[5 + i, 6, 7], seed=100 * i + 1) for i in range(2)]
+    request = BatchRequest(prompts=prompts, n=2, sampling=BatchSampling(max_new_tokens=budget, ignore_eos=True))
+    try:
+        with ManagerThread(fast_cfg(), local_engine=engine) as mt, WeightPublisher(chunk_bytes=64 * 1024) as pub:
+            sync = PublisherSync(mt.manager, pub, codec="raw")
+
+            async def slow_sync(record, version):  # the window needs the worker to lag a little
+                await asyncio.sleep(1.0)
+                await sync(record, version)
+
+            mt.add_sync_hook(slow_sync)
+            proc = _start_worker(long_context_model, mt.url, "w1")
+            try:
+                proc.wait_ready()
+                _wait_until(lambda: mt.worker_list().workers[-1].state == "active", 30, "w1 active")
+                weights = {k: p.detach().clone() for k, p in engine.engine.model.named_parameters()}
+                pub.publish(weights, 1)  # the same values as v0: the reference stays valid
+                mt.run(engine.update_weights(weights, 1))
+                mt.publish_version(1)
+                mt.call(mt.manager.open_local_window, 60.0)
+                groups = list(mt.generate(request))
+                window = mt.manager.last_window
+            finally:
+                proc.kill()
+    finally:
+        engine.shutdown()
+    assert window is not None and window[1] == "remote workers synced", window
+    reference = Engine.from_pretrained(str(long_context_model), EngineConfig(max_num_seqs=8))
+    for g in groups:
+        prompt = next(p for p in prompts if p.id == g.prompt_id)
+        expected = _reference(reference, prompt, 2, budget)
+        for s in g.samples:
+            assert [seg.worker for seg in s.segments] == ["local", "w1"], s.segments  # began here, ended there
+            assert s.weight_versions == [1] * budget
+            assert s.output_ids == expected[s.index]
+
+
+def test_churn_schedule_follows_the_seeds() -> None:
+    """Up to K, one every T; then the oldest retires every T down to the minimum; again."""
+    from polyrl.rollout.fleet import churn_direction
+
+    count, growing, counts = 0, True, []
+    for _ in range(10):
+        growing = churn_direction(count, growing, max_workers=3, min_workers=1)
+        count += 1 if growing else -1
+        counts.append(count)
+    assert counts == [1, 2, 3, 2, 1, 2, 3, 2, 1, 2]
