@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="run GRPO training (colocated rollout for now)")
+    p = sub.add_parser("train", help="run GRPO training (default: manager + 2 local rollout workers)")
     p.add_argument("--config", help="TOML config file")
     p.add_argument("--run-dir", help="output directory (default: runs/<time>-<task>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
