@@ -38,6 +38,9 @@ def test_bare_string_override_and_roundtrip(tmp_path):
         ("algo.loss_agg_mode='sum'", "algo.loss_agg_mode"),
         ("trainer.ppo_mini_batch_size=5", "trainer.train_batch_size"),
         ("reward.weights=[1.0]", "reward.weights"),
+        ("rollout.mode='colocated'", "rollout.mode"),
+        ("fleet.num_workers=-1", "fleet.num_workers"),
+        ("fleet.churn_min_workers=3", "fleet.churn_min_workers"),
     ],
 )
 def test_errors_name_the_key(override, key):

@@ -174,6 +174,20 @@ def test_hybrid_window_hands_local_samples_to_a_worker_token_exact(long_context_
             assert s.output_ids == expected[s.index]
 
 
+def test_a_taken_manager_port_is_a_config_error(tmp_path: Path) -> None:
+    import socket
+
+    from polyrl.config import ConfigError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = load_config(None, [*QUICK, f"manager.port={port}", "fleet.num_workers=0"])
+        with pytest.raises(ConfigError, match="cannot listen"):
+            train(cfg, tmp_path / "run")
+
+
 def test_churn_schedule_follows_the_seeds() -> None:
     """Up to K, one every T; then the oldest retires every T down to the minimum; again."""
     from polyrl.rollout.fleet import churn_direction

@@ -11,6 +11,7 @@ manager sees the connection drop and migrates the requests token for token.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from polyrl.config import EngineConfig, FleetConfig
 
@@ -210,11 +211,23 @@ def churn_direction(count: int, growing: bool, max_workers: int, min_workers: in
     return growing
 
 
+def _find_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up once here, not in the child: between fork and exec a threaded parent's child
+# must not dlopen/dlsym (a lock held by another thread at fork time would deadlock it).
+_PRCTL = _find_prctl()
+PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM it when the trainer dies, even by kill -9, so no
     orphaned worker keeps heartbeating to a manager that is gone (Linux only)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))

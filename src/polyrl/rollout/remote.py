@@ -63,8 +63,19 @@ class RemoteRollout:
         self.local_engine = AsyncEngine(Engine(local_model, engine_cfg, compute_dtype))
         self.local_engine.start()
         transfer = manager_cfg.transfer
-        self.publisher = WeightPublisher(manager_cfg.host, transfer.port).start()
-        self.mt = ManagerThread(manager_cfg, self.local_engine).start()
+        try:
+            self.publisher = WeightPublisher(manager_cfg.host, transfer.port).start()
+        except BaseException:
+            self.local_engine.shutdown()
+            raise
+        self.mt = ManagerThread(manager_cfg, self.local_engine)
+        try:
+            self.mt.start()
+        except BaseException:
+            self.mt.stop()
+            self.publisher.stop()
+            self.local_engine.shutdown()
+            raise
         self.mt.add_sync_hook(PublisherSync(self.mt.manager, self.publisher, transfer.advertise_host, codec=transfer.codec))
         self.version = self.local_engine.engine.weight_version
         self.stats = RolloutStats()

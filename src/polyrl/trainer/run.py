@@ -21,7 +21,6 @@ from polyrl.config import ConfigError, RunConfig, save_config
 from polyrl.data.rewards import RewardPool
 from polyrl.data.source import PromptSource
 from polyrl.engine.engine import Engine
-from polyrl.manager.main import resolve_token
 from polyrl.metrics.step_stats import cost_metrics, num_tokens, perf_metrics, rollout_metrics
 from polyrl.metrics.tracker import Tracker
 from polyrl.models.precision import DTYPES
@@ -142,7 +141,11 @@ class Run:
         if cfg.rollout.mode == "local":
             rollout: LocalRollout | RemoteRollout = LocalRollout(Engine(model, cfg.engine, compute_dtype))
         else:
-            rollout, fleet = start_remote(cfg, run_dir, model, compute_dtype, init_path)
+            try:
+                rollout, fleet = start_remote(cfg, run_dir, model, compute_dtype, init_path)
+            except BaseException:
+                pool.close()
+                raise
         rollout.publish(state.weight_version)
         sampling = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens,
@@ -212,12 +215,11 @@ def start_remote(
     cfg: RunConfig, run_dir: Path, model: PreTrainedModel, compute_dtype: torch.dtype, init_path: Path
 ) -> tuple[RemoteRollout, WorkerFleet | None]:
     """The in-process manager and weight publisher, then the launched workers (if any).
-    The manager always gets a token, so that workers from anywhere can be added later;
-    it is written to RUN_DIR/manager.json (owner-only), not to the log."""
-    mcfg = resolve_token(cfg.manager)
-    if mcfg.token is None:
-        mcfg = mcfg.model_copy(update={"token": secrets.token_hex(16)})
-    assert mcfg.token is not None
+    The manager always has a token (a random one unless given), so that workers from
+    anywhere can be added later; it goes to RUN_DIR/manager.json (owner-only), not to
+    the log."""
+    token = cfg.manager.token or os.environ.get("POLYRL_TOKEN") or secrets.token_hex(16)
+    mcfg = cfg.manager.model_copy(update={"token": token})
     try:
         rollout = RemoteRollout(
             model, cfg.rollout.mode, cfg.rollout, mcfg, cfg.engine, compute_dtype, cfg.trainer.ppo_mini_batch_size
@@ -231,7 +233,7 @@ def start_remote(
              rollout.url, init_path, rollout.url, info)  # fmt: skip
     if cfg.fleet.num_workers == 0:
         return rollout, None
-    fleet = WorkerFleet(cfg.fleet, cfg.engine, init_path, rollout.url, mcfg.token, run_dir / "workers")
+    fleet = WorkerFleet(cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers")
     try:
         wait_for_workers(rollout, fleet, fleet.start(), cfg.fleet.ready_timeout_s)
     except BaseException:
