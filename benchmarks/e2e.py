@@ -73,7 +73,7 @@ def main() -> int:
     base = rows[0]["tokens_per_s"]
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
     print(f"\n{machine}; median over {args.steps} steps after {args.warmup} warm-up steps")
-    print(f"| mode | workers | s/step | tokens/s | vs local | gen s | update s | local share | lost | tokens/$ "
+    print("| mode | workers | s/step | tokens/s | vs local | gen s | update s | local share | lost | tokens/$ "
           "| max logprob_diff |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -14,9 +14,7 @@ engine may still be generating with the step's version.
 from __future__ import annotations
 
 import copy
-import logging
 import random
-import time
 from collections.abc import Iterator
 from typing import Literal
 
@@ -33,8 +31,6 @@ from polyrl.manager.weight_sync import PublisherSync
 from polyrl.rollout.stats import RolloutStats
 from polyrl.rollout.types import Group, Prompt, Sample, SamplingParams
 from polyrl.transfer.publisher import WeightPublisher
-
-log = logging.getLogger(__name__)
 
 WINDOW_EMA = 0.5
 """Weight of the newest measured sync time in the hybrid window's estimate."""
@@ -80,7 +76,6 @@ class RemoteRollout:
         self.version = self.local_engine.engine.weight_version
         self.stats = RolloutStats()
         self._sync_estimate_s: float | None = None
-        self._published_at = 0.0
 
     @property
     def url(self) -> str:
@@ -109,18 +104,20 @@ class RemoteRollout:
         self._note_sync_time()
         self.mt.publish_version(version)
         self.version = version
-        self._published_at = time.monotonic()
         if self.mode == "hybrid":
             self.mt.call(self.mt.manager.open_local_window, self._window_s())
 
     def _note_sync_time(self) -> None:
         """The last window's length, when the workers' sync closed it, is the fleet's sync time."""
-        last = self.mt.manager.last_window
+        last = self._last_window()
         if last is None or last[1] != "remote workers synced":
             return
         s = last[0]
         prev = self._sync_estimate_s
         self._sync_estimate_s = s if prev is None else WINDOW_EMA * s + (1 - WINDOW_EMA) * prev
+
+    def _last_window(self) -> tuple[float, str] | None:
+        return self.mt.call(getattr, self.mt.manager, "last_window")
 
     def _window_s(self) -> float:
         """Twice the measured sync time (a slow sync should not stall the step), at least
@@ -156,7 +153,7 @@ class RemoteRollout:
             if self.mode == "hybrid" and stats.num_received == self.window_groups * n:
                 self.mt.call(self.mt.manager.close_local_window, "learner starts")
             yield group
-        window = self.mt.manager.last_window
+        window = self._last_window()
         if self.mode == "hybrid" and window is not None:
             stats.window_s, stats.window_closed_by = window
 
