@@ -112,6 +112,28 @@ def test_zero_workers_then_one_joins_from_outside(tmp_path: Path, tiny_model_dir
     assert rows[-1]["training/weight_version"] > 3  # the late joiner pulled a later version
 
 
+def test_resume_in_remote_mode_resyncs_a_fresh_worker(tmp_path: Path) -> None:
+    """The trainer dies after step 4 (checkpoint at 3); the resumed run's new worker starts
+    from the initial model, pulls the restored version, and serves every sample."""
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_4(step: int, metrics: dict[str, float]) -> None:
+        if step == 4:
+            raise Crash
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [*QUICK, "trainer.total_steps=6", "trainer.save_every=3", "fleet.num_workers=1"])
+    with pytest.raises(Crash):
+        train(cfg, run_dir, on_step_end=crash_after_4)
+    state = train(load_config(run_dir / "config.toml"), run_dir, resume=True)
+    rows = _metrics(run_dir)
+    assert state.step == 6 and [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    _check_every_step(rows)
+    assert all(r["rollout/local_samples"] == 0 for r in rows[3:])  # the worker, at v3 and later
+
+
 def test_hybrid_run_completes_on_policy(tmp_path: Path) -> None:
     cfg = load_config(None, [*QUICK, "trainer.total_steps=6", "rollout.mode=hybrid", "fleet.num_workers=1"])
     train(cfg, tmp_path / "run")
