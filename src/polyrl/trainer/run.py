@@ -173,7 +173,8 @@ class Run:
         step_s = timings["step"]
         metrics = average_metrics(result.train_metrics)
         metrics.update(rollout_metrics(groups, self.cfg.rollout.max_new_tokens))
-        metrics.update(perf_metrics(num_tokens(groups), step_s, world_size=1))
+        total_tokens = num_tokens(groups)
+        metrics.update(perf_metrics(total_tokens, step_s, world_size=1))
         metrics.update(self.rollout.stats.metrics())
         metrics.update({f"timing_s/{k}": v for k, v in timings.items() if k != "step"})
         metrics["timing_s/gen"] = self.rollout.stats.gen_s
@@ -185,7 +186,7 @@ class Run:
             default = self.cfg.cost.worker_usd_per_hour
             prices = [w.usd_per_hour if w.usd_per_hour is not None else default for w in self.rollout.workers()]
             metrics["training/num_workers"] = float(len(prices))
-        metrics.update(cost_metrics(num_tokens(groups), step_s, self.cfg.cost.trainer_usd_per_hour, prices))
+        metrics.update(cost_metrics(total_tokens, step_s, self.cfg.cost.trainer_usd_per_hour, prices))
         if self.fleet is not None:
             events = self.fleet.events
             metrics.update({"fleet/launched": float(events.launched), "fleet/retired": float(events.retired),
