@@ -118,6 +118,9 @@ class EngineConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto: bfloat16 on CUDA, float32 on CPU."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    cuda_graphs: bool = True
+    """On CUDA (with Triton), replay decode steps as CUDA graphs with the Triton paged-attention
+    kernel; off: every step runs eagerly on the PyTorch path (for debugging)."""
 
 
 class AlgoConfig(_Section):

@@ -19,7 +19,13 @@ from collections.abc import AsyncIterator, Callable, Mapping
 import torch
 
 from polyrl.engine.engine import Engine
-from polyrl.engine.types import EngineFullError, EngineRequest, EngineStats, RequestError, SampleDelta
+from polyrl.engine.types import (
+    EngineFullError,
+    EngineRequest,
+    EngineStats,
+    RequestError,
+    SampleDelta,
+)
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,13 @@ class BlockManager:
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.ref_counts = [0] * num_blocks
 
+    def resize(self, num_blocks: int) -> None:
+        """Start over with `num_blocks` blocks; only when no sequence holds any."""
+        assert self.num_free == self.num_blocks, "resize with blocks in use"
+        self.num_blocks = num_blocks
+        self.free_blocks = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+
     @property
     def num_free(self) -> int:
         return len(self.free_blocks)

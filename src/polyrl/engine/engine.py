@@ -30,7 +30,7 @@ from polyrl.engine.block_manager import BlockManager, cdiv
 from polyrl.engine.model_runner import ModelRunner, num_kv_blocks_for
 from polyrl.engine.sampler import SamplingBatch, sample
 from polyrl.engine.scheduler import Scheduler
-from polyrl.engine.sequence import Sequence, SeqStatus
+from polyrl.engine.sequence import SeqStatus, Sequence
 from polyrl.engine.types import EngineRequest, EngineStats, RequestError, SampleDelta
 
 log = logging.getLogger(__name__)
@@ -52,16 +52,13 @@ class Engine:
         (the trainer's float32 master weights generating in bfloat16)."""
         self.model, self.cfg = model, cfg
         param_dtype = next(model.parameters()).dtype
-        compute_dtype = compute_dtype or param_dtype
+        self.compute_dtype = compute_dtype or param_dtype
         self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
-        num_blocks = num_kv_blocks_for(
-            model, cfg.num_kv_blocks, cfg.block_size, compute_dtype, cfg.max_num_seqs, self.max_model_len,
-            cfg.kv_cache_memory_fraction, cfg.cpu_kv_cache_gib,
-        )
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self._autocast_dtype = self.compute_dtype if self.compute_dtype != param_dtype else None
+        self.blocks = BlockManager(0, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        autocast = compute_dtype if compute_dtype != param_dtype else None
-        self.runner = ModelRunner(model, num_blocks, cfg.block_size, compute_dtype, autocast)
+        self.runner: ModelRunner | None = None
+        self.wake()
         self.vocab_size: int = model.config.vocab_size
         self.eos_token_ids = model_eos_ids(model)
         self.weight_version = 0
@@ -70,7 +67,9 @@ class Engine:
         self._rng = random.Random()
         self.num_generated_tokens = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
-        log.info("engine: %d KV blocks of %d tokens, context %d", num_blocks, cfg.block_size, self.max_model_len)
+        graphs = "on" if self.runner.decode_graphs else "off"
+        log.info("engine: %d KV blocks of %d tokens, context %d, CUDA graphs %s", self.blocks.num_blocks,
+                 cfg.block_size, self.max_model_len, graphs)
 
     @classmethod
     def from_pretrained(cls, path: str, cfg: EngineConfig) -> Engine:
@@ -84,7 +83,45 @@ class Engine:
 
     @property
     def device(self) -> torch.device:
-        return self.runner.device
+        return self.model.device
+
+    # ---- memory --------------------------------------------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        return self.runner is None
+
+    def sleep(self) -> None:
+        """Free the KV cache and the CUDA graphs (for a trainer sharing the GPU). Running
+        samples keep their tokens and recompute their KV after `wake`; the next step wakes
+        the engine by itself."""
+        if self.runner is None:
+            return
+        self.scheduler.preempt_all()
+        self.runner.close()
+        self.runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Allocate the KV cache: as many blocks as before `sleep` (the first time: sized
+        from the config or the free memory), fewer only if that much is no longer free."""
+        if self.runner is not None:
+            return
+        cfg = self.cfg
+        num_blocks = num_kv_blocks_for(
+            self.model, cfg.num_kv_blocks, cfg.block_size, self.compute_dtype, cfg.max_num_seqs, self.max_model_len,
+            cfg.kv_cache_memory_fraction if self.blocks.num_blocks == 0 else 0.95, cfg.cpu_kv_cache_gib,
+        )
+        if self.blocks.num_blocks:
+            if num_blocks < self.blocks.num_blocks:
+                log.warning("engine: memory for only %d of %d KV blocks after wake", num_blocks, self.blocks.num_blocks)
+            num_blocks = min(num_blocks, self.blocks.num_blocks)
+        self.blocks.resize(num_blocks)
+        self.runner = ModelRunner(
+            self.model, num_blocks, cfg.block_size, self.compute_dtype, self._autocast_dtype,
+            cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0, max_model_len=self.max_model_len,
+        )
 
     @property
     def has_work(self) -> bool:
@@ -139,6 +176,7 @@ class Engine:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[SampleDelta]:
+        self.wake()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -153,21 +191,30 @@ class Engine:
                 rows.append(row)
         if not seqs:
             return []
-        token_ids, logprobs = sample(logits[rows], self._sampling_batch(seqs))
-        return self._postprocess(seqs, token_ids.tolist(), logprobs.tolist())
+        if rows != list(range(logits.shape[0])):
+            logits = logits[rows]
+        token_ids, logprobs = sample(logits, self._sampling_batch(seqs))
+        # One device-to-host copy for both (token ids are exact in float64).
+        host = torch.stack([token_ids.double(), logprobs.double()]).cpu()
+        return self._postprocess(seqs, [int(t) for t in host[0].tolist()], host[1].tolist())
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         dev = self.device
-        floats = torch.tensor([[s.sampling.temperature, s.sampling.top_p] for s in seqs], dtype=torch.float32).to(dev)
-        ints = torch.tensor([[s.sampling.top_k, s.seed, s.num_tokens] for s in seqs], dtype=torch.long).to(dev)
+        params = [s.sampling for s in seqs]
+        temperatures = [p.temperature for p in params]
+        top_p, top_k = [p.top_p for p in params], [p.top_k for p in params]
+        # Rows of plain lists convert fastest; one float and one int copy to the device.
+        floats = torch.tensor([temperatures, top_p], dtype=torch.float32).to(dev, non_blocking=True)
+        ints = torch.tensor([top_k, [s.seed for s in seqs], [s.num_tokens for s in seqs]], dtype=torch.long)
+        ints = ints.to(dev, non_blocking=True)
         return SamplingBatch(
-            temperature=floats[:, 0],
-            top_p=floats[:, 1],
-            top_k=ints[:, 0],
-            seeds=ints[:, 1],
-            positions=ints[:, 2],
-            needs_truncation=any(s.sampling.top_p < 1 or s.sampling.top_k > 0 for s in seqs),
-            all_greedy=all(s.sampling.temperature == 0 for s in seqs),
+            temperature=floats[0],
+            top_p=floats[1],
+            top_k=ints[0],
+            seeds=ints[1],
+            positions=ints[2],
+            needs_truncation=any(p < 1 for p in top_p) or any(k > 0 for k in top_k),
+            all_greedy=not any(temperatures),
         )
 
     def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float]) -> list[SampleDelta]:

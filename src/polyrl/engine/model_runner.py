@@ -1,7 +1,8 @@
 """Runs a transformers decoder over the engine's paged KV cache.
 
 The weights, norms, MLPs and rotary embedding are the transformers model's own modules;
-only attention is the engine's (`attention.paged_attention`), because the KV layout is.
+only attention is the engine's (`attention.paged_attention`, or on CUDA the Triton kernel in
+`triton_ops` for decode steps replayed as CUDA graphs), because the KV layout is.
 That covers the Llama family (Llama, Mistral, Qwen2, Qwen3: pre-norm blocks, RoPE, GQA,
 optional q/k norms and projection biases), which is what RL post-training uses today.
 """
@@ -14,8 +15,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from polyrl.engine import triton_ops
 from polyrl.engine.attention import AttentionGroup, AttentionMetadata, paged_attention
 from polyrl.engine.block_manager import cdiv
+from polyrl.engine.cuda_graphs import DecodeGraphs, DecodeMetadata
 from polyrl.engine.scheduler import ScheduledSeq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -39,8 +42,11 @@ def kv_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(
-        self, model: PreTrainedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype, autocast_dtype: torch.dtype | None
+        self, model: PreTrainedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+        autocast_dtype: torch.dtype | None, cuda_graph_max_batch: int = 0, max_model_len: int = 0,
     ) -> None:
+        """`cuda_graph_max_batch` > 0 replays decode steps of up to that many sequences as
+        CUDA graphs (CUDA with Triton only; elsewhere it is ignored)."""
         model_type = model.config.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {model_type!r} is not supported by the engine (supported: {SUPPORTED_MODEL_TYPES})")
@@ -51,9 +57,30 @@ class ModelRunner:
         self.autocast_dtype = autocast_dtype
         attn = model.model.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
-        num_slots = num_blocks * block_size
+        # One block more than the block manager hands out: the scratch block that padding
+        # rows of a captured decode step write into.
+        num_slots = (num_blocks + 1) * block_size
         shape = (len(model.model.layers), 2, num_slots, model.config.num_key_value_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.decode_graphs: DecodeGraphs | None = None
+        if (cuda_graph_max_batch > 0 and self.device.type == "cuda" and triton_ops.available("cuda")
+                and self.supports_fused_decode(model)):
+            self.decode_graphs = DecodeGraphs(
+                self._decode_logits, cuda_graph_max_batch, cdiv(max_model_len, block_size), block_size,
+                num_blocks * block_size, model.config.vocab_size, model.lm_head.weight.dtype if autocast_dtype is None
+                else autocast_dtype, self.device,
+            )
+
+    def supports_fused_decode(self, model: PreTrainedModel) -> bool:
+        """The fused decode step covers the family's common shape: SwiGLU MLPs and a
+        power-of-two head size; anything else decodes eagerly."""
+        return getattr(model.config, "hidden_act", None) == "silu" and triton_ops.supports(self.head_dim)
+
+    def close(self) -> None:
+        """Drop the KV cache and the graphs now (the graphs refer back to this runner, so
+        the pair would otherwise wait for the garbage collector)."""
+        self.decode_graphs = None
+        self.kv_cache = None
 
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size
@@ -62,18 +89,74 @@ class ModelRunner:
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+        # No weight-cast cache: it must not outlive a CUDA graph capture.
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype, cache_enabled=False)
+
+    def is_graph_decode(self, batch: list[ScheduledSeq]) -> bool:
+        graphs = self.decode_graphs
+        return (
+            graphs is not None and len(batch) <= graphs.max_batch
+            and all(item.num_new_tokens == 1 and item.seq.num_uncomputed == 1 for item in batch)
+        )
 
     @torch.inference_mode()
     def forward(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
-        """Feed every scheduled chunk; returns float32 logits [S, V] for the sequences whose
-        chunk reached their last token (they sample next), and the batch indices of those."""
+        """Feed every scheduled chunk; returns logits [S, V] (the model's dtype) for the
+        sequences whose chunk reached their last token (they sample next), and the batch
+        indices of those."""
+        if self.is_graph_decode(batch):
+            return self.decode_graphs.run(batch), list(range(len(batch)))
         input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(batch)
         with self._autocast():
             hidden = self._decoder(input_ids, positions, meta)  # [T, hidden]
             hidden = self.model.model.norm(hidden[sample_rows])  # [S, hidden]
             logits = self.model.lm_head(hidden)
-        return logits.float(), sample_seqs
+        return logits, sample_seqs
+
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
+        """The captured decode step: every row feeds one token and samples. The model's own
+        modules do the matmuls; norms, RoPE, the cache write and the SwiGLU product are
+        fused Triton kernels (about 12 kernels a layer instead of 50: a decode step is
+        launch-bound long before it is bandwidth-bound)."""
+        inner = self.model.model
+        layers = inner.layers
+        with self._autocast():
+            residual = inner.embed_tokens(input_ids)  # [B, hidden]
+            cos, sin = inner.rotary_emb(residual, positions[None])
+            cos, sin = cos[0], sin[0]
+            norm = layers[0].input_layernorm
+            hidden = triton_ops.rmsnorm(residual, norm.weight, norm.variance_epsilon)
+            for layer_idx, layer in enumerate(layers):
+                if layer_idx:  # the previous block's residual add, fused with this block's norm
+                    norm = layer.input_layernorm
+                    hidden = triton_ops.rmsnorm(hidden, norm.weight, norm.variance_epsilon, residual)
+                hidden = self._fused_attention(layer.self_attn, hidden, cos, sin, meta, layer_idx)
+                norm = layer.post_attention_layernorm
+                hidden = triton_ops.rmsnorm(hidden, norm.weight, norm.variance_epsilon, residual)
+                mlp = layer.mlp
+                hidden = mlp.down_proj(triton_ops.silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
+            hidden = triton_ops.rmsnorm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
+            return self.model.lm_head(hidden)
+
+    def _fused_attention(
+        self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: DecodeMetadata, layer_idx: int
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = attn.q_proj(x).view(num_tokens, -1, self.head_dim)
+        k = attn.k_proj(x).view(num_tokens, -1, self.head_dim)
+        v = attn.v_proj(x).view(num_tokens, -1, self.head_dim)
+        k_cache, v_cache = self.kv_cache[layer_idx]  # [S, KVH, D]
+        has_norm = hasattr(attn, "q_norm")
+        q = triton_ops.rope_and_cache(
+            q, k, v, cos, sin, meta.slot_mapping, k_cache, v_cache,
+            attn.q_norm.weight if has_norm else None, attn.k_norm.weight if has_norm else None,
+            attn.q_norm.variance_epsilon if has_norm else 1e-6,
+        )
+        blocked = (-1, self.block_size, *k_cache.shape[1:])
+        out = triton_ops.paged_decode_attention(
+            q, k_cache.view(blocked), v_cache.view(blocked), meta.block_tables, meta.context_lens, self.scale
+        )
+        return attn.o_proj(out.reshape(num_tokens, -1))
 
     def _prepare(self, batch: list[ScheduledSeq]):
         bs = self.block_size

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from polyrl.engine import triton_ops
+
 _M32 = 0xFFFFFFFF
 
 
@@ -76,7 +78,11 @@ class SamplingBatch:
 
 
 def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [S, V] float32 -> (token ids [S], log-probs [S])."""
+    """logits [S, V] -> (token ids [S], log-probs [S] float32). On CUDA without top-k/top-p
+    this is one fused Triton kernel (`triton_ops.fused_sample`): the same draws, one pass."""
+    if logits.is_cuda and not params.needs_truncation and triton_ops.available("cuda"):
+        return triton_ops.fused_sample(logits, params.temperature, params.seeds, params.positions)
+    logits = logits.float()
     greedy = params.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
     scaled = logits / temperature[:, None]

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from polyrl.engine.block_manager import BlockManager
-from polyrl.engine.sequence import Sequence, SeqStatus
+from polyrl.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass

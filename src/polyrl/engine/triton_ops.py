@@ -1,0 +1,294 @@
+"""Triton kernels for the GPU decode step: paged attention and fused sampling.
+
+Both exist because the PyTorch versions are memory-bound several times over at decode
+time: SDPA over the paged cache first gathers every sequence's blocks into a padded copy,
+and sampling with `sampler.sample` makes a dozen passes over the [S, vocab] logits. Each
+kernel here reads its input once.
+
+Triton is optional: `available()` is False without it (CPU-only installs) and the engine
+keeps its PyTorch path. Under `TRITON_INTERPRET=1` the kernels also run on CPU tensors,
+which is how the test suite checks them against the PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install
+    triton = None
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def available(device_type: str) -> bool:
+    """Whether the kernels can run on `device_type` tensors here."""
+    if triton is None:
+        return False
+    return device_type == "cuda" or interpreted()
+
+
+def supports(head_dim: int) -> bool:
+    """The attention kernel's tile constraint: a power-of-two head size of at least 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_ptr, scale,
+        stride_qb, stride_qh, stride_kblk, stride_kslot, stride_kh, stride_ob, stride_oh, stride_tb,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        # One program per (sequence, KV head): its GROUP query heads share every K/V load.
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        ctx = tl.load(ctx_ptr + b)
+        g = tl.arange(0, GROUP_PAD)
+        heads = kvh * GROUP + g
+        hmask = g < GROUP
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        denom = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for start in range(0, ctx, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            nmask = n < ctx
+            block = tl.load(tables_ptr + b * stride_tb + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+            offs = block * stride_kblk + (n % BLOCK_SIZE) * stride_kslot + kvh * stride_kh
+            k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=nmask[:, None], other=0.0)  # [N, D]
+            v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
+            s = tl.where(nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        out = acc / tl.maximum(denom, 1e-30)[:, None]  # a padding row (ctx 0) writes zeros
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=hmask[:, None])
+
+    @triton.jit
+    def _mix32(x):
+        x = x ^ (x >> 16)
+        x = x * 0x85EBCA6B
+        x = x ^ (x >> 13)
+        x = x * 0xC2B2AE35
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _sample_kernel(
+        logits_ptr, stride_l, temp_ptr, seed_ptr, pos_ptr, token_ptr, logprob_ptr, vocab_size,
+        BLOCK_V: tl.constexpr,
+    ):
+        # One program per row, one pass over the vocabulary: the Gumbel-max draw (or the
+        # argmax for greedy rows) and the log-sum-exp for the chosen token's log-prob.
+        row = tl.program_id(0)
+        t = tl.load(temp_ptr + row)
+        greedy = t == 0.0
+        t = tl.where(greedy, 1.0, t)
+        seed = tl.load(seed_ptr + row)
+        pos = tl.load(pos_ptr + row)
+        key = _mix32((seed >> 32).to(tl.uint32) ^ 0x9E3779B9)
+        key = _mix32(key ^ (seed & 0xFFFFFFFF).to(tl.uint32))
+        key = _mix32(key ^ (pos & 0xFFFFFFFF).to(tl.uint32))
+        m = tl.full([], float("-inf"), tl.float32)
+        denom = tl.zeros([], tl.float32)
+        best = tl.full([], float("-inf"), tl.float32)
+        best_idx = tl.zeros([], tl.int32)
+        best_scaled = tl.zeros([], tl.float32)
+        for start in range(0, vocab_size, BLOCK_V):
+            v = start + tl.arange(0, BLOCK_V)
+            vmask = v < vocab_size
+            x = tl.load(logits_ptr + row * stride_l + v, mask=vmask, other=float("-inf")).to(tl.float32)
+            scaled = x / t
+            m_new = tl.maximum(m, tl.max(scaled, axis=0))
+            denom = denom * tl.exp(m - m_new) + tl.sum(tl.where(vmask, tl.exp(scaled - m_new), 0.0), axis=0)
+            m = m_new
+            bits = _mix32(key ^ _mix32(v.to(tl.uint32) ^ 0x7F4A7C15))
+            uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            score = tl.where(greedy, x, scaled - tl.log(-tl.log(uniform)))
+            score = tl.where(vmask, score, float("-inf"))
+            chunk_best = tl.max(score, axis=0)
+            chunk_idx = tl.argmax(score, axis=0)
+            if chunk_best > best:  # strict: the earliest index wins a tie, like torch.argmax
+                best = chunk_best
+                best_idx = (start + chunk_idx).to(tl.int32)
+                best_scaled = tl.sum(tl.where(v == start + chunk_idx, scaled, 0.0), axis=0)
+        tl.store(token_ptr + row, best_idx.to(tl.int64))
+        tl.store(logprob_ptr + row, best_scaled - m - tl.log(denom))
+
+
+    @triton.jit
+    def _rmsnorm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, num_cols, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # HF's RMSNorm rounding: normalise in float32, round to the input dtype, then scale.
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < num_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:  # residual += x (rounded like a plain add), then normalise the sum
+            r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+            tl.store(res_ptr + row * stride_r + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (xf * rstd).to(x.dtype).to(tl.float32) * w
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_cache_kernel(
+        x_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
+        stride_xt, stride_xh, stride_vt, stride_vh, stride_cos, stride_ot, stride_oh, stride_cslot, stride_ch, eps,
+        HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, TO_CACHE: tl.constexpr,
+    ):
+        # One head of one token: optional per-head RMSNorm (Qwen3's q/k norms), rotate-half
+        # RoPE; queries go to `out`, keys (and the token's values) into their cache slot.
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        d = tl.arange(0, HEAD_DIM)
+        half: tl.constexpr = HEAD_DIM // 2
+        partner = (d + half) % HEAD_DIM
+        x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d)
+        x2 = tl.load(x_ptr + t * stride_xt + h * stride_xh + partner)
+        xf = x.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        if HAS_NORM:
+            rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / HEAD_DIM + eps)
+            w = tl.load(w_ptr + d).to(tl.float32)
+            w2 = tl.load(w_ptr + partner).to(tl.float32)
+            xf = ((xf * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
+            x2f = ((x2f * rstd).to(x.dtype).to(tl.float32) * w2).to(x.dtype).to(tl.float32)
+        cos = tl.load(cos_ptr + t * stride_cos + d).to(tl.float32)
+        sin = tl.load(sin_ptr + t * stride_cos + d).to(tl.float32)
+        rotated = tl.where(d < half, -x2f, x2f)
+        y = xf * cos + rotated * sin
+        if TO_CACHE:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            dst = slot * stride_cslot + h * stride_ch + d
+            tl.store(k_cache_ptr + dst, y.to(k_cache_ptr.dtype.element_ty))
+            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
+            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty))
+        else:
+            tl.store(out_ptr + t * stride_ot + h * stride_oh + d, y.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, num, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < num
+        g = tl.load(gate_ptr + offs, mask=mask, other=0.0)
+        u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)  # rounded like torch's silu
+        tl.store(out_ptr + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of a [T, N] tensor; with `residual`, first `residual += x`
+    (in place) and normalise the sum: the pre-norm block's add and norm in one pass."""
+    out = torch.empty_like(x)
+    res = residual if residual is not None else x
+    _rmsnorm_kernel[(x.shape[0],)](
+        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), x.shape[1], eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=_next_pow2(x.shape[1]),
+    )
+    return out
+
+
+def rope_and_cache(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T]
+    k_cache: torch.Tensor,  # [S, KVH, D] one layer's keys by slot
+    v_cache: torch.Tensor,
+    q_norm: torch.Tensor | None = None,  # [D] weights of per-head RMSNorms applied before RoPE
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Rotated queries [T, H, D]; rotated keys and the values are written to the cache."""
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    has_norm = q_norm is not None
+    for x, w, heads, to_cache in ((q, q_norm, num_heads, False), (k, k_norm, k.shape[1], True)):
+        _rope_cache_kernel[(num_tokens, heads)](
+            x, v, w if has_norm else x, cos, sin, slot_mapping, out, k_cache, v_cache,
+            x.stride(0), x.stride(1), v.stride(0), v.stride(1), cos.stride(0), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), eps, HEAD_DIM=head_dim, HAS_NORM=has_norm, TO_CACHE=to_cache,
+        )
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, the SwiGLU MLP's middle; both contiguous and the same shape."""
+    out = torch.empty_like(gate)
+    num = gate.numel()
+    _silu_mul_kernel[(triton.cdiv(num, 1024),)](gate, up, out, num, BLOCK=1024)
+    return out
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [NBLK, BS, KVH, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, >= max blocks] int32
+    context_lens: torch.Tensor,  # [B] int32; 0 = a padding row (output zeros)
+    scale: float,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:  # [B, H, D] in q's dtype
+    """One query token per sequence attending to its whole cached context."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    q = q.to(k_cache.dtype)
+    out = torch.empty_like(q)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _paged_decode_kernel[(num_seqs, num_kv_heads)](
+        q, k_cache, v_cache, out, block_tables, context_lens, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def fused_sample(
+    logits: torch.Tensor,  # [S, V], any float dtype, last dim contiguous
+    temperature: torch.Tensor,  # [S] float32, 0 = greedy
+    seeds: torch.Tensor,  # [S] int64
+    positions: torch.Tensor,  # [S] int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampler.sample` without top-k/top-p: token ids [S] int64, log-probs [S] float32."""
+    num_rows, vocab_size = logits.shape
+    tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    if num_rows:
+        _sample_kernel[(num_rows,)](
+            logits, logits.stride(0), temperature, seeds, positions, tokens, logprobs, vocab_size, BLOCK_V=4096,
+        )
+    return tokens, logprobs

@@ -1,0 +1,206 @@
+"""The GPU decode path's Triton kernels against the PyTorch path they replace.
+
+On CPU they run in Triton's interpreter (tests/conftest.py switches it on), on a GPU
+compiled; the GPU-only parts (CUDA graphs, memory across sleep/wake) are at the end.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+pytest.importorskip("triton")
+
+from polyrl.config import EngineConfig, TinyModelConfig
+from polyrl.engine import triton_ops
+from polyrl.engine.cuda_graphs import DecodeMetadata, batch_buckets, decode_inputs
+from polyrl.engine.engine import Engine
+from polyrl.engine.sampler import SamplingBatch, sample
+from polyrl.engine.types import EngineRequest, EngineSampling
+from polyrl.models.tiny import save_tiny_model
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def reference_attention(q, k_cache, v_cache, table, ctx, scale):
+    """One sequence, by slot: softmax(q k^T) v over its first `ctx` cached tokens."""
+    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])
+    k = k_cache.flatten(0, 1)[slots].float().repeat_interleave(q.shape[0] // num_kv, dim=1)  # [C, H, D]
+    v = v_cache.flatten(0, 1)[slots].float().repeat_interleave(q.shape[0] // num_kv, dim=1)
+    weights = (torch.einsum("hd,chd->hc", q.float(), k) * scale).softmax(-1)
+    return torch.einsum("hc,chd->hd", weights, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_the_reference(dtype):
+    if dtype == torch.bfloat16 and DEVICE.type == "cpu":
+        pytest.skip("bf16 tl.dot needs a GPU")
+    g = torch.Generator().manual_seed(0)
+    num_seqs, heads, kv_heads, head_dim, block_size, num_blocks = 6, 8, 2, 32, 4, 64
+    q = torch.randn(num_seqs, heads, head_dim, generator=g).to(DEVICE, dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+    ctx = [1, 4, 5, 0, 70, 33]  # one exact block, one past it, a padding row, several 64-token tiles
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:20] for _ in range(num_seqs)]).int()
+    out = triton_ops.paged_decode_attention(
+        q, k_cache, v_cache, tables.to(DEVICE), torch.tensor(ctx, device=DEVICE), 0.2
+    )
+    assert out.shape == q.shape and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for b, c in enumerate(ctx):
+        if c == 0:
+            assert out[b].abs().max().item() == 0  # padding rows produce zeros, never NaN
+            continue
+        ref = reference_attention(q[b].cpu(), k_cache.cpu(), v_cache.cpu(), tables[b].tolist(), c, 0.2)
+        assert (out[b].float().cpu() - ref).abs().max().item() < tol
+
+
+def test_fused_sample_draws_what_the_torch_sampler_draws():
+    g = torch.Generator().manual_seed(1)
+    rows, vocab = 12, 5000  # more than one 4096-wide tile, with a ragged last one
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(DEVICE)
+    temperature = torch.tensor([0, 1, 0.7, 1, 2, 0, 1, 1, 0.5, 1, 1, 1.3], device=DEVICE)
+    seeds = torch.tensor([1, 2, 3, 2**62 + 5, 7, 9, 2**63 - 1, 0, 11, 12, 13, 14], device=DEVICE)
+    positions = torch.tensor([0, 5, 9, 100, 3, 4, 2**33 + 1, 7, 8, 9, 10, 11], device=DEVICE)
+    tokens, logprobs = triton_ops.fused_sample(logits, temperature, seeds, positions)
+    params = SamplingBatch(temperature.cpu(), torch.ones(rows), torch.zeros(rows, dtype=torch.long), seeds.cpu(),
+                           positions.cpu(), needs_truncation=False, all_greedy=False)
+    ref_tokens, ref_logprobs = sample(logits.cpu(), params)  # the PyTorch path on CPU
+    assert tokens.cpu().tolist() == ref_tokens.tolist()
+    assert torch.allclose(logprobs.cpu(), ref_logprobs, atol=1e-5)
+    # A tie goes to the lowest index, as with torch.argmax.
+    flat = torch.zeros(1, vocab, device=DEVICE)
+    tok, lp = triton_ops.fused_sample(flat, torch.zeros(1, device=DEVICE), seeds[:1], positions[:1])
+    assert tok.item() == 0 and abs(lp.item() + torch.log(torch.tensor(float(vocab))).item()) < 1e-4
+
+
+def test_batch_buckets_cover_every_size():
+    assert batch_buckets(256)[:6] == [1, 2, 4, 8, 16, 32] and batch_buckets(256)[-1] == 256
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(1) == [1]
+
+
+def tiny_engine(tmp_path, **cfg) -> Engine:
+    path = save_tiny_model(tmp_path / "m", TinyModelConfig(hidden_size=64, intermediate_size=128))  # head_dim 16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
+    return Engine(model, EngineConfig(block_size=4, max_num_batched_tokens=64, **cfg))
+
+
+def test_the_decode_step_on_the_triton_kernel_matches_the_eager_step(tmp_path):
+    """What the CUDA graph captures (`_decode_logits` over DecodeMetadata) gives the eager
+    path's logits for the same step, padding rows included."""
+    engine = tiny_engine(tmp_path, cuda_graphs=False)
+    s = EngineSampling(max_new_tokens=20, temperature=1.0, seed=3, ignore_eos=True)
+    for i, p in enumerate([[1, 5, 6], [1, *range(3, 20)], [1, 7]]):
+        engine.add_request(EngineRequest(str(i), p, s))
+    for _ in range(4):
+        engine.step()  # prefills, then a few decodes
+    batch = engine.scheduler.schedule()
+    assert all(item.num_new_tokens == 1 and item.seq.num_uncomputed == 1 for item in batch)
+    runner = engine.runner
+    eager, _ = runner.forward(batch)
+    scratch = engine.blocks.num_blocks * engine.cfg.block_size
+    inputs, tables = decode_inputs(batch, 4, engine.cfg.block_size, scratch)  # one padding row
+    inputs, tables = inputs.to(DEVICE), tables.to(DEVICE)
+    tables = torch.cat([tables, torch.zeros(1, tables.shape[1], dtype=torch.int32, device=DEVICE)])
+    with torch.inference_mode():
+        logits = runner._decode_logits(inputs[0], inputs[1], DecodeMetadata(inputs[2], tables, inputs[3]))
+    assert torch.allclose(logits[:3].float(), eager.float(), atol=1e-4)
+    assert torch.isfinite(logits[3]).all()
+
+
+def qwen3_model(device, dtype, layers=4, vocab=4096):
+    """Qwen3-0.6B's layer shape (hidden 1024, head_dim 128, GQA 2:1), random weights."""
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=3072, max_position_embeddings=2048,
+                      tie_word_embeddings=False, initializer_range=0.05)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    return model.to(device)
+
+
+def generate(engine, prompts, sampling):
+    out: dict[tuple[str, int], list] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(str(i), p, sampling))
+    while engine.has_work:
+        for d in engine.step():
+            tokens, logprobs = out.setdefault((d.rid, d.index), ([], []))
+            tokens += d.token_ids
+            logprobs += d.logprobs
+    return [out[k] for k in sorted(out, key=lambda k: (int(k[0]), k[1]))]
+
+
+@needs_cuda
+def test_cuda_graph_engine_greedy_equals_hf_generate_in_float32():
+    """Token-exact against HF in float32, where rounding cannot flip a greedy choice."""
+    model = qwen3_model("cuda", torch.float32)
+    engine = Engine(model, EngineConfig(max_num_seqs=64, max_model_len=512))
+    assert engine.runner.decode_graphs is not None
+    prompts = torch.randint(3, 4096, (16, 24), generator=torch.Generator().manual_seed(0)).tolist()
+    results = generate(engine, prompts, EngineSampling(max_new_tokens=32, temperature=0.0, ignore_eos=True))
+    assert engine.runner.decode_graphs.graphs  # the decode steps ran as graphs
+    hf = model.generate(torch.tensor(prompts, device="cuda"), max_new_tokens=32, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)[:, 24:].tolist()
+    assert [tokens for tokens, _ in results] == hf
+
+
+@needs_cuda
+def test_cuda_graph_engine_in_bf16_matches_a_full_forward():
+    """bf16: every greedy token is the full forward's argmax up to bf16 resolution (random
+    weights give near-ties, so paths may part at one), and log-probs agree to bf16 level."""
+    model = qwen3_model("cuda", torch.bfloat16)
+    engine = Engine(model, EngineConfig(max_num_seqs=64, max_model_len=512))
+    prompts = torch.randint(3, 4096, (16, 24), generator=torch.Generator().manual_seed(0)).tolist()
+    results = generate(engine, prompts, EngineSampling(max_new_tokens=32, temperature=0.0, ignore_eos=True))
+    for p, (tokens, logprobs) in zip(prompts, results):
+        with torch.inference_mode():
+            logits = model(torch.tensor([p + tokens], device="cuda")).logits[0, len(p) - 1 : -1].float()
+        chosen = torch.tensor(tokens, device="cuda")[:, None]
+        tol = 0.02 + logits.abs().amax(-1) / 64  # bf16 resolves a logit of size L to about L / 128
+        assert (logits.amax(-1) - logits.gather(-1, chosen)[:, 0] < tol).all()
+        ref = logits.log_softmax(-1).gather(-1, chosen)[:, 0]
+        assert ((ref - torch.tensor(logprobs, device="cuda")).abs() < tol).all()
+
+
+@needs_cuda
+def test_cuda_graphs_give_the_eager_engines_samples():
+    """Sampled (T=1, n=4) in float32: the graph path draws exactly what the eager path draws."""
+    model = qwen3_model("cuda", torch.float32, layers=2)
+    prompts = torch.randint(3, 4096, (6, 17), generator=torch.Generator().manual_seed(1)).tolist()
+    s = EngineSampling(max_new_tokens=24, temperature=1.0, n=4, seed=5, ignore_eos=True)
+    fast = generate(Engine(model, EngineConfig(max_model_len=512)), prompts, s)
+    slow = generate(Engine(model, EngineConfig(max_model_len=512, cuda_graphs=False)), prompts, s)
+    assert [t for t, _ in fast] == [t for t, _ in slow]
+    assert max(abs(a - b) for (_, la), (_, lb) in zip(fast, slow) for a, b in zip(la, lb)) < 1e-3
+
+
+@needs_cuda
+def test_kv_cache_frees_and_regrows_across_weight_swaps_without_leaking():
+    gc.collect()  # earlier tests' garbage must not be freed in the middle of the measurement
+    model = qwen3_model("cuda", torch.bfloat16, layers=2)
+    engine = Engine(model, EngineConfig(max_model_len=512, kv_cache_memory_fraction=0.2))
+    runner = weakref.ref(engine.runner)
+    engine.sleep()
+    assert runner() is None  # freed by reference counting, not left for the garbage collector
+    prompts = [[5, 6, 7, 8]] * 8
+    s = EngineSampling(max_new_tokens=16, temperature=1.0, seed=1, ignore_eos=True)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    held = []
+    for version in range(1, 21):
+        engine.sleep()
+        asleep = torch.cuda.memory_allocated()
+        engine.update_weights(weights, version)
+        results = generate(engine, prompts, s)
+        assert all(len(t) == 16 for t, _ in results)
+        held.append((asleep, torch.cuda.memory_allocated()))
+    steady = held[1:]  # the first cycle also creates the graphs' lasting state (capture stream, cuBLAS)
+    assert max(a for a, _ in steady) - min(a for a, _ in steady) < 2**20, held  # asleep: the same bytes
+    assert max(b for _, b in steady) - min(b for _, b in steady) < 2**20, held  # awake: the same cache again
+    assert held[0][1] - held[0][0] > 2**30, held  # and the cache was real (20% of free memory)
