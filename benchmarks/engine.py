@@ -1,14 +1,25 @@
-"""Generation throughput: the embedded engine vs HF `generate`, same model, same batch,
-measured in one run. Three shapes: B prompts of equal length (HF's best case: no
-padding), B prompts of mixed lengths (HF left-pads them), and the GRPO shape (B/n prompts
-x n samples; the engine prefills each prompt once, HF expands it n times).
+"""Generation throughput: the embedded engine vs transformers' own generation paths, same
+model, same work, measured in one run, next to the decode roofline on GPU.
 
     .venv/bin/python benchmarks/engine.py [--preset tiny|small|qwen3-0.6b] [--batch 64]
-        [--prompt-len 64] [--new-tokens 128] [--n 8] [--device auto] [--json PATH]
+        [--prompt-len 64] [--new-tokens 128] [--n 8] [--device auto]
+        [--baselines dynamic,static,cb] [--json PATH]
+    # the GPU target: python benchmarks/engine.py --device cuda --preset qwen3-0.6b --batch 256 --new-tokens 256
+
+Shapes: B prompts of equal length at temperature 1; the GRPO shape (B/n prompts x n
+samples at temperature 1: the engine prefills each prompt once, HF expands it n times);
+B prompts of mixed lengths, greedy (HF left-pads them; the token agreement with HF is a
+sanity check; only `dynamic` runs there). Baselines: `dynamic` is HF `generate` (dynamic cache), `static` the same
+with `cache_implementation="static"` (which transformers compiles), `cb` transformers'
+continuous batching (`generate_batch`); default: dynamic on CPU, all three on CUDA.
+
+Roofline (CUDA): a decode step must read every weight once and each sequence's cached
+K/V; with the copy bandwidth measured in this run, B sequences at mean context L decode at
+most B / ((weight bytes + B * L * KV bytes per token) / bandwidth) tokens/s.
 
 Models are random-init from a config (no hub): the shape, not the weights, sets the speed.
-Greedy for the first two (the token agreement with HF is printed as a sanity check),
-temperature 1 for the GRPO shape. EOS is ignored so every sequence makes all its tokens.
+EOS is ignored so every sequence makes all its tokens. Each timing is the best of
+`--repeats` after a warm-up run of the same work.
 """
 
 from __future__ import annotations
@@ -58,49 +69,106 @@ def left_pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tens
     return ids.to(device), mask.to(device)
 
 
-@torch.inference_mode()
-def hf_generate(model, prompts: list[list[int]], new_tokens: int, n: int, sample: bool) -> tuple[float, torch.Tensor]:
-    device = model.device
-    gen = GenerationConfig(
-        do_sample=sample, temperature=1.0 if sample else None, top_p=None, top_k=None, max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, num_return_sequences=n,
-    )
+def timed(fn, device: torch.device):
     sync(device)
     t0 = time.perf_counter()
-    ids, mask = left_pad(prompts, device)  # HF needs a rectangle: left padding + attention mask
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
+    out = fn()
     sync(device)
-    return time.perf_counter() - t0, out[:, ids.shape[1] :].cpu()
+    return time.perf_counter() - t0, out
 
 
-def engine_generate(engine: Engine, prompts: list[list[int]], new_tokens: int, n: int, sample: bool) -> tuple[float, list[list[int]]]:
+def gen_config(new_tokens: int, sample: bool, **extra) -> GenerationConfig:
+    return GenerationConfig(
+        do_sample=sample, temperature=1.0 if sample else None, top_p=None, top_k=None, max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **extra,
+    )
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, n: int, sample: bool, static: bool = False) -> torch.Tensor:
+    extra = {"num_return_sequences": n} | ({"cache_implementation": "static"} if static else {})
+    ids, mask = left_pad(prompts, model.device)  # HF needs a rectangle: left padding + attention mask
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config(new_tokens, sample, **extra))
+    return out[:, ids.shape[1] :].cpu()
+
+
+def hf_continuous_batching(model, prompts: list[list[int]], new_tokens: int, n: int, sample: bool) -> list[list[int]]:
+    # Not under inference_mode: generate_batch's worker thread updates its tensors in place.
+    inputs = [p for p in prompts for _ in range(n)]  # n samples = the prompt n times
+    out = model.generate_batch(inputs=inputs, generation_config=gen_config(new_tokens, sample), progress_bar=False)
+    tokens = [list(r.generated_tokens) for r in out.values()]
+    if len(tokens) != len(inputs) or any(len(t) != new_tokens for t in tokens):
+        raise RuntimeError(f"generate_batch returned {len(tokens)} of {len(inputs)} requests, not all complete")
+    return tokens
+
+
+def engine_generate(engine: Engine, prompts: list[list[int]], new_tokens: int, n: int, sample: bool) -> list[list[int]]:
     sampling = EngineSampling(max_new_tokens=new_tokens, temperature=1.0 if sample else 0.0, ignore_eos=True, n=n, seed=0)
     outputs: dict[tuple[int, int], list[int]] = {}
-    sync(engine.device)
-    t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(str(i), p, sampling))
     while engine.has_work:
         for d in engine.step():
             outputs.setdefault((int(d.rid), d.index), []).extend(d.token_ids)
-    sync(engine.device)
-    return time.perf_counter() - t0, [outputs[k] for k in sorted(outputs)]
+    return [outputs[k] for k in sorted(outputs)]
 
 
-def measure(model, engine: Engine, prompts: list[list[int]], new_tokens: int, n: int, sample: bool, repeats: int) -> dict:
-    hf_generate(model, prompts[:2], 4, n, sample)  # warm-up (allocator, kernels)
-    engine_generate(engine, prompts[:2], 4, n, sample)
-    hf_s = min(hf_generate(model, prompts, new_tokens, n, sample)[0] for _ in range(repeats))
-    runs = [engine_generate(engine, prompts, new_tokens, n, sample) for _ in range(repeats)]
-    eng_s = min(r[0] for r in runs)
+def best_time(fn, device: torch.device, repeats: int) -> tuple[float, object]:
+    timed(fn, device)  # warm-up on the same work: allocator, kernels, graphs, compilation
+    runs = [timed(fn, device) for _ in range(repeats)]
+    return min(t for t, _ in runs), runs[0][1]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy (read + write), the decode step's ceiling."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = min(timed(lambda: dst.copy_(src), device)[0] for _ in range(5))
+    return 2 * src.numel() / seconds
+
+
+def roofline_tok_s(model, sequences: int, mean_context: float, bandwidth: float) -> float:
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = model.config
+    kv_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * next(model.parameters()).element_size()
+    return sequences / ((weight_bytes + sequences * mean_context * kv_bytes) / bandwidth)
+
+
+def measure(model, engine: Engine, prompts: list[list[int]], new_tokens: int, n: int, sample: bool, repeats: int,
+            baselines: list[str], bandwidth: float | None) -> dict:
+    device = model.device
     num_tokens = len(prompts) * n * new_tokens
-    row = {"sequences": len(prompts) * n, "new_tokens": new_tokens, "hf_tok_s": num_tokens / hf_s,
-           "engine_tok_s": num_tokens / eng_s, "speedup": hf_s / eng_s}
-    if not sample:
-        _, hf_out = hf_generate(model, prompts, new_tokens, n, sample)
-        eng_out = torch.tensor(runs[0][1])
-        row["greedy_token_agreement"] = (hf_out == eng_out).float().mean().item()
+    eng_s, eng_out = best_time(lambda: engine_generate(engine, prompts, new_tokens, n, sample), device, repeats)
+    row = {"sequences": len(prompts) * n, "new_tokens": new_tokens, "engine_tok_s": num_tokens / eng_s}
+    runs = {
+        "dynamic": lambda: hf_generate(model, prompts, new_tokens, n, sample),
+        "static": lambda: hf_generate(model, prompts, new_tokens, n, sample, static=True),
+        "cb": lambda: hf_continuous_batching(model, prompts, new_tokens, n, sample),
+    }
+    for name in baselines:
+        try:
+            seconds, out = best_time(runs[name], device, repeats)
+        except Exception as e:  # a baseline that cannot run here is reported, not fatal
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+            print(f"  baseline {name} failed: {row[f'{name}_error']}", flush=True)
+            continue
+        row[f"{name}_tok_s"] = num_tokens / seconds
+        if name == "dynamic" and not sample:
+            row["greedy_token_agreement"] = (out == torch.tensor(eng_out)).float().mean().item()
+    hf_best = max((row[f"{b}_tok_s"] for b in baselines if f"{b}_tok_s" in row), default=None)
+    if hf_best:
+        row["speedup_vs_best_hf"] = row["engine_tok_s"] / hf_best
+    if bandwidth:
+        mean_ctx = sum(len(p) for p in prompts) / len(prompts) + new_tokens / 2
+        row["roofline_tok_s"] = roofline_tok_s(model, row["sequences"], mean_ctx, bandwidth)
+        row["fraction_of_roofline"] = row["engine_tok_s"] / row["roofline_tok_s"]
+    print(f"  {row}", flush=True)
     return row
+
+
+def fmt(row: dict, key: str) -> str:
+    return f"{row[key]:.0f}" if key in row else ("failed" if key.replace("_tok_s", "_error") in row else "-")
 
 
 def main() -> int:
@@ -112,35 +180,57 @@ def main() -> int:
     p.add_argument("--n", type=int, default=8, help="samples per prompt in the GRPO shape")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--baselines", default=None, help="comma-separated from dynamic,static,cb")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json")
     args = p.parse_args()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    baselines = (args.baselines or ("dynamic,static,cb" if device.type == "cuda" else "dynamic")).split(",")
+    if unknown := set(baselines) - {"dynamic", "static", "cb"}:
+        p.error(f"unknown baselines: {sorted(unknown)}")
     model = build_model(args.preset, device, dtype)
-    engine = Engine(model, EngineConfig(max_num_seqs=max(256, args.batch), max_num_batched_tokens=4096))
+    max_len = args.prompt_len + args.new_tokens
+    engine = Engine(model, EngineConfig(max_num_seqs=max(256, args.batch), max_num_batched_tokens=4096, max_model_len=max_len,
+                                        kv_cache_memory_fraction=0.5))
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
     equal = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=g).tolist()
     # RL prompts differ in length: between a quarter of and the full --prompt-len.
     lengths = torch.randint(max(1, args.prompt_len // 4), args.prompt_len + 1, (args.batch,), generator=g).tolist()
     mixed = [p[:n] for p, n in zip(equal, lengths)]
-    grouped = mixed[: max(1, args.batch // args.n)]
-    rows = {
-        "equal lengths, greedy": measure(model, engine, equal, args.new_tokens, 1, False, args.repeats),
-        "mixed lengths, greedy": measure(model, engine, mixed, args.new_tokens, 1, False, args.repeats),
-        f"{len(grouped)} prompts x n={args.n}, T=1": measure(model, engine, grouped, args.new_tokens, args.n, True, args.repeats),
+    grouped = equal[: max(1, args.batch // args.n)]
+    shapes = {
+        f"{args.batch} x 1, T=1": (equal, 1, True),
+        f"{len(grouped)} prompts x n={args.n}, T=1": (grouped, args.n, True),
+        f"{args.batch} mixed lengths, greedy": (mixed, 1, False),
     }
+    rows = {}
+    for name, (prompts, n, sample) in shapes.items():
+        print(f"{name} ...", flush=True)
+        # The greedy row is there for the agreement check: HF `generate` alone serves it.
+        row_baselines = baselines if sample else [b for b in baselines if b == "dynamic"]
+        rows[name] = measure(model, engine, prompts, args.new_tokens, n, sample, args.repeats, row_baselines, bandwidth)
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores") + f", torch {torch.__version__}"
+    graphs = engine.runner.decode_graphs
     print(f"\npreset {args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {dtype}), "
-          f"prompts up to {args.prompt_len} tokens, {args.new_tokens} new tokens each, {machine}")
-    print(f"{'shape':<28}{'seqs':>6}{'HF tok/s':>12}{'engine tok/s':>14}{'engine/HF':>11}{'greedy agree':>14}")
+          f"prompts {args.prompt_len} tokens (mixed: {min(lengths)}-{max(lengths)}), {args.new_tokens} new tokens each, {machine}")
+    if bandwidth:
+        print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; CUDA graphs: "
+              f"{len(graphs.graphs) if graphs else 0} captured in {graphs.capture_s if graphs else 0:.1f} s")
+    cols = ["engine"] + baselines
+    print(f"{'shape':<30}{'seqs':>6}" + "".join(f"{c + ' tok/s':>15}" for c in cols)
+          + f"{'vs best HF':>12}{'roofline':>10}{'of roof':>9}{'greedy agree':>14}")
     for name, r in rows.items():
         agree = f"{r['greedy_token_agreement']:.3f}" if "greedy_token_agreement" in r else "-"
-        print(f"{name:<28}{r['sequences']:>6}{r['hf_tok_s']:>12.0f}{r['engine_tok_s']:>14.0f}{r['speedup']:>10.2f}x{agree:>14}")
+        speed = f"{r['speedup_vs_best_hf']:.2f}x" if "speedup_vs_best_hf" in r else "-"
+        roof = (f"{r['roofline_tok_s']:>10.0f}{r['fraction_of_roofline']:>9.0%}") if "roofline_tok_s" in r else f"{'-':>10}{'-':>9}"
+        print(f"{name:<30}{r['sequences']:>6}" + "".join(f"{fmt(r, c + '_tok_s'):>15}" for c in cols) + f"{speed:>12}{roof}{agree:>14}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "dtype": str(dtype), "prompt_len": args.prompt_len, "machine": machine, "rows": rows}, f, indent=2)
+            json.dump({"preset": args.preset, "dtype": str(dtype), "prompt_len": args.prompt_len, "machine": machine,
+                       "copy_bandwidth_bytes_s": bandwidth, "baselines": baselines, "rows": rows}, f, indent=2)
     return 0
 
 
