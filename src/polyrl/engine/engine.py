@@ -87,10 +87,6 @@ class Engine:
 
     # ---- memory --------------------------------------------------------------------------
 
-    @property
-    def asleep(self) -> bool:
-        return self.runner is None
-
     def sleep(self) -> None:
         """Free the KV cache and the CUDA graphs (for a trainer sharing the GPU). Running
         samples keep their tokens and recompute their KV after `wake`; the next step wakes
