@@ -25,6 +25,18 @@ GREEDY = EngineSampling(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 SMALL = EngineConfig(block_size=4, max_num_batched_tokens=16)
 
 
+@pytest.fixture(autouse=True, params=["as-configured", "overlap"])
+def overlap_decode(request, monkeypatch):
+    """Every test here runs twice: with the engine as configured (on CPU: each step read
+    back at once) and with the overlapped decode that CUDA uses, whose bookkeeping (chained
+    steps fed on the device, rows of stopped or aborted samples dropped) is the same on CPU."""
+    if request.param == "overlap":
+        init = Engine.__init__
+        monkeypatch.setattr(Engine, "__init__", lambda self, model, cfg, *a, **k: init(
+            self, model, cfg.model_copy(update={"overlap_decode": "on"}), *a, **k))
+    return request.param == "overlap"
+
+
 def spicy_model(path, seed: int = 0):
     """The tiny model with large random weights, so greedy outputs vary from token to token
     (a freshly initialised model mostly repeats its input, which would test little)."""
@@ -150,13 +162,18 @@ def test_preemption_under_a_small_kv_cache_changes_nothing(model):
 def test_stop_tokens_and_eos(model):
     ref = hf_greedy(model, PROMPTS[1], 12)
     stop = ref[3]
-    r = run(Engine(model, SMALL), [EngineRequest("s", PROMPTS[1], dataclasses.replace(GREEDY, stop_token_ids=(stop,)))])[("s", 0)]
+    engine = Engine(model, SMALL)
+    results = run(engine, [EngineRequest("s", PROMPTS[1], dataclasses.replace(GREEDY, stop_token_ids=(stop,))),
+                           EngineRequest("other", PROMPTS[0], GREEDY)])  # decodes on past the stop
+    r = results[("s", 0)]
     assert r.finish_reason == "stop" and r.matched_stop == stop
     assert r.token_ids == ref[: ref.index(stop) + 1]
+    assert results[("other", 0)].token_ids == hf_greedy(model, PROMPTS[0], 12)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
 @pytest.mark.parametrize("policy", ["recompute", "continue", "abort"])
-def test_weight_hot_swap_mid_run(model, tmp_path, policy):
+def test_weight_hot_swap_mid_run(model, tmp_path, policy, overlap_decode):
     new_model = spicy_model(save_tiny_model(tmp_path / "m2", TinyModelConfig(arch=model.config.model_type, hidden_size=64, intermediate_size=128)), seed=1)
     engine = Engine(spicy_model(model.name_or_path), SMALL.model_copy(update={"swap_policy": policy}))
     part = SampleResult("r", 0, len(PROMPTS[0]))
@@ -171,16 +188,20 @@ def test_weight_hot_swap_mid_run(model, tmp_path, policy):
     while engine.has_work:
         for d in engine.step():
             part.add(d)
-    assert part.token_ids[:4] == hf_greedy(model, PROMPTS[0], 4)
+    # The update's own deltas carry the token of an overlapped step still in flight: the
+    # old version made it.
+    old = part.weight_versions.count(0)
+    assert old == (5 if overlap_decode else 4)
+    assert part.token_ids[:old] == hf_greedy(model, PROMPTS[0], old)
     if policy == "abort":
-        assert part.finish_reason == "abort" and part.weight_versions == [0] * 4
+        assert part.finish_reason == "abort" and part.weight_versions == [0] * old
         return
-    assert part.weight_versions == [0] * 4 + [1] * 8
-    after = hf_greedy(new_model, PROMPTS[0] + part.token_ids[:4], 8)
+    assert part.weight_versions == [0] * old + [1] * (12 - old)
+    after = hf_greedy(new_model, PROMPTS[0] + part.token_ids[:old], 12 - old)
     if policy == "recompute":
-        assert part.token_ids[4:] == after  # exactly the new model's continuation
+        assert part.token_ids[old:] == after  # exactly the new model's continuation
     else:
-        assert part.token_ids[4:] != hf_greedy(model, PROMPTS[0], 12)[4:]  # changed, on stale KV
+        assert part.token_ids[old:] != hf_greedy(model, PROMPTS[0], 12)[old:]  # changed, on stale KV
     fresh = run(engine, [EngineRequest("fresh", PROMPTS[1], GREEDY)])[("fresh", 0)]
     assert fresh.token_ids == hf_greedy(new_model, PROMPTS[1], 12) and fresh.weight_versions == [1] * 12
 

@@ -121,6 +121,9 @@ class EngineConfig(_Section):
     cuda_graphs: bool = True
     """On CUDA (with Triton), replay decode steps as CUDA graphs with the Triton paged-attention
     kernel; off: every step runs eagerly on the PyTorch path (for debugging)."""
+    overlap_decode: Literal["auto", "on", "off"] = "auto"
+    """Launch each decode step before reading the previous one back, feeding its sampled
+    tokens on the device, so host scheduling hides behind the GPU. auto: on for CUDA."""
 
 
 class AlgoConfig(_Section):

@@ -51,11 +51,13 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 def decode_inputs(batch: list[ScheduledSeq], size: int, block_size: int, scratch_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Host tensors for a pure-decode step padded to `size` rows: [4, size] int64 (token
-    ids, positions, cache slots, context lengths) and the block tables [len(batch), W] int32."""
+    ids, positions, cache slots, context lengths) and the block tables [len(batch), W] int32.
+    Each sequence feeds the token at `num_computed_tokens`; one the host has not read back
+    yet (an overlapped step) is left 0 here and copied in on the device."""
     pad = size - len(batch)
     seqs = [item.seq for item in batch]
-    positions = [s.num_tokens - 1 for s in seqs]
-    ids = [s.token_ids[-1] for s in seqs] + [0] * pad
+    positions = [s.num_computed_tokens for s in seqs]
+    ids = [s.token_ids[p] if p < len(s.token_ids) else 0 for s, p in zip(seqs, positions)] + [0] * pad
     slots = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(seqs, positions)]
     ctx = [p + 1 for p in positions] + [0] * pad
     width = max(len(s.block_table) for s in seqs)
@@ -94,12 +96,15 @@ class DecodeGraphs:
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
-    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits [len(batch), V] for a pure-decode batch of at most `max_batch` sequences."""
+    def run(self, batch: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(batch), V] for a pure-decode batch of at most `max_batch` sequences;
+        `fed_ids` [len(batch)] on the device are the tokens fed (default: from the host)."""
         size = self.bucket(len(batch))
         graph = self.graphs.get(size) or self._capture(size)
         inputs, tables = decode_inputs(batch, size, self.block_size, self.scratch_slot)
         self.inputs[:, :size].copy_(inputs, non_blocking=True)
+        if fed_ids is not None:
+            self.inputs[0, : len(batch)].copy_(fed_ids)
         self.block_tables[: len(batch), : tables.shape[1]].copy_(tables, non_blocking=True)
         graph.replay()
         return self.logits[: len(batch)]

@@ -4,6 +4,12 @@ Single-threaded by design: `step()` schedules one batch, runs one forward, sampl
 returns what each sample gained. `AsyncEngine` drives it from its own thread for the
 HTTP worker; the trainer's local rollout calls `step()` directly.
 
+On CUDA, decode steps overlap the host: a step launches the next decode, fed on the
+device with the tokens the previous one sampled, before reading the previous one back and
+turning it into deltas. The GPU never waits for the Python that schedules it; a sample
+that stopped costs one wasted row in the step already launched. `step()` then returns the
+deltas of the step before the one it launched.
+
 Weight hot-swap (`update_weights`) happens between steps. Every generated token records
 the version that produced it. What happens to requests in flight is `swap_policy`:
 * recompute (default): their KV cache is dropped and recomputed under the new weights,
@@ -15,12 +21,15 @@ the version that produced it. What happens to requests in flight is `swap_policy
 
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import logging
 import random
 import time
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -29,7 +38,7 @@ from polyrl.config import EngineConfig
 from polyrl.engine.block_manager import BlockManager, cdiv
 from polyrl.engine.model_runner import ModelRunner, num_kv_blocks_for
 from polyrl.engine.sampler import SamplingBatch, sample
-from polyrl.engine.scheduler import Scheduler
+from polyrl.engine.scheduler import ScheduledSeq, Scheduler
 from polyrl.engine.sequence import SeqStatus, Sequence
 from polyrl.engine.types import EngineRequest, EngineStats, RequestError, SampleDelta
 
@@ -37,6 +46,31 @@ log = logging.getLogger(__name__)
 
 MAX_SEED = 2**63
 THROUGHPUT_WINDOW_S = 10.0
+_unfreeze_at_exit = None
+
+
+@dataclass
+class InFlightStep:
+    """A decode step launched on the device and not yet read back."""
+
+    seqs: list[Sequence]
+    token_ids: torch.Tensor  # [S] on the device: what a chained step feeds
+    host: torch.Tensor  # [2, S] float64 token ids and log-probs, copied asynchronously
+    done: torch.cuda.Event | None  # None on CPU, where the copy was synchronous
+    sampling: SamplingBatch
+
+
+def freeze_gc_heap() -> None:
+    """Take every object alive now out of the garbage collector's reach.
+
+    Importing torch and transformers and building a model leaves several hundred thousand
+    tracked objects that never die. A full collection walks all of them: a 0.2-0.3 s pause
+    measured in the middle of a 7 ms decode loop. Frozen objects are skipped; they are
+    unfrozen at exit so that interpreter shutdown still finalises them."""
+    global _unfreeze_at_exit
+    if not _unfreeze_at_exit:
+        _unfreeze_at_exit = atexit.register(gc.unfreeze)
+    gc.freeze()
 
 
 def model_eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
@@ -67,6 +101,10 @@ class Engine:
         self._rng = random.Random()
         self.num_generated_tokens = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
+        self.overlap = cfg.overlap_decode == "on" or (cfg.overlap_decode == "auto" and self.device.type == "cuda")
+        self._in_flight: InFlightStep | None = None
+        self._ready: list[SampleDelta] = []  # read back outside `step` (by `sleep`), returned by the next
+        freeze_gc_heap()
         graphs = "on" if self.runner.decode_graphs else "off"
         log.info("engine: %d KV blocks of %d tokens, context %d, CUDA graphs %s", self.blocks.num_blocks,
                  cfg.block_size, self.max_model_len, graphs)
@@ -93,6 +131,7 @@ class Engine:
         the engine by itself."""
         if self.runner is None:
             return
+        self._ready += self._settle()
         self.scheduler.preempt_all()
         self.runner.close()
         self.runner = None
@@ -121,7 +160,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        in_flight = self._in_flight is not None and any(s.status is SeqStatus.RUNNING for s in self._in_flight.seqs)
+        return self.scheduler.has_work or in_flight or bool(self._ready)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -173,9 +213,15 @@ class Engine:
 
     def step(self) -> list[SampleDelta]:
         self.wake()
+        deltas, self._ready = self._ready, []
+        chained = self._launch_chained() if self._in_flight is not None else None
+        deltas += self._settle()  # while the chained step runs
+        if chained is not None:
+            self._in_flight = chained
+            return deltas
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return deltas
         logits, sample_idx = self.runner.forward(batch)
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -186,13 +232,72 @@ class Engine:
                 seqs.append(seq)
                 rows.append(row)
         if not seqs:
-            return []
+            return deltas
         if rows != list(range(logits.shape[0])):
             logits = logits[rows]
-        token_ids, logprobs = sample(logits, self._sampling_batch(seqs))
-        # One device-to-host copy for both (token ids are exact in float64).
-        host = torch.stack([token_ids.double(), logprobs.double()]).cpu()
-        return self._postprocess(seqs, [int(t) for t in host[0].tolist()], host[1].tolist())
+        params = self._sampling_batch(seqs)
+        token_ids, logprobs = sample(logits, params)
+        self._in_flight = self._read_back(seqs, token_ids, logprobs, params)
+        if self.overlap and len(seqs) == len(batch) and all(item.num_new_tokens == 1 for item in batch):
+            return deltas  # a pure decode: the next step chains onto it
+        return deltas + self._settle()
+
+    def _launch_chained(self) -> InFlightStep | None:
+        """Launch the decode after the one in flight, fed with its sampled tokens on the
+        device; None when the next step needs the scheduler (a request it would admit,
+        running samples the step in flight left out, too few free blocks, nothing left)."""
+        prev, sched = self._in_flight, self.scheduler
+        if not self.overlap or sched.can_admit():
+            return None
+        # Samples that stopped on the step before are gone; those whose in-flight token is
+        # their last are left out (a stop token is only seen on read-back: that row is wasted).
+        live = [i for i, s in enumerate(prev.seqs) if s.status is SeqStatus.RUNNING]
+        if len(live) != len(sched.running):
+            return None
+        keep = [i for i in live if prev.seqs[i].num_generated + 1 < prev.seqs[i].sampling.max_new_tokens]
+        if not keep:
+            return None
+        seqs = [prev.seqs[i] for i in keep]
+        needed = sum(self.blocks.blocks_needed(s, s.num_computed_tokens + 1) for s in seqs)
+        if not self.blocks.can_allocate(needed):
+            return None
+        for s in seqs:
+            self.blocks.allocate(s, s.num_computed_tokens + 1)
+        same = len(keep) == len(prev.seqs)
+        # (non_blocking: a plain copy to the device would wait for the step in flight)
+        fed = prev.token_ids if same else prev.token_ids[torch.tensor(keep).to(self.device, non_blocking=True)]
+        logits, _ = self.runner.forward([ScheduledSeq(s, 1) for s in seqs], fed_ids=fed)
+        for s in seqs:
+            s.num_computed_tokens += 1
+        params = prev.sampling
+        params = replace(params, positions=params.positions + 1) if same else self._sampling_batch(seqs)
+        return self._read_back(seqs, *sample(logits, params), params)
+
+    def _read_back(self, seqs: list[Sequence], token_ids: torch.Tensor, logprobs: torch.Tensor,
+                   params: SamplingBatch) -> InFlightStep:
+        """Start copying a step's tokens and log-probs to the host (one copy; token ids are
+        exact in float64)."""
+        both = torch.stack([token_ids.double(), logprobs.double()])
+        if not both.is_cuda:
+            return InFlightStep(seqs, token_ids, both, None, params)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return InFlightStep(seqs, token_ids, host, done, params)
+
+    def _settle(self) -> list[SampleDelta]:
+        """Wait for the step in flight, if any, and turn its tokens into deltas (skipping
+        samples finished or aborted since it was launched)."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return []
+        if step.done is not None:
+            step.done.synchronize()
+        token_ids, logprobs = step.host.tolist()
+        live = [i for i, s in enumerate(step.seqs) if s.status is SeqStatus.RUNNING]
+        return self._postprocess([step.seqs[i] for i in live], [int(token_ids[i]) for i in live],
+                                 [logprobs[i] for i in live])
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         dev = self.device
@@ -201,7 +306,8 @@ class Engine:
         top_p, top_k = [p.top_p for p in params], [p.top_k for p in params]
         # Rows of plain lists convert fastest; one float and one int copy to the device.
         floats = torch.tensor([temperatures, top_p], dtype=torch.float32).to(dev, non_blocking=True)
-        ints = torch.tensor([top_k, [s.seed for s in seqs], [s.num_tokens for s in seqs]], dtype=torch.long)
+        # The position of the token being sampled: the one after the last fed.
+        ints = torch.tensor([top_k, [s.seed for s in seqs], [s.num_computed_tokens for s in seqs]], dtype=torch.long)
         ints = ints.to(dev, non_blocking=True)
         return SamplingBatch(
             temperature=floats[0],
@@ -264,17 +370,19 @@ class Engine:
     def update_weights(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> list[SampleDelta]:
         """Load `weights` (all parameters, by HF name) as `version` and apply `swap_policy`
         to requests in flight. `weights=None`: the model was already updated in place
-        (the colocated trainer). Returns the deltas of samples aborted by the policy."""
+        (the colocated trainer). Returns the deltas of the step still in flight, if any, and
+        of samples aborted by the policy."""
         if weights is not None:
-            self._load_weights(weights)
+            self._load_weights(weights)  # after the step in flight on the device's stream
+        deltas = self._ready + self._settle()  # the tokens in flight are the old version's
+        self._ready = []
         old, self.weight_version = self.weight_version, version
         policy = self.cfg.swap_policy
         num_running = len(self.scheduler.running)
-        deltas: list[SampleDelta] = []
         if policy == "recompute":
             self.scheduler.preempt_all()
         elif policy == "abort":
-            deltas = [d for seq in list(self.scheduler.running) for d in self._abort_seq(seq)]
+            deltas += [d for seq in list(self.scheduler.running) for d in self._abort_seq(seq)]
         if weights is not None or num_running:
             log.debug("weights v%d -> v%d (%d running, policy %s)", old, version, num_running, policy)
         return deltas

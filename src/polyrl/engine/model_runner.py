@@ -1,15 +1,18 @@
 """Runs a transformers decoder over the engine's paged KV cache.
 
 The weights, norms, MLPs and rotary embedding are the transformers model's own modules;
-only attention is the engine's (`attention.paged_attention`, or on CUDA the Triton kernel in
-`triton_ops` for decode steps replayed as CUDA graphs), because the KV layout is.
-That covers the Llama family (Llama, Mistral, Qwen2, Qwen3: pre-norm blocks, RoPE, GQA,
+only attention is the engine's (`attention.paged_attention`), because the KV layout is.
+On CUDA with Triton, every step instead runs fused layers (`_fused_decoder`: the model's
+Linears between Triton kernels for the norms, RoPE with the cache write, and SwiGLU), with
+the Triton paged-attention kernel for decode steps replayed as CUDA graphs and SDPA over
+the paged cache for prefill. That covers the Llama family (Llama, Mistral, Qwen2, Qwen3: pre-norm blocks, RoPE, GQA,
 optional q/k norms and projection biases), which is what RL post-training uses today.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -92,54 +95,81 @@ class ModelRunner:
         # No weight-cast cache: it must not outlive a CUDA graph capture.
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype, cache_enabled=False)
 
-    def is_graph_decode(self, batch: list[ScheduledSeq]) -> bool:
+    def is_graph_decode(self, batch: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> bool:
         graphs = self.decode_graphs
-        return (
-            graphs is not None and len(batch) <= graphs.max_batch
-            and all(item.num_new_tokens == 1 and item.seq.num_uncomputed == 1 for item in batch)
-        )
+        return graphs is not None and len(batch) <= graphs.max_batch and (fed_ids is not None or all(
+            item.num_new_tokens == 1 and item.seq.num_uncomputed == 1 for item in batch
+        ))
 
     @torch.inference_mode()
-    def forward(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
+    def forward(self, batch: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
         """Feed every scheduled chunk; returns logits [S, V] (the model's dtype) for the
         sequences whose chunk reached their last token (they sample next), and the batch
-        indices of those."""
-        if self.is_graph_decode(batch):
-            return self.decode_graphs.run(batch), list(range(len(batch)))
+        indices of those. `fed_ids` [len(batch)], on the device, makes the step a decode
+        whose tokens the host has not read back yet (the engine's overlapped step): each
+        sequence feeds it at position `num_computed_tokens`."""
+        if self.is_graph_decode(batch, fed_ids):
+            return self.decode_graphs.run(batch, fed_ids), list(range(len(batch)))
         input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(batch)
+        if fed_ids is not None:
+            input_ids = fed_ids
         with self._autocast():
-            hidden = self._decoder(input_ids, positions, meta)  # [T, hidden]
-            hidden = self.model.model.norm(hidden[sample_rows])  # [S, hidden]
+            if self.decode_graphs is not None:  # CUDA with Triton: the fused layers, SDPA attention
+                def attend(layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+                    return paged_attention(q, *self._blocked_cache(layer_idx), meta, self.scale)
+
+                hidden = self._fused_decoder(input_ids, positions, meta.slot_mapping, attend)[sample_rows]
+            else:
+                hidden = self._decoder(input_ids, positions, meta)  # [T, hidden]
+                hidden = self.model.model.norm(hidden[sample_rows])  # [S, hidden]
             logits = self.model.lm_head(hidden)
         return logits, sample_seqs
 
+    def _blocked_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values as [blocks, block_size, KVH, D]."""
+        k_cache, v_cache = self.kv_cache[layer_idx]
+        blocked = (-1, self.block_size, *k_cache.shape[1:])
+        return k_cache.view(blocked), v_cache.view(blocked)
+
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
-        """The captured decode step: every row feeds one token and samples. The model's own
-        modules do the matmuls; norms, RoPE, the cache write and the SwiGLU product are
-        fused Triton kernels (about 12 kernels a layer instead of 50: a decode step is
-        launch-bound long before it is bandwidth-bound)."""
+        """The captured decode step: every row feeds one token and samples."""
+        def attend(layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = self._blocked_cache(layer_idx)
+            return triton_ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+
+        with self._autocast():
+            return self.model.lm_head(self._fused_decoder(input_ids, positions, meta.slot_mapping, attend))
+
+    def _fused_decoder(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+        attend: Callable[[int, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The decoder with fused Triton kernels, final norm included ([T, hidden]). The
+        model's own modules do the matmuls; norms, RoPE, the cache write and the SwiGLU
+        product are fused (about 12 kernels a layer instead of 50: a decode step is
+        launch-bound long before it is bandwidth-bound, and so is prefill on the host).
+        `attend(layer, rotated q [T, H, D])` is attention over the cache, written by then."""
         inner = self.model.model
         layers = inner.layers
-        with self._autocast():
-            residual = inner.embed_tokens(input_ids)  # [B, hidden]
-            cos, sin = inner.rotary_emb(residual, positions[None])
-            cos, sin = cos[0], sin[0]
-            norm = layers[0].input_layernorm
-            hidden = triton_ops.rmsnorm(residual, norm.weight, norm.variance_epsilon)
-            for layer_idx, layer in enumerate(layers):
-                if layer_idx:  # the previous block's residual add, fused with this block's norm
-                    norm = layer.input_layernorm
-                    hidden = triton_ops.rmsnorm(hidden, norm.weight, norm.variance_epsilon, residual)
-                hidden = self._fused_attention(layer.self_attn, hidden, cos, sin, meta, layer_idx)
-                norm = layer.post_attention_layernorm
+        residual = inner.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = inner.rotary_emb(residual, positions[None])
+        cos, sin = cos[0], sin[0]
+        norm = layers[0].input_layernorm
+        hidden = triton_ops.rmsnorm(residual, norm.weight, norm.variance_epsilon)
+        for layer_idx, layer in enumerate(layers):
+            if layer_idx:  # the previous block's residual add, fused with this block's norm
+                norm = layer.input_layernorm
                 hidden = triton_ops.rmsnorm(hidden, norm.weight, norm.variance_epsilon, residual)
-                mlp = layer.mlp
-                hidden = mlp.down_proj(triton_ops.silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
-            hidden = triton_ops.rmsnorm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
-            return self.model.lm_head(hidden)
+            hidden = self._fused_attention(layer.self_attn, hidden, cos, sin, slot_mapping, layer_idx, attend)
+            norm = layer.post_attention_layernorm
+            hidden = triton_ops.rmsnorm(hidden, norm.weight, norm.variance_epsilon, residual)
+            mlp = layer.mlp
+            hidden = mlp.down_proj(triton_ops.silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
+        return triton_ops.rmsnorm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
 
     def _fused_attention(
-        self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: DecodeMetadata, layer_idx: int
+        self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+        layer_idx: int, attend: Callable[[int, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = attn.q_proj(x).view(num_tokens, -1, self.head_dim)
@@ -148,15 +178,11 @@ class ModelRunner:
         k_cache, v_cache = self.kv_cache[layer_idx]  # [S, KVH, D]
         has_norm = hasattr(attn, "q_norm")
         q = triton_ops.rope_and_cache(
-            q, k, v, cos, sin, meta.slot_mapping, k_cache, v_cache,
+            q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
             attn.q_norm.weight if has_norm else None, attn.k_norm.weight if has_norm else None,
             attn.q_norm.variance_epsilon if has_norm else 1e-6,
         )
-        blocked = (-1, self.block_size, *k_cache.shape[1:])
-        out = triton_ops.paged_decode_attention(
-            q, k_cache.view(blocked), v_cache.view(blocked), meta.block_tables, meta.context_lens, self.scale
-        )
-        return attn.o_proj(out.reshape(num_tokens, -1))
+        return attn.o_proj(attend(layer_idx, q).reshape(num_tokens, -1))
 
     def _prepare(self, batch: list[ScheduledSeq]):
         bs = self.block_size
@@ -174,11 +200,12 @@ class ModelRunner:
             qlens.append(num_new)
             ctxlens.append(end)
             tables.append(seq.block_table)
-            input_ids += seq.token_ids[start:end]
+            fed = seq.token_ids[start:end]
+            input_ids += fed if len(fed) == num_new else [0] * num_new  # an overlapped decode: fed_ids
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            if end == seq.num_tokens:
+            if end >= seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(i)
         dev = self.device
@@ -215,8 +242,7 @@ class ModelRunner:
         k_cache, v_cache = self.kv_cache[layer_idx]  # [S, KVH, D] each, S = num_blocks * block_size
         k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
         v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
-        blocked = (-1, self.block_size, *k_cache.shape[1:])
-        out = paged_attention(q, k_cache.view(blocked), v_cache.view(blocked), meta, self.scale)  # [T, H, D]
+        out = paged_attention(q, *self._blocked_cache(layer_idx), meta, self.scale)  # [T, H, D]
         return attn.o_proj(out.reshape(num_tokens, -1))
 
 

@@ -52,20 +52,29 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             i += 1
-        while self.waiting and budget > 0 and self._has_seq_room(self.waiting[0]):
-            seq = self.waiting[0]
+        while self._admissible(budget):
+            seq = self.waiting.popleft()
             num_new = min(seq.num_uncomputed, budget)
-            # Room for the forks' copied last blocks too, so a shared prefill can fork.
-            needed = self.blocks.blocks_needed(seq, seq.num_computed_tokens + num_new) + seq.num_forks - 1
-            if not self.blocks.can_allocate(needed):
-                break
-            self.waiting.popleft()
             self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return batch
+
+    def can_admit(self) -> bool:
+        """Whether the next `schedule()` would start a waiting sequence (with every running
+        one decoding)."""
+        return self._admissible(self.max_num_batched_tokens - len(self.running))
+
+    def _admissible(self, budget: int) -> bool:
+        if not self.waiting or budget <= 0 or not self._has_seq_room(self.waiting[0]):
+            return False
+        seq = self.waiting[0]
+        num_new = min(seq.num_uncomputed, budget)
+        # Room for the forks' copied last blocks too, so a shared prefill can fork.
+        needed = self.blocks.blocks_needed(seq, seq.num_computed_tokens + num_new) + seq.num_forks - 1
+        return self.blocks.can_allocate(needed)
 
     def _has_seq_room(self, seq: Sequence) -> bool:
         return not self.running or len(self.running) + seq.num_forks <= self.max_num_seqs
