@@ -7,9 +7,11 @@ per-chunk xxh3 checksums and the whole-buffer checksum.
 
     python benchmarks/transfer.py --sizes-gib 1 --streams 1 4 8 16 --json out.json
 
-`--delta` also measures the delta codec on a realistic update: bf16 weights of
-Qwen3-0.6B's shapes (random values, std 0.02), fp32 master copies, one torch Adam step
-at lr 1e-6 on random gradients, cast back to bf16; wire bytes of the delta against raw.
+`--codecs` (alias `--delta`) also measures the codecs on a realistic update: bf16 weights
+of Qwen3-0.6B's shapes (random values, std 0.02), fp32 master copies, one torch Adam step
+at lr 1e-6 on random gradients, cast back to bf16. It reports the wire bytes against raw
+and the encode/decode seconds of the lossless delta (against the version before), of
+zstd over byte planes (the whole version), and of the lossy int8 codec (with its error).
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def measure_delta(lr: float) -> dict[str, float]:
 
     before, after = adam_step_versions(lr)
     old, _ = flatten(before, 0)
-    new, _ = flatten(after, 1)
+    new, manifest = flatten(after, 1)
     del before, after
     t0 = time.perf_counter()
     payload = encode_delta(old.numpy(), new.numpy())
@@ -116,8 +118,41 @@ def measure_delta(lr: float) -> dict[str, float]:
     print(f"\ndelta, Qwen3-0.6B shapes (bf16), one Adam step at lr {lr:g}:")
     print(f"  raw {raw / 1e6:.1f} MB, delta {len(payload) / 1e6:.1f} MB = {len(payload) / raw:.1%} of raw; "
           f"{changed / (raw // 2):.2%} of the bf16 words changed; encode {encode_s:.2f}s, apply {apply_s:.2f}s")  # fmt: skip
-    return {"raw_bytes": raw, "delta_bytes": len(payload), "fraction": len(payload) / raw,
-            "changed_words": changed, "encode_s": encode_s, "apply_s": apply_s}  # fmt: skip
+    result = {"raw_bytes": raw, "delta_bytes": len(payload), "fraction": len(payload) / raw,
+              "changed_words": changed, "encode_s": encode_s, "apply_s": apply_s}  # fmt: skip
+    return {"delta": result, **measure_whole_codecs(new, manifest)}
+
+
+def measure_whole_codecs(new: torch.Tensor, manifest) -> dict[str, dict[str, float]]:
+    """zstd (lossless, checked bit-exact) and int8 (lossy: its worst error per row step)."""
+    from polyrl.transfer.compress import decode_zstd, encode_zstd
+    from polyrl.transfer.manifest import unflatten
+    from polyrl.transfer.publisher import word_bytes
+    from polyrl.transfer.quantize import decode_int8, encode_int8
+
+    raw, out, results = new.numel(), torch.empty_like(new), {}
+    for name, encode, decode in (
+        ("zstd", lambda: encode_zstd(new.numpy(), word_bytes(manifest)), lambda p: decode_zstd(p, out.numpy())),
+        ("int8", lambda: encode_int8(new, manifest), lambda p: decode_int8(p, manifest, out)),
+    ):
+        t0 = time.perf_counter()
+        payload = encode()
+        encode_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        decode(payload)
+        decode_s = time.perf_counter() - t0
+        results[name] = {"bytes": len(payload), "fraction": len(payload) / raw, "encode_s": encode_s, "decode_s": decode_s}
+        if name == "zstd":
+            assert torch.equal(out, new), "zstd round trip is not bit-exact"
+            note = "bit-exact"
+        else:
+            worst = max(((a.float() - b.float()).abs().amax(1) / (b.float().abs().amax(1) / 127).clamp_min(1e-30)).max().item()
+                        for a, b in zip(unflatten(out, manifest).values(), unflatten(new, manifest).values()) if b.dim() == 2)
+            results[name]["worst_error_in_steps"] = worst
+            note = f"LOSSY: worst error {worst:.2f} of a row's int8 step"
+        print(f"  {name}: {len(payload) / 1e6:.1f} MB = {len(payload) / raw:.1%} of raw; encode {encode_s:.2f}s, "
+              f"decode {decode_s:.2f}s; {note}")  # fmt: skip
+    return results
 
 
 def main() -> None:
@@ -128,7 +163,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="best of N for both rows")
     p.add_argument("--hash-piece-kib", type=int, default=0,
                    help="receive+hash piece size (0: the receiver's default); set >= chunk to hash whole chunks")
-    p.add_argument("--delta", action="store_true", help="also measure the delta codec (see above)")
+    p.add_argument("--codecs", "--delta", dest="codecs", action="store_true", help="also measure the codecs (see above)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args()
@@ -158,9 +193,9 @@ def main() -> None:
                 print(f"{size_gib:>6.1f}Gi {n:>7} {ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} {rate / ceiling:>12.0%}",
                       flush=True)  # fmt: skip
         print(f"  publish (snapshot + checksums) of {size_gib:g} GiB: {publish_s:.2f}s")
-    delta = measure_delta(args.lr) if args.delta else None
+    codecs = measure_delta(args.lr) if args.codecs else {}
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "delta": delta}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, **codecs}, indent=2))
 
 
 if __name__ == "__main__":

@@ -226,3 +226,61 @@ def test_delta_falls_back_to_raw_and_catches_a_wrong_base(publisher: WeightPubli
     wrong[100] ^= 1  # the receiver's copy of v2 is not exactly v2
     with pytest.raises(TransferError, match="wrong chunk 0"):
         pull(source(publisher, 3), 3, base=(2, wrong))
+
+
+def test_zstd_pull_is_bit_exact_and_smaller_than_raw(publisher: WeightPublisher) -> None:
+    sent = {name: (t * 0.02).to(torch.bfloat16) for name, t in weights().items()}  # weight-like values
+    publisher.publish(sent, 1)
+    got = pull(source(publisher, 1), 1, codec="zstd")
+    assert got.codec == "zstd" and not got.lossy and got.wire_bytes < 0.8 * got.manifest.total_bytes
+    assert_same(unflatten(got.buffer, got.manifest), sent)
+    # No base held by the publisher any more: the delta falls back to the whole-version codec.
+    got = pull(source(publisher, 1), 1, base=(0, got.buffer.clone()), codec="zstd")
+    assert got.codec == "zstd"
+
+
+def test_int8_pull_is_marked_lossy_and_off_by_at_most_half_a_step(publisher: WeightPublisher) -> None:
+    sent = weights()
+    publisher.publish(sent, 1)
+    got = pull(source(publisher, 1), 1, codec="int8")
+    assert got.codec == "int8" and got.lossy and got.wire_bytes < 0.5 * got.manifest.total_bytes
+    out = unflatten(got.buffer, got.manifest)
+    for name, t in sent.items():
+        assert out[name].dtype == t.dtype
+        if t.dim() != 2:
+            assert torch.equal(out[name], t)  # biases and norms travel as they are
+            continue
+        ref = t.float()
+        step = ref.abs().amax(dim=1, keepdim=True) / 127
+        err = (out[name].float() - ref).abs()
+        assert (err <= step / 2 * 1.01 + ref.abs() * 2**-8).all()  # half a step, plus the dtype's own rounding
+        assert not torch.equal(out[name], t)  # and it is lossy
+
+
+@pytest.mark.parametrize("codec", ["zstd", "int8"])
+def test_corrupted_or_undecodable_payloads_are_rejected(publisher: WeightPublisher, monkeypatch, codec: str) -> None:
+    import polyrl.transfer.publisher as publisher_module
+
+    publisher.publish(weights(), 1)
+    monkeypatch.setattr(publisher_module, "checksum", lambda data: 12345)  # bytes changed on the way
+    with pytest.raises(TransferError, match=f"{codec} payload failed its checksum"):
+        pull(source(publisher, 1), 1, codec=codec)
+    monkeypatch.undo()
+    publisher._encoded_cache.clear()
+    monkeypatch.setattr(publisher_module, f"encode_{codec}", lambda *a: b"PRZ1" + bytes(40))  # well-framed garbage
+    with pytest.raises(TransferError, match=f"bad {codec} payload"):
+        pull(source(publisher, 1), 1, codec=codec)
+    got = pull(source(publisher, 1), 1)  # the publisher still serves raw pulls
+    assert_same(unflatten(got.buffer, got.manifest), weights())
+
+
+def test_auto_codec_encodes_only_after_a_slow_raw_pull() -> None:
+    from polyrl.worker.weight_sync import SLOW_BELOW_BYTES_PER_S, WeightReceiver
+
+    receiver = WeightReceiver(engine=None)  # type: ignore[arg-type]
+    assert receiver._plan("auto") == (False, "raw")  # nothing measured yet
+    receiver._raw_bytes_per_s = SLOW_BELOW_BYTES_PER_S * 4
+    assert receiver._plan("auto") == (False, "raw")
+    receiver._raw_bytes_per_s = SLOW_BELOW_BYTES_PER_S / 4
+    assert receiver._plan("auto") == (True, "zstd")  # a delta when it holds a base, else zstd
+    assert receiver._plan("delta") == (True, "raw") and receiver._plan("int8") == (False, "int8")

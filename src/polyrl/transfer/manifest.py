@@ -25,6 +25,11 @@ class TensorEntry(BaseModel):
     offset: int
     nbytes: int
 
+    @property
+    def itemsize(self) -> int:
+        dtype = _DTYPES.get(self.dtype)
+        return dtype.itemsize if dtype is not None else 1
+
 
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -21,14 +21,19 @@ from dataclasses import dataclass
 
 import torch
 
+from polyrl.transfer.compress import encode_zstd
 from polyrl.transfer.delta import encode_delta
-from polyrl.transfer.manifest import flatten
+from polyrl.transfer.manifest import Manifest, flatten
+from polyrl.transfer.quantize import encode_int8
 from polyrl.transfer.wire import (
+    ENCODED_OPS,
     OP_DELTA,
     OP_DESCRIBE,
+    OP_ZSTD,
     STATUS_OK,
     STATUS_REFUSED,
     TransferInfo,
+    checksum,
     chunk_checksums,
     combined_checksum,
     read_request,
@@ -64,8 +69,8 @@ class WeightPublisher:
         self.chunk_bytes, self.keep_versions, self.io_timeout_s = chunk_bytes, keep_versions, io_timeout_s
         self._held: dict[int, _Held] = {}
         self._lock = threading.Lock()
-        self._delta_lock = threading.Lock()
-        self._delta_cache: tuple[tuple[int, int], bytes] | None = None
+        self._encode_lock = threading.Lock()
+        self._encoded_cache: dict[int, tuple[tuple[int, int], bytes]] = {}  # op -> ((version, base), payload)
         self.bytes_sent = 0
         self._server = _Server((host, port), _Handler)
         self._server.publisher = self
@@ -117,22 +122,37 @@ class WeightPublisher:
         with self._lock:
             return self._held.get(version)
 
-    def _delta(self, base: int, version: int) -> bytes | None:
-        """The delta `base -> version`, computed once and shared by every receiver at
-        `base`; None if either is not held or the layouts differ."""
-        key = (base, version)
-        with self._delta_lock:  # one computation at a time: they are large
-            if self._delta_cache is not None and self._delta_cache[0] == key:
-                return self._delta_cache[1]
-            old, new = self._lookup(base), self._lookup(version)
-            if old is None or new is None or old.info.manifest.tensors != new.info.manifest.tensors:
+    def _encoded(self, op: int, version: int, base: int) -> bytes | None:
+        """`version` as the payload of an encoded op (a delta from `base`, zstd, int8),
+        made once and shared by every receiver asking for the same; None if a version it
+        needs is not held, or a delta's two layouts differ."""
+        key = (version, base if op == OP_DELTA else -1)
+        with self._encode_lock:  # one encoding at a time: they are large
+            cached = self._encoded_cache.get(op)
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            new, old = self._lookup(version), self._lookup(base)
+            if new is None or (op == OP_DELTA and (old is None or old.info.manifest.tensors != new.info.manifest.tensors)):
                 return None
             t0 = time.perf_counter()
-            payload = encode_delta(old.buffer.numpy(), new.buffer.numpy())
-            self._delta_cache = (key, payload)
-        log.debug("delta v%d -> v%d: %.1f MB (%.1f%% of raw) in %.2fs", base, version, len(payload) / 1e6,
-                 100 * len(payload) / max(new.info.manifest.total_bytes, 1), time.perf_counter() - t0)  # fmt: skip
+            if op == OP_DELTA:
+                payload = encode_delta(old.buffer.numpy(), new.buffer.numpy())  # type: ignore[union-attr]
+            elif op == OP_ZSTD:
+                payload = encode_zstd(new.buffer.numpy(), word_bytes(new.info.manifest))
+            else:
+                payload = encode_int8(new.buffer, new.info.manifest)
+            self._encoded_cache[op] = (key, payload)
+        log.debug("v%d as %s: %.1f MB (%.1f%% of raw) in %.2fs", version, ENCODED_OPS[op], len(payload) / 1e6,
+                  100 * len(payload) / max(new.info.manifest.total_bytes, 1), time.perf_counter() - t0)  # fmt: skip
         return payload
+
+
+def word_bytes(manifest: Manifest) -> int:
+    """The element size that covers most of the buffer (zstd's byte planes)."""
+    by_size: dict[int, int] = {}
+    for e in manifest.tensors:
+        by_size[e.itemsize] = by_size.get(e.itemsize, 0) + e.nbytes
+    return max(by_size, key=by_size.__getitem__, default=1)
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -159,12 +179,12 @@ class _Handler(socketserver.BaseRequestHandler):
                 send_text(sock, STATUS_REFUSED, f"version {req.version} is not held (held: {pub.versions})".encode())
             elif req.op == OP_DESCRIBE:
                 send_text(sock, STATUS_OK, held.info.model_dump_json().encode())
-            elif req.op == OP_DELTA:
-                payload = pub._delta(req.base, req.version)
+            elif req.op in ENCODED_OPS:
+                payload = pub._encoded(req.op, req.version, req.base)
                 if payload is None:
-                    send_text(sock, STATUS_REFUSED, f"no delta from v{req.base} (held: {pub.versions})".encode())
+                    send_text(sock, STATUS_REFUSED, f"no {ENCODED_OPS[req.op]} from v{req.base} (held: {pub.versions})".encode())
                 else:
-                    sock.sendall(bytes([STATUS_OK]) + len(payload).to_bytes(8, "big"))
+                    sock.sendall(bytes([STATUS_OK]) + len(payload).to_bytes(8, "big") + checksum(payload).to_bytes(8, "big"))
                     sock.sendall(payload)
                     pub.bytes_sent += len(payload)
             else:

@@ -4,6 +4,8 @@ buffer over parallel TCP streams, verify it, and only then hand it to the engine
 Every chunk is checked against its xxh3 checksum as it lands, and the whole buffer
 against the version's checksum at the end, so what the engine loads is bit-exact or
 nothing: any failure raises TransferError and the engine keeps its current weights.
+Encoded pulls (a delta, zstd) are checked the same way after decoding. The one exception
+is the opt-in lossy int8 codec: its payload is checked, and the result is marked lossy.
 """
 
 from __future__ import annotations
@@ -18,12 +20,17 @@ import torch
 import xxhash
 from pydantic import ValidationError
 
+from polyrl.transfer.compress import decode_zstd
 from polyrl.transfer.delta import apply_delta
 from polyrl.transfer.manifest import Manifest
+from polyrl.transfer.quantize import decode_int8
 from polyrl.transfer.wire import (
+    ENCODED_OPS,
     OP_CHUNKS,
     OP_DELTA,
     OP_DESCRIBE,
+    OP_INT8,
+    OP_ZSTD,
     STATUS_OK,
     TransferError,
     TransferInfo,
@@ -56,8 +63,10 @@ class Pulled:
     manifest: Manifest
     seconds: float
     codec: str = "raw"
-    """raw, or delta (against the base the receiver held)."""
+    """raw, delta (against the base the receiver held), zstd or int8."""
     wire_bytes: int = 0
+    lossy: bool = False
+    """int8: the buffer approximates the published version (never a delta base)."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -87,13 +96,17 @@ def pull(
     timeout_s: float = 30.0,
     into: torch.Tensor | None = None,
     base: tuple[int, torch.Tensor] | None = None,
+    codec: str = "raw",
 ) -> Pulled:
     """Fetch `version` over `num_streams` connections; raises TransferError.
 
     `into`: a uint8 CPU buffer to reuse (e.g. the one of the version before last), which
     saves allocating and first-touching the pages; it is used when large enough.
     `base`: (version, buffer) the receiver holds; the publisher then sends only the
-    words that changed, when it still holds that version (else a raw pull follows)."""
+    words that changed, when it still holds that version (else `codec` follows).
+    `codec`: raw (parallel streams), zstd (one compressed payload) or int8 (LOSSY)."""
+    if codec not in ("raw", "zstd", "int8"):
+        raise ValueError(f"unknown codec {codec!r} (raw, zstd, int8)")
     t0 = time.perf_counter()
     info = describe(source, version, timeout_s)
     total = info.manifest.total_bytes
@@ -102,13 +115,16 @@ def pull(
         buffer = into[:total]  # type: ignore[index]
     else:
         buffer = torch.empty(total, dtype=torch.uint8)
+    pulled = None
     if base is not None and base[1].numel() == total:
         pulled = _pull_delta(source, info, base, buffer, timeout_s)
-        if pulled is not None:
-            pulled.seconds = time.perf_counter() - t0
-            log.info("pulled v%d as a delta from v%d: %.1f MB on the wire for %.1f MB in %.2fs", version, base[0],
-                     pulled.wire_bytes / 1e6, total / 1e6, pulled.seconds)  # fmt: skip
-            return pulled
+    if pulled is None and codec != "raw":
+        pulled = _pull_whole(source, info, OP_ZSTD if codec == "zstd" else OP_INT8, buffer, timeout_s)
+    if pulled is not None:
+        pulled.seconds = time.perf_counter() - t0
+        log.info("pulled v%d as %s%s: %.1f MB on the wire for %.1f MB in %.2fs", version, pulled.codec,
+                 " (LOSSY)" if pulled.lossy else "", pulled.wire_bytes / 1e6, total / 1e6, pulled.seconds)  # fmt: skip
+        return pulled
     view = memoryview(buffer.numpy()).cast("B")
     num_streams = max(1, min(num_streams, info.num_chunks))
     with ThreadPoolExecutor(num_streams, thread_name_prefix="polyrl-pull") as pool:
@@ -151,31 +167,66 @@ def _pull_delta(
     source: PullSource, info: TransferInfo, base: tuple[int, torch.Tensor], out: torch.Tensor, timeout_s: float
 ) -> Pulled | None:
     """None when the publisher cannot make the delta (it no longer holds the base)."""
-    version = info.manifest.version
-    with _connect(source, timeout_s) as sock:
-        sock.sendall(encode_request(OP_DELTA, version, source.worker_id, source.token, base=base[0]))
-        status = recv_exact(sock, 1)[0]
-        if status != STATUS_OK:
-            text = read_text(sock).decode(errors="replace")
-            if text.startswith("no delta"):
-                log.info("no delta for v%d from v%d (%s): pulling it whole", version, base[0], text)
-                return None
-            raise TransferError(f"publisher refused v{version}: {text}")
-        length = int.from_bytes(recv_exact(sock, 8), "big")
-        if length > 2 * info.manifest.total_bytes + 2**20:
-            raise TransferError(f"v{version}: a {length}-byte delta for a {info.manifest.total_bytes}-byte version")
-        payload = bytearray(length)
-        recv_into_exact(sock, memoryview(payload))
+    payload = _pull_payload(source, info, OP_DELTA, timeout_s, base=base[0])
+    if payload is None:
+        return None
     try:
         apply_delta(base[1].numpy(), payload, out.numpy())
     except ValueError as e:
-        raise TransferError(f"v{version}: bad delta from v{base[0]}: {e}") from None
+        raise TransferError(f"v{info.manifest.version}: bad delta from v{base[0]}: {e}") from None
+    _verify(info, out, f"the delta from v{base[0]} (base not exact?)")
+    return Pulled(out, info.manifest, 0.0, "delta", len(payload))
+
+
+def _pull_whole(source: PullSource, info: TransferInfo, op: int, out: torch.Tensor, timeout_s: float) -> Pulled:
+    """The whole version as one zstd or int8 payload, decoded into `out`."""
+    version, name = info.manifest.version, ENCODED_OPS[op]
+    payload = _pull_payload(source, info, op, timeout_s)
+    if payload is None:
+        raise TransferError(f"publisher has no {name} payload of v{version}")
+    try:
+        if op == OP_ZSTD:
+            decode_zstd(payload, out.numpy())
+        else:
+            decode_int8(payload, info.manifest, out)
+    except ValueError as e:
+        raise TransferError(f"v{version}: bad {name} payload: {e}") from None
+    if op == OP_ZSTD:
+        _verify(info, out, "zstd decoding")
+    return Pulled(out, info.manifest, 0.0, name, len(payload), lossy=op == OP_INT8)
+
+
+def _pull_payload(source: PullSource, info: TransferInfo, op: int, timeout_s: float, base: int = -1) -> bytearray | None:
+    """The payload of an encoded op, its checksum verified; None when the publisher
+    cannot make it (a delta whose base it no longer holds)."""
+    version = info.manifest.version
+    with _connect(source, timeout_s) as sock:
+        sock.sendall(encode_request(op, version, source.worker_id, source.token, base=base))
+        status = recv_exact(sock, 1)[0]
+        if status != STATUS_OK:
+            text = read_text(sock).decode(errors="replace")
+            if op == OP_DELTA and text.startswith("no delta"):
+                log.info("no delta for v%d from v%d (%s): pulling it whole", version, base, text)
+                return None
+            raise TransferError(f"publisher refused v{version}: {text}")
+        length = int.from_bytes(recv_exact(sock, 8), "big")
+        expected = int.from_bytes(recv_exact(sock, 8), "big")
+        if length > 2 * info.manifest.total_bytes + 2**20:
+            raise TransferError(f"v{version}: a {length}-byte {ENCODED_OPS[op]} payload for a {info.manifest.total_bytes}-byte version")
+        payload = bytearray(length)
+        recv_into_exact(sock, memoryview(payload))
+    if checksum(payload) != expected:
+        raise TransferError(f"v{version}: the {ENCODED_OPS[op]} payload failed its checksum")
+    return payload
+
+
+def _verify(info: TransferInfo, out: torch.Tensor, what: str) -> None:
+    """The decoded buffer must be exactly the published version, chunk by chunk."""
     view = memoryview(out.numpy()).cast("B")
-    for index in range(info.num_chunks):  # the result must be exactly the published version
+    for index in range(info.num_chunks):
         start, end = info.chunk_range(index)
         if checksum(view[start:end]) != info.chunk_checksums[index]:
-            raise TransferError(f"v{version}: delta from v{base[0]} gives a wrong chunk {index} (base not exact?)")
-    return Pulled(out, info.manifest, 0.0, "delta", length)
+            raise TransferError(f"v{info.manifest.version}: {what} gives a wrong chunk {index}")
 
 
 def _connect(source: PullSource, timeout_s: float) -> socket.socket:

@@ -12,8 +12,11 @@ it was granted.
     op 1 (DESCRIBE) reply = status:u8 | len:u32 | JSON TransferInfo (or an error text)
     op 2 (CHUNKS)   reply = status:u8 | then the raw bytes of chunks stream, stream+N, ...
                             in order (or len:u32 | error text when status != 0)
-    op 3 (DELTA)    reply = status:u8 | len:u64 | the delta of `version` against `base`
-                            (`transfer/delta.py`), or len:u32 | error text
+    op 3 (DELTA)    reply = status:u8 | len:u64 | xxh3:u64 | the delta of `version` against
+                            `base` (`transfer/delta.py`), or len:u32 | error text
+    op 4 (ZSTD)     reply = the same framing; the version zstd-compressed (`transfer/compress.py`)
+    op 5 (INT8)     reply = the same framing; the version quantized to int8, LOSSY
+                            (`transfer/quantize.py`)
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from pydantic import BaseModel, ConfigDict
 
 from polyrl.transfer.manifest import Manifest
 
-MAGIC = b"PRLW1\n"
-OP_DESCRIBE, OP_CHUNKS, OP_DELTA = 1, 2, 3
+MAGIC = b"PRLW2\n"
+OP_DESCRIBE, OP_CHUNKS, OP_DELTA, OP_ZSTD, OP_INT8 = 1, 2, 3, 4, 5
+ENCODED_OPS = {OP_DELTA: "delta", OP_ZSTD: "zstd", OP_INT8: "int8"}
+"""Ops whose reply is one payload made by the publisher (once per version, shared)."""
 STATUS_OK, STATUS_REFUSED = 0, 1
 _HEADER = struct.Struct("!BqqHH")
 _U16, _U32 = struct.Struct("!H"), struct.Struct("!I")
@@ -123,7 +128,7 @@ def read_request(sock: socket.socket) -> Request:
     op, version, base, stream, num_streams = _HEADER.unpack(recv_exact(sock, _HEADER.size))
     worker = recv_exact(sock, _U16.unpack(recv_exact(sock, 2))[0]).decode()
     token = recv_exact(sock, _U16.unpack(recv_exact(sock, 2))[0]).decode()
-    if op not in (OP_DESCRIBE, OP_CHUNKS, OP_DELTA) or num_streams < 1 or stream >= num_streams:
+    if (op not in (OP_DESCRIBE, OP_CHUNKS) and op not in ENCODED_OPS) or num_streams < 1 or stream >= num_streams:
         raise ValueError(f"bad request header (op {op}, stream {stream} of {num_streams})")
     return Request(op, version, base, stream, num_streams, worker, token)
 

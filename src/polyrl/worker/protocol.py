@@ -148,9 +148,10 @@ class UpdateWeightsFromPublisherRequest(_Wire):
     """The id the token was granted to."""
     num_streams: int = Field(4, ge=1, le=64)
     timeout_s: float = Field(60.0, gt=0)
-    codec: Literal["auto", "raw", "delta"] = "auto"
-    """auto: a delta against the current version only when raw pulls have been slow
-    (below ~2 Gbit/s); on a fast link a raw pull is quicker than making the delta."""
+    codec: Literal["auto", "raw", "delta", "zstd", "int8"] = "auto"
+    """auto: encoded pulls (a delta against the current version, else zstd) only when raw
+    pulls have been slow (below ~2 Gbit/s); on a fast link a raw pull is quicker than
+    encoding. int8 is LOSSY (opt-in; the worker logs it)."""
 
 
 # --------------------------------------------------------------------------------- responses

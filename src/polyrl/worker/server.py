@@ -352,7 +352,8 @@ class _Handlers:
         if pulled is None:
             message = f"already serving v{version}"
         else:
-            message = (f"pulled {pulled.manifest.total_bytes} bytes ({pulled.codec}, {pulled.wire_bytes} on the wire) "
+            lossy = ", LOSSY" if pulled.lossy else ""
+            message = (f"pulled {pulled.manifest.total_bytes} bytes ({pulled.codec}{lossy}, {pulled.wire_bytes} on the wire) "
                        f"in {pulled.seconds:.3f}s")  # fmt: skip
         return JSONResponse(UpdateWeightsResponse(success=True, message=message, weight_version=version).model_dump())
 
