@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from polyrl.transfer.manifest import Manifest
 from polyrl.transfer.publisher import WeightPublisher
 from polyrl.transfer import receiver
 from polyrl.transfer.receiver import PullSource, pull
@@ -98,7 +99,8 @@ def adam_step_versions(lr: float) -> tuple[dict[str, torch.Tensor], dict[str, to
     return before, after
 
 
-def measure_delta(lr: float) -> dict[str, float]:
+def measure_codecs(lr: float) -> dict[str, dict[str, float]]:
+    """The delta of one Adam step, then the whole-version codecs on its result."""
     from polyrl.transfer.delta import apply_delta, encode_delta
     from polyrl.transfer.manifest import flatten
 
@@ -123,7 +125,7 @@ def measure_delta(lr: float) -> dict[str, float]:
     return {"delta": result, **measure_whole_codecs(new, manifest)}
 
 
-def measure_whole_codecs(new: torch.Tensor, manifest) -> dict[str, dict[str, float]]:
+def measure_whole_codecs(new: torch.Tensor, manifest: Manifest) -> dict[str, dict[str, float]]:
     """zstd (lossless, checked bit-exact) and int8 (lossy: its worst error per row step)."""
     from polyrl.transfer.compress import decode_zstd, encode_zstd
     from polyrl.transfer.manifest import unflatten
@@ -193,7 +195,7 @@ def main() -> None:
                 print(f"{size_gib:>6.1f}Gi {n:>7} {ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} {rate / ceiling:>12.0%}",
                       flush=True)  # fmt: skip
         print(f"  publish (snapshot + checksums) of {size_gib:g} GiB: {publish_s:.2f}s")
-    codecs = measure_delta(args.lr) if args.codecs else {}
+    codecs = measure_codecs(args.lr) if args.codecs else {}
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, **codecs}, indent=2))
 
