@@ -77,7 +77,8 @@ class FakeWorker:
 
     `mode` injects a fault after `fault_after` tokens of every stream: "die" (connection
     cut, heartbeats stop), "freeze" (stream and heartbeats stop), "handback" (finish
-    "abort", as a draining worker does), "error" (HTTP 500), "busy" (HTTP 429)."""
+    "abort", as a draining worker does), "error" (HTTP 500), "busy" (HTTP 429), "refuse"
+    (HTTP 400)."""
 
     def __init__(self, manager_url: str, worker_id: str, *, token_delay_s: float = 0.002, max_num_seqs: int = 64,
                  version: int = 0, mode: str = "ok", fault_after: int = 3, token: str = TOKEN) -> None:  # fmt: skip
@@ -127,6 +128,8 @@ class FakeWorker:
             return JSONResponse({"error": {"message": "engine exploded", "type": "x"}}, status_code=500)
         if self.mode == "busy":
             return JSONResponse({"error": {"message": "engine full", "type": "engine_full"}}, status_code=429)
+        if self.mode == "refuse":
+            return JSONResponse({"error": {"message": "token id out of range", "type": "invalid_request"}}, 400)
         sp = body["sampling_params"]
         n, seed, budget, start = sp["n"], sp["sampling_seed"], sp["max_new_tokens"], len(body["input_ids"])
 

@@ -31,6 +31,7 @@ from polyrl.config import EngineConfig, TinyModelConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest, EngineSampling, SampleDelta, SampleResult
+from polyrl.httpapi import checksum
 from polyrl.manager.protocol import Heartbeat, RegisterRequest
 from polyrl.models.tiny import save_tiny_model
 from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession
@@ -141,12 +142,20 @@ def long_request(rid: str, stream: bool = False) -> dict[str, Any]:
 
 
 def read_sse(response: httpx.Response) -> Iterator[dict[str, Any] | str]:
-    """Parsed `data:` events of an SSE response; "[DONE]" comes as the string."""
+    """Parsed `data:` events of an SSE response; "[DONE]" comes as the string. An
+    `: xxh3 <hex>` comment (incremental streams) must hash the data line after it."""
+    expected = None
     for line in response.iter_lines():
         if not line:
             continue
+        if line.startswith(": xxh3 "):
+            expected = line.removeprefix(": xxh3 ")
+            continue
         assert line.startswith("data: "), line
         payload = line.removeprefix("data: ")
+        if expected is not None:
+            assert checksum(payload.encode()) == expected
+            expected = None
         yield payload if payload == "[DONE]" else json.loads(payload)
 
 
@@ -622,16 +631,18 @@ def _in_thread(fn: Callable[[], None]) -> threading.Thread:
     return thread
 
 
-def _stream_into(url: str, body: dict[str, Any], events: list[Any]) -> Callable[[], None]:
+def _stream_into(url: str, body: dict[str, Any], events: list[Any], token: str = "") -> Callable[[], None]:
     def run() -> None:
-        with httpx.Client(timeout=HTTP_TIMEOUT_S) as c, c.stream("POST", f"{url}/generate", json=body) as r:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        with httpx.Client(timeout=HTTP_TIMEOUT_S, headers=headers) as c, c.stream("POST", f"{url}/generate", json=body) as r:
             events.extend(read_sse(r))
 
     return run
 
 
-def _post_into(url: str, body: dict[str, Any], responses: list[httpx.Response]) -> Callable[[], None]:
-    return lambda: responses.append(httpx.post(f"{url}/generate", json=body, timeout=HTTP_TIMEOUT_S))
+def _post_into(url: str, body: dict[str, Any], responses: list[httpx.Response], token: str = "") -> Callable[[], None]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return lambda: responses.append(httpx.post(f"{url}/generate", json=body, headers=headers, timeout=HTTP_TIMEOUT_S))
 
 
 def test_sigterm_drains_hands_back_partial_results_and_leaves(model_dir: Path) -> None:
@@ -646,15 +657,18 @@ def test_sigterm_drains_hands_back_partial_results_and_leaves(model_dir: Path) -
             _wait_until(lambda: bool(manager.seen("heartbeat")), 30, "a heartbeat")
             streamed: list[Any] = []
             plain: list[httpx.Response] = []
+            # a worker with a manager's token wants it from anyone who makes it act
+            assert httpx.post(f"{url}/generate", json=greedy(2), timeout=10).status_code == 401
+            assert httpx.post(f"{url}/shutdown", timeout=10).status_code == 401
             threads = [
-                _in_thread(_stream_into(url, long_request("s", stream=True), streamed)),
-                _in_thread(_post_into(url, long_request("p"), plain)),
+                _in_thread(_stream_into(url, long_request("s", stream=True), streamed, token="s3cret")),
+                _in_thread(_post_into(url, long_request("p"), plain, token="s3cret")),
             ]
             _wait_until(lambda: bool(streamed) and _info(url)["num_running_reqs"] == 2, 60, "both requests running")
             signalled = time.monotonic()
             worker.proc.send_signal(signal.SIGTERM)
             _wait_until(lambda: _info(url)["state"] == "draining", 10, "the draining state")
-            refused = httpx.post(f"{url}/generate", json=greedy(2), timeout=10)
+            refused = httpx.post(f"{url}/generate", json=greedy(2), headers={"Authorization": "Bearer s3cret"}, timeout=10)
             exit_code = worker.wait_exit(timeout_s=60)
             elapsed_s = time.monotonic() - signalled
         finally:
@@ -698,7 +712,8 @@ def test_worker_survives_the_manager_going_away(model_dir: Path) -> None:
         manager.http.__exit__()  # the manager process dies
         time.sleep(1.5)  # several heartbeat intervals (0.2 s) without a manager
         assert worker.proc.poll() is None, worker.text
-        assert httpx.post(f"{url}/generate", json=greedy(3), timeout=HTTP_TIMEOUT_S).status_code == 200
+        auth = {"Authorization": "Bearer t"}
+        assert httpx.post(f"{url}/generate", json=greedy(3), headers=auth, timeout=HTTP_TIMEOUT_S).status_code == 200
         assert worker.text.count("unreachable") == 1, worker.text  # one line per outage, not per beat
         worker.proc.send_signal(signal.SIGTERM)
         assert worker.wait_exit(timeout_s=30) == 0, worker.text

@@ -11,6 +11,7 @@ import hmac
 from collections.abc import Callable
 from typing import Any
 
+import xxhash
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -76,6 +77,7 @@ def error_handlers(extra: dict[type[Exception], tuple[int, str]] | None = None) 
     handlers: dict[Any, Callable[..., Any]] = {
         ApiError: api_error,
         HTTPException: http_error,
+        _BodyTooLarge: handler(413, "too_large", lambda exc: exc.detail),  # a chunked body, caught mid-read
         RequestValidationError: handler(422, "invalid_request", validation_message),
     }
     for exc_type, (status, type_) in (extra or {}).items():
@@ -143,3 +145,58 @@ async def _too_large(limit: int, send: Send) -> None:
 
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
+
+
+# ------------------------------------------------------------------------ body checksums
+
+CHECKSUM_HEADER = "x-polyrl-xxh3"
+"""A request body's xxh3-64 (hex), sent by the manager with every /generate call."""
+
+
+def checksum(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+class ChecksumGuard:
+    """ASGI middleware: a request that carries CHECKSUM_HEADER is refused with 400
+    `corrupt_request` unless its body hashes to it. TCP's 16-bit checksum lets rare
+    corruptions through; one that still parses would change a prompt's tokens silently,
+    and one that does not would read as the client's own mistake (422). The caller
+    retries a `corrupt_request` elsewhere. Bodies are already size-limited upstream."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        expected = None
+        if scope["type"] == "http":
+            name = CHECKSUM_HEADER.encode()
+            expected = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == name), None)
+        if expected is None:
+            await self.app(scope, receive, send)
+            return
+        parts, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            parts.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(parts)
+        if checksum(body) != expected.strip().lower():
+            response = JSONResponse(
+                error_body("request body does not match its checksum (damaged in transit)", "corrupt_request"),
+                status_code=400,
+            )
+            await response(scope, _no_receive, send)
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: wait for a disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)

@@ -45,6 +45,12 @@ from polyrl.engine.types import EngineRequest, EngineStats, RequestError, Sample
 log = logging.getLogger(__name__)
 
 MAX_SEED = 2**63
+MAX_TOP_K = 2**63
+"""top_k travels to the sampler in an int64 tensor; a larger value would overflow it
+inside the engine loop (and stop the loop) instead of being refused here."""
+MIN_TEMPERATURE = 1e-6
+"""Below this, logits / temperature can overflow float32 and the log-probs come out
+NaN; 0 is greedy."""
 THROUGHPUT_WINDOW_S = 10.0
 _unfreeze_at_exit = None
 
@@ -180,8 +186,10 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the context "
                 f"length {self.max_model_len}"
             )
-        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < -1:
-            raise RequestError("need temperature >= 0, 0 < top_p <= 1 and top_k >= -1")
+        if not (s.temperature == 0 or MIN_TEMPERATURE <= s.temperature < float("inf")):
+            raise RequestError(f"temperature must be 0 (greedy) or finite and >= {MIN_TEMPERATURE:g}")
+        if not 0 < s.top_p <= 1 or not -1 <= s.top_k < MAX_TOP_K:
+            raise RequestError("need 0 < top_p <= 1 and -1 <= top_k < 2**63")
         if not 1 <= s.n <= self.cfg.max_num_seqs:
             raise RequestError(f"n must be in [1, {self.cfg.max_num_seqs}] (got {s.n})")
         if s.seed is not None and not 0 <= s.seed < MAX_SEED:

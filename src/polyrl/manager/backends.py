@@ -16,6 +16,7 @@ what the manager does next:
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from polyrl.engine.types import (
     EngineSampling,
     RequestError,
 )
+from polyrl.httpapi import CHECKSUM_HEADER, checksum
 from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import WorkerRecord
 
@@ -140,48 +142,102 @@ def _error_message(response: httpx.Response, body: bytes) -> str:
     return f"HTTP {response.status_code}: {text}"
 
 
+def _error_type(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["type"])
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
 class RemoteBackend:
     """Streaming /generate calls through one shared httpx client.
 
     The read timeout is the stall detector: a worker that sends nothing for
     `stall_timeout_s` (frozen, partitioned) raises WorkerUnreachable. Closing the stream
-    (task cancelled) makes the worker abort the request."""
+    (task cancelled) makes the worker abort the request.
 
-    def __init__(self, connect_timeout_s: float, stall_timeout_s: float) -> None:
+    The HTTP side of a call runs in a task of its own that is never cancelled: httpcore
+    leaks the connection, an open socket, when a cancellation lands while it connects,
+    sends, or cleans up after an error (encode/httpx#3782, encode/httpcore#1093), and the
+    manager cancels calls whenever a worker goes. A cancelled `stream` tells that task to
+    stop; it does at the next line it reads (a silent worker: at the stall timeout)."""
+
+    def __init__(self, connect_timeout_s: float, stall_timeout_s: float, token: str | None = None) -> None:
         timeout = httpx.Timeout(connect=connect_timeout_s, read=stall_timeout_s, write=connect_timeout_s, pool=None)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self.http = httpx.AsyncClient(timeout=timeout, limits=limits)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}  # workers share the manager's token
+        self.http = httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers)
+        self._exchanges: set[asyncio.Task[None]] = set()
 
     async def stream(self, worker: WorkerRecord, call: GenerationCall) -> AsyncIterator[list[Delta]]:
         done = False
-        incremental = worker.incremental_stream
+        incremental = worker.incremental_stream  # a polyrl worker: checksums both ways
         seen: dict[int, int] = {}
-        body = generate_body(call, incremental)
+        body = json.dumps(generate_body(call, incremental)).encode()
+        headers = {"content-type": "application/json"} | ({CHECKSUM_HEADER: checksum(body)} if incremental else {})
+        expected: str | None = None
+        lines: asyncio.Queue[str | Exception | None] = asyncio.Queue()
+        stop = asyncio.Event()
+        exchange = asyncio.ensure_future(self._exchange(f"{worker.url}/generate", body, headers, lines, stop))
+        self._exchanges.add(exchange)
+        exchange.add_done_callback(self._exchanges.discard)
         try:
-            async with self.http.stream("POST", f"{worker.url}/generate", json=body) as response:
+            while (line := await lines.get()) is not None:
+                if isinstance(line, Exception):
+                    raise line
+                if line.startswith(": xxh3 "):
+                    expected = line[7:].strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                if incremental and expected != checksum(data.encode()):
+                    raise WorkerFailed("stream chunk does not match its checksum (damaged in transit)")
+                expected = None
+                yield [parse_chunk(json.loads(data), seen, incremental)]
+        except json.JSONDecodeError as e:
+            raise WorkerFailed(f"unreadable stream chunk: {e}") from None
+        finally:
+            stop.set()
+        if not done:
+            raise WorkerUnreachable("stream ended without [DONE]")
+
+    async def _exchange(
+        self, url: str, body: bytes, headers: dict[str, str], lines: asyncio.Queue[str | Exception | None],
+        stop: asyncio.Event,
+    ) -> None:  # fmt: skip
+        """POST and read the response's lines into `lines` (an error instead, then None)
+        until it ends or `stop` is set."""
+        # One connection per call: httpcore's pool checks every idle connection (a poll()
+        # each) whenever a request comes or goes, and kept-alive streams made the load
+        # test three times slower than opening a connection per call.
+        headers = headers | {"connection": "close"}
+        try:
+            async with self.http.stream("POST", url, content=body, headers=headers) as response:
                 if response.status_code != 200:
                     _raise_for_status(response, await response.aread())
                 async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    yield [parse_chunk(json.loads(data), seen, incremental)]
+                    if stop.is_set():
+                        return
+                    lines.put_nowait(line)
         except httpx.TimeoutException as e:
-            raise WorkerUnreachable(f"no response for {type(e).__name__}") from None
+            lines.put_nowait(WorkerUnreachable(f"no response for {type(e).__name__}"))
         except (httpx.TransportError, httpx.StreamError) as e:
-            raise WorkerUnreachable(f"{type(e).__name__}: {e}") from None
-        except json.JSONDecodeError as e:
-            raise WorkerFailed(f"unreadable stream chunk: {e}") from None
-        if not done:
-            raise WorkerUnreachable("stream ended without [DONE]")
+            lines.put_nowait(WorkerUnreachable(f"{type(e).__name__}: {e}"))
+        except Exception as e:  # the status errors above, or a bug: the caller raises it
+            lines.put_nowait(e)
+        finally:
+            lines.put_nowait(None)
 
     async def get(self, worker: WorkerRecord, path: str, timeout_s: float) -> httpx.Response:
         return await self.http.get(f"{worker.url}{path}", timeout=timeout_s)
 
     async def aclose(self) -> None:
+        for exchange in self._exchanges:  # shutting down: a leaked connection no longer matters
+            exchange.cancel()
+        await asyncio.gather(*self._exchanges, return_exceptions=True)
         await self.http.aclose()
 
 
@@ -189,6 +245,8 @@ def _raise_for_status(response: httpx.Response, body: bytes) -> None:
     message = _error_message(response, body)
     if response.status_code in (429, 503):
         raise WorkerBusy(message)
+    if response.status_code == 400 and _error_type(body) == "corrupt_request":
+        raise WorkerFailed(message)  # the network's fault, not the request's: retry elsewhere
     if response.status_code in (400, 413, 422):
         raise RequestRefused(message)
     raise WorkerFailed(message)

@@ -62,6 +62,17 @@ SyncHook = Callable[[WorkerRecord, int], Awaitable[None] | None]
 BUSY_BACKOFF_S = 1.0
 """A worker that answered 429/503 gets no new work for this long."""
 
+FAILURE_BACKOFF_S = (0.5, 30.0)
+"""After a failed call a worker gets no new work for 0.5 s, doubling with each failure in a
+row up to 30 s: a worker behind a broken link must not eat every sample's retry budget
+(it is the least loaded, so it would be picked first every time)."""
+
+FAILURE_MEMORY = 4096
+"""Workers (ids and URLs) whose back-off outlives their registration."""
+
+REFUSALS_TOLERATED = 1
+"""A sample's request refused (4xx) more often than this fails its batch as invalid."""
+
 
 class _Outcome:
     """How a generation call ended, when it did not simply finish."""
@@ -81,7 +92,7 @@ class RolloutManager:
         self.cfg = cfg
         self.registry = Registry()
         self.metrics = ManagerMetrics(self)
-        self.remote = RemoteBackend(cfg.connect_timeout_s, cfg.stall_timeout_s)
+        self.remote = RemoteBackend(cfg.connect_timeout_s, cfg.stall_timeout_s, cfg.token)
         self.local = LocalBackend(local_engine) if local_engine is not None else None
         self.local_record: WorkerRecord | None = None
         if local_engine is not None:
@@ -94,6 +105,9 @@ class RolloutManager:
         self._ids = itertools.count()
         self._cancels: dict[asyncio.Task[None], _Cancel] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._failed_before: dict[str, tuple[int, float]] = {}
+        """Worker id or URL -> (failures in a row, back-off end) of a worker that failed
+        lately, for when it registers again."""
         self._wake: asyncio.Event | None = None
         self._closed = False
         self.local_window_open = False
@@ -143,10 +157,14 @@ class RolloutManager:
 
     def register(self, request: RegisterRequest) -> RegisterResponse:
         url = request.url.rstrip("/")
-        for old in self.registry:  # a restarted worker: its old streams are dead
-            if not old.is_local and (old.worker_id == request.worker_id or old.url == url):
-                self._worker_gone(old, "registered again", is_failure=True)
+        previous = [r for r in self.registry if not r.is_local and (r.worker_id == request.worker_id or r.url == url)]
+        for old in previous:  # a restarted worker: its old streams are dead
+            self._worker_gone(old, "registered again", is_failure=True)
         record = self.registry.add(request, request.worker_id)
+        for key in (request.worker_id, url):  # coming back does not wipe its record of failing
+            failures, until = self._failed_before.get(key, (0, 0.0))
+            record.consecutive_failures = max(record.consecutive_failures, failures)
+            record.busy_until = max(record.busy_until, until)
         self.metrics.worker_events.labels("registered").inc()
         self._spawn(self._admit(record))
         return RegisterResponse(worker_id=record.worker_id, heartbeat_interval_s=self.cfg.heartbeat_interval_s)
@@ -484,9 +502,21 @@ class RolloutManager:
             worker.busy_until = time.monotonic() + BUSY_BACKOFF_S
             why = str(error)
         elif isinstance(error, RequestRefused):
-            self._fail(batch, "invalid_request", f"worker {worker.worker_id} refused a request: {error}")
+            # Usually the request's own fault, but a request damaged on the way (headers
+            # the body checksum does not cover) is refused the same way: one more try.
+            for sample in unit.samples:
+                sample.num_refusals += 1
+            if any(s.num_refusals > REFUSALS_TOLERATED for s in unit.samples):
+                self._fail(batch, "invalid_request", f"worker {worker.worker_id} refused a request: {error}")
+            else:
+                is_failure, why = True, f"refused: {error}"
+                log.warning("worker %s refused a request (retrying it once): %s", worker.worker_id, error)
         elif cancel is not None:
             is_failure, why = cancel.is_failure, cancel.why
+        if is_failure:
+            self._back_off(worker)
+        elif error is None and cancel is None:
+            worker.consecutive_failures = 0
         if batch.finished or not unfinished:
             self.wake()
             return
@@ -505,6 +535,22 @@ class RolloutManager:
             self.pending.appendleft(WorkUnit(unit.group, [sample]))
         self.wake()
 
+    def _back_off(self, worker: WorkerRecord) -> None:
+        """No new work for the worker for a while, longer with each failure in a row; the
+        calls that fail together (a cut link) count once."""
+        now = time.monotonic()
+        if worker.is_local or now < worker.busy_until:
+            return
+        worker.consecutive_failures += 1
+        low, high = FAILURE_BACKOFF_S
+        worker.busy_until = now + min(high, low * 2 ** (worker.consecutive_failures - 1))
+        entry = (worker.consecutive_failures, worker.busy_until)
+        for key in (worker.worker_id, worker.url):
+            self._failed_before.pop(key, None)  # re-inserted last: the dict stays oldest-first
+            self._failed_before[key] = entry
+        while len(self._failed_before) > FAILURE_MEMORY:  # bounded: forget the oldest
+            del self._failed_before[next(iter(self._failed_before))]
+
     def _count_if_done(self, sample: SampleState) -> None:
         if sample.done and not sample.counted:
             sample.counted = True
@@ -517,16 +563,22 @@ class RolloutManager:
         tick = min(0.5, self.cfg.heartbeat_timeout_s / 4)
         while True:
             await asyncio.sleep(tick)
-            now = time.monotonic()
-            for record in self.registry:
-                silent = now - record.last_seen
-                if not record.is_local and record.state != "registering" and silent > self.cfg.heartbeat_timeout_s:
-                    self._worker_gone(record, f"no heartbeat for {silent:.1f}s", is_failure=True)
-            for batch in list(self.batches.values()):
-                if not batch.finished and now > batch.deadline:
-                    self._fail(batch, "deadline", self._deadline_message(batch))
-            if self.pending:
-                self.wake()  # busy back-offs expire without an event
+            self._monitor_tick(time.monotonic())
+
+    def _monitor_tick(self, now: float) -> None:
+        """A method of its own so that its loop variables die with it: left in the loop's
+        frame, they kept the last batch (every token of it) alive while the manager idled."""
+        for record in self.registry:
+            silent = now - record.last_seen
+            # registering too: a worker killed during its readiness check heartbeats no
+            # more, while a check through a relay would only fail at readiness_timeout_s
+            if not record.is_local and silent > self.cfg.heartbeat_timeout_s:
+                self._worker_gone(record, f"no heartbeat for {silent:.1f}s", is_failure=True)
+        for batch in list(self.batches.values()):
+            if not batch.finished and now > batch.deadline:
+                self._fail(batch, "deadline", self._deadline_message(batch))
+        if self.pending:
+            self.wake()  # busy back-offs expire without an event
 
     def _deadline_message(self, batch: Batch) -> str:
         counts = self.registry.counts()

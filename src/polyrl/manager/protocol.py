@@ -13,7 +13,7 @@ on the first message with a 422 naming the field instead of misreading each othe
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -22,6 +22,14 @@ PROTOCOL_VERSION = 1
 
 WorkerLifecycleState = Literal["active", "draining"]
 """What a worker says about itself in a heartbeat."""
+
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+"""Integers on the wire fit an int64. Python's `int` has no bound: a 400-digit version
+or count passed it, then broke where it met a float (a worker's load when work is
+placed, the metrics) long after the request was answered."""
+Count = Annotated[int, Field(ge=0, lt=2**63)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+"""JSON parsers here accept Infinity and NaN; no field means them."""
 
 
 class _Message(BaseModel):
@@ -34,12 +42,12 @@ class RegisterRequest(_Message):
     url: str = Field(max_length=2048)
     """Where the manager reaches the worker's HTTP API: http(s)://host:port."""
     model_path: str
-    weight_version: int
-    max_num_seqs: int
-    max_model_len: int
+    weight_version: Int64
+    max_num_seqs: int = Field(ge=1, lt=2**63)
+    max_model_len: int = Field(ge=1, lt=2**63)
     capabilities: list[str] = []
     """Extensions beyond SGLang's API the worker speaks: "incremental_stream"."""
-    usd_per_hour: float | None = Field(None, ge=0)
+    usd_per_hour: Finite | None = Field(None, ge=0)
     """What the worker costs, for the trainer's cost accounting (None: the trainer's default)."""
 
     @field_validator("worker_id")
@@ -71,10 +79,10 @@ class RegisterResponse(_Message):
 
 class Heartbeat(_Message):
     state: WorkerLifecycleState
-    weight_version: int
-    num_running: int
-    num_waiting: int
-    gen_throughput: float
+    weight_version: Int64
+    num_running: Count
+    num_waiting: Count
+    gen_throughput: Finite
     """Generated tokens/s over the engine's recent window."""
 
 
@@ -94,20 +102,20 @@ WorkerState = Literal["registering", "syncing", "active", "draining", "gone"]
 
 
 class BatchSampling(_Message):
-    max_new_tokens: int = Field(ge=1)
+    max_new_tokens: int = Field(ge=1, lt=2**63)
     """The token budget of each sample, kept across migrations."""
-    temperature: float = Field(1.0, ge=0)
+    temperature: Finite = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, lt=2**63)
     """0 or -1: off."""
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[Int64] = []
     ignore_eos: bool = False
 
 
 class BatchPrompt(_Message):
     id: str = Field(min_length=1, max_length=256)
     """The client's name for the prompt, returned with its group."""
-    input_ids: list[int] = Field(min_length=1)
+    input_ids: list[Int64] = Field(min_length=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     """Sample i uses seed + i wherever it runs, so a migrated sample continues the same
     random stream. Default: drawn by the manager."""
@@ -118,10 +126,10 @@ class BatchRequest(_Message):
     n: int = Field(1, ge=1, le=4096)
     """Samples per prompt (the GRPO group size)."""
     sampling: BatchSampling
-    min_weight_version: int | None = None
+    min_weight_version: Int64 | None = None
     """Only workers at this weight version or newer serve the batch. Default: the
     manager's latest version at submission."""
-    deadline_s: float | None = Field(None, gt=0)
+    deadline_s: Finite | None = Field(None, gt=0)
     """Default: manager.batch_deadline_s."""
 
     @model_validator(mode="after")
@@ -228,4 +236,4 @@ class PublishVersion(_Message):
     """`POST {manager}/v1/weights/version`: the trainer has weights `version`; new batches
     need it by default and workers below it go to `syncing`."""
 
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, lt=2**63)

@@ -43,6 +43,8 @@ class WorkerRecord:
     busy_until: float = 0.0
     """After a 429/503 the worker gets no new work until then (monotonic)."""
     num_failures: int = 0
+    consecutive_failures: int = 0
+    """Failed calls since the last one that ended well: sets the failure back-off."""
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     is_local: bool = False
     sync_requested: int = -1

@@ -134,7 +134,9 @@ def create_app(manager: RolloutManager) -> FastAPI:
     h = _Handlers(manager, allowed)
     app = FastAPI(title="polyrl manager", exception_handlers=error_handlers())
 
-    def authorized(request: Request) -> None:  # a dependency: checked before the body is validated
+    # a dependency: checked before the body is validated. async: FastAPI runs a plain
+    # function in its threadpool, and every heartbeat would wait for a thread there
+    async def authorized(request: Request) -> None:
         check_bearer(request, cfg.token)
 
     auth = [Depends(authorized)]

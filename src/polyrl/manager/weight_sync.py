@@ -35,9 +35,12 @@ class PublisherSync:
         retries: int = 3,
         pull_timeout_s: float = 120.0,
         codec: str = "auto",
+        advertise_port: int | None = None,
     ) -> None:
         self.manager, self.publisher, self.codec = manager, publisher, codec
         self.host = advertise_host or publisher.address[0]
+        self.port = advertise_port or publisher.address[1]
+        """Where workers connect: the publisher itself, or a relay (NAT, a fault proxy)."""
         self.retries, self.pull_timeout_s = retries, pull_timeout_s
         self.last_message: dict[str, str] = {}
         """What each worker said about its last pull (codec, bytes, seconds)."""
@@ -47,7 +50,7 @@ class PublisherSync:
             return
         body = {
             "host": self.host,
-            "port": self.publisher.address[1],
+            "port": self.port,
             "weight_version": version,
             "token": self.publisher.grant(record.worker_id, version),
             "worker_id": record.worker_id,

@@ -47,6 +47,8 @@ def apply_delta(base: np.ndarray, payload: bytes | memoryview, out: np.ndarray) 
         raise ValueError(f"delta does not fit: {num_words} words for a base of {base.size} bytes")
     if _HEADER.size + len_gaps + len_values != len(payload):
         raise ValueError("delta payload length does not match its header")
+    if num_changed > num_words:  # it sizes the decompression buffers below
+        raise ValueError(f"delta claims {num_changed} changed words of {num_words}")
     decompressor = zstandard.ZstdDecompressor()
     start = _HEADER.size
     try:

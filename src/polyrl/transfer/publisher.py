@@ -3,8 +3,8 @@
 `publish` snapshots the weights into a new host buffer (the trainer goes on training
 while workers pull), computes the chunk checksums, and keeps the newest `keep_versions`
 versions. Receivers pull; the publisher never waits on one: each connection has its own
-thread and a socket timeout, and a receiver that dies mid-transfer only ends its own
-connection.
+thread, a deadline for its request and a socket timeout, and a receiver that dies
+mid-transfer only ends its own connection.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from polyrl.transfer.wire import (
     OP_ZSTD,
     STATUS_OK,
     STATUS_REFUSED,
+    TransferError,
     TransferInfo,
     checksum,
     chunk_checksums,
@@ -44,6 +45,10 @@ from polyrl.transfer.wire import (
 log = logging.getLogger("polyrl.transfer")
 
 DEFAULT_CHUNK_BYTES = 8 * 2**20
+HANDSHAKE_TIMEOUT_S = 10.0
+"""A connection's whole request must arrive within this long (a receiver sends it at once):
+the socket's per-read timeout alone let a client dripping one byte at a time hold its
+connection and thread forever."""
 
 
 @dataclass
@@ -62,11 +67,13 @@ class WeightPublisher:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         keep_versions: int = 2,
         io_timeout_s: float = 30.0,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
         if chunk_bytes < 4096 or keep_versions < 1:
             raise ValueError("chunk_bytes must be >= 4096 and keep_versions >= 1")
         self.key = key if key is not None else os.urandom(32)
         self.chunk_bytes, self.keep_versions, self.io_timeout_s = chunk_bytes, keep_versions, io_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
         self._held: dict[int, _Held] = {}
         self._lock = threading.Lock()
         self._encode_lock = threading.Lock()
@@ -166,11 +173,11 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         pub: WeightPublisher = self.server.publisher  # type: ignore[attr-defined]
         sock: socket.socket = self.request
-        sock.settimeout(pub.io_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = f"{self.client_address[0]}:{self.client_address[1]}"
         try:
-            req = read_request(sock)
+            req = read_request(sock, timeout_s=pub.handshake_timeout_s)
+            sock.settimeout(pub.io_timeout_s)
             held = pub._lookup(req.version)
             if not _token_ok(pub, req.worker_id, req.version, req.token):
                 log.warning("weight pull refused for %r from %s: bad token for v%d", req.worker_id, peer, req.version)
@@ -193,7 +200,7 @@ class _Handler(socketserver.BaseRequestHandler):
                     start, end = held.info.chunk_range(index)
                     sock.sendall(held.view[start:end])
                     pub.bytes_sent += end - start
-        except (OSError, ValueError, UnicodeDecodeError) as e:  # a receiver that died or spoke garbage
+        except (OSError, ValueError, TransferError) as e:  # a receiver that died, stalled or spoke garbage
             log.debug("weight pull from %s ended: %s: %s", peer, type(e).__name__, e)
 
 

@@ -79,10 +79,18 @@ def describe(source: PullSource, version: int, timeout_s: float = 30.0) -> Trans
         status, text = read_reply_text(sock)
     if status != STATUS_OK:
         raise TransferError(f"publisher refused v{version}: {text.decode(errors='replace')}")
+    return parse_description(text, version)
+
+
+def parse_description(text: bytes, version: int) -> TransferInfo:
+    """A DESCRIBE reply as the TransferInfo of `version`; TransferError on anything else
+    (the manifest checks its own entries: see `Manifest`)."""
     try:
         info = TransferInfo.model_validate_json(text)
     except ValidationError as e:
-        raise TransferError(f"bad description of v{version}: {e.errors()[0]['msg']}") from None
+        error = e.errors()[0]
+        where = ".".join(str(p) for p in error["loc"])
+        raise TransferError(f"bad description of v{version}: {where}: {error['msg']}") from None
     total, chunk = info.manifest.total_bytes, info.chunk_bytes
     if chunk <= 0 or info.num_chunks != -(-total // chunk) or info.manifest.version != version:
         raise TransferError(f"bad description of v{version}: {info.num_chunks} chunks of {chunk} for {total} bytes")
@@ -114,7 +122,10 @@ def pull(
     if usable and not into.is_cuda and (base is None or into.data_ptr() != base[1].data_ptr()):  # type: ignore[union-attr]
         buffer = into[:total]  # type: ignore[index]
     else:
-        buffer = torch.empty(total, dtype=torch.uint8)
+        try:
+            buffer = torch.empty(total, dtype=torch.uint8)
+        except RuntimeError as e:  # the description claims more than this host has
+            raise TransferError(f"cannot allocate {total} bytes for v{version}: {e}") from None
     pulled = None
     if base is not None and base[1].numel() == total:
         pulled = _pull_delta(source, info, base, buffer, timeout_s)

@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 import xxhash
@@ -95,15 +96,21 @@ def encode_request(
     ])  # fmt: skip
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
-    recv_into_exact(sock, memoryview(buf))
+    recv_into_exact(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view`; TimeoutError past `deadline` (monotonic), however the bytes trickle in."""
     got = 0
     while got < len(view):
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"timed out after {got} of {len(view)} bytes")
+            sock.settimeout(remaining)
         n = sock.recv_into(view[got:])
         if n == 0:
             raise TransferError(f"connection closed after {got} of {len(view)} bytes")
@@ -121,13 +128,16 @@ class Request:
     token: str
 
 
-def read_request(sock: socket.socket) -> Request:
-    """Raises ValueError on anything that is not a well-formed request."""
-    if recv_exact(sock, len(MAGIC)) != MAGIC:
+def read_request(sock: socket.socket, timeout_s: float | None = None) -> Request:
+    """Raises ValueError on anything that is not a well-formed request, TransferError if
+    the sender hangs up first, and TimeoutError if the whole request takes longer than
+    `timeout_s` (a per-read timeout never fires on a client sending a byte at a time)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    if recv_exact(sock, len(MAGIC), deadline) != MAGIC:
         raise ValueError("not a polyrl weight-transfer request")
-    op, version, base, stream, num_streams = _HEADER.unpack(recv_exact(sock, _HEADER.size))
-    worker = recv_exact(sock, _U16.unpack(recv_exact(sock, 2))[0]).decode()
-    token = recv_exact(sock, _U16.unpack(recv_exact(sock, 2))[0]).decode()
+    op, version, base, stream, num_streams = _HEADER.unpack(recv_exact(sock, _HEADER.size, deadline))
+    worker = recv_exact(sock, _U16.unpack(recv_exact(sock, 2, deadline))[0], deadline).decode()
+    token = recv_exact(sock, _U16.unpack(recv_exact(sock, 2, deadline))[0], deadline).decode()
     if (op not in (OP_DESCRIBE, OP_CHUNKS) and op not in ENCODED_OPS) or num_streams < 1 or stream >= num_streams:
         raise ValueError(f"bad request header (op {op}, stream {stream} of {num_streams})")
     return Request(op, version, base, stream, num_streams, worker, token)

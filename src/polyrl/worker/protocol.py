@@ -24,6 +24,7 @@ from polyrl.engine.types import (
     FinishReason,
     SampleResult,
 )
+from polyrl.httpapi import checksum
 
 BATCHED_INPUT_MESSAGE = "batched input is not supported: send one request per prompt"
 SSE_DONE = b"data: [DONE]\n\n"
@@ -256,6 +257,10 @@ def sample_response(
     return response.model_dump(mode="json", exclude=exclude)
 
 
-def sse_event(payload: Any) -> bytes:
-    """One server-sent event, as SGLang streams them: `data: <json>` and a blank line."""
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+def sse_event(payload: Any, with_checksum: bool = False) -> bytes:
+    """One server-sent event, as SGLang streams them: `data: <json>` and a blank line.
+    `with_checksum` (polyrl's incremental streams) puts the JSON's xxh3-64 in an SSE
+    comment line first (`: xxh3 <hex>`), which other SSE clients skip."""
+    data = json.dumps(payload, separators=(",", ":")).encode()
+    head = b": xxh3 " + checksum(data).encode() + b"\n" if with_checksum else b""
+    return head + b"data: " + data + b"\n\n"

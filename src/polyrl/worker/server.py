@@ -3,8 +3,8 @@
 All state lives in one `WorkerState`, built by the caller and handed to `create_app`;
 the handlers translate HTTP to engine calls and back through the pure builders in
 `protocol.py`. Errors always come back as `{"error": {"message", "type"}}` with a real
-status: 422 invalid body, 400 refused by the engine, 429 engine full, 503 draining (or
-the engine loop died).
+status: 422 invalid body, 413 body over MAX_BODY_BYTES, 400 refused by the engine, 429
+engine full, 503 draining (or the engine loop died).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from safetensors import SafetensorError
 from safetensors.torch import load_file
@@ -33,7 +33,7 @@ from polyrl.engine.types import (
     SampleDelta,
     SampleResult,
 )
-from polyrl.httpapi import ApiError, error_body, error_handlers
+from polyrl.httpapi import ApiError, BodyLimit, ChecksumGuard, check_bearer, error_body, error_handlers
 from polyrl.transfer.receiver import PullSource
 from polyrl.transfer.wire import TransferError
 from polyrl.worker.protocol import (
@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 LifecycleState = Literal["active", "draining"]
 
+MAX_BODY_BYTES = 16 * 2**20
+"""Largest request body (413 above it, before it is read): a prompt of a million tokens
+fits, as JSON ids or as text."""
+
 
 class WorkerState:
     """Everything the handlers share: the engine, the tokenizer, identity and lifecycle.
@@ -75,8 +79,13 @@ class WorkerState:
         block_size: int,
         max_num_seqs: int,
         health_timeout_s: float = 10.0,
+        token: str | None = None,
     ) -> None:
         self.engine = engine
+        self.token = token
+        """Required (as a bearer token) by the endpoints that act: generate, abort, load
+        weights, shut down. A worker with a manager shares the manager's token; without
+        one (standalone, loopback) it is open, as an SGLang server is."""
         self.model_path, self.worker_id, self.tokenizer = model_path, worker_id, tokenizer
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.health_timeout_s = health_timeout_s
@@ -219,15 +228,15 @@ class _Handlers:
         st = self.state
         st.require_active()
         engine_request = body.to_engine(st.prompt_ids(body))
-        results = [
-            SampleResult(engine_request.rid, i, len(engine_request.input_ids))
-            for i in range(engine_request.sampling.n)
-        ]
         st.num_open_generates += 1
         stream = coalesce(st.engine.generate(engine_request))
         is_streaming = False  # once True, the event generator owns `stream` and the count
         try:
             first = await anext(stream, [])  # refusals (400/429) raise here, before any output
+            results = [  # only now: `n` is validated (n = 10**9 would have been built first)
+                SampleResult(engine_request.rid, i, len(engine_request.input_ids))
+                for i in range(engine_request.sampling.n)
+            ]
             if body.stream:
                 events = self._events(body, results, first, stream)
                 is_streaming = True
@@ -255,7 +264,7 @@ class _Handlers:
                 touched = sorted(_apply(results, batch))
                 chunks = []
                 for i in touched:
-                    chunks.append(sse_event(self._chunk_json(body, results[i], sent[i])))
+                    chunks.append(sse_event(self._chunk_json(body, results[i], sent[i]), body.incremental_stream))
                     if body.incremental_stream:
                         sent[i] = len(results[i].token_ids)
                 yield b"".join(chunks)
@@ -399,20 +408,27 @@ async def _consume_unless_disconnected(
 # ---------------------------------------------------------------------------------- the app
 
 
-def create_app(state: WorkerState) -> FastAPI:
+def create_app(state: WorkerState, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The worker's FastAPI app over `state` (which the caller owns and shuts down)."""
     handlers = error_handlers(
         {RequestError: (400, "invalid_request"), EngineFullError: (429, "engine_full"), EngineDeadError: (503, "engine_dead")}
     )
     app = FastAPI(title="polyrl worker", exception_handlers=handlers)
     h = _Handlers(state)
-    app.post("/generate")(h.generate)
+
+    async def authorized(request: Request) -> None:  # async: a plain def would wait for a thread-pool slot
+        check_bearer(request, state.token)
+
+    auth = [Depends(authorized)]
+    app.post("/generate", dependencies=auth)(h.generate)
     app.get("/health")(h.health)
     app.get("/health_generate")(h.health_generate)
-    app.post("/abort_request")(h.abort_request)
+    app.post("/abort_request", dependencies=auth)(h.abort_request)
     app.get("/get_server_info")(h.get_server_info)
     app.get("/get_model_info")(h.get_model_info)
-    app.post("/update_weights_from_disk")(h.update_weights_from_disk)
-    app.post("/update_weights_from_publisher")(h.update_weights_from_publisher)
-    app.post("/shutdown")(h.shutdown)
+    app.post("/update_weights_from_disk", dependencies=auth)(h.update_weights_from_disk)
+    app.post("/update_weights_from_publisher", dependencies=auth)(h.update_weights_from_publisher)
+    app.post("/shutdown", dependencies=auth)(h.shutdown)
+    app.add_middleware(ChecksumGuard)
+    app.add_middleware(BodyLimit, limit_for=lambda path: max_body_bytes)  # added last: runs first
     return app
