@@ -183,8 +183,8 @@ def test_fault_loses_nothing(chaos: Context, fault: str) -> None:
         assert max(row.recovery_s) < heartbeat_timeout_s + 3 < chaos.fleet.cfg.readiness_timeout_s
     if "SIGSTOP" in fault:
         assert heartbeat_timeout_s - 0.5 < max(row.recovery_s) < heartbeat_timeout_s + 3
-    if "killed" in fault or "cut" in fault or "corrupted" in fault or "generating" in fault:
-        assert row.migrated > 0 or "weight" in fault or "readiness" in fault
+    if fault in ("kill -9 while generating", "all workers killed, new ones join", "connections cut after 4 KiB"):
+        assert row.migrated > 0  # the fault really hit samples in flight
 
 
 def test_standalone_manager_restart_workers_come_back(chaos_model: Path, tmp_path: Path) -> None:

@@ -1,13 +1,14 @@
 """Process-level faults of the control side: the trainer and the standalone manager killed
 with SIGKILL and started again, while the workers stay up.
 
-* trainer: `polyrl train` with workers started outside it (they outlive it); killed
-  after its first checkpoint, then `polyrl train --resume RUN_DIR`. The workers must
-  re-register with the restarted manager, pull the restored version and serve every
-  sample of the remaining steps. Recovery: the restart until the first step completes.
+* trainer: `polyrl train` with workers started outside it (they outlive it); killed one
+  step after a checkpoint the workers served, then `polyrl train --resume RUN_DIR`. The
+  workers must register with the restarted manager, pull the restored version and serve
+  again. Recovery: the restart until the first step the workers served (the trainer's own
+  start-up included).
 * manager: `polyrl manager` killed and started again on its port; the workers notice,
-  register again by themselves and serve the next batch. Recovery: the restart until
-  every worker is active again.
+  register again by themselves and serve the next batch. Recovery: the manager serving
+  again until every worker is active.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import httpx
 from polyrl.chaos.harness import TOKEN, check_groups, free_port, make_batch, spawn_worker, wait_for
 from polyrl.chaos.scenarios import FaultRow, Scale
 from polyrl.manager.client import BatchClient
+from polyrl.trainer.checkpoint import latest_checkpoint
 
 CONTROL = [
     "manager.heartbeat_interval_s=0.2", "manager.heartbeat_timeout_s=2.0", "manager.connect_timeout_s=2.0",
@@ -150,7 +152,9 @@ def trainer_restart(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
             trainer.send_signal(signal.SIGKILL)
             trainer.wait(timeout=10)
             row.injected += 1
-            checkpoint = max(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
+            latest = latest_checkpoint(run_dir)  # the trainer's own choice (a half-written one is not)
+            assert latest is not None, "killed before the first checkpoint"
+            checkpoint = int(latest.name.split("_")[1])
             resumed_at.append(checkpoint)
             restarted, restarted_wall = time.monotonic(), time.time()
             trainer = _cli("train", "--resume", str(run_dir), log_path=work / "trainer.log")

@@ -239,34 +239,34 @@ def slow_link(ctx: Context, row: FaultRow) -> None:
         victim.to_manager.heal()
 
 
+def _link_fault_window(ctx: Context, row: FaultRow, tag: str, **fault: object) -> RunningBatch:
+    """A batch runs while one worker's link misbehaves (`fault`) for 3 s; then the link
+    heals and the worker must serve again. Returns the batch, already checked."""
+    victim = ctx.healthy_fleet()[0]
+    running = ctx.batch(tag)
+    victim.to_worker.set(**fault)
+    row.injected += 1
+    time.sleep(3.0)
+    victim.to_worker.heal()
+    row.recovery_s.append(ctx.recover(victim.worker_id, back=True))
+    row.add(running.result(BATCH_TIMEOUT_S))
+    return running
+
+
 def cut_streams(ctx: Context, row: FaultRow) -> None:
     """The link to one worker resets every connection after 4 KiB, for a while: streams
     break mid-sample again and again, and the worker keeps coming back."""
     for i in range(ctx.scale.injections):
-        victim = ctx.healthy_fleet()[0]
-        running = ctx.batch(f"cs{i}-")
-        victim.to_worker.set(cut_after_bytes=4096)
-        row.injected += 1
-        time.sleep(3.0)
-        victim.to_worker.heal()
-        row.recovery_s.append(ctx.recover(victim.worker_id, back=True))
-        row.add(running.result(BATCH_TIMEOUT_S))
+        _link_fault_window(ctx, row, f"cs{i}-", cut_after_bytes=4096)
 
 
 def corrupt_streams(ctx: Context, row: FaultRow) -> None:
     """Bits flip on the link between the manager and one worker, both ways, for a while
-    (requests and streams carry checksums on that link). Every sample
-    is then compared with the same batch run again on a clean network: a flipped token
-    id that still parses would show up there."""
+    (requests and streams carry checksums on that link). Every sample is then compared
+    with the same batch run again on a clean network: a flipped token id that still
+    parses would show up there."""
     for i in range(ctx.scale.injections):
-        victim = ctx.healthy_fleet()[0]
-        running = ctx.batch(f"cx{i}-")
-        victim.to_worker.set(corrupt_rate=0.05)
-        row.injected += 1
-        time.sleep(3.0)
-        victim.to_worker.heal()
-        row.recovery_s.append(ctx.recover(victim.worker_id, back=True))
-        row.add(running.result(BATCH_TIMEOUT_S))
+        running = _link_fault_window(ctx, row, f"cx{i}-", corrupt_rate=0.05)
         clean = ctx.batch(f"cx{i}-")
         clean.result(BATCH_TIMEOUT_S)
         expected = {(g.prompt_id, s.index): s.output_ids for g in clean.groups for s in g.samples}
