@@ -41,8 +41,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from test_manager import AUTH, TOKEN, fast_cfg
 from test_transfer import CHUNK, assert_same, source, weights
-from test_worker import CONTEXT, InProcessWorker, _tiny, greedy
+from test_worker import CONTEXT, InProcessWorker, _tiny, _wait_until, greedy
 
+from polyrl.chaos.harness import free_port
 from polyrl.engine.types import SampleResult
 from polyrl.httpapi import ErrorDetail
 from polyrl.manager.main import ManagerThread
@@ -198,19 +199,6 @@ def assert_clear(response: httpx.Response) -> None:
     if response.status_code >= 400 and response.request.method != "HEAD":  # HEAD answers carry no body
         detail = ErrorDetail.model_validate(response.json()["error"])
         assert detail.message and detail.type, response.text
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 class Dripper(threading.Thread):
@@ -677,7 +665,7 @@ def _tame_publisher(body: Any) -> Any:
         UpdateWeightsFromPublisherRequest.model_validate(body)
     except ValidationError:
         return body
-    return body | {"host": "127.0.0.1", "port": closed_port(), "timeout_s": 1.0}
+    return body | {"host": "127.0.0.1", "port": free_port(), "timeout_s": 1.0}
 
 
 WORKER_POSTS = {
@@ -954,7 +942,7 @@ def test_forged_request_headers_end_the_connection_and_nothing_else(
                 sock.shutdown(socket.SHUT_WR)
                 reply = sock.recv(65536)
                 assert not reply.startswith(bytes([STATUS_OK])), data
-        wait_until(lambda: sum("ended" in m for m in caplog.messages) >= len(forged), 5, "the handlers to end")
+        _wait_until(lambda: sum("ended" in m for m in caplog.messages) >= len(forged), 5, "the handlers to end")
     assert errors == []
     got = pull(source(publisher, 1), 1, num_streams=2)
     assert_same(unflatten(got.buffer, got.manifest), weights())
@@ -1092,7 +1080,7 @@ def test_publisher_drops_a_dripping_client_and_serves_others(publisher: WeightPu
     try:
         got = pull(source(publisher, 1), 1, num_streams=2)  # meanwhile, an honest pull
         assert_same(unflatten(got.buffer, got.manifest), weights())
-        wait_until(lambda: drip.closed_after_s is not None, 5, "the publisher to drop the dripping client")
+        _wait_until(lambda: drip.closed_after_s is not None, 5, "the publisher to drop the dripping client")
         assert drip.received == b"" and drip.num_sent < len(request)
     finally:
         drip.stop()
@@ -1103,7 +1091,7 @@ def _drip_http(url: str, path: str, body: bytes, num_clients: int) -> list[Dripp
     request = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
     drips = [Dripper((host, int(port)), request, interval_s=0.2) for _ in range(num_clients)]
-    wait_until(lambda: all(d.num_sent >= 3 for d in drips), 10, "the drips to start")
+    _wait_until(lambda: all(d.num_sent >= 3 for d in drips), 10, "the drips to start")
     return drips
 
 

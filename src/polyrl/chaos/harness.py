@@ -83,8 +83,12 @@ def spawn_worker(
         sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--port", str(port),
         "--manager", manager_url, "--worker-id", worker_id, *advertise, "worker.drain_timeout_s=2", *engine,
     ]  # fmt: skip
-    env = os.environ | {"POLYRL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env())
+
+
+def child_env() -> dict[str, str]:
+    """What every process the harness starts gets: the shared token, one CPU thread."""
+    return os.environ | {"POLYRL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 @dataclass

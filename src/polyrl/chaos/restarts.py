@@ -14,7 +14,6 @@ with SIGKILL and started again, while the workers stay up.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from polyrl.chaos.harness import TOKEN, check_groups, free_port, make_batch, spawn_worker, wait_for
+from polyrl.chaos.harness import TOKEN, check_groups, child_env, free_port, make_batch, spawn_worker, wait_for
 from polyrl.chaos.scenarios import FaultRow, Scale
 from polyrl.manager.client import BatchClient
 from polyrl.trainer.checkpoint import latest_checkpoint
@@ -35,15 +34,11 @@ CONTROL = [
 ]  # fmt: skip
 
 
-def _env() -> dict[str, str]:
-    return os.environ | {"POLYRL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
 def _cli(*args: str, log_path: Path) -> subprocess.Popen[bytes]:
     log_file = open(log_path, "ab")  # noqa: SIM115 - the child holds it; closed here right after
     try:
         return subprocess.Popen([sys.executable, "-m", "polyrl.cli", *args], stdout=log_file,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env())  # fmt: skip
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env())  # fmt: skip
     finally:
         log_file.close()
 
