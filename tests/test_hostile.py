@@ -939,8 +939,11 @@ def test_forged_request_headers_end_the_connection_and_nothing_else(
         for data in forged:
             with socket.create_connection(publisher.address, timeout=5) as sock:
                 sock.sendall(data)
-                sock.shutdown(socket.SHUT_WR)
-                reply = sock.recv(65536)
+                try:
+                    sock.shutdown(socket.SHUT_WR)
+                    reply = sock.recv(65536)
+                except OSError:  # the publisher refused and closed first: no reply at all
+                    reply = b""
                 assert not reply.startswith(bytes([STATUS_OK])), data
         _wait_until(lambda: sum("ended" in m for m in caplog.messages) >= len(forged), 5, "the handlers to end")
     assert errors == []
