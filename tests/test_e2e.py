@@ -156,7 +156,7 @@ def _reference(engine: Engine, prompt: BatchPrompt, n: int, max_new_tokens: int)
 def test_hybrid_window_hands_local_samples_to_a_worker_token_exact(long_context_model: Path) -> None:  # noqa: F811
     """The trainer's engine generates while the only worker syncs; when the worker is in
     sync the window closes and the unfinished samples continue there, token for token."""
-    budget = 400
+    budget = 600
     engine = AsyncEngine(Engine.from_pretrained(str(long_context_model), EngineConfig(max_num_seqs=8)))
     engine.start()
     prompts = [BatchPrompt(id=f"p{i}", input_ids=[5 + i, 6, 7], seed=100 * i + 1) for i in range(2)]
@@ -166,7 +166,7 @@ def test_hybrid_window_hands_local_samples_to_a_worker_token_exact(long_context_
             sync = PublisherSync(mt.manager, pub, codec="raw")
 
             async def slow_sync(record, version):  # the window needs the worker to lag a little
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(0.5)
                 await sync(record, version)
 
             mt.add_sync_hook(slow_sync)

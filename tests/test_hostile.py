@@ -58,6 +58,7 @@ from polyrl.transfer.quantize import decode_int8, encode_int8
 from polyrl.transfer.receiver import PullSource, parse_description, pull
 from polyrl.transfer.wire import (
     ENCODED_OPS,
+    KNOWN_OPS,
     OP_CHUNKS,
     OP_DESCRIBE,
     STATUS_OK,
@@ -569,7 +570,7 @@ def test_manager_refuses_integers_beyond_int64(ghost_manager: ManagerThread) -> 
         assert_clear(response)
     assert manager_state(mt) == before
     assert_manager_serves(client)
-    assert mt.call(mt.manager._pick, 0, time.monotonic()).worker_id == "ghost"
+    assert mt.call(mt.manager._pick, 0, time.monotonic())[0].worker_id == "ghost"
 
 
 def test_manager_refuses_non_finite_floats(ghost_manager: ManagerThread) -> None:
@@ -776,7 +777,7 @@ def test_request_parser_refuses_garbage_cleanly(data: bytes) -> None:
             req = read_request(b, timeout_s=5)
         except (ValueError, TransferError):
             return
-    assert (req.op in (OP_DESCRIBE, OP_CHUNKS) or req.op in ENCODED_OPS) and 0 <= req.stream < req.num_streams
+    assert req.op in KNOWN_OPS and 0 <= req.stream < req.num_streams
 
 
 @FUZZ_PARSERS

@@ -459,6 +459,37 @@ def test_local_engine_serves_when_no_worker_is_left(tiny_model_dir: Path) -> Non
             assert all(lp <= 0 for lp in s.logprobs)
 
 
+def test_peer_window_gives_the_local_engine_its_share_and_lets_it_finish(tiny_model_dir: Path) -> None:
+    """Hybrid on a GPU trainer: the local engine is a peer of the workers for the whole
+    step. While the only worker syncs, the local engine takes half the batch (the other
+    half waits for the worker); closing the window without hand-back lets it finish."""
+    engine = AsyncEngine(Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_num_seqs=64)))
+    engine.start()
+    try:
+        with ManagerThread(fast_cfg(max_inflight_per_worker=16), local_engine=engine) as mt:
+            with FakeWorker(mt.url, "w1", version=0, token_delay_s=0.01) as w1:
+                wait_active(mt, "w1")
+                mt.run(engine.update_weights(None, 1))
+                mt.publish_version(1)  # w1 syncs until its heartbeat says v1
+                mt.call(mt.manager.open_local_window, None, False)
+                request = batch(4, 4, 40, min_weight_version=1)
+                request.sampling.ignore_eos = True
+                consumer = Consumer(mt, request)
+                _wait_until(lambda: mt.call(lambda: mt.manager.local_record.inflight) > 0, 20, "local work")
+                assert mt.call(lambda: mt.manager.local_record.inflight) <= 8, "more than its share"
+                assert mt.call(lambda: len(mt.manager.pending)) > 0, "the worker's share should wait"
+                w1.version = 1
+                _wait_until(lambda: w1.calls, 20, "w1 gets the rest")
+                mt.call(mt.manager.close_local_window, "learner starts", False)
+                groups = consumer.join_ok(60)
+    finally:
+        engine.shutdown()
+    workers = {seg.worker for g in groups for s in g.samples for seg in s.segments}
+    assert workers == {"local", "w1"}
+    assert all(len(s.segments) == 1 for g in groups for s in g.samples), "nothing migrated"
+    assert all(len(s.output_ids) == 40 for g in groups for s in g.samples)
+
+
 # ------------------------------------------------------------------ real worker processes
 
 

@@ -284,3 +284,22 @@ def test_auto_codec_encodes_only_after_a_slow_raw_pull() -> None:
     receiver._raw_bytes_per_s = SLOW_BELOW_BYTES_PER_S / 4
     assert receiver._plan("auto") == (True, "zstd")  # a delta when it holds a base, else zstd
     assert receiver._plan("delta") == (True, "raw") and receiver._plan("int8") == (False, "int8")
+
+
+def test_a_dropped_version_buffer_is_reused_only_once_nobody_reads_it() -> None:
+    """Snapshots land in the buffer of a dropped version (no new pinned allocation per
+    version), but never in one a pull is still reading."""
+    weights = {"w": torch.arange(4096, dtype=torch.float32)}
+    pub = WeightPublisher(keep_versions=1)
+    pub.publish(weights, 1)
+    first = pub._lookup(1).buffer.data_ptr()
+    pub.publish(weights, 2)  # v1 dropped, nobody reading it: it is the spare
+    pub.publish({"w": weights["w"] + 1}, 3)
+    assert pub._lookup(3).buffer.data_ptr() == first
+    with pub._reading(3) as held:  # a pull reads v3 while v4 and v5 are published
+        pub.publish(weights, 4)
+        pub.publish(weights, 5)
+        assert pub._lookup(5).buffer.data_ptr() != first
+        assert torch.equal(held.buffer.view(torch.float32)[:4096], weights["w"] + 1)  # untouched
+    pub.publish(weights, 6)  # the reader is done: v3's buffer is free again
+    assert pub._lookup(6).buffer.data_ptr() == first

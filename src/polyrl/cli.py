@@ -9,8 +9,12 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from polyrl.config import ConfigError, ManagerRunConfig, WorkerRunConfig, load_config
+
+if TYPE_CHECKING:
+    from polyrl.trainer.distributed import DataParallel
 
 log = logging.getLogger("polyrl")
 
@@ -40,6 +44,19 @@ def _default_run_dir(task: str) -> Path:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """One process, or every rank under `torchrun --nproc_per_node N -m polyrl.cli train ...`:
+    rank 0 runs everything below; the others follow it (README, "Training on several GPUs")."""
+    from polyrl.trainer.distributed import data_parallel
+    from polyrl.trainer.loop import follow
+
+    with data_parallel() as dp:
+        if not dp.is_main:
+            follow(dp)
+            return 0
+        return _train_main(args, dp)
+
+
+def _train_main(args: argparse.Namespace, dp: DataParallel) -> int:
     from polyrl.trainer.loop import train
 
     if args.resume:
@@ -56,7 +73,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError(f"config error: --run-dir {run_dir} already holds a run; use --resume {run_dir}")
     log.info("run directory: %s", run_dir)
     try:
-        train(cfg, run_dir, resume=bool(args.resume))
+        train(cfg, run_dir, resume=bool(args.resume), dp=dp)
     except KeyboardInterrupt:
         log.warning("stopped; continue with: polyrl train --resume %s", run_dir)
         return 130

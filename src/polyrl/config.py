@@ -84,8 +84,14 @@ class RolloutConfig(_Section):
     no worker is left); hybrid: the trainer's engine also generates while workers sync
     each new version, then hands its unfinished samples to them."""
     hybrid_max_window_s: float = Field(30.0, gt=0)
-    """Hybrid: the local window never stays open longer than this (its usual length
-    follows the measured sync time of the fleet)."""
+    """Hybrid, window until "synced": the local window never stays open longer than this
+    (its usual length follows the measured sync time of the fleet)."""
+    hybrid_local_until: Literal["auto", "synced", "learner"] = "auto"
+    """Hybrid: how long the trainer's engine generates each step. synced: only while the
+    workers sync the new version (then its samples move to them); learner: as a peer of
+    the workers, with its share of the batch, until the learner starts. auto: learner
+    when the trainer is on CUDA (its GPU would idle until then), synced on CPU (where the
+    local engine takes the cores the workers and the learner need)."""
     n: int = Field(16, ge=1)
     """Samples per prompt (the GRPO group size)."""
     max_new_tokens: int = Field(6, ge=1)
@@ -166,6 +172,9 @@ class TrainerConfig(_Section):
     """torch intra-op threads; 0 keeps torch's default."""
     save_every: int = Field(50, ge=0)
     """Checkpoint every K steps (and always at the end); 0 saves only at the end."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping
+    them: less memory for longer micro-batches, at the cost of about one more forward."""
 
     @model_validator(mode="after")
     def _mini_batch_divides(self) -> TrainerConfig:
@@ -266,6 +275,10 @@ class TransferConfig(_Section):
     """auto: raw on a fast link; after a raw pull below ~2 Gbit/s, a lossless delta against
     the worker's version (zstd when it has none). zstd: lossless, about 70% of raw for bf16.
     int8: LOSSY per-row int8 (about half of bf16's bytes); workers log that they serve it."""
+    gpu_paths: bool = True
+    """Workers on the trainer's host get versions from its GPU when the trainer holds them
+    there (`WeightPublisher.device`): NCCL from another GPU, CUDA IPC on the same one. A
+    worker whose GPU path fails falls back to TCP (logged once) and stays on TCP."""
 
 
 class ManagerConfig(_Section):

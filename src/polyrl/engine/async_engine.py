@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -29,6 +30,7 @@ from polyrl.engine.types import (
 
 log = logging.getLogger(__name__)
 
+GIL_SWITCH_INTERVAL_S = 0.0005
 Command = Callable[[], "list[SampleDelta] | None"]
 
 
@@ -53,6 +55,11 @@ class AsyncEngine:
 
     def start(self) -> None:
         if self._thread is None:
+            if self.engine.device.type == "cuda":
+                # The engine thread must get the GIL back within a fraction of a ~5 ms decode
+                # step; at the default 5 ms switch interval a busy HTTP or manager thread in
+                # the same process holds it for a whole step while the GPU waits.
+                sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
             self._thread = threading.Thread(target=self._run, name="polyrl-engine", daemon=True)
             self._thread.start()
 

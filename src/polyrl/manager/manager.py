@@ -113,6 +113,11 @@ class RolloutManager:
         self.local_window_open = False
         """Hybrid mode: the local engine takes work while remote workers sync (see
         `open_local_window`); otherwise it serves only when no remote worker is left."""
+        self.window_until_synced = True
+        self._published_at = time.monotonic()
+        self.sync_s: dict[str, float] = {}
+        """Worker id -> seconds from `publish_version` of the latest version to the worker
+        serving it (the weight update as the trainer sees it)."""
         self._window_timer: asyncio.TimerHandle | None = None
         self._window_opened_at = 0.0
         self.last_window: tuple[float, str] | None = None
@@ -216,6 +221,8 @@ class RolloutManager:
         """The trainer has weights `version`: batches need it from now on by default."""
         if version < self.registry.latest_version:
             raise ValueError(f"version {version} is older than the latest ({self.registry.latest_version})")
+        self._published_at = time.monotonic()
+        self.sync_s = {}
         for record in self.registry.publish(version):
             self._call_sync_hooks(record, version)
 
@@ -223,13 +230,15 @@ class RolloutManager:
         """The transfer layer's hook: `worker_id` now serves `version`."""
         record = self.registry.get(worker_id)
         if record is not None:
+            if version >= self.registry.latest_version:
+                self.sync_s[worker_id] = time.monotonic() - self._published_at
             self.registry.set_version(record, version)
             self._after_version_change(record)
 
     def _after_version_change(self, record: WorkerRecord) -> None:
         if record.state == "syncing":
             self._call_sync_hooks(record, self.registry.latest_version)
-        if self.local_window_open and self._fleet_synced():
+        if self.local_window_open and self.window_until_synced and self._fleet_synced():
             self.close_local_window("remote workers synced")
         self.wake()
 
@@ -243,22 +252,31 @@ class RolloutManager:
 
     # ------------------------------------------------------------------------- local window
 
-    def open_local_window(self, max_s: float) -> None:
+    def open_local_window(self, max_s: float | None, until_synced: bool = True) -> None:
         """Hybrid mode: let the local engine take work while remote workers sync the new
-        weights. The window closes when every remote worker is synced, after `max_s`, or
-        on `close_local_window`; then the local engine's unfinished samples move to the
-        remote workers, token for token."""
+        weights. The window closes when every remote worker is synced (`until_synced`),
+        after `max_s` (None: no limit), or on `close_local_window`; then the local
+        engine's unfinished samples move to the remote workers, token for token.
+
+        `until_synced=False` makes the local engine a peer of the workers until the caller
+        closes the window (the learner starts): it then takes only its share of the work,
+        so that the workers still syncing find theirs waiting."""
         assert self.local is not None, "the local window needs a local engine"
         if self._window_timer is not None:
             self._window_timer.cancel()
+            self._window_timer = None
         self.local_window_open = True
+        self.window_until_synced = until_synced
         self._window_opened_at = time.monotonic()
-        self._window_timer = asyncio.get_running_loop().call_later(max_s, self.close_local_window, "window elapsed")
-        if self._fleet_synced():
+        if max_s is not None:
+            self._window_timer = asyncio.get_running_loop().call_later(max_s, self.close_local_window, "window elapsed")
+        if until_synced and self._fleet_synced():
             self.close_local_window("remote workers synced")
         self.wake()
 
-    def close_local_window(self, why: str) -> None:
+    def close_local_window(self, why: str, hand_back: bool = True) -> None:
+        """No new work for the local engine; with `hand_back`, its unfinished samples move
+        to the remote workers (re-prefilled there), else it finishes them."""
         if not self.local_window_open:
             return
         self.local_window_open = False
@@ -267,7 +285,7 @@ class RolloutManager:
             self._window_timer = None
         self.last_window = (time.monotonic() - self._window_opened_at, why)
         local = self.local_record
-        if local is not None and local.tasks and self._alive_remote():
+        if hand_back and local is not None and local.tasks and self._alive_remote():
             log.debug("local window closed (%s): handing %d samples to remote workers", why, local.inflight)
             for task in list(local.tasks):
                 self._cancels[task] = _Cancel(f"local window closed ({why})", is_failure=False)
@@ -392,12 +410,13 @@ class RolloutManager:
             version = batch.required_version
             stalled = now - batch.submitted_at > self.cfg.local_fallback_s
             key = (version, stalled)
-            worker = None if key in no_worker else self._pick(version, now, stalled)
-            if worker is None:
+            picked = None if key in no_worker else self._pick(version, now, stalled)
+            if picked is None:
                 no_worker.add(key)
                 waiting.append(unit)
                 continue
-            piece, rest = unit.split(worker.free_slots(self.cfg.max_inflight_per_worker))
+            worker, slots = picked
+            piece, rest = unit.split(slots)
             self._launch(piece, worker)
             if rest is not None:
                 self.pending.appendleft(rest)
@@ -407,23 +426,28 @@ class RolloutManager:
         cap = self.cfg.max_inflight_per_worker
         return any(r.state == "active" and now >= r.busy_until and r.free_slots(cap) > 0 for r in self.registry)
 
-    def _pick(self, version: int, now: float, stalled: bool = False) -> WorkerRecord | None:
-        """Least loaded remote worker with a free slot; the local engine only while the
-        local window is open, when no remote worker is left (none registering, syncing
-        or active), or when the batch is `stalled` (older than `local_fallback_s`) and no
-        remote worker serves its version: a fleet that is merely syncing is waited for,
-        one that cannot sync is not."""
+    def _pick(self, version: int, now: float, stalled: bool = False) -> tuple[WorkerRecord, int] | None:
+        """(worker, free slots): the least loaded remote worker with a free slot; the local
+        engine only while the local window is open, when no remote worker is left (none
+        registering, syncing or active), or when the batch is `stalled` (older than
+        `local_fallback_s`) and no remote worker serves its version: a fleet that is merely
+        syncing is waited for, one that cannot sync is not."""
         cap = self.cfg.max_inflight_per_worker
         serving = [r for r in self.registry if not r.is_local and r.serves(version, now)]
         free = [r for r in serving if r.free_slots(cap) > 0]
         if free:
-            return min(free, key=lambda r: (r.load(), r.inflight))
+            worker = min(free, key=lambda r: (r.load(), r.inflight))
+            return worker, worker.free_slots(cap)
         local = self.local_record
-        use_local = self.local_window_open or not self._alive_remote() or (stalled and not serving)
+        alive = self._alive_remote()
+        use_local = self.local_window_open or not alive or (stalled and not serving)
         if use_local and local is not None and self.local is not None:
             local.weight_version = self.local.engine.engine.weight_version
+            peers = [r for r in alive if r.state != "registering"]  # one still starting may take a minute
+            if self.local_window_open and not self.window_until_synced and peers and not stalled:
+                cap = max(1, cap // (1 + len(peers)))  # a peer: its share, not the whole batch
             if local.serves(version, now) and local.free_slots(cap) > 0:
-                return local
+                return local, local.free_slots(cap)
         return None
 
     def _launch(self, unit: WorkUnit, worker: WorkerRecord) -> None:

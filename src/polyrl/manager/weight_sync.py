@@ -2,6 +2,12 @@
 to pull it from the trainer's WeightPublisher, with a token granted for that worker and
 version; when it answers, the manager marks it synced and routes to it again.
 
+It also picks the path: a worker whose last reply placed it on the trainer's host (same
+boot id), while the trainer holds v on its GPU (`WeightPublisher.device`) and
+`transfer.gpu_paths` is on, is told to use `cuda_ipc` (same GPU) or `nccl` (another GPU);
+everyone else, and every worker's first pull, uses TCP. A worker that had to fall back
+to TCP stays on TCP (logged once).
+
 The hook runs as its own task, so a slow or dead worker never holds anything up; a
 failed pull is retried with backoff, then logged (the worker stays `syncing` until the
 next version is published). `DiskSync` does the same through a shared directory.
@@ -17,10 +23,12 @@ from typing import Any
 
 import httpx
 import torch
+from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.registry import WorkerRecord
+from polyrl.transfer.device import DeviceIdentity, WeightPath
 from polyrl.transfer.publisher import WeightPublisher
 
 log = logging.getLogger("polyrl.manager")
@@ -44,10 +52,26 @@ class PublisherSync:
         self.retries, self.pull_timeout_s = retries, pull_timeout_s
         self.last_message: dict[str, str] = {}
         """What each worker said about its last pull (codec, bytes, seconds)."""
+        self.devices: dict[str, DeviceIdentity] = {}
+        """Where each worker's engine is, as it said in its last reply."""
+        self.tcp_only: set[str] = set()
+        """Workers whose GPU path failed."""
+
+    def path_for(self, worker_id: str, version: int) -> WeightPath:
+        here, there = self.publisher.device, self.devices.get(worker_id)
+        if not self.manager.cfg.transfer.gpu_paths or here is None or there is None or worker_id in self.tcp_only:
+            return "tcp"
+        if there.host_id != here.identity.host_id or not here.holds(version):
+            return "tcp"
+        if there.gpu_uuid is not None and there.gpu_uuid == here.identity.gpu_uuid:
+            return "cuda_ipc"
+        # NCCL between two GPUs; between two CPUs the same code runs gloo (tests)
+        return "nccl" if (there.gpu_uuid is None) == (here.identity.gpu_uuid is None) else "tcp"
 
     async def __call__(self, record: WorkerRecord, version: int) -> None:
         if record.is_local:
             return
+        path = self.path_for(record.worker_id, version)
         body = {
             "host": self.host,
             "port": self.port,
@@ -58,12 +82,25 @@ class PublisherSync:
             "timeout_s": self.pull_timeout_s,
             "codec": self.codec,
         }
+        if path != "tcp":  # absent otherwise: an SGLang-style worker without the field still works
+            body["path"] = path
         reply = await tell_worker(
             self.manager, record, version, "/update_weights_from_publisher", body, self.pull_timeout_s + 10, self.retries
         )
         if reply is not None:
-            self.last_message[record.worker_id] = reply.get("message", "")
+            self._note(record.worker_id, path, reply)
             log.debug("worker %s pulled v%d: %s", record.worker_id, version, reply.get("message", ""))
+
+    def _note(self, worker_id: str, asked: WeightPath, reply: dict[str, Any]) -> None:
+        self.last_message[worker_id] = reply.get("message", "")
+        try:
+            self.devices[worker_id] = DeviceIdentity.model_validate(reply.get("device"))
+        except ValidationError:
+            self.devices.pop(worker_id, None)  # an older worker: TCP only
+        if asked != "tcp" and reply.get("path") not in (asked, None):
+            self.tcp_only.add(worker_id)
+            log.warning("worker %s could not use %s (%s); it pulls over TCP from now on",
+                        worker_id, asked, reply.get("message", ""))  # fmt: skip
 
 
 class DiskSync:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from polyrl.rollout.types import Group
 
@@ -51,3 +52,18 @@ def perf_metrics(total_tokens: int, step_s: float, world_size: int) -> dict[str,
         "perf/throughput": total_tokens / step_s / world_size,
         "perf/throughput_all_gpus": total_tokens / step_s,
     }
+
+
+def cuda_memory_metrics(device: torch.device) -> dict[str, float]:
+    """Peak memory since the last call, and allocator retries (each one frees the cache
+    and synchronises: a step that needs them is near the memory limit and slow)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    out = {
+        "perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+        "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30,
+        "perf/alloc_retries": float(stats.get("num_alloc_retries", 0)),
+    }
+    torch.cuda.reset_peak_memory_stats(device)
+    return out

@@ -11,10 +11,15 @@ before top-p/top-k truncation (see `polyrl.engine.types` and README "Log-probs")
 
 from __future__ import annotations
 
+import copy
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
+import torch
+from transformers import PreTrainedModel
+
+from polyrl.config import EngineConfig
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest, EngineSampling, SampleResult
 from polyrl.manager.registry import LOCAL_WORKER_ID
@@ -34,14 +39,41 @@ def to_sample(result: SampleResult, worker: str, gen_time_s: float) -> Sample:
     )
 
 
+def engine_dtype(model: PreTrainedModel, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the trainer's engines hold their weights in. On CUDA with a lower compute
+    dtype, an engine holds its own copy in that dtype: decoding from float32 master weights
+    under autocast would cast every weight in every step (3x the memory traffic of a bf16
+    decode, which is bandwidth-bound). On CPU the engine computes on the master weights."""
+    param_dtype = next(model.parameters()).dtype
+    return compute_dtype if model.device.type == "cuda" else param_dtype
+
+
 class LocalRollout:
     shares_weights = True
-    """The engine runs on the learner's own parameters: the caller must let a batch finish
-    generating before the first update."""
+    """The engine generates a batch from the learner's weights as they are at `publish`:
+    the caller must let a batch finish generating before the first update (the
+    synchronous, colocated baseline)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, model: PreTrainedModel | None = None) -> None:
+        """`model`: the learner's model, when the engine holds a copy of it (see
+        `colocated`); None when the engine runs on the learner's own parameters."""
+        self.engine, self.model = engine, model
         self.stats = RolloutStats()
+
+    @classmethod
+    def colocated(cls, model: PreTrainedModel, cfg: EngineConfig, compute_dtype: torch.dtype) -> LocalRollout:
+        """The engine on the learner's parameters, or on a copy in `engine_dtype`.
+
+        Both share the trainer's GPU with a fixed split, not by sleeping: the KV cache
+        takes `engine.kv_cache_memory_fraction` of the memory free when the engine starts
+        and keeps it; training uses what is left. Freeing the cache around each learner
+        step (`Engine.sleep`) would also drop the CUDA graphs, and capturing them again
+        costs 0.4-1.3 s per step (BENCHMARKS.md)."""
+        dtype = engine_dtype(model, compute_dtype)
+        if dtype == next(model.parameters()).dtype:
+            return cls(Engine(model, cfg, compute_dtype))
+        copy_ = copy.deepcopy(model).to(dtype).requires_grad_(False).eval()
+        return cls(Engine(copy_, cfg, compute_dtype), model)
 
     @property
     def num_instances(self) -> int:
@@ -51,9 +83,15 @@ class LocalRollout:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
-    def publish(self, version: int) -> None:
-        """The trainer changed the shared parameters in place; tokens from now on are `version`."""
-        self.engine.update_weights(None, version)
+    def publish(self, version: int, weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """The trainer changed its parameters in place; tokens from now on are `version`.
+        An engine on a copy loads them (a device-to-device copy and cast)."""
+        if self.model is None and weights is None:
+            self.engine.update_weights(None, version)
+            return
+        if weights is None:
+            weights = {k: p.detach() for k, p in self.model.named_parameters()}
+        self.engine.update_weights(weights, version)
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> Iterator[Group]:
         """Yield each prompt's group as soon as its last sample is finished."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Literal
 
 import torch
@@ -28,8 +28,10 @@ from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import BatchPrompt, BatchRequest, BatchSampling, GroupResult, WorkerInfo
 from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.manager.weight_sync import PublisherSync
+from polyrl.rollout.local import engine_dtype
 from polyrl.rollout.stats import RolloutStats
 from polyrl.rollout.types import Group, Prompt, Sample, SamplingParams
+from polyrl.transfer.device import DeviceVersions
 from polyrl.transfer.publisher import WeightPublisher
 
 WINDOW_EMA = 0.5
@@ -55,8 +57,13 @@ class RemoteRollout:
         self.model, self.mode, self.cfg = model, mode, rollout_cfg
         self.window_groups = window_groups
         """Hybrid: the window closes once this many groups are in (the learner starts)."""
-        local_model = copy.deepcopy(model).requires_grad_(False).eval()
+        self.publish_dtype = engine_dtype(model, compute_dtype)
+        local_model = copy.deepcopy(model).to(self.publish_dtype).requires_grad_(False).eval()
         self.local_engine = AsyncEngine(Engine(local_model, engine_cfg, compute_dtype))
+        self.local_until_learner = mode == "hybrid" and (
+            rollout_cfg.hybrid_local_until == "learner"
+            or (rollout_cfg.hybrid_local_until == "auto" and model.device.type == "cuda")
+        )
         self.local_engine.start()
         transfer = manager_cfg.transfer
         try:
@@ -64,6 +71,8 @@ class RemoteRollout:
         except BaseException:
             self.local_engine.shutdown()
             raise
+        if transfer.gpu_paths and model.device.type == "cuda":  # workers on this host pull over NCCL / CUDA IPC
+            self.publisher.device = DeviceVersions(model.device)
         self.mt = ManagerThread(manager_cfg, self.local_engine)
         try:
             self.mt.start()
@@ -95,16 +104,24 @@ class RemoteRollout:
 
     # --------------------------------------------------------------------------- publishing
 
-    def publish(self, version: int) -> None:
-        """Snapshot the learner's weights as `version` for the workers to pull, and load
-        them into the local engine; batches from now on need `version`."""
-        weights = {k: p.detach() for k, p in self.model.named_parameters()}
+    def publish(self, version: int, weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Snapshot the learner's weights (or `weights`, full tensors by HF name) as
+        `version` for the workers to pull, and load them into the local engine; batches
+        from now on need `version`. On CUDA with bf16 compute, the version is published in
+        bf16: what every engine computes with, and half the bytes of the master weights."""
+        if weights is None:
+            weights = {k: p.detach() for k, p in self.model.named_parameters()}
+        weights = {k: t.detach().to(self.publish_dtype) for k, t in weights.items()}
         self.publisher.publish(weights, version)
+        if self.publisher.device is not None:
+            self.publisher.device.publish(weights, version)
         self.mt.run(self.local_engine.update_weights(weights, version))
         self._note_sync_time()
         self.mt.publish_version(version)
         self.version = version
-        if self.mode == "hybrid":
+        if self.local_until_learner:
+            self.mt.call(self.mt.manager.open_local_window, None, False)
+        elif self.mode == "hybrid":
             self.mt.call(self.mt.manager.open_local_window, self._window_s())
 
     def _note_sync_time(self) -> None:
@@ -151,11 +168,14 @@ class RemoteRollout:
             stats.first_group_s = min(stats.first_group_s or done_s, done_s)
             stats.gen_s = max(stats.gen_s, done_s)
             if self.mode == "hybrid" and stats.num_received == self.window_groups * n:
-                self.mt.call(self.mt.manager.close_local_window, "learner starts")
+                # a peer finishes what it holds (moving it costs a re-prefill); a stopgap hands it on
+                self.mt.call(self.mt.manager.close_local_window, "learner starts", not self.local_until_learner)
             yield group
         window = self._last_window()
         if self.mode == "hybrid" and window is not None:
             stats.window_s, stats.window_closed_by = window
+        synced = self.mt.call(getattr, self.mt.manager, "sync_s")
+        stats.weight_sync_s = max(synced.values()) if synced else None
 
     def close(self) -> None:
         self.mt.stop()

@@ -24,6 +24,8 @@ class RolloutStats:
     tokens_by_worker: Counter[str] = field(default_factory=Counter)
     window_s: float | None = None
     window_closed_by: str = ""
+    weight_sync_s: float | None = None
+    """From publishing the step's version to the slowest remote worker serving it."""
 
     def metrics(self) -> dict[str, float]:
         out = {
@@ -39,4 +41,6 @@ class RolloutStats:
             out["perf/tokens_per_s_per_worker"] = sum(remote.values()) / self.gen_s / len(remote)
         if self.window_s is not None:
             out["timing_s/local_window"] = self.window_s
+        if self.weight_sync_s is not None:
+            out["timing_s/weight_sync"] = self.weight_sync_s
         return out

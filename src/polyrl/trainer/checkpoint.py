@@ -2,7 +2,8 @@
 
 Layout: `RUN_DIR/checkpoints/step_000050/{model/, trainer_state.pt}`. A checkpoint is
 written into a temporary directory and renamed into place, so a crash mid-save never
-leaves a half checkpoint that resume would pick.
+leaves a half checkpoint that resume would pick. The layout does not depend on the number
+of ranks that trained (distributed.py gathers whole states), so a run resumes on any.
 """
 
 from __future__ import annotations
@@ -45,8 +46,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
-    model.save_pretrained(out, safe_serialization=True)
+def save_hf(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out: Path,
+    model_state: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """model_state: the whole weights of a sharded model (None: the model's own)."""
+    model.save_pretrained(out, state_dict=model_state, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
 
@@ -55,17 +62,18 @@ def save_checkpoint(
     state: TrainState,
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    optimizer: torch.optim.Optimizer,
+    optimizer_state: dict[str, Any],
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    model_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     final = run_dir / "checkpoints" / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_hf(model, tokenizer, tmp / "model")
+    save_hf(model, tokenizer, tmp / "model", model_state)
     torch.save(
         {
             "state": vars(state),
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict(),
             "rng": rng_state(),
         },
@@ -82,11 +90,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
-def load_trainer_state(
-    ckpt: Path, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
-) -> TrainState:
-    blob = torch.load(ckpt / STATE_FILE, weights_only=False)  # our own file: RNG states need pickle
-    optimizer.load_state_dict(blob["optimizer"])
-    scheduler.load_state_dict(blob["scheduler"])
-    set_rng_state(blob["rng"])
-    return TrainState(**blob["state"])
+def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    """{"state": TrainState fields, "optimizer", "scheduler", "rng"}. Every rank reads it;
+    mmap keeps that to one copy in the page cache."""
+    return torch.load(ckpt / STATE_FILE, weights_only=False, mmap=True)  # our own file: RNG states need pickle

@@ -1,5 +1,9 @@
 """The GRPO learner: one optimizer step per mini-batch, gradients accumulated over
-micro-batches whose loss uses the mini-batch's denominators (so the split is exact)."""
+micro-batches whose loss uses the mini-batch's denominators (so the split is exact).
+
+On several ranks (see distributed.py) every rank runs the same step on its share of the
+mini-batch, still with the whole mini-batch's denominators, and FSDP sums the gradients:
+the split over ranks is exact in the same way as the split into micro-batches."""
 
 from __future__ import annotations
 
@@ -7,11 +11,13 @@ import math
 from collections import defaultdict
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from polyrl.config import AlgoConfig, TrainerConfig
 from polyrl.models.precision import autocast
-from polyrl.trainer.batching import MicroBatch, SeqItem, collate, pack_micro_batches
+from polyrl.trainer.batching import MicroBatch, SeqItem, collate
+from polyrl.trainer.distributed import DataParallel
 from polyrl.trainer.grpo import LossInputs, policy_loss, token_logprobs
 
 
@@ -42,6 +48,20 @@ def build_optimizer(model: PreTrainedModel, cfg: TrainerConfig, total_updates: i
     return optimizer, scheduler
 
 
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """HF's per-layer activation checkpointing, non-reentrant. It acts only in train mode,
+    which the learner sets for its updates, so the engine's forward passes never recompute.
+    HF's hook that makes the embeddings' output require grad is removed: only reentrant
+    checkpointing needs it, and the colocated engine runs these very modules."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the newer name (transformers >= 5.2x)
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(kwargs)
+    if getattr(model, "_require_grads_hook", None) is not None:
+        model.disable_input_require_grads()
+
+
 class Learner:
     def __init__(
         self,
@@ -54,28 +74,42 @@ class Learner:
         temperature: float,
         pad_id: int,
         compute_dtype: torch.dtype = torch.float32,
+        dp: DataParallel | None = None,
     ) -> None:
         self.model, self.ref_model = model, ref_model
         self.optimizer, self.scheduler = optimizer, scheduler
         self.algo, self.cfg = algo, cfg
         self.temperature, self.pad_id = temperature, pad_id
         self.compute_dtype = compute_dtype
+        """Autocast dtype (float32: none; a sharded model may cast its parameters instead)."""
+        self.dp = dp or DataParallel()
 
     def logprobs(self, model: PreTrainedModel, mb: MicroBatch, with_entropy: bool):
         with autocast(mb.input_ids.device, self.compute_dtype):
             logits = model(
-                input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
+                input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
             ).logits[:, :-1]  # [B, L-1, V]
         logp, entropy = token_logprobs(logits, mb.target_ids, self.temperature)
         return logp, (entropy if with_entropy else None)
 
+    @property
+    def _old_logp_from_training_pass(self) -> bool:
+        """With one epoch, the proximal policy is the model as it is when each micro-batch
+        is trained on (the update comes after the last one): the training forward's
+        log-probs, detached, are exactly the recomputed ones, and a whole forward pass is
+        saved (28% of the learner's time on the Qwen3-0.6B shape, BENCHMARKS.md)."""
+        return self.algo.recompute_old_logprobs and self.algo.ppo_epochs == 1
+
     @torch.no_grad()
-    def _prepare(self, items: list[SeqItem]) -> list[MicroBatch]:
+    def _prepare(self, batches: list[list[SeqItem]]) -> list[MicroBatch]:
         """Collate, and attach old (proximal) and reference log-probs before any update."""
         device = self.model.device
-        mbs = [collate(b, self.pad_id).to(device) for b in pack_micro_batches(items, self.cfg.micro_batch_max_tokens)]
+        mbs = [collate(b, self.pad_id).to(device) for b in batches]
         for mb in mbs:
-            mb.old_logp = self.logprobs(self.model, mb, False)[0] if self.algo.recompute_old_logprobs else mb.behav_logp
+            if not self.algo.recompute_old_logprobs:
+                mb.old_logp = mb.behav_logp
+            elif not self._old_logp_from_training_pass:
+                mb.old_logp = self.logprobs(self.model, mb, False)[0]
             if self.ref_model is not None and self.algo.kl_coef > 0:
                 mb.ref_logp = self.logprobs(self.ref_model, mb, False)[0]
         return mbs
@@ -85,20 +119,27 @@ class Learner:
 
         weights_as_sampled: the model still holds the weights that generated `items` (no
         update since), so old vs behaviour log-probs measure engine/trainer mismatch alone.
+        On several ranks, rank 0's call runs on all of them, each on its share of `items`.
         """
+        with self.dp.command("train", items, weights_as_sampled):
+            return self._train(items, weights_as_sampled)
+
+    def _train(self, items: list[SeqItem], weights_as_sampled: bool) -> dict[str, float]:
         self.model.train()
-        mbs = self._prepare(items)
-        num_tokens = sum(it.num_completion_tokens for it in items)
-        sums: dict[str, float] = defaultdict(float)
-        if weights_as_sampled and self.algo.recompute_old_logprobs:
-            for mb in mbs:
-                diff = ((mb.old_logp - mb.behav_logp).abs() * mb.mask).sum().item()
-                sums["rollout/logprob_diff"] += diff / max(num_tokens, 1)
-        for _ in range(self.algo.ppo_epochs):
+        num_tokens = sum(it.num_completion_tokens for it in items)  # the whole mini-batch's, on every rank
+        mbs = self._prepare(self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id))
+        sums: dict[str, float] = defaultdict(float)  # this rank's part of each metric
+        grad_norm_mean, lr = 0.0, 0.0
+        for epoch in range(self.algo.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for mb in mbs:
                 with_entropy = True  # cheap next to the forward pass, and always logged
                 logp, entropy = self.logprobs(self.model, mb, with_entropy)
+                if mb.old_logp is None:
+                    mb.old_logp = logp.detach()
+                if epoch == 0 and weights_as_sampled and self.algo.recompute_old_logprobs:
+                    diff = ((mb.old_logp - mb.behav_logp).abs() * mb.mask).sum().item()
+                    sums["rollout/logprob_diff"] += diff / max(num_tokens, 1)
                 inputs = LossInputs(
                     logp=logp,
                     old_logp=mb.old_logp,
@@ -117,10 +158,14 @@ class Learner:
                     is_loss = key in ("actor/pg_loss", "actor/kl_loss")
                     sums[key] += value / self.algo.ppo_epochs if is_loss else value * weight
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            sums["actor/grad_norm"] += grad_norm.item() / self.algo.ppo_epochs
-            sums["actor/lr"] = self.scheduler.get_last_lr()[0]
+            if isinstance(grad_norm, DTensor):  # sharded: the global norm, replicated on every rank
+                grad_norm = grad_norm.full_tensor()
+            grad_norm_mean += grad_norm.item() / self.algo.ppo_epochs
+            lr = self.scheduler.get_last_lr()[0]
             if torch.isfinite(grad_norm):
                 self.optimizer.step()
             self.scheduler.step()
         self.model.eval()
-        return dict(sums)
+        out = self.dp.sum_over_ranks(sums)
+        out["actor/grad_norm"], out["actor/lr"] = grad_norm_mean, lr
+        return out

@@ -11,6 +11,8 @@ Departures from textbook GRPO (each switchable in `[algo]`):
 * the old policy is recomputed by the trainer, and a truncated importance weight
   corrects for engine/trainer mismatch (decoupled PPO, as in AReaL);
 * loss aggregation is configurable; the default `token-mean` weights every token alike.
+
+Under torchrun rank 0 runs this loop; the other ranks `follow` it (see distributed.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from polyrl.config import RunConfig
 from polyrl.metrics.tracker import format_step_line
 from polyrl.trainer.checkpoint import TrainState
-from polyrl.trainer.run import Run, Timer
+from polyrl.trainer.distributed import DataParallel, gather_state, gather_weights
+from polyrl.trainer.learner import Learner
+from polyrl.trainer.run import Run, Timer, load_learner
 from polyrl.trainer.stream import learn_from_stream
 
 log = logging.getLogger(__name__)
@@ -38,8 +42,9 @@ def train(
     run_dir: Path,
     resume: bool = False,
     on_step_end: Callable[[int, dict[str, float]], None] | None = None,
+    dp: DataParallel | None = None,
 ) -> TrainState:
-    run = Run.create(cfg, run_dir, resume)
+    run = Run.create(cfg, run_dir, resume, dp or DataParallel())
     tcfg = cfg.trainer
     try:
         with _progress(cfg.logging.console) as progress, StopRequest() as stop:
@@ -72,12 +77,33 @@ def train(
                 if stopping:
                     log.warning("stopped after step %d; continue with --resume", step)
                     raise KeyboardInterrupt
-        run.save()
-        final = run.save_final()
+        final = run.save_final(run.save())
         log.info("training done: %d steps; final model in %s", run.state.step, final)
     finally:
         run.close()
     return run.state
+
+
+def follow(dp: DataParallel) -> None:
+    """Ranks > 0: build the learner that rank 0 starts, then run its commands until it stops."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun passes Ctrl-C to every rank; rank 0 decides
+    name, args = dp.receive()
+    if name == "start":
+        run_commands(load_learner(dp, *args), dp)
+
+
+def run_commands(learner: Learner, dp: DataParallel) -> None:
+    """Each of rank 0's collective calls, on this rank's shard, until "stop"."""
+    commands: dict[str, Callable[..., object]] = {
+        "train": learner.train_mini_batch,
+        "weights": lambda: gather_weights(learner.model, dp),
+        "state": lambda: gather_state(learner.model, learner.optimizer, dp),
+    }
+    while True:
+        name, args = dp.receive()
+        if name == "stop":
+            return
+        commands[name](*args)
 
 
 class StopRequest:

@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import secrets
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,11 +18,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from polyrl.config import ConfigError, RunConfig, save_config
+from polyrl.config import ConfigError, RunConfig, TrainerConfig, save_config
 from polyrl.data.rewards import RewardPool
 from polyrl.data.source import PromptSource
-from polyrl.engine.engine import Engine
-from polyrl.metrics.step_stats import cost_metrics, num_tokens, perf_metrics, rollout_metrics
+from polyrl.metrics.step_stats import cost_metrics, cuda_memory_metrics, num_tokens, perf_metrics, rollout_metrics
 from polyrl.metrics.tracker import Tracker
 from polyrl.models.precision import DTYPES
 from polyrl.models.tiny import save_tiny_model
@@ -29,8 +29,9 @@ from polyrl.rollout.fleet import WorkerFleet
 from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.remote import RemoteRollout
 from polyrl.rollout.types import Group, SamplingParams
-from polyrl.trainer.checkpoint import TrainState, latest_checkpoint, load_trainer_state, save_checkpoint, save_hf
-from polyrl.trainer.learner import Learner, build_optimizer
+from polyrl.trainer.checkpoint import TrainState, latest_checkpoint, read_trainer_state, save_checkpoint, set_rng_state
+from polyrl.trainer.distributed import DataParallel, gather_state, gather_weights, load_optimizer_state, shard_model
+from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing
 from polyrl.trainer.stream import GroupScorer, StreamResult
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,12 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def prepare_process(cfg: TrainerConfig) -> None:
+    seed_everything(cfg.seed)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
 
 
 def load_model(path: str | Path, device: torch.device) -> PreTrainedModel:
@@ -97,16 +104,20 @@ class Run:
     tracker: Tracker
     sampling: SamplingParams
     state: TrainState
+    dp: DataParallel
     fleet: WorkerFleet | None = None
 
     @classmethod
-    def create(cls, cfg: RunConfig, run_dir: Path, resume: bool) -> Run:
+    def create(cls, cfg: RunConfig, run_dir: Path, resume: bool, dp: DataParallel) -> Run:
         tcfg = cfg.trainer
+        if dp.world_size > 1 and cfg.rollout.mode == "local":
+            raise ConfigError(
+                f"config error: rollout.mode: local runs the engine on the trainer's own weights, which are "
+                f"sharded over {dp.world_size} ranks here; use remote or hybrid (or one process)"
+            )
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.toml")
-        seed_everything(tcfg.seed)
-        if tcfg.num_threads:
-            torch.set_num_threads(tcfg.num_threads)
+        prepare_process(tcfg)
 
         init_path = Path(cfg.model.path) if cfg.model.path else run_dir / "init_model"
         ckpt = latest_checkpoint(run_dir) if resume else None
@@ -124,29 +135,29 @@ class Run:
             pool = RewardPool(functions, cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s)
         except (ValueError, OSError) as e:
             raise ConfigError(f"config error: {e}") from None
-        ref_model = None
-        if cfg.algo.kl_coef > 0:
-            ref_model = load_model(init_path, device).requires_grad_(False)
-
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        updates_per_step = tcfg.train_batch_size // tcfg.ppo_mini_batch_size * cfg.algo.ppo_epochs
-        optimizer, scheduler = build_optimizer(model, tcfg, tcfg.total_steps * updates_per_step)
-        compute_dtype = DTYPES[cfg.model.dtype]
-        learner = Learner(
-            model, ref_model, optimizer, scheduler, cfg.algo, tcfg, cfg.rollout.temperature, pad_id, compute_dtype
-        )
-        state = load_trainer_state(ckpt, optimizer, scheduler) if ckpt else TrainState()
+        blob = read_trainer_state(ckpt) if ckpt else None
+        state = TrainState(**blob["state"]) if blob else TrainState()
         source.cursor = state.cursor
-        fleet = None
-        if cfg.rollout.mode == "local":
-            rollout: LocalRollout | RemoteRollout = LocalRollout(Engine(model, cfg.engine, compute_dtype))
-        else:
-            try:
-                rollout, fleet = start_remote(cfg, run_dir, model, compute_dtype, init_path)
-            except BaseException:
-                pool.close()
-                raise
-        rollout.publish(state.weight_version)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        compute_dtype = DTYPES[cfg.model.dtype]
+        # The rollout first: its engine copies (or, colocated, shares) the model before sharding.
+        try:
+            rollout, fleet = start_rollout(cfg, run_dir, model, compute_dtype, init_path)
+        except BaseException:
+            pool.close()
+            raise
+        try:
+            rollout.publish(state.weight_version)
+            with dp.command("start", cfg, init_path, pad_id, ckpt):
+                learner = build_learner(cfg, model, init_path, pad_id, blob, dp)
+        except BaseException:
+            if fleet is not None:
+                fleet.stop()
+            rollout.close()
+            pool.close()
+            raise
+        if blob:
+            set_rng_state(blob["rng"])
         sampling = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.rollout.temperature,
@@ -161,20 +172,21 @@ class Run:
             log.info("resumed from %s at step %d", ckpt, state.step)
         return cls(
             cfg, run_dir, model, tokenizer, source, rollout, GroupScorer(pool, tokenizer), learner, tracker, sampling,
-            state, fleet,
+            state, dp, fleet,
         )  # fmt: skip
 
     def publish_weights(self) -> None:
         """Colocated: a version bump (the engine runs on the trainer's model); remote: a
-        snapshot the workers pull."""
-        self.rollout.publish(self.rollout.weight_version + 1)
+        snapshot the workers pull (of the whole weights, gathered from every rank's shard)."""
+        self.rollout.publish(self.rollout.weight_version + 1, gather_weights(self.model, self.dp))
 
     def step_metrics(self, groups: list[Group], result: StreamResult, timings: dict[str, float]) -> dict[str, float]:
         step_s = timings["step"]
         metrics = average_metrics(result.train_metrics)
         metrics.update(rollout_metrics(groups, self.cfg.rollout.max_new_tokens))
         total_tokens = num_tokens(groups)
-        metrics.update(perf_metrics(total_tokens, step_s, world_size=1))
+        metrics.update(perf_metrics(total_tokens, step_s, world_size=self.dp.world_size))
+        metrics.update(cuda_memory_metrics(self.model.device))
         metrics.update(self.rollout.stats.metrics())
         metrics.update({f"timing_s/{k}": v for k, v in timings.items() if k != "step"})
         metrics["timing_s/gen"] = self.rollout.stats.gen_s
@@ -195,13 +207,17 @@ class Run:
         metrics["training/weight_version"] = float(self.rollout.weight_version)
         return metrics
 
-    def save(self) -> None:
-        l = self.learner
-        save_checkpoint(self.run_dir, self.state, self.model, self.tokenizer, l.optimizer, l.scheduler)
+    def save(self) -> Path:
+        model_state, optimizer_state = gather_state(self.model, self.learner.optimizer, self.dp)
+        return save_checkpoint(
+            self.run_dir, self.state, self.model, self.tokenizer, optimizer_state, self.learner.scheduler, model_state
+        )
 
-    def save_final(self) -> Path:
+    def save_final(self, ckpt: Path) -> Path:
+        """The final checkpoint's model (an HF directory with the tokenizer), as final_model/."""
         out = self.run_dir / "final_model"
-        save_hf(self.model, self.tokenizer, out)
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(ckpt / "model", out)
         return out
 
     def close(self) -> None:
@@ -210,6 +226,48 @@ class Run:
         self.rollout.close()
         self.tracker.close()
         self.scorer.pool.close()
+
+
+def build_learner(
+    cfg: RunConfig, model: PreTrainedModel, init_path: Path, pad_id: int, blob: dict | None, dp: DataParallel
+) -> Learner:
+    """The same on every rank: the model (sharded over the ranks when there are several), the
+    reference model, optimizer and scheduler, their state from a checkpoint's `blob`."""
+    tcfg = cfg.trainer
+    compute_dtype = DTYPES[cfg.model.dtype]
+    ref_model = None
+    if cfg.algo.kl_coef > 0:
+        ref_model = load_model(init_path, model.device).requires_grad_(False)
+    if tcfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if dp.world_size > 1:
+        if ref_model is not None:
+            shard_model(ref_model, compute_dtype)
+        compute_dtype = shard_model(model, compute_dtype)
+    updates_per_step = tcfg.train_batch_size // tcfg.ppo_mini_batch_size * cfg.algo.ppo_epochs
+    optimizer, scheduler = build_optimizer(model, tcfg, tcfg.total_steps * updates_per_step)
+    if blob:
+        load_optimizer_state(model, optimizer, blob["optimizer"])
+        scheduler.load_state_dict(blob["scheduler"])
+    return Learner(
+        model, ref_model, optimizer, scheduler, cfg.algo, tcfg, cfg.rollout.temperature, pad_id, compute_dtype, dp
+    )
+
+
+def load_learner(dp: DataParallel, cfg: RunConfig, init_path: Path, pad_id: int, ckpt: Path | None) -> Learner:
+    """The learner from the initial model or a checkpoint: what a rank > 0 builds from rank
+    0's "start" command (rank 0 loads its model earlier, for the rollout)."""
+    prepare_process(cfg.trainer)
+    model = load_model(ckpt / "model" if ckpt else init_path, pick_device(cfg.trainer.device))
+    return build_learner(cfg, model, init_path, pad_id, read_trainer_state(ckpt) if ckpt else None, dp)
+
+
+def start_rollout(
+    cfg: RunConfig, run_dir: Path, model: PreTrainedModel, compute_dtype: torch.dtype, init_path: Path
+) -> tuple[LocalRollout | RemoteRollout, WorkerFleet | None]:
+    if cfg.rollout.mode == "local":
+        return LocalRollout.colocated(model, cfg.engine, compute_dtype), None
+    return start_remote(cfg, run_dir, model, compute_dtype, init_path)
 
 
 def start_remote(

@@ -16,22 +16,26 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from polyrl.transfer.compress import encode_zstd
 from polyrl.transfer.delta import encode_delta
+from polyrl.transfer.device import DeviceVersions
 from polyrl.transfer.manifest import Manifest, flatten
 from polyrl.transfer.quantize import encode_int8
 from polyrl.transfer.wire import (
     ENCODED_OPS,
+    GPU_OPS,
     OP_DELTA,
     OP_DESCRIBE,
     OP_ZSTD,
     STATUS_OK,
     STATUS_REFUSED,
+    Request,
     TransferError,
     TransferInfo,
     checksum,
@@ -56,6 +60,8 @@ class _Held:
     buffer: torch.Tensor
     view: memoryview
     info: TransferInfo
+    readers: int = 0
+    dropped: bool = False
 
 
 class WeightPublisher:
@@ -75,10 +81,15 @@ class WeightPublisher:
         self.chunk_bytes, self.keep_versions, self.io_timeout_s = chunk_bytes, keep_versions, io_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self._held: dict[int, _Held] = {}
+        self._spare: torch.Tensor | None = None
+        """A dropped version's buffer, no longer read: the next snapshot lands in it."""
         self._lock = threading.Lock()
         self._encode_lock = threading.Lock()
         self._encoded_cache: dict[int, tuple[tuple[int, int], bytes]] = {}  # op -> ((version, base), payload)
         self.bytes_sent = 0
+        self.device: DeviceVersions | None = None
+        """Versions held on the trainer's GPU for same-host workers (NCCL, CUDA IPC): set it
+        and `device.publish` each version there too (`transfer/device.py`)."""
         self._server = _Server((host, port), _Handler)
         self._server.publisher = self
         self.address: tuple[str, int] = self._server.server_address[:2]  # type: ignore[assignment]
@@ -92,6 +103,8 @@ class WeightPublisher:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        if self.device is not None:
+            self.device.close()
 
     def __enter__(self) -> WeightPublisher:
         return self.start()
@@ -102,7 +115,9 @@ class WeightPublisher:
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> TransferInfo:
         """Snapshot `state_dict` as `version`; the oldest versions beyond `keep_versions`
         are dropped (a pull already reading one finishes; new pulls of it are refused)."""
-        buffer, manifest = flatten(state_dict, version)
+        with self._lock:
+            spare, self._spare = self._spare, None
+        buffer, manifest = flatten(state_dict, version, out=spare)
         view = memoryview(buffer.numpy()).cast("B")
         sums = chunk_checksums(view, self.chunk_bytes)
         info = TransferInfo(
@@ -111,7 +126,7 @@ class WeightPublisher:
         with self._lock:
             self._held[version] = _Held(buffer, view, info)
             for old in sorted(self._held)[: -self.keep_versions]:
-                del self._held[old]
+                self._retire(self._held.pop(old))
         log.debug("weights v%d published: %.1f MB in %d chunks", version, manifest.total_bytes / 1e6, info.num_chunks)
         return info
 
@@ -124,6 +139,30 @@ class WeightPublisher:
     def versions(self) -> list[int]:
         with self._lock:
             return sorted(self._held)
+
+    def _retire(self, held: _Held) -> None:
+        """A dropped version's buffer is the next snapshot's, once no pull reads it:
+        allocating 1.2 GB of pinned memory per version took 1.3 s on an H200 host, the
+        copy into it 0.02 s (BENCHMARKS.md). Called with the lock held."""
+        held.dropped = True
+        if held.readers == 0:
+            self._spare = held.buffer
+
+    @contextmanager
+    def _reading(self, version: int) -> Iterator[_Held | None]:
+        """The held version, kept from reuse while the caller reads it."""
+        with self._lock:
+            held = self._held.get(version)
+            if held is not None:
+                held.readers += 1
+        try:
+            yield held
+        finally:
+            if held is not None:
+                with self._lock:
+                    held.readers -= 1
+                    if held.dropped and held.readers == 0:
+                        self._spare = held.buffer
 
     def _lookup(self, version: int) -> _Held | None:
         with self._lock:
@@ -138,18 +177,22 @@ class WeightPublisher:
             cached = self._encoded_cache.get(op)
             if cached is not None and cached[0] == key:
                 return cached[1]
-            new, old = self._lookup(version), self._lookup(base)
-            if new is None or (op == OP_DELTA and (old is None or old.info.manifest.tensors != new.info.manifest.tensors)):
-                return None
-            t0 = time.perf_counter()
-            if op == OP_DELTA:
-                payload = encode_delta(old.buffer.numpy(), new.buffer.numpy())  # type: ignore[union-attr]
-            elif op == OP_ZSTD:
-                payload = encode_zstd(new.buffer.numpy(), word_bytes(new.info.manifest))
-            else:
-                payload = encode_int8(new.buffer, new.info.manifest)
-            self._encoded_cache[op] = (key, payload)
-        log.debug("v%d as %s: %.1f MB (%.1f%% of raw) in %.2fs", version, ENCODED_OPS[op], len(payload) / 1e6,
+            with self._reading(version) as new, self._reading(base) as old:
+                return self._encode(op, key, new, old)
+
+    def _encode(self, op: int, key: tuple[int, int], new: _Held | None, old: _Held | None) -> bytes | None:
+        """Called with the encode lock held and both versions kept from reuse."""
+        if new is None or (op == OP_DELTA and (old is None or old.info.manifest.tensors != new.info.manifest.tensors)):
+            return None
+        t0 = time.perf_counter()
+        if op == OP_DELTA:
+            payload = encode_delta(old.buffer.numpy(), new.buffer.numpy())  # type: ignore[union-attr]
+        elif op == OP_ZSTD:
+            payload = encode_zstd(new.buffer.numpy(), word_bytes(new.info.manifest))
+        else:
+            payload = encode_int8(new.buffer, new.info.manifest)
+        self._encoded_cache[op] = (key, payload)
+        log.debug("v%d as %s: %.1f MB (%.1f%% of raw) in %.2fs", key[0], ENCODED_OPS[op], len(payload) / 1e6,
                   100 * len(payload) / max(new.info.manifest.total_bytes, 1), time.perf_counter() - t0)  # fmt: skip
         return payload
 
@@ -178,30 +221,38 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             req = read_request(sock, timeout_s=pub.handshake_timeout_s)
             sock.settimeout(pub.io_timeout_s)
-            held = pub._lookup(req.version)
-            if not _token_ok(pub, req.worker_id, req.version, req.token):
-                log.warning("weight pull refused for %r from %s: bad token for v%d", req.worker_id, peer, req.version)
-                send_text(sock, STATUS_REFUSED, b"bad transfer token for this worker and version")
-            elif held is None:
-                send_text(sock, STATUS_REFUSED, f"version {req.version} is not held (held: {pub.versions})".encode())
-            elif req.op == OP_DESCRIBE:
-                send_text(sock, STATUS_OK, held.info.model_dump_json().encode())
-            elif req.op in ENCODED_OPS:
-                payload = pub._encoded(req.op, req.version, req.base)
-                if payload is None:
-                    send_text(sock, STATUS_REFUSED, f"no {ENCODED_OPS[req.op]} from v{req.base} (held: {pub.versions})".encode())
-                else:
-                    sock.sendall(bytes([STATUS_OK]) + len(payload).to_bytes(8, "big") + checksum(payload).to_bytes(8, "big"))
-                    sock.sendall(payload)
-                    pub.bytes_sent += len(payload)
-            else:
-                sock.sendall(bytes([STATUS_OK]))
-                for index in range(req.stream, held.info.num_chunks, req.num_streams):
-                    start, end = held.info.chunk_range(index)
-                    sock.sendall(held.view[start:end])
-                    pub.bytes_sent += end - start
+            with pub._reading(req.version) as held:
+                self._serve(pub, sock, req, held, peer)
         except (OSError, ValueError, TransferError) as e:  # a receiver that died, stalled or spoke garbage
             log.debug("weight pull from %s ended: %s: %s", peer, type(e).__name__, e)
+
+    def _serve(self, pub: WeightPublisher, sock: socket.socket, req: Request, held: _Held | None, peer: str) -> None:
+        if not _token_ok(pub, req.worker_id, req.version, req.token):
+            log.warning("weight pull refused for %r from %s: bad token for v%d", req.worker_id, peer, req.version)
+            send_text(sock, STATUS_REFUSED, b"bad transfer token for this worker and version")
+        elif req.op in GPU_OPS:
+            if pub.device is None:
+                send_text(sock, STATUS_REFUSED, f"no versions on a GPU here for {GPU_OPS[req.op]}".encode())
+            else:
+                pub.device.serve(sock, req)
+        elif held is None:
+            send_text(sock, STATUS_REFUSED, f"version {req.version} is not held (held: {pub.versions})".encode())
+        elif req.op == OP_DESCRIBE:
+            send_text(sock, STATUS_OK, held.info.model_dump_json().encode())
+        elif req.op in ENCODED_OPS:
+            payload = pub._encoded(req.op, req.version, req.base)
+            if payload is None:
+                send_text(sock, STATUS_REFUSED, f"no {ENCODED_OPS[req.op]} from v{req.base} (held: {pub.versions})".encode())
+            else:
+                sock.sendall(bytes([STATUS_OK]) + len(payload).to_bytes(8, "big") + checksum(payload).to_bytes(8, "big"))
+                sock.sendall(payload)
+                pub.bytes_sent += len(payload)
+        else:
+            sock.sendall(bytes([STATUS_OK]))
+            for index in range(req.stream, held.info.num_chunks, req.num_streams):
+                start, end = held.info.chunk_range(index)
+                sock.sendall(held.view[start:end])
+                pub.bytes_sent += end - start
 
 
 def _token_ok(pub: WeightPublisher, worker: str, version: int, token: str) -> bool:

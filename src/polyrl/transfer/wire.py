@@ -17,6 +17,16 @@ it was granted.
     op 4 (ZSTD)     reply = the same framing; the version zstd-compressed (`transfer/compress.py`)
     op 5 (INT8)     reply = the same framing; the version quantized to int8, LOSSY
                             (`transfer/quantize.py`)
+
+Same-host GPU paths (`transfer/device.py`): the same request, then the data moves outside
+this socket, which stays open as the control channel until the transfer ends.
+
+    op 6 (NCCL)     `base` = the pair session the receiver holds (-1: none).
+                    reply = status:u8 | len:u32 | JSON NcclOffer (or an error text);
+                    receiver -> READY:u8 once its side of the pair group exists; one
+                    broadcast from the publisher (rank 0); then status:u8 | len:u32 | text
+    op 7 (IPC)      reply = status:u8 | len:u32 | JSON IpcOffer (a CUDA IPC handle of the
+                    version); receiver -> DONE:u8 once it has copied it and let go
 """
 
 from __future__ import annotations
@@ -34,9 +44,13 @@ from pydantic import BaseModel, ConfigDict
 from polyrl.transfer.manifest import Manifest
 
 MAGIC = b"PRLW2\n"
-OP_DESCRIBE, OP_CHUNKS, OP_DELTA, OP_ZSTD, OP_INT8 = 1, 2, 3, 4, 5
+OP_DESCRIBE, OP_CHUNKS, OP_DELTA, OP_ZSTD, OP_INT8, OP_NCCL, OP_IPC = 1, 2, 3, 4, 5, 6, 7
 ENCODED_OPS = {OP_DELTA: "delta", OP_ZSTD: "zstd", OP_INT8: "int8"}
 """Ops whose reply is one payload made by the publisher (once per version, shared)."""
+GPU_OPS = {OP_NCCL: "nccl", OP_IPC: "cuda_ipc"}
+"""Ops served from the version held on the trainer's GPU (`WeightPublisher.device`)."""
+KNOWN_OPS = {OP_DESCRIBE, OP_CHUNKS, *ENCODED_OPS, *GPU_OPS}
+READY, DONE = b"R", b"D"
 STATUS_OK, STATUS_REFUSED = 0, 1
 _HEADER = struct.Struct("!BqqHH")
 _U16, _U32 = struct.Struct("!H"), struct.Struct("!I")
@@ -138,7 +152,7 @@ def read_request(sock: socket.socket, timeout_s: float | None = None) -> Request
     op, version, base, stream, num_streams = _HEADER.unpack(recv_exact(sock, _HEADER.size, deadline))
     worker = recv_exact(sock, _U16.unpack(recv_exact(sock, 2, deadline))[0], deadline).decode()
     token = recv_exact(sock, _U16.unpack(recv_exact(sock, 2, deadline))[0], deadline).decode()
-    if (op not in (OP_DESCRIBE, OP_CHUNKS) and op not in ENCODED_OPS) or num_streams < 1 or stream >= num_streams:
+    if op not in KNOWN_OPS or num_streams < 1 or stream >= num_streams:
         raise ValueError(f"bad request header (op {op}, stream {stream} of {num_streams})")
     return Request(op, version, base, stream, num_streams, worker, token)
 
@@ -153,6 +167,16 @@ def read_text(sock: socket.socket) -> bytes:
     if length > MAX_TEXT:
         raise TransferError(f"reply of {length} bytes is over the {MAX_TEXT}-byte limit")
     return recv_exact(sock, length)
+
+
+def connect(host: str, port: int, timeout_s: float) -> socket.socket:
+    """A connection to the publisher; TransferError when it cannot be reached."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as e:
+        raise TransferError(f"cannot reach the publisher at {host}:{port}: {e}") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def read_reply_text(sock: socket.socket) -> tuple[int, bytes]:

@@ -25,6 +25,7 @@ from polyrl.engine.types import (
     SampleResult,
 )
 from polyrl.httpapi import checksum
+from polyrl.transfer.device import DeviceIdentity, WeightPath
 
 BATCHED_INPUT_MESSAGE = "batched input is not supported: send one request per prompt"
 SSE_DONE = b"data: [DONE]\n\n"
@@ -153,6 +154,10 @@ class UpdateWeightsFromPublisherRequest(_Wire):
     """auto: encoded pulls (a delta against the current version, else zstd) only when raw
     pulls have been slow (below ~2 Gbit/s); on a fast link a raw pull is quicker than
     encoding. int8 is LOSSY (opt-in; the worker logs it)."""
+    path: WeightPath = "tcp"
+    """tcp: pull over the network (with `codec`). On the trainer's host: nccl (its GPU
+    broadcasts to ours) or cuda_ipc (our engine is on its GPU); either falls back to tcp
+    if it fails. The reply says which path was taken."""
 
 
 # --------------------------------------------------------------------------------- responses
@@ -195,6 +200,11 @@ class UpdateWeightsResponse(_Wire):
     success: bool
     message: str
     weight_version: int | None = None
+    path: WeightPath | None = None
+    """How a publisher pull came (tcp after a failed GPU path, too); None: nothing pulled."""
+    device: DeviceIdentity | None = None
+    """Where this worker's engine is: the manager offers the GPU paths on its next sync
+    when this is the trainer's host."""
 
 
 class ServerInfo(_Wire):

@@ -349,22 +349,24 @@ class _Handlers:
 
     async def update_weights_from_publisher(self, body: UpdateWeightsFromPublisherRequest) -> Response:
         source = PullSource(body.host, body.port, body.worker_id, body.token)
+        receiver = self.state.weight_receiver
         try:
-            pulled = await self.state.weight_receiver.sync(
-                source, body.weight_version, body.num_streams, body.timeout_s, body.codec
-            )
+            pulled = await receiver.sync(source, body.weight_version, body.num_streams, body.timeout_s, body.codec, body.path)
         except (TransferError, RequestError) as e:
             message = f"weights not updated: {e}"
-            content = UpdateWeightsResponse(success=False, message=message).model_dump()
+            content = UpdateWeightsResponse(success=False, message=message, device=receiver.identity).model_dump()
             return JSONResponse(content | error_body(message, "transfer_failed"), status_code=400)
-        version = self.state.weight_version
+        version, path = self.state.weight_version, None
         if pulled is None:
             message = f"already serving v{version}"
         else:
+            path = pulled.codec if pulled.codec in ("nccl", "cuda_ipc") else "tcp"
             lossy = ", LOSSY" if pulled.lossy else ""
+            fallback = f" ({receiver.fallback})" if receiver.fallback else ""
             message = (f"pulled {pulled.manifest.total_bytes} bytes ({pulled.codec}{lossy}, {pulled.wire_bytes} on the wire) "
-                       f"in {pulled.seconds:.3f}s")  # fmt: skip
-        return JSONResponse(UpdateWeightsResponse(success=True, message=message, weight_version=version).model_dump())
+                       f"in {pulled.seconds:.3f}s{fallback}")  # fmt: skip
+        reply = UpdateWeightsResponse(success=True, message=message, weight_version=version, path=path, device=receiver.identity)
+        return JSONResponse(reply.model_dump())
 
     async def shutdown(self) -> dict[str, Any]:
         self.state.request_shutdown("POST /shutdown")
