@@ -48,6 +48,16 @@ def engine_dtype(model: PreTrainedModel, compute_dtype: torch.dtype) -> torch.dt
     return compute_dtype if model.device.type == "cuda" else param_dtype
 
 
+def engine_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """An inference-only copy of the learner's model in `dtype`, for an engine of its own."""
+    return copy.deepcopy(model).to(dtype).requires_grad_(False).eval()
+
+
+def learner_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The learner's parameters by HF name, as a version to publish."""
+    return {k: p.detach() for k, p in model.named_parameters()}
+
+
 class LocalRollout:
     shares_weights = True
     """The engine generates a batch from the learner's weights as they are at `publish`:
@@ -72,8 +82,7 @@ class LocalRollout:
         dtype = engine_dtype(model, compute_dtype)
         if dtype == next(model.parameters()).dtype:
             return cls(Engine(model, cfg, compute_dtype))
-        copy_ = copy.deepcopy(model).to(dtype).requires_grad_(False).eval()
-        return cls(Engine(copy_, cfg, compute_dtype), model)
+        return cls(Engine(engine_copy(model, dtype), cfg, compute_dtype), model)
 
     @property
     def num_instances(self) -> int:
@@ -90,7 +99,7 @@ class LocalRollout:
             self.engine.update_weights(None, version)
             return
         if weights is None:
-            weights = {k: p.detach() for k, p in self.model.named_parameters()}
+            weights = learner_weights(self.model)
         self.engine.update_weights(weights, version)
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> Iterator[Group]:

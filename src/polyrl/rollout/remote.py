@@ -13,7 +13,6 @@ engine may still be generating with the step's version.
 
 from __future__ import annotations
 
-import copy
 import random
 from collections.abc import Iterator, Mapping
 from typing import Literal
@@ -28,7 +27,7 @@ from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import BatchPrompt, BatchRequest, BatchSampling, GroupResult, WorkerInfo
 from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.manager.weight_sync import PublisherSync
-from polyrl.rollout.local import engine_dtype
+from polyrl.rollout.local import engine_copy, engine_dtype, learner_weights
 from polyrl.rollout.stats import RolloutStats
 from polyrl.rollout.types import Group, Prompt, Sample, SamplingParams
 from polyrl.transfer.device import DeviceVersions
@@ -58,8 +57,7 @@ class RemoteRollout:
         self.window_groups = window_groups
         """Hybrid: the window closes once this many groups are in (the learner starts)."""
         self.publish_dtype = engine_dtype(model, compute_dtype)
-        local_model = copy.deepcopy(model).to(self.publish_dtype).requires_grad_(False).eval()
-        self.local_engine = AsyncEngine(Engine(local_model, engine_cfg, compute_dtype))
+        self.local_engine = AsyncEngine(Engine(engine_copy(model, self.publish_dtype), engine_cfg, compute_dtype))
         self.local_until_learner = mode == "hybrid" and (
             rollout_cfg.hybrid_local_until == "learner"
             or (rollout_cfg.hybrid_local_until == "auto" and model.device.type == "cuda")
@@ -110,7 +108,7 @@ class RemoteRollout:
         from now on need `version`. On CUDA with bf16 compute, the version is published in
         bf16: what every engine computes with, and half the bytes of the master weights."""
         if weights is None:
-            weights = {k: p.detach() for k, p in self.model.named_parameters()}
+            weights = learner_weights(self.model)
         weights = {k: t.detach().to(self.publish_dtype) for k, t in weights.items()}
         self.publisher.publish(weights, version)
         if self.publisher.device is not None:
