@@ -461,8 +461,8 @@ def test_local_engine_serves_when_no_worker_is_left(tiny_model_dir: Path) -> Non
 
 def test_peer_window_gives_the_local_engine_its_share_and_lets_it_finish(tiny_model_dir: Path) -> None:
     """Hybrid on a GPU trainer: the local engine is a peer of the workers for the whole
-    step. While the only worker syncs, the local engine takes half the batch (the other
-    half waits for the worker); closing the window without hand-back lets it finish."""
+    step. While the only worker syncs, the local engine holds at most half the worker
+    cap at once (the rest waits for the worker or its next wave); closing the window without hand-back lets it finish."""
     engine = AsyncEngine(Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_num_seqs=64)))
     engine.start()
     try:
@@ -472,7 +472,9 @@ def test_peer_window_gives_the_local_engine_its_share_and_lets_it_finish(tiny_mo
                 mt.run(engine.update_weights(None, 1))
                 mt.publish_version(1)  # w1 syncs until its heartbeat says v1
                 mt.call(mt.manager.open_local_window, None, False)
-                request = batch(4, 4, 40, min_weight_version=1)
+                # enough work that the local engine can't finish all of it in the moment
+                # between the pending check and w1's next heartbeat (it may take more waves)
+                request = batch(8, 4, 120, min_weight_version=1)
                 request.sampling.ignore_eos = True
                 consumer = Consumer(mt, request)
                 _wait_until(lambda: mt.call(lambda: mt.manager.local_record.inflight) > 0, 20, "local work")
@@ -487,7 +489,7 @@ def test_peer_window_gives_the_local_engine_its_share_and_lets_it_finish(tiny_mo
     workers = {seg.worker for g in groups for s in g.samples for seg in s.segments}
     assert workers == {"local", "w1"}
     assert all(len(s.segments) == 1 for g in groups for s in g.samples), "nothing migrated"
-    assert all(len(s.output_ids) == 40 for g in groups for s in g.samples)
+    assert all(len(s.output_ids) == 120 for g in groups for s in g.samples)
 
 
 # ------------------------------------------------------------------ real worker processes
