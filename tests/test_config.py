@@ -41,6 +41,7 @@ def test_bare_string_override_and_roundtrip(tmp_path):
         ("rollout.mode='colocated'", "rollout.mode"),
         ("fleet.num_workers=-1", "fleet.num_workers"),
         ("fleet.churn_min_workers=3", "fleet.churn_min_workers"),
+        ("manager.transfer.group_hosts=['10.0.0.1','10.0.0.2']", "group_hosts"),
     ],
 )
 def test_errors_name_the_key(override, key):

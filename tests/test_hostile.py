@@ -935,7 +935,7 @@ def test_forged_request_headers_end_the_connection_and_nothing_else(
         good[:6] + b"\xfe" * 30,  # absurd version and stream counts, then a cut
     ]
     errors: list[Any] = []
-    publisher._server.handle_error = lambda *args: errors.append(args)  # socketserver's traceback printer
+    publisher._servers[0].handle_error = lambda *args: errors.append(args)  # socketserver's traceback printer
     with caplog.at_level("DEBUG", logger="polyrl.transfer"):
         for data in forged:
             with socket.create_connection(publisher.address, timeout=5) as sock:

@@ -586,7 +586,8 @@ def greedy_tokens(engine: Engine, input_ids: list[int], max_new_tokens: int) -> 
 def test_real_worker_pulls_published_weights(long_context_model: Path, tmp_path: Path) -> None:
     """publish_version -> the sync hook grants a token -> the worker pulls over TCP (raw,
     then a delta) -> the manager routes to it at the new version, and the worker really
-    generates with the published weights."""
+    generates with the published weights. The publisher has two groups: the late joiner
+    is sent to the second."""
     from polyrl.manager.weight_sync import PublisherSync
     from polyrl.transfer.publisher import WeightPublisher
 
@@ -595,7 +596,7 @@ def test_real_worker_pulls_published_weights(long_context_model: Path, tmp_path:
     new_weights = {k: p.detach().clone() for k, p in reference.model.named_parameters()}
     request = batch(2, 1, 12)
     request.sampling.temperature, request.sampling.ignore_eos = 0.0, True
-    with ManagerThread(fast_cfg()) as mt, WeightPublisher(chunk_bytes=64 * 1024) as pub:
+    with ManagerThread(fast_cfg()) as mt, WeightPublisher(chunk_bytes=64 * 1024, num_groups=2) as pub:
         sync = PublisherSync(mt.manager, pub, codec="delta")  # auto would pick raw on loopback
         mt.add_sync_hook(sync)
         proc = _start_worker(long_context_model, mt.url, "w1")
@@ -617,6 +618,7 @@ def test_real_worker_pulls_published_weights(long_context_model: Path, tmp_path:
                 late.wait_ready()
                 _wait_until(lambda: workers_of(mt).get("w2", {}).get("state") == "active", 30, "w2 active")
                 assert workers_of(mt)["w2"]["weight_version"] == 2 and "raw" in sync.last_message["w2"]
+                assert sync.group_of == {"w1": 0, "w2": 1}, "two workers, two publisher groups: one each"
             finally:
                 late.kill()
         finally:

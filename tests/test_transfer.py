@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -115,7 +116,7 @@ class _Evil(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
     def __init__(self, real: WeightPublisher, mode: str) -> None:
-        self.real, self.mode = real, mode
+        self.real, self.mode, self.release = real, mode, threading.Event()
         super().__init__(("127.0.0.1", 0), _EvilHandler)
 
 
@@ -134,6 +135,8 @@ class _EvilHandler(socketserver.BaseRequestHandler):
         self.request.sendall(bytes([STATUS_OK]))
         start, end = held.info.chunk_range(req.stream)
         self.request.sendall(held.view[start : start + (end - start) // 2])  # half a chunk, then hang up
+        if server.mode == "stall":  # ... or keep the connection open and send nothing more
+            server.release.wait(30)
 
 
 @pytest.mark.parametrize("mode", ["truncate", "garbage"])
@@ -149,6 +152,57 @@ def test_truncated_stream_or_bad_description_is_rejected(publisher: WeightPublis
     finally:
         evil.shutdown()
         evil.server_close()
+
+
+def test_a_publisher_that_stalls_mid_chunk_times_the_pull_out(publisher: WeightPublisher) -> None:
+    """The data sockets wait in the kernel (SO_RCVTIMEO, MSG_WAITALL), not in Python's
+    poll: a sender that goes quiet half way through a chunk still ends the pull."""
+    publisher.publish(weights(), 1)
+    evil = _Evil(publisher, "stall")
+    threading.Thread(target=evil.serve_forever, daemon=True).start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(TransferError, match="TimeoutError"):
+            pull(PullSource("127.0.0.1", evil.server_address[1], "w1", "any"), 1, num_streams=2, timeout_s=0.5)
+        assert time.monotonic() - start < 10
+    finally:
+        evil.release.set()
+        evil.shutdown()
+        evil.server_close()
+
+
+def test_publisher_gives_up_on_a_receiver_that_stops_reading(caplog: pytest.LogCaptureFixture) -> None:
+    """A receiver that asks for chunks and never reads them costs the publisher one thread
+    for about its io timeout (the kernel's send timeout), not forever."""
+    sent = {"w": torch.randn(16 * 2**20 // 4)}  # 16 MiB: far more than loopback's socket buffers hold
+    with WeightPublisher(chunk_bytes=2**20, io_timeout_s=0.5) as pub, caplog.at_level("DEBUG", "polyrl.transfer"):
+        pub.publish(sent, 1)
+        with socket.create_connection(pub.address) as sock:
+            sock.sendall(encode_request(OP_CHUNKS, 1, "w1", pub.grant("w1", 1), 0, 1))
+            start = time.monotonic()
+            deadline = start + 10
+            while not any("ended" in m for m in caplog.messages):
+                assert time.monotonic() < deadline, "the publisher still blocks on a receiver that reads nothing"
+                time.sleep(0.05)
+            assert time.monotonic() - start >= 0.4  # it waited for the timeout, not less
+        assert pub.bytes_sent < 16 * 2**20
+        got = pull(PullSource(*pub.address, "w2", pub.grant("w2", 1)), 1, num_streams=2)
+        assert torch.equal(unflatten(got.buffer, got.manifest)["w"], sent["w"])
+
+
+def test_publisher_groups_each_serve_every_version() -> None:
+    """Two groups (the seeds' sender groups): two listeners, the same versions, and a
+    worker pulls whole from either one."""
+    sent = weights()
+    with pytest.raises(ValueError, match="group_hosts"):
+        WeightPublisher(num_groups=2, group_hosts=["127.0.0.1"])
+    with WeightPublisher(chunk_bytes=CHUNK, num_groups=2, group_hosts=["127.0.0.1", "127.0.0.1"]) as pub:
+        assert len(pub.addresses) == 2 and pub.addresses[0] != pub.addresses[1] and pub.address == pub.addresses[0]
+        pub.publish(sent, 1)
+        for g, (host, port) in enumerate(pub.addresses):
+            got = pull(PullSource(host, port, f"w{g}", pub.grant(f"w{g}", 1)), 1, num_streams=3)
+            assert_same(unflatten(got.buffer, got.manifest), sent)
+        assert pub.bytes_sent == 2 * got.manifest.total_bytes
 
 
 def test_unreachable_publisher_is_a_clear_error() -> None:

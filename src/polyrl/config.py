@@ -265,12 +265,18 @@ class TransferConfig(_Section):
     streams_per_group: int = Field(8, ge=1, le=64)
     """Parallel TCP streams per pull (one stream is far from a link's ceiling; 8 was the
     best measured on a 16-core host, see BENCHMARKS.md)."""
-    num_groups: int = Field(1, ge=1)
-    """Publisher groups that serve pulls; workers are spread over them."""
+    num_groups: int = Field(1, ge=1, le=64)
+    """Publisher groups (the seeds' sender groups): each is a listener of its own, and each
+    worker is assigned the group with the fewest workers and pulls only from it. Pays with
+    several network interfaces (`group_hosts`), where each group's pulls use its own link."""
+    group_hosts: list[str] = []
+    """One bind address per group (e.g. one per NIC); empty: every group on the manager's
+    host. Workers are told the same address, so it must be one they can reach."""
     port: int = Field(0, ge=0, le=65535)
-    """The trainer's weight publisher port (0: any free one); workers connect to it."""
+    """The trainer's weight publisher port (0: any free one); group g listens on port + g."""
     advertise_host: str | None = None
-    """The address workers use to reach the publisher (default: the manager's host)."""
+    """The address workers use to reach the publisher (default: the manager's host); with
+    `group_hosts`, those are advertised instead."""
     codec: Literal["auto", "raw", "delta", "zstd", "int8"] = "auto"
     """auto: raw on a fast link; after a raw pull below ~2 Gbit/s, a lossless delta against
     the worker's version (zstd when it has none). zstd: lossless, about 70% of raw for bf16.
@@ -279,6 +285,14 @@ class TransferConfig(_Section):
     """Workers on the trainer's host get versions from its GPU when the trainer holds them
     there (`WeightPublisher.device`): NCCL from another GPU, CUDA IPC on the same one. A
     worker whose GPU path fails falls back to TCP (logged once) and stays on TCP."""
+
+    @model_validator(mode="after")
+    def _one_host_per_group(self) -> TransferConfig:
+        if self.group_hosts and len(self.group_hosts) != self.num_groups:
+            raise ValueError(f"group_hosts names {len(self.group_hosts)} addresses for num_groups={self.num_groups}")
+        if self.port and self.port + self.num_groups - 1 > 65535:
+            raise ValueError(f"ports {self.port}..{self.port + self.num_groups - 1} run past 65535")
+        return self
 
 
 class ManagerConfig(_Section):

@@ -46,9 +46,14 @@ class PublisherSync:
         advertise_port: int | None = None,
     ) -> None:
         self.manager, self.publisher, self.codec = manager, publisher, codec
-        self.host = advertise_host or publisher.address[0]
-        self.port = advertise_port or publisher.address[1]
-        """Where workers connect: the publisher itself, or a relay (NAT, a fault proxy)."""
+        if advertise_port is not None and len(publisher.addresses) > 1:
+            raise ValueError("advertise_port names a relay for one publisher group, not several")
+        self.groups: list[tuple[str, int]] = [
+            (advertise_host or host, advertise_port or port) for host, port in publisher.addresses
+        ]  # fmt: skip
+        """Where workers connect, per publisher group: the publisher itself, or a relay (NAT, a fault proxy)."""
+        self.group_of: dict[str, int] = {}
+        """The group each worker pulls from (kept while it is registered)."""
         self.retries, self.pull_timeout_s = retries, pull_timeout_s
         self.last_message: dict[str, str] = {}
         """What each worker said about its last pull (codec, bytes, seconds)."""
@@ -72,9 +77,10 @@ class PublisherSync:
         if record.is_local:
             return
         path = self.path_for(record.worker_id, version)
+        host, port = self.groups[self.group_for(record.worker_id)]
         body = {
-            "host": self.host,
-            "port": self.port,
+            "host": host,
+            "port": port,
             "weight_version": version,
             "token": self.publisher.grant(record.worker_id, version),
             "worker_id": record.worker_id,
@@ -90,6 +96,21 @@ class PublisherSync:
         if reply is not None:
             self._note(record.worker_id, path, reply)
             log.debug("worker %s pulled v%d: %s", record.worker_id, version, reply.get("message", ""))
+
+    def group_for(self, worker_id: str) -> int:
+        """The worker's publisher group: on its first pull, the one with the fewest
+        registered workers (ties: the lowest); it keeps it while registered."""
+        group = self.group_of.get(worker_id)
+        if group is None:
+            registered = {r.worker_id for r in self.manager.registry}
+            self.group_of = {w: g for w, g in self.group_of.items() if w in registered}
+            load = [0] * len(self.groups)
+            for g in self.group_of.values():
+                load[g] += 1
+            group = self.group_of[worker_id] = min(range(len(load)), key=load.__getitem__)
+            if len(self.groups) > 1:
+                log.info("worker %s pulls weights from publisher group %d (%s:%d)", worker_id, group, *self.groups[group])
+        return group
 
     def _note(self, worker_id: str, asked: WeightPath, reply: dict[str, Any]) -> None:
         self.last_message[worker_id] = reply.get("message", "")

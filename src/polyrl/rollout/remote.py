@@ -65,7 +65,9 @@ class RemoteRollout:
         self.local_engine.start()
         transfer = manager_cfg.transfer
         try:
-            self.publisher = WeightPublisher(manager_cfg.host, transfer.port).start()
+            self.publisher = WeightPublisher(
+                manager_cfg.host, transfer.port, num_groups=transfer.num_groups, group_hosts=transfer.group_hosts
+            ).start()
         except BaseException:
             self.local_engine.shutdown()
             raise
@@ -79,7 +81,8 @@ class RemoteRollout:
             self.publisher.stop()
             self.local_engine.shutdown()
             raise
-        self.mt.add_sync_hook(PublisherSync(self.mt.manager, self.publisher, transfer.advertise_host, codec=transfer.codec))
+        advertise = None if transfer.group_hosts else transfer.advertise_host  # each group's own bind address
+        self.mt.add_sync_hook(PublisherSync(self.mt.manager, self.publisher, advertise, codec=transfer.codec))
         self.version = self.local_engine.engine.weight_version
         self.stats = RolloutStats()
         self._sync_estimate_s: float | None = None

@@ -16,7 +16,7 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -41,6 +41,7 @@ from polyrl.transfer.wire import (
     checksum,
     chunk_checksums,
     combined_checksum,
+    kernel_timeouts,
     read_request,
     send_text,
     transfer_token,
@@ -74,9 +75,16 @@ class WeightPublisher:
         keep_versions: int = 2,
         io_timeout_s: float = 30.0,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        num_groups: int = 1,
+        group_hosts: Sequence[str] = (),
     ) -> None:
-        if chunk_bytes < 4096 or keep_versions < 1:
-            raise ValueError("chunk_bytes must be >= 4096 and keep_versions >= 1")
+        """`num_groups` listeners serve the same versions (the seeds' sender groups): group
+        g binds `group_hosts[g]` (one per network interface) or `host`, on `port + g` when
+        `port` is set, else on any free port; the manager spreads workers over them."""
+        if chunk_bytes < 4096 or keep_versions < 1 or num_groups < 1:
+            raise ValueError("chunk_bytes must be >= 4096, keep_versions and num_groups >= 1")
+        if group_hosts and len(group_hosts) != num_groups:
+            raise ValueError(f"{len(group_hosts)} group_hosts for {num_groups} groups")
         self.key = key if key is not None else os.urandom(32)
         self.chunk_bytes, self.keep_versions, self.io_timeout_s = chunk_bytes, keep_versions, io_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
@@ -90,19 +98,35 @@ class WeightPublisher:
         self.device: DeviceVersions | None = None
         """Versions held on the trainer's GPU for same-host workers (NCCL, CUDA IPC): set it
         and `device.publish` each version there too (`transfer/device.py`)."""
-        self._server = _Server((host, port), _Handler)
-        self._server.publisher = self
-        self.address: tuple[str, int] = self._server.server_address[:2]  # type: ignore[assignment]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="polyrl-publisher", daemon=True)
+        self._servers: list[_Server] = []
+        try:
+            for g in range(num_groups):
+                server = _Server((group_hosts[g] if group_hosts else host, port + g if port else 0), _Handler)
+                server.publisher = self
+                self._servers.append(server)
+        except BaseException:
+            for server in self._servers:
+                server.server_close()
+            raise
+        self.addresses: list[tuple[str, int]] = [s.server_address[:2] for s in self._servers]  # type: ignore[misc]
+        """Where each group listens."""
+        self.address = self.addresses[0]
+        self._threads = [
+            threading.Thread(target=s.serve_forever, name=f"polyrl-publisher-{g}", daemon=True)
+            for g, s in enumerate(self._servers)
+        ]  # fmt: skip
 
     def start(self) -> WeightPublisher:
-        self._thread.start()
-        log.info("weight publisher serving on %s:%d", *self.address)
+        for thread in self._threads:
+            thread.start()
+        log.info("weight publisher serving on %s", ", ".join(f"{h}:{p}" for h, p in self.addresses))
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        for server, thread in zip(self._servers, self._threads):
+            if thread.is_alive():
+                server.shutdown()
+            server.server_close()
         if self.device is not None:
             self.device.close()
 
@@ -220,7 +244,7 @@ class _Handler(socketserver.BaseRequestHandler):
         peer = f"{self.client_address[0]}:{self.client_address[1]}"
         try:
             req = read_request(sock, timeout_s=pub.handshake_timeout_s)
-            sock.settimeout(pub.io_timeout_s)
+            kernel_timeouts(sock, pub.io_timeout_s)
             with pub._reading(req.version) as held:
                 self._serve(pub, sock, req, held, peer)
         except (OSError, ValueError, TransferError) as e:  # a receiver that died, stalled or spoke garbage

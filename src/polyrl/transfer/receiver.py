@@ -36,7 +36,9 @@ from polyrl.transfer.wire import (
     TransferInfo,
     checksum,
     combined_checksum,
+    connect,
     encode_request,
+    kernel_timeouts,
     read_reply_text,
     read_text,
     recv_exact,
@@ -241,9 +243,6 @@ def _verify(info: TransferInfo, out: torch.Tensor, what: str) -> None:
 
 
 def _connect(source: PullSource, timeout_s: float) -> socket.socket:
-    try:
-        sock = socket.create_connection((source.host, source.port), timeout=timeout_s)
-    except OSError as e:
-        raise TransferError(f"cannot reach the publisher at {source.host}:{source.port}: {e}") from None
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock = connect(source.host, source.port, timeout_s)
+    kernel_timeouts(sock, timeout_s)
     return sock

@@ -117,18 +117,38 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
 
 
 def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
-    """Fill `view`; TimeoutError past `deadline` (monotonic), however the bytes trickle in."""
+    """Fill `view`; TimeoutError past `deadline` (monotonic), however the bytes trickle in.
+
+    Without a deadline on a socket set up by `kernel_timeouts`, each call waits in the
+    kernel for the whole rest of `view` (MSG_WAITALL): one system call and one release of
+    the GIL per piece, where a Python-timeout socket polls and wakes per arriving segment."""
     got = 0
+    flags = socket.MSG_WAITALL if deadline is None and sock.gettimeout() is None else 0
     while got < len(view):
         if deadline is not None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"timed out after {got} of {len(view)} bytes")
             sock.settimeout(remaining)
-        n = sock.recv_into(view[got:])
+        try:
+            n = sock.recv_into(view[got:], 0, flags)
+        except BlockingIOError:  # SO_RCVTIMEO passed with nothing received
+            raise TimeoutError(f"no data for the socket's timeout after {got} of {len(view)} bytes") from None
         if n == 0:
             raise TransferError(f"connection closed after {got} of {len(view)} bytes")
         got += n
+
+
+def kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Make `sock` blocking, with the idle timeout enforced by the kernel (SO_RCVTIMEO,
+    SO_SNDTIMEO) rather than by Python, which polls before every send and recv. Bulk
+    transfers then move a whole piece per system call; a peer that stalls for `seconds`
+    still ends the call with TimeoutError (recv) or an OSError (send)."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 @dataclass(frozen=True)
