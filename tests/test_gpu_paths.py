@@ -23,8 +23,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_manager import _start_worker, fast_cfg, wait_active, workers_of
-from test_worker import _tiny, _wait_until
+from test_manager import TOKEN, fast_cfg, wait_active, workers_of
+from test_worker import WorkerProcess, _tiny, _wait_until
 from torch.distributed import TCPStore
 
 from polyrl.config import EngineConfig, ManagerConfig
@@ -183,7 +183,9 @@ def test_a_receiver_killed_mid_transfer_breaks_only_its_pair(publisher: WeightPu
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AsyncEngine]:
     model = _tiny(tmp_path_factory.mktemp("gpu_paths_model"))
-    engine = AsyncEngine(Engine.from_pretrained(str(model), EngineConfig(max_num_seqs=4)))
+    # a CPU engine on every machine: these tests run the NCCL code over gloo (the CUDA paths
+    # have their own tests below)
+    engine = AsyncEngine(Engine.from_pretrained(str(model), EngineConfig(max_num_seqs=4, device="cpu")))
     engine.start()
     yield engine
     engine.shutdown()
@@ -252,13 +254,14 @@ def test_real_worker_takes_the_nccl_path_after_its_first_pull(tmp_path: Path) ->
     """publish_version -> PublisherSync: the first pull is TCP (the worker's reply says
     where it is), the next one is NCCL (gloo here), and the worker serves it."""
     model = _tiny(tmp_path / "model")
-    reference = Engine.from_pretrained(str(model), EngineConfig(max_num_seqs=4))
+    reference = Engine.from_pretrained(str(model), EngineConfig(max_num_seqs=4, device="cpu"))
     params = {k: p.detach().clone() for k, p in reference.model.named_parameters()}
     with ManagerThread(fast_cfg()) as mt, WeightPublisher() as pub:
         pub.device = DeviceVersions(CPU)
         sync = PublisherSync(mt.manager, pub, codec="raw")
         mt.add_sync_hook(sync)
-        proc = _start_worker(model, mt.url, "w1")
+        # a CPU worker on every machine, so the pair runs gloo (on a GPU host it would be CUDA)
+        proc = WorkerProcess(model, "--manager", mt.url, "--token", TOKEN, "--worker-id", "w1", 'engine.device="cpu"')
         try:
             proc.wait_ready()
             wait_active(mt, "w1")
