@@ -171,6 +171,9 @@ def test_polyrl_train_under_torchrun_then_resume_on_one_process(tmp_path):
     proc = _torchrun("train", "--run-dir", str(run_dir), *E2E)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _steps(run_dir) == [1, 2]  # rank 0 alone logs
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trainer_price = load_config(None, []).cost.trainer_usd_per_hour
+    assert rows[0]["cost/usd_per_hour"] == pytest.approx(2 * trainer_price)  # two trainer GPUs, no workers
     ckpt = latest_checkpoint(run_dir)
     assert ckpt.name == "step_000002"
     saved = read_trainer_state(ckpt)["optimizer"]

@@ -216,7 +216,7 @@ class CostConfig(_Section):
     """Prices for `cost/*` metrics (defaults: the seeds' H100x8 prices, per GPU)."""
 
     trainer_usd_per_hour: float = Field(83.79 / 8, ge=0)
-    """The trainer's reserved (on-demand) capacity."""
+    """The trainer's reserved (on-demand) capacity, per trainer GPU: FSDP on N ranks costs N times it."""
     worker_usd_per_hour: float = Field(21.28 / 8, ge=0)
     """For workers that do not declare a price (`worker.usd_per_hour`)."""
 

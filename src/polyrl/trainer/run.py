@@ -198,7 +198,8 @@ class Run:
             default = self.cfg.cost.worker_usd_per_hour
             prices = [w.usd_per_hour if w.usd_per_hour is not None else default for w in self.rollout.workers()]
             metrics["training/num_workers"] = float(len(prices))
-        metrics.update(cost_metrics(total_tokens, step_s, self.cfg.cost.trainer_usd_per_hour, prices))
+        trainer_usd = self.cfg.cost.trainer_usd_per_hour * self.dp.world_size  # one price per trainer GPU
+        metrics.update(cost_metrics(total_tokens, step_s, trainer_usd, prices))
         if self.fleet is not None:
             events = self.fleet.events
             metrics.update({"fleet/launched": float(events.launched), "fleet/retired": float(events.retired),
