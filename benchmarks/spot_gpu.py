@@ -101,12 +101,17 @@ def make_model(out: Path, num_stop_ids: int, max_positions: int) -> Path:
 class Worker:
     """A `polyrl worker` on its own GPU that joins the trainer's manager, as a spot VM would."""
 
-    def __init__(self, model: Path, manager_url: str, worker_id: str, gpu: str, log_dir: Path, fraction: float) -> None:
+    def __init__(
+        self, model: Path, manager_url: str, worker_id: str, gpu: str, log_dir: Path, fraction: float,
+        extra: tuple[str, ...] = ("engine.max_num_seqs=512",),
+    ) -> None:  # fmt: skip
+        """`gpu`: CUDA_VISIBLE_DEVICES for it ("" hides every GPU); `extra`: more config overrides."""
         env = os.environ | {"CUDA_VISIBLE_DEVICES": gpu, "POLYRL_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
+        self.worker_id = worker_id
         self.log = open(log_dir / f"{worker_id}.log", "ab")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model), "--port", "0",
                "--manager", manager_url, "--worker-id", worker_id, f"engine.kv_cache_memory_fraction={fraction}",
-               "engine.max_num_seqs=512", "worker.heartbeat_interval_s=0.5"]  # fmt: skip
+               "worker.heartbeat_interval_s=0.5", *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill(self) -> None:
