@@ -46,7 +46,16 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spot_gpu import ON_DEMAND_USD_PER_GPU_HOUR, SPOT_USD_PER_GPU_HOUR, TOKEN, Worker, make_model, read_metrics  # noqa: E402
+from spot_gpu import (  # noqa: E402
+    ON_DEMAND_USD_PER_GPU_HOUR,
+    SPOT_USD_PER_GPU_HOUR,
+    TOKEN,
+    Result,
+    Worker,
+    make_model,
+    read_metrics,
+    summarise,
+)
 
 from polyrl.chaos.harness import free_port  # noqa: E402
 
@@ -59,15 +68,10 @@ class Phase:
     steps: list[int] = field(default_factory=list)
     """The measured steps."""
     notes: list[str] = field(default_factory=list)
-    tokens_per_s: float = 0.0
-    gen_tokens_per_s: float = 0.0
-    s_per_step: float = 0.0
-    usd_per_hour: float = 0.0
-    tokens_per_usd: float = 0.0
-    weight_sync_s: float | None = None
+    stats: Result | None = None
+    """Its measured steps, summed up as `spot_gpu` does a part's."""
     worker_gen_tokens_per_s: float | None = None
     """The workers' own generation rate (their heartbeats), mean over the phase's samples."""
-    local_share: float = 0.0
 
 
 class Manager:
@@ -230,27 +234,11 @@ def schedule(run: Run, args: argparse.Namespace) -> list[Phase]:
     return phases
 
 
-def summarise(phase: Phase, run: Run) -> None:
-    rows = [run.rows[s] for s in phase.steps]
-    if not rows:
-        return
-    step_s = sum(r["perf/time_per_step"] for r in rows)
-    tokens = sum(r["perf/total_num_tokens"] for r in rows)
-    phase.s_per_step = step_s / len(rows)
-    phase.tokens_per_s = tokens / step_s
-    phase.gen_tokens_per_s = sum(r["response_length/mean"] * r["rollout/samples_received"] for r in rows) / step_s
-    phase.usd_per_hour = sum(r["cost/usd_per_hour"] for r in rows) / len(rows)
-    phase.tokens_per_usd = tokens / (step_s * phase.usd_per_hour / 3600)
-    syncs = [r["timing_s/weight_sync"] for r in rows if "timing_s/weight_sync" in r]
-    phase.weight_sync_s = sum(syncs) / len(syncs) if syncs else None
-    phase.local_share = sum(r["rollout/local_samples"] for r in rows) / max(sum(r["rollout/samples_received"] for r in rows), 1)
-
-
 def report(phases: list[Phase], run: Run, args: argparse.Namespace, wall: float) -> dict:
     rows = list(run.rows.values())
     lost = int(sum(r["rollout/samples_lost"] for r in rows))
     migrated = int(sum(r["rollout/migrated_samples"] for r in rows))
-    base = phases[0]
+    base = phases[0].stats or Result(phases[0].name)
     where = (f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if args.device == "cuda"
              else f"CPU ({os.cpu_count()} cores)")  # fmt: skip
     print(f"\n{where}, torch {torch.__version__}, {platform.node()}; {args.prompts} prompts x {args.n}, "
@@ -260,12 +248,13 @@ def report(phases: list[Phase], run: Run, args: argparse.Namespace, wall: float)
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for p in phases:
-        speed = p.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
-        gain = p.tokens_per_usd / base.tokens_per_usd - 1 if base.tokens_per_usd else None
-        cells = (p.name, ",".join(map(str, p.steps)), fmt(p.s_per_step, ".2f"), fmt(p.tokens_per_s, ".0f"),
-                 fmt(speed, ".2f"), fmt(p.gen_tokens_per_s, ".0f"), fmt(p.worker_gen_tokens_per_s, ".0f"),
-                 fmt(p.usd_per_hour, ".2f"), fmt(p.tokens_per_usd, ".3g"),
-                 "-" if gain is None else f"{100 * gain:+.0f}%", fmt(p.local_share, ".2f"), fmt(p.weight_sync_s, ".2f"))  # fmt: skip
+        r = p.stats or Result(p.name)
+        speed = r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
+        gain = r.tokens_per_usd / base.tokens_per_usd - 1 if base.tokens_per_usd else None
+        cells = (p.name, ",".join(map(str, p.steps)), fmt(r.s_per_step, ".2f"), fmt(r.tokens_per_s, ".0f"),
+                 fmt(speed, ".2f"), fmt(r.gen_tokens_per_s, ".0f"), fmt(p.worker_gen_tokens_per_s, ".0f"),
+                 fmt(r.usd_per_hour, ".2f"), fmt(r.tokens_per_usd, ".3g"),
+                 "-" if gain is None else f"{100 * gain:+.0f}%", fmt(r.local_share, ".2f"), fmt(r.weight_sync_s, ".2f"))  # fmt: skip
         print("| " + " | ".join(cells) + " |")
         for note in p.notes:
             print(f"    {p.name}: {note}")
@@ -312,7 +301,7 @@ def main() -> None:
             run.stop()
         wall = time.monotonic() - run.t0
         for index, phase in enumerate(phases):
-            summarise(phase, run)
+            phase.stats = summarise(phase.name, [run.rows[s] for s in phase.steps], 0, 0.0, [])
             rates = run.gen_rates.get(index, [])
             phase.worker_gen_tokens_per_s = sum(rates) / len(rates) if rates and phase.workers else None
         result = report(phases, run, args, wall)
