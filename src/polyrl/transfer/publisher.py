@@ -169,7 +169,11 @@ class WeightPublisher:
         allocating 1.2 GB of pinned memory per version took 1.3 s on an H200 host, the
         copy into it 0.02 s (BENCHMARKS.md). Called with the lock held."""
         held.dropped = True
-        if held.readers == 0:
+        self._reuse_if_unread(held)
+
+    def _reuse_if_unread(self, held: _Held) -> None:
+        """Called with the lock held."""
+        if held.dropped and held.readers == 0:
             self._spare = held.buffer
 
     @contextmanager
@@ -185,8 +189,7 @@ class WeightPublisher:
             if held is not None:
                 with self._lock:
                     held.readers -= 1
-                    if held.dropped and held.readers == 0:
-                        self._spare = held.buffer
+                    self._reuse_if_unread(held)
 
     def _lookup(self, version: int) -> _Held | None:
         with self._lock:
