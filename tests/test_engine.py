@@ -286,6 +286,40 @@ def test_async_engine_streams_aborts_and_refuses_when_full(model):
     asyncio.run(main())
 
 
+def test_async_engine_survives_callers_that_stop_waiting(model):
+    """A request cancelled while its add is still queued (as the manager does to the local
+    engine's requests when it closes the local window), and an update whose caller gave up:
+    the engine thread runs both commands, and the abort after the add, and lives on."""
+
+    async def main():
+        engine = AsyncEngine(Engine(model, SMALL))
+
+        async def collect(rid, prompt, sampling):
+            r = SampleResult(rid, 0, len(prompt))
+            async for deltas in engine.generate(EngineRequest(rid, prompt, sampling)):
+                for d in deltas:
+                    r.add(d)
+            return r
+
+        long = EngineSampling(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+        cancelled = [asyncio.create_task(collect("a", [1, 5], long)), asyncio.create_task(engine.update_weights(None, 7))]
+        await asyncio.sleep(0.05)  # both wait on their commands: the engine thread has not started
+        for task in cancelled:
+            task.cancel()
+        await asyncio.gather(*cancelled, return_exceptions=True)
+        engine.start()
+        try:
+            b = await asyncio.wait_for(collect("b", PROMPTS[0], GREEDY), 30)
+            assert b.token_ids == hf_greedy(model, PROMPTS[0], 12)
+            assert b.weight_versions == [7] * 12  # the update ran, though nobody waited for it
+            assert engine.error is None and engine._thread.is_alive()
+            assert await engine.wait_idle(1.0) and not engine.engine.has_work  # "a" was added, then aborted
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_engine_on_cuda_matches_hf_and_runs_bf16(tmp_path):

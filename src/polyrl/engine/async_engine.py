@@ -90,14 +90,21 @@ class AsyncEngine:
                 command, future = self._commands.get_nowait()
             except queue.Empty:
                 return
+            # A caller that stopped waiting (its task was cancelled: the manager closing the
+            # local window does that) has cancelled the future; the command runs anyway, since
+            # the cleanup it queued after it (an abort) expects it done. Marking the future
+            # running first makes the cancel-or-run decision atomic.
+            waited_for = future.set_running_or_notify_cancel()
             try:
                 deltas = command()
             except Exception as e:
-                future.set_exception(e)
+                if waited_for:
+                    future.set_exception(e)
                 continue
             if deltas:
                 self._dispatch(deltas)
-            future.set_result(None)
+            if waited_for:
+                future.set_result(None)
 
     def _call(self, command: Command) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
