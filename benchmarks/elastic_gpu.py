@@ -5,6 +5,7 @@ with one worker killed (-9) in the middle of a step.
 
     python benchmarks/elastic_gpu.py --json out.json                       # 4 GPUs
     python benchmarks/elastic_gpu.py --device cpu --phase-steps 1 ...      # the orchestration on CPU
+    python benchmarks/elastic_gpu.py --trainer-gpus 0,1 --worker-gpus 1,1 ...  # a check on 2 GPUs (shared)
 
 Phases, each `--phase-steps` measured steps. A step counts for a phase only if it started
 after every change of that phase was in effect: a joining worker active in the manager, a
@@ -108,8 +109,8 @@ class Run:
         self.t0 = time.monotonic()
         cpu = args.device == "cpu"
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-        env |= {"CUDA_VISIBLE_DEVICES": "" if cpu else "0,1", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        env |= {"CUDA_VISIBLE_DEVICES": "" if cpu else args.trainer_gpus, "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
                "-m", "polyrl.cli", "train", "--run-dir", str(self.run_dir), *self.overrides()]  # fmt: skip
         self.log = open(work / "trainer.log", "ab")  # noqa: SIM115 - closed in stop()
         self.trainer = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -217,7 +218,7 @@ class Run:
 
 def schedule(run: Run, args: argparse.Namespace) -> list[Phase]:
     cpu = args.device == "cpu"
-    gpu2, gpu3 = ("", "") if cpu else ("2", "3")
+    gpu2, gpu3 = ("", "") if cpu else args.worker_gpus.split(",")
     phases = [Phase("0 workers", 0), Phase("1 worker", 1), Phase("2 workers", 2),
               Phase("1 worker, oldest retired", 1), Phase("1 worker, after a kill -9", 1)]  # fmt: skip
     run.wait(lambda: run.last_step() >= args.warmup, 0, f"{args.warmup} warm-up steps")
@@ -242,7 +243,8 @@ def report(phases: list[Phase], run: Run, args: argparse.Namespace, wall: float)
     where = (f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if args.device == "cuda"
              else f"CPU ({os.cpu_count()} cores)")  # fmt: skip
     print(f"\n{where}, torch {torch.__version__}, {platform.node()}; {args.prompts} prompts x {args.n}, "
-          f"<= {args.new_tokens} new tokens; trainer FSDP2 on 2 ranks, hybrid; weight path {args.weight_path}")
+          f"<= {args.new_tokens} new tokens; trainer FSDP2 on {args.ranks} ranks (GPUs {args.trainer_gpus}), hybrid; "
+          f"workers on GPUs {args.worker_gpus}; weight path {args.weight_path}")
     head = ("phase", "steps", "s/step", "tok/s", "vs 0 workers", "gen tok/s", "worker gen tok/s", "$/h", "tok/$",
             "tok/$ vs 0 workers", "local share", "sync s")  # fmt: skip
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
@@ -281,10 +283,16 @@ def main() -> None:
     p.add_argument("--weight-path", choices=["auto", "tcp"], default="auto",
                    help="auto: same-host workers get NCCL after their first pull; tcp: TCP only")
     p.add_argument("--timeout-s", type=float, default=1500)
+    p.add_argument("--trainer-gpus", default="0,1", help="CUDA devices of the trainer's ranks (one rank each)")
+    p.add_argument("--worker-gpus", default="2,3", help="the two worker GPUs (w1 and w3 on the first, w2 on the second)")
     p.add_argument("--keep", type=Path, help="keep logs and the run directory here")
     args = p.parse_args()
-    if args.device == "cuda" and torch.cuda.device_count() < 4:
-        sys.exit(f"needs 4 GPUs, found {torch.cuda.device_count()}")
+    args.ranks = 2 if args.device == "cpu" else len(args.trainer_gpus.split(","))
+    if len(args.worker_gpus.split(",")) != 2:
+        sys.exit(f"--worker-gpus takes two devices, got {args.worker_gpus!r}")
+    needed = 1 + max(int(g) for g in f"{args.trainer_gpus},{args.worker_gpus}".split(","))
+    if args.device == "cuda" and torch.cuda.device_count() < needed:
+        sys.exit(f"needs {needed} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory(prefix="elastic_gpu_") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)

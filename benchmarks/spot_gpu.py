@@ -10,8 +10,10 @@ Parts, each a real `polyrl train` process on GPU 0 (plus a real `polyrl worker` 
   with the manager's URL and token;
 * hybrid_kill: the same, with the worker killed (-9) in the middle of a measured step and
   a new one started a few seconds later: nothing may be lost;
-* learn_colocated / learn_hybrid: the tiny default model learning the default task from
-  scratch, wall-clock time to a target reward.
+* hybrid_ahead, hybrid_ahead_kill: hybrid and hybrid_kill with rollout.max_staleness=1: the
+  worker generates step k+1's batch while the trainer's GPU trains on step k's;
+* learn_colocated / learn_hybrid / learn_hybrid_ahead: the tiny default model learning
+  the default task from scratch, wall-clock time to a target reward.
 
 The throughput parts use a Qwen3-0.6B-shaped model with random weights. Its generation
 config names `--stop-ids` token ids as end-of-sequence, so that lengths vary as real
@@ -24,6 +26,7 @@ on-demand, the worker's spot.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -64,7 +67,9 @@ class Result:
     weight_sync_s: float | None = None
     """Published -> the worker serving it (the slowest worker), mean over measured steps."""
     logprob_diff: float = 0.0
-    """Max over measured steps."""
+    """Max over measured steps (over the tokens sampled by the learner's own version)."""
+    version_lag: float = 0.0
+    """Versions the trained-on tokens lagged the learner, mean over measured steps."""
     samples_lost: int = 0
     migrated: int = 0
     local_share: float = 0.0
@@ -106,7 +111,8 @@ class Worker:
         extra: tuple[str, ...] = ("engine.max_num_seqs=512",),
     ) -> None:  # fmt: skip
         """`gpu`: CUDA_VISIBLE_DEVICES for it ("" hides every GPU); `extra`: more config overrides."""
-        env = os.environ | {"CUDA_VISIBLE_DEVICES": gpu, "POLYRL_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
+        env = os.environ | {"CUDA_VISIBLE_DEVICES": gpu, "POLYRL_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1",
+                            "PYTHONFAULTHANDLER": "1"}  # fmt: skip
         self.worker_id = worker_id
         self.log = open(log_dir / f"{worker_id}.log", "ab")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model), "--port", "0",
@@ -170,15 +176,19 @@ def run_part(
     if spot:  # started first: it retries registering until the trainer's manager is up
         workers.append(Worker(model, url, "spot0", "1", run_dir, args.worker_kv_fraction))
     t0 = time.monotonic()
-    env = os.environ | {"CUDA_VISIBLE_DEVICES": "0", "PYTHONUNBUFFERED": "1"}
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "0", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     with open(run_dir / "trainer.log", "ab") as log:
         trainer = subprocess.Popen(train_command(run_dir, overrides), env=env, stdout=log, stderr=subprocess.STDOUT)
         killed = False
         try:
             while trainer.poll() is None:
                 if time.monotonic() - t0 > timeout_s:
+                    for proc in [trainer, *(w.proc for w in workers)]:  # every thread's stack into the logs
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.send_signal(signal.SIGABRT)
+                    time.sleep(3)
                     trainer.kill()
-                    notes.append(f"timed out after {timeout_s:.0f}s")
+                    notes.append(f"timed out after {timeout_s:.0f}s (stacks in the logs)")
                     break
                 rows = read_metrics(run_dir / "metrics.jsonl")
                 if kill_step is not None and not killed and len(rows) >= kill_step - 1:
@@ -223,6 +233,7 @@ def summarise(part: str, rows: list[dict[str, float]], warmup: int, wall: float,
     syncs = [r["timing_s/weight_sync"] for r in measured if "timing_s/weight_sync" in r]
     res.weight_sync_s = sum(syncs) / len(syncs) if syncs else None
     res.logprob_diff = max(r.get("rollout/logprob_diff", 0.0) for r in measured)
+    res.version_lag = mean("rollout/version_lag/mean")
     res.samples_lost = int(sum(r["rollout/samples_lost"] for r in rows))
     res.migrated = int(sum(r["rollout/migrated_samples"] for r in rows))
     res.local_share = sum(r["rollout/local_samples"] for r in measured) / max(sum(r["rollout/samples_received"] for r in measured), 1)
@@ -230,10 +241,10 @@ def summarise(part: str, rows: list[dict[str, float]], warmup: int, wall: float,
     return res
 
 
-def learning_part(part: str, mode: str, args: argparse.Namespace, work: Path) -> Result:
+def learning_part(part: str, mode: str, args: argparse.Namespace, work: Path, extra: list[str]) -> Result:
     """The default task and tiny model, from scratch, on GPU: time to the target reward."""
     port = free_port()
-    overrides = [
+    overrides = [*extra,
         "trainer.device=cuda", f"rollout.mode={mode}", f"trainer.total_steps={args.learn_steps}",
         "logging.console=false", "logging.tensorboard=false", "fleet.num_workers=0", "trainer.save_every=0",
         f"manager.port={port}", f"manager.token={TOKEN}", "manager.heartbeat_interval_s=0.5",
@@ -246,7 +257,7 @@ def learning_part(part: str, mode: str, args: argparse.Namespace, work: Path) ->
         subprocess.run([sys.executable, "-m", "polyrl.cli", "tiny-model", "--out", str(model)], check=True,
                        capture_output=True)  # fmt: skip
         overrides.append(f"model.path={model}")
-    rows, wall, notes = run_part(part, overrides, run_dir, model, port, args, spot=mode != "local", timeout_s=600)
+    rows, wall, notes = run_part(part, overrides, run_dir, model, port, args, mode != "local", None, args.part_timeout_s)
     res = summarise(part, rows, 0, wall, notes)
     elapsed = 0.0
     window: list[float] = []
@@ -262,7 +273,8 @@ def learning_part(part: str, mode: str, args: argparse.Namespace, work: Path) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=Path)
-    p.add_argument("--only", default="colocated,hybrid,hybrid_kill,learn_colocated,learn_hybrid")
+    p.add_argument("--only", default="colocated,hybrid,hybrid_kill,hybrid_ahead,hybrid_ahead_kill,learn_colocated,"
+                   "learn_hybrid,learn_hybrid_ahead")  # fmt: skip
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=1024)
@@ -275,6 +287,9 @@ def main() -> None:
     p.add_argument("--worker-kv-fraction", type=float, default=0.8)
     p.add_argument("--restart-after-s", type=float, default=3.0)
     p.add_argument("--learn-steps", type=int, default=80)
+    p.add_argument("--part-timeout-s", type=float, default=900, help="a part still running then is stopped")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more trainer overrides")
+    p.add_argument("--keep", type=Path, help="keep the logs and run directories here")
     p.add_argument("--target-reward", type=float, default=0.8)
     args = p.parse_args()
     if torch.cuda.device_count() < 2:
@@ -282,20 +297,23 @@ def main() -> None:
     parts = args.only.split(",")
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="spot_gpu_") as tmp:
-        work = Path(tmp)
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         model = None
         if any(not part.startswith("learn") for part in parts):
             model = make_model(work / "qwen3-0.6b-shape", args.stop_ids, args.new_tokens + 512)
         for part in parts:
             print(f"== {part}", flush=True)
+            ahead = ["rollout.max_staleness=1"] if "ahead" in part else []
             if part.startswith("learn"):
-                res = learning_part(part, "local" if part == "learn_colocated" else "hybrid", args, work)
+                res = learning_part(part, "local" if part == "learn_colocated" else "hybrid", args, work, ahead)
             else:
                 port = free_port()
                 mode = "local" if part == "colocated" else "hybrid"
-                overrides = throughput_overrides(args, model, mode, port)
-                kill = args.warmup + 2 if part == "hybrid_kill" else None
-                rows, wall, notes = run_part(part, overrides, work / part, model, port, args, mode != "local", kill)
+                overrides = throughput_overrides(args, model, mode, port) + ahead + args.set
+                kill = args.warmup + 2 if part.endswith("_kill") else None
+                rows, wall, notes = run_part(part, overrides, work / part, model, port, args, mode != "local", kill,
+                                             args.part_timeout_s)  # fmt: skip
                 res = summarise(part, rows, args.warmup, wall, notes)
             results.append(res)
             print(json.dumps(asdict(res)), flush=True)
@@ -308,7 +326,7 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
           f"{platform.node()}; {args.prompts} prompts x {args.n}, <= {args.new_tokens} new tokens, "
           f"{args.stop_ids} extra stop ids")  # fmt: skip
     head = ("part", "s/step", "tok/s", "gen tok/s", "vs coloc", "$/h", "tok/$", "tok/$ gain", "gen s", "train s",
-            "publish s", "sync s", "lp diff", "lost", "migr", "local", "resp len", "to target s", "final reward")
+            "publish s", "sync s", "lp diff", "lag", "lost", "migr", "local", "resp len", "to target s", "final reward")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in results:
@@ -317,7 +335,8 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
         cells = (r.part, fmt(r.s_per_step, ".2f"), fmt(r.tokens_per_s, ".0f"), fmt(r.gen_tokens_per_s, ".0f"),
                  fmt(speed, ".2f"), fmt(r.usd_per_hour, ".2f"), fmt(r.tokens_per_usd, ".3g"),
                  "-" if gain is None else f"{100 * gain:+.0f}%", fmt(r.gen_s, ".2f"), fmt(r.update_actor_s, ".2f"),
-                 fmt(r.publish_s, ".2f"), fmt(r.weight_sync_s, ".2f"), fmt(r.logprob_diff, ".2g"), str(r.samples_lost),
+                 fmt(r.publish_s, ".2f"), fmt(r.weight_sync_s, ".2f"), fmt(r.logprob_diff, ".2g"),
+                 fmt(r.version_lag, ".2f"), str(r.samples_lost),
                  str(r.migrated), fmt(r.local_share, ".2f"), fmt(r.mean_completion_len, ".0f"),
                  fmt(r.time_to_target_s, ".0f"), fmt(r.final_reward, ".2f"))  # fmt: skip
         print("| " + " | ".join(cells) + " |")

@@ -52,6 +52,12 @@ def test_errors_name_the_key(override, key):
     assert key in msg
 
 
+def test_staleness_needs_a_rollout_that_can_run_ahead():
+    assert load_config(None, ["rollout.max_staleness=1"]).rollout.max_staleness == 1  # remote, the default
+    with pytest.raises(ConfigError, match="rollout.max_staleness"):
+        load_config(None, ["rollout.mode=local", "rollout.max_staleness=1"])
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml")

@@ -20,6 +20,7 @@ from polyrl.engine.types import EngineRequest, EngineSampling
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import BatchPrompt, BatchRequest, BatchSampling
 from polyrl.manager.weight_sync import PublisherSync
+from polyrl.trainer.checkpoint import read_trainer_state
 from polyrl.trainer.loop import train
 from polyrl.transfer.publisher import WeightPublisher
 
@@ -132,6 +133,37 @@ def test_resume_in_remote_mode_resyncs_a_fresh_worker(tmp_path: Path) -> None:
     assert state.step == 6 and [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     _check_every_step(rows)
     assert all(r["rollout/local_samples"] == 0 for r in rows[3:])  # the worker, at v3 and later
+
+
+def test_generating_one_step_ahead_then_resuming(tmp_path: Path) -> None:
+    """rollout.max_staleness=1: the worker generates step k+1's batch while step k trains,
+    so tokens lag the learner by at most one version. The trainer dies after step 4
+    (checkpoint at 3, with step 4's batch in flight); the resumed run takes step 4's
+    prompts again, and every step gets every sample."""
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_4(step: int, metrics: dict[str, float]) -> None:
+        if step == 4:
+            raise Crash
+
+    run_dir = tmp_path / "run"
+    overrides = [*QUICK, "trainer.total_steps=6", "trainer.save_every=3", "fleet.num_workers=1", "rollout.max_staleness=1"]
+    with pytest.raises(Crash):
+        train(load_config(None, overrides), run_dir, on_step_end=crash_after_4)
+    saved = read_trainer_state(run_dir / "checkpoints" / "step_000003")["state"]
+    batch = load_config(None, overrides).trainer.train_batch_size
+    assert saved["step"] == 3 and saved["cursor"] == 3 * batch  # step 4's prompts, taken ahead, are not in it
+    state = train(load_config(run_dir / "config.toml"), run_dir, resume=True)
+    rows = _metrics(run_dir)
+    assert state.step == 6 and [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for r in rows:
+        assert r["rollout/samples_received"] == r["rollout/samples_requested"] > 0 and r["rollout/samples_lost"] == 0
+        assert r["rollout/version_lag/max"] <= 1
+        assert r.get("rollout/logprob_diff", 0.0) < ON_POLICY  # over the tokens of the learner's own version
+    assert rows[0]["rollout/version_lag/max"] == 0 and "rollout/logprob_diff" in rows[0]  # nothing to run ahead of
+    assert any(r["rollout/version_lag/mean"] > 0 for r in rows), [r["rollout/version_lag/mean"] for r in rows]
 
 
 def test_hybrid_run_completes_on_policy(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from polyrl.config import AlgoConfig, EngineConfig, TrainerConfig
 from polyrl.engine.engine import Engine
 from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.types import Group, Prompt, Sample, SamplingParams
-from polyrl.trainer.batching import SeqItem, collate, pack_micro_batches
+from polyrl.trainer.batching import SeqItem, collate, group_items, pack_micro_batches
 from polyrl.trainer.learner import Learner, build_optimizer, lr_lambda
 from polyrl.trainer.stream import learn_from_stream
 
@@ -159,3 +159,28 @@ def test_bf16_compute_keeps_fp32_master_weights(model_tok):
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert torch.isfinite(torch.tensor(metrics["actor/grad_norm"]))
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_logprob_diff_counts_only_tokens_of_the_current_version(model_tok):
+    """Tokens sampled ahead by older weights (max_staleness) differ from the learner by the
+    update, not by a mismatch: the metric must leave them out, and only them."""
+    model, tok = model_tok
+    prompt = _prompts(tok, ["1+2="])[0]
+    completion = [5, 6, 7, 8]
+    item = SeqItem(prompt.prompt_ids + completion, len(prompt.prompt_ids), [0.0] * 4, 1.0)
+    with torch.no_grad():
+        mb = collate([item], pad_id=tok.pad_token_id)
+        true = _learner(model).logprobs(model, mb, with_entropy=False)[0][0][mb.mask[0].bool()].tolist()
+    behav = true[:2] + [t - 3.0 for t in true[2:]]  # tokens 3-4: an older version's log-probs
+    versions = [4, 4, 3, 3]
+    sample = Sample(completion, behav, "length", versions)
+    [mixed] = group_items(Group(prompt, [sample]), [1.0], version=4)
+    assert mixed.current == [True, True, False, False] and mixed.num_current_tokens == 2
+    [unmarked] = group_items(Group(prompt, [sample]), [1.0])
+    assert unmarked.current is None
+    diff_mixed = _learner(copy.deepcopy(model)).train_mini_batch([mixed], weights_as_sampled=True)["rollout/logprob_diff"]
+    diff_all = _learner(copy.deepcopy(model)).train_mini_batch([unmarked], weights_as_sampled=True)["rollout/logprob_diff"]
+    assert diff_mixed < 1e-4, diff_mixed
+    assert diff_all == pytest.approx(1.5, abs=1e-3)  # 2 of 4 tokens off by 3
+    [stale] = group_items(Group(prompt, [Sample(completion, behav, "length", [3] * 4)]), [1.0], version=4)
+    assert "rollout/logprob_diff" not in _learner(copy.deepcopy(model)).train_mini_batch([stale], weights_as_sampled=True)

@@ -289,6 +289,31 @@ def test_incremental_stream_chunks_add_up_to_the_full_answer(worker: InProcessWo
         assert acc["vs"] == [0] * 9
 
 
+def test_stream_interval_sends_fewer_bigger_chunks(worker: InProcessWorker) -> None:
+    """With `stream_interval_s` a chunk covers every engine step since the last one: the
+    same tokens arrive, in about elapsed / interval chunks instead of one per step."""
+    body = {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 120, "seed": 3, "ignore_eos": True},
+            "stream": True, "incremental_stream": True}  # fmt: skip
+
+    def chunks(interval_s: float) -> tuple[list[dict[str, Any]], float]:
+        worker.state.stream_interval_s = interval_s
+        t0 = time.monotonic()
+        try:
+            with worker.client.stream("POST", "/generate", json=body) as r:
+                events = list(read_sse(r))
+        finally:
+            worker.state.stream_interval_s = 0.0
+        assert events[-1] == "[DONE]"
+        return events[:-1], time.monotonic() - t0
+
+    every_step, _ = chunks(0.0)
+    spaced, elapsed = chunks(0.1)
+    ids = lambda events: [t for e in events for t in e["output_ids"]]  # noqa: E731
+    assert ids(spaced) == ids(every_step) and len(ids(spaced)) == 120
+    assert len(spaced) <= elapsed / 0.1 + 2, (len(spaced), elapsed)
+    assert len(spaced) < len(every_step) / 2, (len(spaced), len(every_step))
+
+
 def test_n_samples_with_logprobs(worker: InProcessWorker) -> None:
     body = {"input_ids": [1, 5], "return_logprob": True, "sampling_params": {"max_new_tokens": 5, "n": 3, "seed": 11}}
     r = worker.client.post("/generate", json=body)

@@ -91,7 +91,14 @@ class RolloutConfig(_Section):
     workers sync the new version (then its samples move to them); learner: as a peer of
     the workers, with its share of the batch, until the learner starts. auto: learner
     when the trainer is on CUDA (its GPU would idle until then), synced on CPU (where the
-    local engine takes the cores the workers and the learner need)."""
+    local engine takes the cores the workers and the learner need) and when
+    `max_staleness` > 0 (the learner keeps the trainer's GPU busy: no idle time to fill)."""
+    max_staleness: int = Field(0, ge=0, le=4)
+    """0: on-policy, each step's batch is generated after the previous step's update. k > 0
+    (remote and hybrid): the batches of the next k steps are submitted ahead, so workers
+    generate them while the learner trains, with weights up to k versions old. The loss's
+    truncated importance weight (algo.tis_cap) corrects for the lag; every token carries
+    its version. Resuming repeats the batches that were in flight, with the saved weights."""
     n: int = Field(16, ge=1)
     """Samples per prompt (the GRPO group size)."""
     max_new_tokens: int = Field(6, ge=1)
@@ -99,6 +106,15 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     """0 disables top-k."""
+
+    @model_validator(mode="after")
+    def _staleness_needs_workers(self) -> RolloutConfig:
+        if self.max_staleness and self.mode == "local":
+            raise ValueError(
+                f"rollout.max_staleness ({self.max_staleness}) needs rollout.mode remote or hybrid: local rollout "
+                f"samples with the learner's own weights, so nothing can be generated ahead of an update"
+            )
+        return self
 
 
 class EngineConfig(_Section):
@@ -243,6 +259,12 @@ class WorkerConfig(_Section):
     heartbeat_interval_s: float = Field(2.0, gt=0)
     manager_timeout_s: float = Field(10.0, gt=0)
     """Timeout of each call to the manager."""
+    stream_interval_s: float = Field(0.0, ge=0, le=5)
+    """A streamed generation sends at most one chunk per request this often (0: one per
+    engine step). The manager runs in the trainer's process, and every chunk costs it
+    Python time; longer intervals send fewer, bigger chunks. A worker killed mid-stream
+    then loses up to this much generation: its samples continue from the last chunk the
+    manager received."""
     drain_timeout_s: float = Field(30.0, ge=0)
     """On SIGTERM/SIGINT: in-flight requests get this long to finish, then are aborted and
     handed back with their partial tokens."""

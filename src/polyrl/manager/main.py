@@ -22,6 +22,7 @@ import uvicorn
 from polyrl.config import ConfigError, ManagerConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import freeze_gc_heap
+from polyrl.manager.batch import Batch
 from polyrl.manager.manager import RolloutManager, SyncHook
 from polyrl.manager.protocol import (
     BatchError,
@@ -163,7 +164,16 @@ class ManagerThread:
         return self.call(self.manager.worker_list)
 
     def generate(self, request: BatchRequest) -> Iterator[GroupResult]:
-        stream: AsyncIterator[GroupResult] = self.call(self.manager.generate, request)
+        return self.results(self.submit(request))
+
+    def submit(self, request: BatchRequest) -> Batch:
+        """Queue the batch now; read its groups with `results`."""
+        return self.call(self.manager.submit, request)
+
+    def results(self, batch: Batch) -> Iterator[GroupResult]:
+        """The batch's groups in completion order; leaving the iterator early (or never
+        starting it) leaves the rest to `close_batch` or the manager's shutdown."""
+        stream: AsyncIterator[GroupResult] = self.call(self.manager.results, batch)
         try:
             while True:
                 future = asyncio.run_coroutine_threadsafe(_next(stream), self.loop)
@@ -178,6 +188,7 @@ class ManagerThread:
         finally:
             if self.loop.is_running():
                 self.run(stream.aclose())  # type: ignore[attr-defined]
+                self.call(self.manager.close_batch, batch)
 
     def stop(self) -> None:
         if not self.thread.is_alive():

@@ -26,6 +26,14 @@ def rollout_metrics(groups: list[Group], max_new_tokens: int) -> dict[str, float
     }
 
 
+def version_lag_metrics(groups: list[Group], version: int) -> dict[str, float]:
+    """How many versions behind the learner (`version`) the step's tokens were sampled."""
+    lags = np.array([version - v for g in groups for s in g.samples for v in s.weight_versions], dtype=float)
+    if not lags.size:
+        return {}
+    return {"rollout/version_lag/mean": float(lags.mean()), "rollout/version_lag/max": float(lags.max())}
+
+
 def num_tokens(groups: list[Group]) -> int:
     """Prompt + completion tokens the step processed (veRL counts both)."""
     return sum(len(g.prompt.prompt_ids) * len(g.samples) + sum(len(s.completion_ids) for s in g.samples) for g in groups)

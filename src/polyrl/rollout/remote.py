@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from polyrl.config import EngineConfig, ManagerConfig, RolloutConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
+from polyrl.manager.batch import Batch
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import BatchPrompt, BatchRequest, BatchSampling, GroupResult, WorkerInfo
 from polyrl.manager.registry import LOCAL_WORKER_ID
@@ -60,7 +61,7 @@ class RemoteRollout:
         self.local_engine = AsyncEngine(Engine(engine_copy(model, self.publish_dtype), engine_cfg, compute_dtype))
         self.local_until_learner = mode == "hybrid" and (
             rollout_cfg.hybrid_local_until == "learner"
-            or (rollout_cfg.hybrid_local_until == "auto" and model.device.type == "cuda")
+            or (rollout_cfg.hybrid_local_until == "auto" and model.device.type == "cuda" and not rollout_cfg.max_staleness)
         )
         self.local_engine.start()
         transfer = manager_cfg.transfer
@@ -146,7 +147,8 @@ class RemoteRollout:
     # --------------------------------------------------------------------------- generating
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> Iterator[Group]:
-        """Each prompt's group as soon as its last sample is done, from whichever workers."""
+        """Submits the batch now (workers start on it at once, even ahead of its step); the
+        iterator gives each prompt's group as soon as its last sample is done."""
         request = BatchRequest(
             prompts=[
                 # seeds from the run's seeded (and checkpointed) RNG, as in local rollout
@@ -160,9 +162,11 @@ class RemoteRollout:
             ),  # fmt: skip
             min_weight_version=self.version,
         )
-        by_id = {str(p.index): p for p in prompts}
-        self.stats = stats = RolloutStats(num_requested=len(prompts) * n)
-        for result in self.mt.generate(request):
+        return self._groups(self.mt.submit(request), {str(p.index): p for p in prompts}, n)
+
+    def _groups(self, batch: Batch, by_id: dict[str, Prompt], n: int) -> Iterator[Group]:
+        self.stats = stats = RolloutStats(num_requested=len(by_id) * n)  # the step's: set when it starts reading
+        for result in self.mt.results(batch):
             group = to_group(by_id[result.prompt_id], result, stats)
             # the manager's clock, not ours: the learner consumes groups at its own pace
             done_s = max(s.latency_s for s in result.samples)

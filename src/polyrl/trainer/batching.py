@@ -17,15 +17,27 @@ class SeqItem:
     prompt_len: int
     behav_logp: list[float]  # one per completion token
     advantage: float
+    current: list[bool] | None = None
+    """Per completion token: sampled by the weights the learner held when its step began
+    (None: every token). Only those measure the engine/trainer mismatch."""
 
     @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
+    @property
+    def num_current_tokens(self) -> int:
+        return self.num_completion_tokens if self.current is None else sum(self.current)
 
-def group_items(group: Group, advantages: list[float]) -> list[SeqItem]:
+
+def group_items(group: Group, advantages: list[float], version: int | None = None) -> list[SeqItem]:
+    """version: the learner's weight version at the step's start (None: no token lags)."""
     return [
-        SeqItem(group.prompt.prompt_ids + s.completion_ids, len(group.prompt.prompt_ids), s.logprobs, a)
+        SeqItem(
+            group.prompt.prompt_ids + s.completion_ids, len(group.prompt.prompt_ids), s.logprobs, a,
+            None if version is None or all(v == version for v in s.weight_versions)
+            else [v == version for v in s.weight_versions],
+        )  # fmt: skip
         for s, a in zip(group.samples, advantages, strict=True)
         if s.completion_ids  # an empty completion carries no token to learn from
     ]
@@ -58,6 +70,7 @@ class MicroBatch:
     mask: torch.Tensor  # [B, L-1] 1.0 where the target is a completion token
     behav_logp: torch.Tensor  # [B, L-1] engine log-probs aligned with target_ids
     advantages: torch.Tensor  # [B]
+    current_mask: torch.Tensor  # [B, L-1] 1.0 where the target was sampled by the step's starting weights
     old_logp: torch.Tensor | None = None  # [B, L-1]
     ref_logp: torch.Tensor | None = None  # [B, L-1]
 
@@ -72,6 +85,7 @@ def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
     attention_mask = torch.zeros((rows, width), dtype=torch.long)
     mask = torch.zeros((rows, width - 1))
     behav = torch.zeros((rows, width - 1))
+    current = torch.zeros((rows, width - 1))
     for i, it in enumerate(items):
         n = len(it.token_ids)
         input_ids[i, :n] = torch.tensor(it.token_ids)
@@ -79,6 +93,7 @@ def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
         # Target column t predicts token t+1: completion tokens sit at prompt_len-1 .. n-2.
         mask[i, it.prompt_len - 1 : n - 1] = 1.0
         behav[i, it.prompt_len - 1 : n - 1] = torch.tensor(it.behav_logp)
+        current[i, it.prompt_len - 1 : n - 1] = 1.0 if it.current is None else torch.tensor(it.current, dtype=torch.float)
     position_ids = torch.arange(width).expand(rows, width).contiguous()
     return MicroBatch(
         input_ids=input_ids,
@@ -88,4 +103,5 @@ def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
         mask=mask,
         behav_logp=behav,
         advantages=torch.tensor([it.advantage for it in items]),
+        current_mask=current,
     )

@@ -65,7 +65,9 @@ def save_checkpoint(
     optimizer_state: dict[str, Any],
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     model_state: dict[str, torch.Tensor] | None = None,
+    rng: dict[str, Any] | None = None,
 ) -> Path:
+    """rng: the RNG states to resume with (None: the current ones)."""
     final = run_dir / "checkpoints" / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -75,7 +77,7 @@ def save_checkpoint(
             "state": vars(state),
             "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict(),
-            "rng": rng_state(),
+            "rng": rng if rng is not None else rng_state(),
         },
         tmp / STATE_FILE,
     )

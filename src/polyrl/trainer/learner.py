@@ -117,8 +117,9 @@ class Learner:
     def train_mini_batch(self, items: list[SeqItem], weights_as_sampled: bool) -> dict[str, float]:
         """ppo_epochs optimizer steps on one mini-batch; returns its metrics.
 
-        weights_as_sampled: the model still holds the weights that generated `items` (no
-        update since), so old vs behaviour log-probs measure engine/trainer mismatch alone.
+        weights_as_sampled: no update since the step began, so on the tokens those weights
+        generated (`SeqItem.current`), old vs behaviour log-probs measure engine/trainer
+        mismatch alone.
         On several ranks, rank 0's call runs on all of them, each on its share of `items`.
         """
         with self.dp.command("train", items, weights_as_sampled):
@@ -127,6 +128,7 @@ class Learner:
     def _train(self, items: list[SeqItem], weights_as_sampled: bool) -> dict[str, float]:
         self.model.train()
         num_tokens = sum(it.num_completion_tokens for it in items)  # the whole mini-batch's, on every rank
+        num_current = sum(it.num_current_tokens for it in items) if weights_as_sampled else 0
         mbs = self._prepare(self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id))
         sums: dict[str, float] = defaultdict(float)  # this rank's part of each metric
         grad_norm_mean, lr = 0.0, 0.0
@@ -137,9 +139,9 @@ class Learner:
                 logp, entropy = self.logprobs(self.model, mb, with_entropy)
                 if mb.old_logp is None:
                     mb.old_logp = logp.detach()
-                if epoch == 0 and weights_as_sampled and self.algo.recompute_old_logprobs:
-                    diff = ((mb.old_logp - mb.behav_logp).abs() * mb.mask).sum().item()
-                    sums["rollout/logprob_diff"] += diff / max(num_tokens, 1)
+                if epoch == 0 and num_current and self.algo.recompute_old_logprobs:
+                    diff = ((mb.old_logp - mb.behav_logp).abs() * mb.mask * mb.current_mask).sum().item()
+                    sums["rollout/logprob_diff"] += diff / num_current
                 inputs = LossInputs(
                     logp=logp,
                     old_logp=mb.old_logp,

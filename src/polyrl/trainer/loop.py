@@ -52,15 +52,15 @@ def train(
             for step in range(run.state.step + 1, tcfg.total_steps + 1):
                 timer = Timer()
                 t0 = time.perf_counter()
-                prompts = run.source.take(tcfg.train_batch_size)
-                groups = run.rollout.generate(prompts, cfg.rollout.n, run.sampling)
+                groups = run.next_batch(step)
                 if run.rollout.shares_weights:
                     groups = list(groups)  # generated in full before the learner changes the weights
-                result = learn_from_stream(groups, run.scorer, run.learner, cfg.algo, tcfg.ppo_mini_batch_size)
+                version = run.rollout.weight_version
+                result = learn_from_stream(groups, run.scorer, run.learner, cfg.algo, tcfg.ppo_mini_batch_size, version)
                 with timer("update_weights"):
                     run.publish_weights()
                 timer.spans["step"] = time.perf_counter() - t0
-                run.state = TrainState(step, run.source.cursor, run.rollout.weight_version)
+                run.end_step(step)
                 metrics = run.step_metrics(result.groups, result, timer.spans)
                 run.tracker.log(step, metrics)
                 if cfg.logging.console:

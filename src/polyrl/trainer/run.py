@@ -9,10 +9,12 @@ import random
 import secrets
 import shutil
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +23,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from polyrl.config import ConfigError, RunConfig, TrainerConfig, save_config
 from polyrl.data.rewards import RewardPool
 from polyrl.data.source import PromptSource
-from polyrl.metrics.step_stats import cost_metrics, cuda_memory_metrics, num_tokens, perf_metrics, rollout_metrics
+from polyrl.metrics.step_stats import (
+    cost_metrics,
+    cuda_memory_metrics,
+    num_tokens,
+    perf_metrics,
+    rollout_metrics,
+    version_lag_metrics,
+)
 from polyrl.metrics.tracker import Tracker
 from polyrl.models.precision import DTYPES
 from polyrl.models.tiny import save_tiny_model
@@ -29,7 +38,14 @@ from polyrl.rollout.fleet import WorkerFleet
 from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.remote import RemoteRollout
 from polyrl.rollout.types import Group, SamplingParams
-from polyrl.trainer.checkpoint import TrainState, latest_checkpoint, read_trainer_state, save_checkpoint, set_rng_state
+from polyrl.trainer.checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    read_trainer_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from polyrl.trainer.distributed import DataParallel, gather_state, gather_weights, load_optimizer_state, shard_model
 from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing
 from polyrl.trainer.stream import GroupScorer, StreamResult
@@ -92,6 +108,17 @@ def average_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 @dataclass
+class PendingBatch:
+    """A step's batch, submitted (maybe steps ahead), read as its groups finish."""
+
+    groups: Iterator[Group]
+    cursor: int
+    """The source's cursor before its prompts were taken."""
+    rng: dict[str, Any]
+    """The RNG states before its seeds were drawn."""
+
+
+@dataclass
 class Run:
     cfg: RunConfig
     run_dir: Path
@@ -106,6 +133,8 @@ class Run:
     state: TrainState
     dp: DataParallel
     fleet: WorkerFleet | None = None
+    ahead: deque[PendingBatch] = field(default_factory=deque)
+    """Submitted batches of the steps to come (rollout.max_staleness of them), oldest first."""
 
     @classmethod
     def create(cls, cfg: RunConfig, run_dir: Path, resume: bool, dp: DataParallel) -> Run:
@@ -175,6 +204,22 @@ class Run:
             state, dp, fleet,
         )  # fmt: skip
 
+    def next_batch(self, step: int) -> Iterator[Group]:
+        """Step `step`'s groups. With rollout.max_staleness = k, the next k steps' batches
+        are submitted too: workers generate them while the learner trains on this one."""
+        last = min(step + self.cfg.rollout.max_staleness, self.cfg.trainer.total_steps)
+        while step + len(self.ahead) <= last:
+            cursor, rng = self.source.cursor, rng_state()
+            prompts = self.source.take(self.cfg.trainer.train_batch_size)
+            self.ahead.append(PendingBatch(self.rollout.generate(prompts, self.cfg.rollout.n, self.sampling), cursor, rng))
+        return self.ahead.popleft().groups
+
+    def end_step(self, step: int) -> None:
+        """Record `step` as done. Batches in flight for later steps are not part of the
+        state: a resumed run takes their prompts and draws their seeds again."""
+        cursor = self.ahead[0].cursor if self.ahead else self.source.cursor
+        self.state = TrainState(step, cursor, self.rollout.weight_version)
+
     def publish_weights(self) -> None:
         """Colocated: a version bump (the engine runs on the trainer's model); remote: a
         snapshot the workers pull (of the whole weights, gathered from every rank's shard)."""
@@ -184,6 +229,8 @@ class Run:
         step_s = timings["step"]
         metrics = average_metrics(result.train_metrics)
         metrics.update(rollout_metrics(groups, self.cfg.rollout.max_new_tokens))
+        if result.version is not None:
+            metrics.update(version_lag_metrics(groups, result.version))
         total_tokens = num_tokens(groups)
         metrics.update(perf_metrics(total_tokens, step_s, world_size=self.dp.world_size))
         metrics.update(cuda_memory_metrics(self.model.device))
@@ -210,9 +257,11 @@ class Run:
 
     def save(self) -> Path:
         model_state, optimizer_state = gather_state(self.model, self.learner.optimizer, self.dp)
+        rng = self.ahead[0].rng if self.ahead else None  # as before the batches in flight (see end_step)
         return save_checkpoint(
-            self.run_dir, self.state, self.model, self.tokenizer, optimizer_state, self.learner.scheduler, model_state
-        )
+            self.run_dir, self.state, self.model, self.tokenizer, optimizer_state, self.learner.scheduler, model_state,
+            rng,
+        )  # fmt: skip
 
     def save_final(self, ckpt: Path) -> Path:
         """The final checkpoint's model (an HF directory with the tokenizer), as final_model/."""

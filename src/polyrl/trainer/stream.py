@@ -53,6 +53,8 @@ class StreamResult:
     reward_wait_s: float = 0.0
     update_s: float = 0.0
     num_filtered_groups: int = 0
+    version: int | None = None
+    """The learner's weight version when the step began."""
 
 
 def learn_from_stream(
@@ -61,9 +63,11 @@ def learn_from_stream(
     learner: Learner,
     algo: AlgoConfig,
     mini_batch_size: int,
+    version: int | None = None,
 ) -> StreamResult:
-    """Score and train on groups in arrival order; one optimizer step per mini-batch."""
-    out = StreamResult()
+    """Score and train on groups in arrival order; one optimizer step per mini-batch.
+    version: the learner's weight version now; tokens of another version lag behind it."""
+    out = StreamResult(version=version)
     pending: deque = deque()  # (group, reward future), in arrival order
     scored: list[Group] = []
 
@@ -79,8 +83,8 @@ def learn_from_stream(
         t0 = time.perf_counter()
         items = _items(batch, algo, out)
         if items:
-            # Colocated rollout samples with the learner's own weights: until the step's first
-            # update, recomputed log-probs must equal the engine's.
+            # Until the step's first update, the learner holds the weights that sampled the
+            # step's current-version tokens: there, recomputed log-probs must equal the engine's.
             first = not out.train_metrics
             out.train_metrics.append(learner.train_mini_batch(items, weights_as_sampled=first))
         out.update_s += time.perf_counter() - t0
@@ -106,5 +110,5 @@ def _items(batch: list[Group], algo: AlgoConfig, out: StreamResult) -> list[SeqI
             out.num_filtered_groups += 1  # no learning signal: every advantage would be 0
             continue
         advantages = group_advantages(rewards, algo.norm_adv_by_std)[0].tolist()
-        items += group_items(group, advantages)
+        items += group_items(group, advantages, out.version)
     return items

@@ -69,6 +69,7 @@ async def _serve(cfg: WorkerRunConfig, engine: AsyncEngine, tokenizer: Any | Non
         block_size=cfg.engine.block_size,
         max_num_seqs=cfg.engine.max_num_seqs,
         token=cfg.worker.token or os.environ.get("POLYRL_TOKEN") or None,
+        stream_interval_s=cfg.worker.stream_interval_s,
     )
     config = uvicorn.Config(
         create_app(state), log_config=None, log_level="warning", access_log=False, lifespan="off",

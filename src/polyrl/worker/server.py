@@ -80,6 +80,7 @@ class WorkerState:
         max_num_seqs: int,
         health_timeout_s: float = 10.0,
         token: str | None = None,
+        stream_interval_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self.token = token
@@ -89,6 +90,8 @@ class WorkerState:
         self.model_path, self.worker_id, self.tokenizer = model_path, worker_id, tokenizer
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.health_timeout_s = health_timeout_s
+        self.stream_interval_s = stream_interval_s
+        """The least time between two chunks of one streamed generation (see WorkerConfig)."""
         self.lifecycle: LifecycleState = "active"
         self.shutdown_requested = asyncio.Event()
         self.shutdown_reason = ""
@@ -268,6 +271,8 @@ class _Handlers:
                     if body.incremental_stream:
                         sent[i] = len(results[i].token_ids)
                 yield b"".join(chunks)
+                if self.state.stream_interval_s:  # `stream` coalesces what arrives meanwhile
+                    await asyncio.sleep(self.state.stream_interval_s)
                 try:
                     batch = await anext(stream, None)
                 except Exception as e:  # the status line is sent: report in the stream, as SGLang does
