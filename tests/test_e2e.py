@@ -48,6 +48,16 @@ def _check_every_step(rows: list[dict]) -> None:
         assert r["cost/usd_per_hour"] > 0 and r["cost/tokens_per_usd"] > 0
 
 
+class Crash(Exception):
+    pass
+
+
+def crash_after_4(step: int, metrics: dict[str, float]) -> None:
+    """`on_step_end` of a trainer that dies after step 4."""
+    if step == 4:
+        raise Crash
+
+
 def test_default_run_learns_through_two_workers(tmp_path: Path) -> None:
     """The default main job, shortened: remote mode, 2 launched workers."""
     cfg = load_config(None, [*QUICK, "trainer.total_steps=40"])
@@ -117,13 +127,6 @@ def test_resume_in_remote_mode_resyncs_a_fresh_worker(tmp_path: Path) -> None:
     """The trainer dies after step 4 (checkpoint at 3); the resumed run's new worker starts
     from the initial model, pulls the restored version, and serves every sample."""
 
-    class Crash(Exception):
-        pass
-
-    def crash_after_4(step: int, metrics: dict[str, float]) -> None:
-        if step == 4:
-            raise Crash
-
     run_dir = tmp_path / "run"
     cfg = load_config(None, [*QUICK, "trainer.total_steps=6", "trainer.save_every=3", "fleet.num_workers=1"])
     with pytest.raises(Crash):
@@ -140,13 +143,6 @@ def test_generating_one_step_ahead_then_resuming(tmp_path: Path) -> None:
     so tokens lag the learner by at most one version. The trainer dies after step 4
     (checkpoint at 3, with step 4's batch in flight); the resumed run takes step 4's
     prompts again, and every step gets every sample."""
-
-    class Crash(Exception):
-        pass
-
-    def crash_after_4(step: int, metrics: dict[str, float]) -> None:
-        if step == 4:
-            raise Crash
 
     run_dir = tmp_path / "run"
     overrides = [*QUICK, "trainer.total_steps=6", "trainer.save_every=3", "fleet.num_workers=1", "rollout.max_staleness=1"]

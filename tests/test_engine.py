@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -252,18 +253,21 @@ def test_sampler_noise_is_uniform_enough_and_keyed():
     assert mix32(x).unique().numel() == 1 << 16 and int(mix32(x).max()) < 2**32
 
 
+async def _collect(engine: AsyncEngine, rid: str, prompt: list[int], sampling: EngineSampling) -> SampleResult:
+    """One streamed request, accumulated."""
+    r = SampleResult(rid, 0, len(prompt))
+    async for deltas in engine.generate(EngineRequest(rid, prompt, sampling)):
+        for d in deltas:
+            r.add(d)
+    return r
+
+
 def test_async_engine_streams_aborts_and_refuses_when_full(model):
     async def main():
         engine = AsyncEngine(Engine(model, SMALL.model_copy(update={"max_num_seqs": 1, "max_queued_requests": 1})))
         engine.start()
         try:
-            async def collect(rid, prompt, sampling):
-                r = SampleResult(rid, 0, len(prompt))
-                async for deltas in engine.generate(EngineRequest(rid, prompt, sampling)):
-                    for d in deltas:
-                        r.add(d)
-                return r
-
+            collect = functools.partial(_collect, engine)
             long = EngineSampling(max_new_tokens=200, temperature=0.0, ignore_eos=True)
             first = asyncio.create_task(collect("a", [1, 5], long))
             second = asyncio.create_task(collect("b", PROMPTS[0], GREEDY))
@@ -293,14 +297,7 @@ def test_async_engine_survives_callers_that_stop_waiting(model):
 
     async def main():
         engine = AsyncEngine(Engine(model, SMALL))
-
-        async def collect(rid, prompt, sampling):
-            r = SampleResult(rid, 0, len(prompt))
-            async for deltas in engine.generate(EngineRequest(rid, prompt, sampling)):
-                for d in deltas:
-                    r.add(d)
-            return r
-
+        collect = functools.partial(_collect, engine)
         long = EngineSampling(max_new_tokens=200, temperature=0.0, ignore_eos=True)
         cancelled = [asyncio.create_task(collect("a", [1, 5], long)), asyncio.create_task(engine.update_weights(None, 7))]
         await asyncio.sleep(0.05)  # both wait on their commands: the engine thread has not started
