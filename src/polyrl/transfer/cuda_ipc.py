@@ -20,7 +20,7 @@ import socket
 import time
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from polyrl.transfer.manifest import Manifest
@@ -29,10 +29,11 @@ from polyrl.transfer.wire import (
     DONE,
     OP_IPC,
     STATUS_OK,
+    Offer,
     TransferError,
     connect,
     encode_request,
-    read_reply_text,
+    read_offer,
     recv_exact,
     send_text,
 )
@@ -55,9 +56,7 @@ class IpcHandle(BaseModel):
     event_sync_required: bool
 
 
-class IpcOffer(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    manifest: Manifest
+class IpcOffer(Offer):
     gpu_uuid: str
     """The GPU the buffer is on: a worker on another GPU refuses the offer."""
     handle: IpcHandle
@@ -111,15 +110,9 @@ class IpcVersion:
         sock = connect(source.host, source.port, timeout_s)
         try:
             sock.sendall(encode_request(OP_IPC, version, source.worker_id, source.token))
-            status, text = read_reply_text(sock)
-            if status != STATUS_OK:
-                raise TransferError(f"publisher refused v{version} over cuda_ipc: {text.decode(errors='replace')}")
-            try:
-                offer = IpcOffer.model_validate_json(text)
-            except ValidationError as e:
-                raise TransferError(f"bad cuda_ipc offer for v{version}: {e.errors()[0]['msg']}") from None
-            if offer.gpu_uuid != gpu_uuid or offer.manifest.version != version:
-                raise TransferError(f"offered v{offer.manifest.version} on GPU {offer.gpu_uuid}; want v{version} on {gpu_uuid}")
+            offer = read_offer(sock, IpcOffer, version, "cuda_ipc")
+            if offer.gpu_uuid != gpu_uuid:
+                raise TransferError(f"offered v{version} on GPU {offer.gpu_uuid}; want it on {gpu_uuid}")
             if offer.handle.numel < offer.manifest.total_bytes:
                 raise TransferError(f"v{version}: the shared buffer is smaller than its manifest")
             buffer = open_shared(offer.handle, device)

@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from polyrl.transfer.manifest import Manifest
 from polyrl.transfer.receiver import Pulled, PullSource
@@ -49,10 +49,12 @@ from polyrl.transfer.wire import (
     READY,
     STATUS_OK,
     STATUS_REFUSED,
+    Offer,
     Request,
     TransferError,
     connect,
     encode_request,
+    read_offer,
     read_reply_text,
     recv_exact,
     send_text,
@@ -71,11 +73,9 @@ POLL_S = 2e-4
 _env_lock = threading.Lock()
 
 
-class NcclOffer(BaseModel):
+class NcclOffer(Offer):
     """The publisher's reply to an NCCL request: what comes, and the pair to receive it on."""
 
-    model_config = ConfigDict(extra="forbid")
-    manifest: Manifest
     backend: Literal["nccl", "gloo"]
     store_port: int = Field(ge=1, le=65535)
     """The pair's TCPStore, on the address the worker reached the publisher at."""
@@ -238,7 +238,7 @@ class NcclReceiver:
         session = self._group.session if same and self._group is not None else -1
         with connect(source.host, source.port, timeout_s) as sock:
             sock.sendall(encode_request(OP_NCCL, version, source.worker_id, source.token, base=session))
-            offer = _read_offer(sock, version)
+            offer = read_offer(sock, NcclOffer, version, "nccl")
             if (offer.backend == "nccl") != (device.type == "cuda"):
                 raise TransferError(f"the publisher offers {offer.backend}, this worker is on {device}")
             try:
@@ -269,19 +269,6 @@ class NcclReceiver:
         if self._group is not None:
             self._group.close()
         self._group, self._publisher = None, None
-
-
-def _read_offer(sock: socket.socket, version: int) -> NcclOffer:
-    status, text = read_reply_text(sock)
-    if status != STATUS_OK:
-        raise TransferError(f"publisher refused v{version} over nccl: {text.decode(errors='replace')}")
-    try:
-        offer = NcclOffer.model_validate_json(text)
-    except ValidationError as e:
-        raise TransferError(f"bad nccl offer for v{version}: {e.errors()[0]['msg']}") from None
-    if offer.manifest.version != version:
-        raise TransferError(f"asked for v{version}, offered v{offer.manifest.version}")
-    return offer
 
 
 def _within(fn: Callable[[], None], timeout_s: float, what: str) -> None:

@@ -37,9 +37,10 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 import xxhash
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from polyrl.transfer.manifest import Manifest
 
@@ -202,3 +203,29 @@ def connect(host: str, port: int, timeout_s: float) -> socket.socket:
 def read_reply_text(sock: socket.socket) -> tuple[int, bytes]:
     status = recv_exact(sock, 1)[0]
     return status, read_text(sock)
+
+
+class Offer(BaseModel):
+    """A device path's reply to a pull (NCCL, CUDA IPC): the version's manifest, plus
+    what that path needs to move it."""
+
+    model_config = ConfigDict(extra="forbid")
+    manifest: Manifest
+
+
+OfferT = TypeVar("OfferT", bound=Offer)
+
+
+def read_offer(sock: socket.socket, kind: type[OfferT], version: int, path: str) -> OfferT:
+    """The publisher's offer of `version` over `path`; TransferError if it refused, sent
+    something malformed, or offered another version."""
+    status, text = read_reply_text(sock)
+    if status != STATUS_OK:
+        raise TransferError(f"publisher refused v{version} over {path}: {text.decode(errors='replace')}")
+    try:
+        offer = kind.model_validate_json(text)
+    except ValidationError as e:
+        raise TransferError(f"bad {path} offer for v{version}: {e.errors()[0]['msg']}") from None
+    if offer.manifest.version != version:
+        raise TransferError(f"asked for v{version}, offered v{offer.manifest.version}")
+    return offer
