@@ -58,6 +58,11 @@ def test_staleness_needs_a_rollout_that_can_run_ahead():
         load_config(None, ["rollout.mode=local", "rollout.max_staleness=1"])
 
 
+def test_min_workers_needs_workers():
+    with pytest.raises(ConfigError, match="fleet.min_workers"):
+        load_config(None, ["rollout.mode=local", "fleet.min_workers=1"])
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml")

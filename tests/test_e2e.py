@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,33 @@ def test_zero_workers_then_one_joins_from_outside(tmp_path: Path, tiny_model_dir
     assert all(r["rollout/local_samples"] == r["rollout/samples_requested"] for r in rows[:3])  # zero workers
     assert joined_at and rows[-1]["training/num_workers"] == 1
     assert rows[-1]["training/weight_version"] > 3  # the late joiner pulled a later version
+
+
+def test_min_workers_keeps_the_first_step_off_the_trainers_engine(tmp_path: Path) -> None:
+    """fleet.min_workers=1 and no launched worker: training waits for a worker started by
+    hand (here once the manager is up) instead of generating step 1 itself."""
+    run_dir = tmp_path / "run"
+    overrides = ["trainer.total_steps=2", "fleet.num_workers=0", "fleet.min_workers=1", f'manager.token="{TOKEN}"']
+    cfg = load_config(None, [*QUICK, *overrides])
+    worker: list[WorkerProcess] = []
+
+    def start_worker_once_the_manager_serves() -> None:
+        info = run_dir / "manager.json"
+        _wait_until(info.exists, 60, "manager.json")
+        worker.append(_start_worker(run_dir / "init_model", json.loads(info.read_text())["url"], "outside"))
+
+    starter = threading.Thread(target=start_worker_once_the_manager_serves, daemon=True)
+    starter.start()
+    try:
+        train(cfg, run_dir)
+    finally:
+        starter.join(60)
+        for w in worker:
+            w.kill()
+    rows = _metrics(run_dir)
+    _check_every_step(rows)
+    assert [r["rollout/local_samples"] for r in rows] == [0, 0]
+    assert rows[0]["training/num_workers"] == 1
 
 
 def test_resume_in_remote_mode_resyncs_a_fresh_worker(tmp_path: Path) -> None:

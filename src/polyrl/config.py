@@ -212,8 +212,13 @@ class FleetConfig(_Section):
     worker_threads: int = Field(1, ge=1)
     """torch threads per worker process."""
     ready_timeout_s: float = Field(180.0, gt=0)
-    """Training waits this long at start for the launched workers, then goes on without
-    the missing ones."""
+    """Training waits this long at start for the launched workers (and `min_workers`),
+    then goes on without the missing ones."""
+    min_workers: int = Field(0, ge=0)
+    """Training starts once this many workers are active, launched here or joined from
+    elsewhere (waiting at most `ready_timeout_s`). With workers of your own, e.g. ones that
+    outlived a trainer you `--resume`, this keeps the first steps off the trainer's engine
+    while they register."""
     churn_interval_s: float = Field(0.0, ge=0)
     """Spot churn as in the seeds' launch_sglang_step.sh: add a worker every T seconds up
     to `num_workers`, then retire the oldest (SIGTERM: drain and hand back) every T down
@@ -387,6 +392,8 @@ class RunConfig(_Section):
     def _churn_bounds(self) -> RunConfig:
         if self.fleet.churn_min_workers > self.fleet.num_workers:
             raise ValueError("fleet.churn_min_workers must not exceed fleet.num_workers")
+        if self.fleet.min_workers and self.rollout.mode == "local":
+            raise ValueError(f"fleet.min_workers ({self.fleet.min_workers}) needs rollout.mode remote or hybrid")
         return self
 
 

@@ -120,6 +120,7 @@ def trainer_restart(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
     total_steps, save_every = 15 + 30 * scale.injections, 2  # ~0.5 s a step: room for each rejoin
     overrides = [
         f"model.path={json.dumps(str(model_dir))}", f"manager.port={port}", "fleet.num_workers=0",
+        f"fleet.min_workers={scale.num_workers}",  # else a trainer faster than the workers' start runs alone
         f"trainer.total_steps={total_steps}", f"trainer.save_every={save_every}", "trainer.train_batch_size=8",
         "trainer.ppo_mini_batch_size=4", "rollout.n=4", "logging.console=false", "logging.tensorboard=false",
         *CONTROL,
@@ -136,14 +137,27 @@ def trainer_restart(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
     def served_by_workers_since(step: float) -> bool:
         return any(r["step"] > step and r["rollout/local_samples"] == 0 for r in steps())
 
-    trainer = _cli("train", "--run-dir", str(run_dir), *overrides, log_path=work / "trainer.log")
+    log_path = work / "trainer.log"
+    trainer = _cli("train", "--run-dir", str(run_dir), *overrides, log_path=log_path)
     resumed_at: list[int] = []
+
+    def until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+        """wait_for, failing at once (with the log's end) when the trainer has exited."""
+
+        def check() -> bool:
+            if trainer.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the trainer exited with {trainer.returncode} before {what}; its log ends:\n{tail}")
+            return predicate()
+
+        return wait_for(check, timeout_s, what, poll_s=0.05)
+
     try:
         for _ in range(scale.injections):
-            wait_for(lambda: _active_workers(url) == scale.num_workers, 120, "the workers to join", poll_s=0.05)
+            until(lambda: _active_workers(url) == scale.num_workers, 120, "the workers to join")
             done = steps()[-1]["step"] if steps() else 0
             # killed one step after a checkpoint the workers served: the resumed run redoes it
-            wait_for(lambda: served_by_workers_since(done + save_every), 300, "worker-served steps", poll_s=0.05)
+            until(lambda: served_by_workers_since(done + save_every), 300, "worker-served steps")
             trainer.send_signal(signal.SIGKILL)
             trainer.wait(timeout=10)
             row.injected += 1
@@ -152,12 +166,12 @@ def trainer_restart(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
             checkpoint = int(latest.name.split("_")[1])
             resumed_at.append(checkpoint)
             restarted, restarted_wall = time.monotonic(), time.time()
-            trainer = _cli("train", "--resume", str(run_dir), log_path=work / "trainer.log")
+            trainer = _cli("train", "--resume", str(run_dir), log_path=log_path)
 
             def back() -> bool:  # resuming first drops the lines past the checkpoint
                 return metrics.stat().st_mtime > restarted_wall and served_by_workers_since(checkpoint)
 
-            wait_for(back, 300, "a worker-served step after the restart", poll_s=0.05)
+            until(back, 300, "a worker-served step after the restart")
             row.recovery_s.append(time.monotonic() - restarted)
         code = trainer.wait(timeout=600)
         if code != 0:

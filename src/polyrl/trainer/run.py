@@ -342,34 +342,48 @@ def start_remote(
     os.chmod(info, 0o600)
     log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token <token in %s>",
              rollout.url, init_path, rollout.url, info)  # fmt: skip
-    if cfg.fleet.num_workers == 0:
-        return rollout, None
-    fleet = WorkerFleet(cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers")
+    fleet = None
+    if cfg.fleet.num_workers:
+        fleet = WorkerFleet(cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers")
     try:
-        wait_for_workers(rollout, fleet, fleet.start(), cfg.fleet.ready_timeout_s)
+        ids = fleet.start() if fleet is not None else []
+        if ids or cfg.fleet.min_workers:
+            wait_for_workers(rollout, fleet, ids, cfg.fleet.min_workers, cfg.fleet.ready_timeout_s)
     except BaseException:
-        fleet.stop()
+        if fleet is not None:
+            fleet.stop()
         rollout.close()
         raise
     return rollout, fleet
 
 
-def wait_for_workers(rollout: RemoteRollout, fleet: WorkerFleet, ids: list[str], timeout_s: float) -> None:
-    """Wait until the launched workers are active (a worker's start-up is mostly imports
-    and model loading); a worker that dies or is late is left behind with a warning."""
+def wait_for_workers(
+    rollout: RemoteRollout, fleet: WorkerFleet | None, ids: list[str], min_active: int, timeout_s: float
+) -> None:
+    """Wait until the launched workers `ids` are active and at least `min_active` workers
+    in all (a worker's start-up is mostly imports and model loading); a launched worker
+    that dies or is late, or a fleet short of `min_active`, is left behind with a warning."""
     deadline = time.monotonic() + timeout_s
+    if min_active:
+        log.info("waiting up to %.0fs for %d active rollout workers (fleet.min_workers)", timeout_s, min_active)
+
+    def active() -> set[str]:
+        return {w.worker_id for w in rollout.workers() if w.state == "active"}
+
     while time.monotonic() < deadline:
-        active = {w.worker_id for w in rollout.workers() if w.state == "active"}
-        launched = {w.worker_id for w in fleet.alive()}
-        if all(i in active or i not in launched for i in ids):
+        now, launched = active(), {w.worker_id for w in fleet.alive()} if fleet is not None else set()
+        if len(now) >= min_active and all(i in now or i not in launched for i in ids):
             break
         time.sleep(0.2)
-    active = {w.worker_id for w in rollout.workers() if w.state == "active"}
-    missing = [i for i in ids if i not in active]
+    now = active()
+    missing = [i for i in ids if i not in now]
     if missing:
         log.warning("workers %s died or were not ready within %.0fs (see %s): training goes on without them",
-                    missing, timeout_s, fleet.log_dir)  # fmt: skip
-    log.info("%d rollout workers ready", len(ids) - len(missing))
+                    missing, timeout_s, fleet.log_dir if fleet is not None else "their logs")  # fmt: skip
+    if len(now) < min_active:
+        log.warning("%d of fleet.min_workers=%d workers active after %.0fs: training starts with them",
+                    len(now), min_active, timeout_s)  # fmt: skip
+    log.info("%d rollout workers ready", len(now))
 
 
 class Timer:
