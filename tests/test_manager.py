@@ -25,9 +25,11 @@ from polyrl.config import EngineConfig, ManagerConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest, EngineSampling
+from polyrl.manager.backends import GenerationCall, generate_body
 from polyrl.manager.client import BatchClient
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import BatchError, BatchPrompt, BatchRequest, BatchSampling, GroupResult
+from polyrl.worker.protocol import GenerateRequest
 
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -220,6 +222,17 @@ def check_exact(request: BatchRequest, groups: list[GroupResult], version: int =
 
 
 # ----------------------------------------------------------------------------------- batches
+
+
+def test_generate_body_asks_polyrl_workers_for_the_stream_interval() -> None:
+    """The manager's stream interval travels in the body a polyrl worker validates; a
+    plain SGLang server (cumulative streams) never sees the extension fields."""
+    call = GenerationCall("r1", [1, 2], n=2, seed=7, max_new_tokens=5, sampling=BatchSampling(max_new_tokens=5))
+    body = generate_body(call, incremental=True, stream_interval_s=0.05)
+    assert GenerateRequest.model_validate(body).stream_interval_s == 0.05
+    assert GenerateRequest.model_validate(generate_body(call, incremental=True)).stream_interval_s == 0.0
+    plain = generate_body(call, incremental=False, stream_interval_s=0.05)
+    assert "stream_interval_s" not in plain and "incremental_stream" not in plain
 
 
 def test_batch_streams_exact_groups_over_http_and_in_process(manager: ManagerThread) -> None:

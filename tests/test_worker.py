@@ -36,7 +36,7 @@ from polyrl.manager.protocol import Heartbeat, RegisterRequest
 from polyrl.models.tiny import save_tiny_model
 from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession
 from polyrl.worker.protocol import GenerateRequest, sample_response, sse_event, text_token_ids
-from polyrl.worker.server import WorkerState, coalesce, create_app
+from polyrl.worker.server import Coalesced, WorkerState, create_app
 
 HTTP_TIMEOUT_S = 60.0  # generous: the CPU is shared with other work
 CONTEXT = 2048
@@ -221,7 +221,7 @@ def test_coalesce_merges_what_arrived_and_closes_the_source() -> None:
 
     async def main() -> list[list[int]]:
         batches = []
-        stream = coalesce(source())
+        stream = Coalesced(source())
         batches.append(await anext(stream))
         await asyncio.sleep(0.1)  # meanwhile the source produced 1, 2, 3
         batches.append(await anext(stream))
@@ -312,6 +312,26 @@ def test_stream_interval_sends_fewer_bigger_chunks(worker: InProcessWorker) -> N
     assert ids(spaced) == ids(every_step) and len(ids(spaced)) == 120
     assert len(spaced) <= elapsed / 0.1 + 2, (len(spaced), elapsed)
     assert len(spaced) < len(every_step) / 2, (len(spaced), len(every_step))
+
+
+def test_request_stream_interval_spaces_chunks_but_not_the_finish(worker: InProcessWorker) -> None:
+    """The manager's `stream_interval_s` (in the request) applies like the worker's own;
+    a sample that finishes is sent at once, not at the end of the interval."""
+    body = {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 40, "seed": 3, "ignore_eos": True, "n": 2},
+            "stream": True, "incremental_stream": True, "stream_interval_s": 5.0}  # fmt: skip
+    t0 = time.monotonic()
+    with worker.client.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200, r.read()
+        events = list(read_sse(r))
+    elapsed = time.monotonic() - t0
+    assert events[-1] == "[DONE]"
+    chunks: list[dict[str, Any]] = events[:-1]  # type: ignore[assignment]
+    assert elapsed < 4.0, elapsed  # not held until the 5 s interval ends
+    for i in (0, 1):
+        mine = [c for c in chunks if c["index"] == i]
+        assert sum(len(c["output_ids"]) for c in mine) == 40
+        assert len(mine) <= 3, len(mine)  # the first step, maybe a finish of the other sample, its own finish
+    assert chunks[-1]["meta_info"]["finish_reason"] is not None
 
 
 def test_n_samples_with_logprobs(worker: InProcessWorker) -> None:

@@ -265,11 +265,9 @@ class WorkerConfig(_Section):
     manager_timeout_s: float = Field(10.0, gt=0)
     """Timeout of each call to the manager."""
     stream_interval_s: float = Field(0.0, ge=0, le=5)
-    """A streamed generation sends at most one chunk per request this often (0: one per
-    engine step). The manager runs in the trainer's process, and every chunk costs it
-    Python time; longer intervals send fewer, bigger chunks. A worker killed mid-stream
-    then loses up to this much generation: its samples continue from the last chunk the
-    manager received."""
+    """A streamed generation sends at most one chunk per request this often, a finished
+    sample at once (0: one per engine step). The manager asks for its own interval with
+    each request (`manager.stream_interval_s`); the longer of the two applies."""
     drain_timeout_s: float = Field(30.0, ge=0)
     """On SIGTERM/SIGINT: in-flight requests get this long to finish, then are aborted and
     handed back with their partial tokens."""
@@ -340,6 +338,13 @@ class ManagerConfig(_Section):
     connect_timeout_s: float = Field(5.0, gt=0)
     stall_timeout_s: float = Field(30.0, gt=0)
     """A generation stream that sends nothing for this long counts as a hung worker."""
+    stream_interval_s: float = Field(0.2, ge=0, le=5)
+    """polyrl workers send each request's tokens at most this often (a finished sample at
+    once). The manager runs in the trainer's process, and every chunk it parses holds
+    the GIL the learner needs: one chunk per engine step cost about 10x the trainer CPU
+    per token of 0.2 s chunks (benchmarks/ingest_interference.py). A worker killed
+    mid-stream loses up to this much generation, which its samples' next worker redoes.
+    0: one chunk per engine step."""
     max_inflight_per_worker: int = Field(256, ge=1)
     """Samples in flight on one worker (also capped by the worker's own max_num_seqs)."""
     retry_budget: int = Field(5, ge=0)

@@ -76,7 +76,7 @@ class Delta(NamedTuple):
 # ------------------------------------------------------------------------------ remote (HTTP)
 
 
-def generate_body(call: GenerationCall, incremental: bool) -> dict[str, Any]:
+def generate_body(call: GenerationCall, incremental: bool, stream_interval_s: float = 0.0) -> dict[str, Any]:
     s = call.sampling
     body: dict[str, Any] = {
         "rid": call.rid,
@@ -94,8 +94,10 @@ def generate_body(call: GenerationCall, incremental: bool) -> dict[str, Any]:
             "sampling_seed": call.seed,
         },
     }
-    if incremental:
+    if incremental:  # polyrl's extensions (a plain SGLang server refuses unknown fields)
         body["incremental_stream"] = True
+        if stream_interval_s:
+            body["stream_interval_s"] = stream_interval_s
     return body
 
 
@@ -162,7 +164,10 @@ class RemoteBackend:
     manager cancels calls whenever a worker goes. A cancelled `stream` tells that task to
     stop; it does at the next line it reads (a silent worker: at the stall timeout)."""
 
-    def __init__(self, connect_timeout_s: float, stall_timeout_s: float, token: str | None = None) -> None:
+    def __init__(
+        self, connect_timeout_s: float, stall_timeout_s: float, token: str | None = None, stream_interval_s: float = 0.0
+    ) -> None:
+        self.stream_interval_s = stream_interval_s
         timeout = httpx.Timeout(connect=connect_timeout_s, read=stall_timeout_s, write=connect_timeout_s, pool=None)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         headers = {"Authorization": f"Bearer {token}"} if token else {}  # workers share the manager's token
@@ -173,7 +178,7 @@ class RemoteBackend:
         done = False
         incremental = worker.incremental_stream  # a polyrl worker: checksums both ways
         seen: dict[int, int] = {}
-        body = json.dumps(generate_body(call, incremental)).encode()
+        body = json.dumps(generate_body(call, incremental, self.stream_interval_s)).encode()
         headers = {"content-type": "application/json"} | ({CHECKSUM_HEADER: checksum(body)} if incremental else {})
         expected: str | None = None
         lines: asyncio.Queue[str | Exception | None] = asyncio.Queue()

@@ -92,7 +92,7 @@ class RolloutManager:
         self.cfg = cfg
         self.registry = Registry()
         self.metrics = ManagerMetrics(self)
-        self.remote = RemoteBackend(cfg.connect_timeout_s, cfg.stall_timeout_s, cfg.token)
+        self.remote = RemoteBackend(cfg.connect_timeout_s, cfg.stall_timeout_s, cfg.token, cfg.stream_interval_s)
         self.local = LocalBackend(local_engine) if local_engine is not None else None
         self.local_record: WorkerRecord | None = None
         if local_engine is not None:

@@ -95,6 +95,10 @@ class GenerateRequest(_Wire):
     """polyrl extension: each stream chunk carries only what is new since the sample's
     previous chunk (tokens, log-probs, versions, text); `completion_tokens` stays the
     running total. Cumulative snapshots cost O(length^2) bytes over a sample's life."""
+    stream_interval_s: float = Field(0.0, ge=0, le=5)
+    """polyrl extension: at most one chunk per this many seconds (the worker's own
+    `worker.stream_interval_s` if longer); a finished sample is sent at once. The reader
+    (the manager, in the trainer's process) then parses fewer, bigger chunks."""
 
     _no_batched_ids = field_validator("input_ids", mode="before")(_refuse_batched)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 from fastapi import Depends, FastAPI, Request
@@ -147,30 +147,46 @@ class WorkerState:
 _END = object()
 
 
-async def _pump(source: AsyncIterator[list[T]], queue: asyncio.Queue[Any]) -> None:
-    try:
-        async for item in source:
-            queue.put_nowait(item)
-    except Exception as e:  # handed to the consumer, which re-raises it in its own task
-        queue.put_nowait(e)
-        return
-    queue.put_nowait(_END)
-
-
-async def coalesce(source: AsyncIterator[list[T]]) -> AsyncIterator[list[T]]:
-    """Re-yield `source`, merging every list that arrived while the consumer was busy.
+class Coalesced(Generic[T]):
+    """Re-yields `source`, merging every list that arrived while the consumer was busy.
 
     A slow stream client then gets one chunk per sample covering many engine steps
-    instead of falling further behind one event per token. Closing this generator
-    cancels the pump, whose cancellation runs the source's cleanup (the engine abort).
+    instead of falling further behind one event per token. `wait` sleeps between reads
+    but ends as soon as an item for which `is_urgent` holds is queued, or the source
+    ends or fails. Closing the iterator cancels the pump, whose cancellation runs the
+    source's cleanup (the engine abort).
     """
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-    pump = asyncio.ensure_future(_pump(source, queue))
-    try:
+
+    def __init__(self, source: AsyncIterator[list[T]], is_urgent: Callable[[list[T]], bool] | None = None) -> None:
+        self._urgent = asyncio.Event()
+        self._urgent_queued = False
+        """An urgent item (or the end) is queued and not yet read."""
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pump = asyncio.ensure_future(self._run_pump(source, is_urgent))
+        self._items = self._merged()
+
+    async def _run_pump(self, source: AsyncIterator[list[T]], is_urgent: Callable[[list[T]], bool] | None) -> None:
+        try:
+            async for item in source:
+                self._queue.put_nowait(item)
+                if is_urgent is not None and is_urgent(item):
+                    self._wake()
+        except Exception as e:  # handed to the consumer, which re-raises it in its own task
+            self._queue.put_nowait(e)
+        else:
+            self._queue.put_nowait(_END)
+        self._wake()
+
+    def _wake(self) -> None:
+        self._urgent_queued = True
+        self._urgent.set()
+
+    async def _merged(self) -> AsyncIterator[list[T]]:
         while True:
-            items = [await queue.get()]
-            while not queue.empty():
-                items.append(queue.get_nowait())
+            items = [await self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            self._urgent_queued = False
             merged = [x for item in items if isinstance(item, list) for x in item]
             if merged:
                 yield merged
@@ -179,10 +195,36 @@ async def coalesce(source: AsyncIterator[list[T]]) -> AsyncIterator[list[T]]:
                     raise item
             if _END in items:
                 return
-    finally:
-        pump.cancel()
+
+    def __aiter__(self) -> AsyncIterator[list[T]]:
+        return self
+
+    async def __anext__(self) -> list[T]:
+        return await anext(self._items)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Sleep `timeout_s`, or less if something urgent arrives meanwhile. (Not
+        `asyncio.wait_for`: on Python 3.11 it can swallow a cancellation that coincides
+        with the wake-up.)"""
+        if self._urgent_queued or self._pump.done():
+            return
+        self._urgent.clear()
+        woken = asyncio.ensure_future(self._urgent.wait())
+        try:
+            await asyncio.wait({woken}, timeout=timeout_s)
+        finally:
+            woken.cancel()
+
+    async def aclose(self) -> None:
+        self._pump.cancel()
         with suppress(asyncio.CancelledError):
-            await pump
+            await self._pump
+        await self._items.aclose()
+
+
+def coalesce(source: AsyncIterator[list[SampleDelta]]) -> Coalesced[SampleDelta]:
+    """A request's deltas, merged while the consumer is busy; a finished sample is urgent."""
+    return Coalesced(source, lambda deltas: any(d.finished for d in deltas))
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -258,9 +300,10 @@ class _Handlers:
         body: GenerateRequest,
         results: list[SampleResult],
         first: list[SampleDelta],
-        stream: AsyncIterator[list[SampleDelta]],
+        stream: Coalesced[SampleDelta],
     ) -> AsyncIterator[bytes]:
         sent = [0] * len(results)  # tokens already streamed per sample (incremental mode)
+        interval_s = max(self.state.stream_interval_s, body.stream_interval_s)
         try:
             batch: list[SampleDelta] | None = first
             while batch is not None:
@@ -271,8 +314,8 @@ class _Handlers:
                     if body.incremental_stream:
                         sent[i] = len(results[i].token_ids)
                 yield b"".join(chunks)
-                if self.state.stream_interval_s:  # `stream` coalesces what arrives meanwhile
-                    await asyncio.sleep(self.state.stream_interval_s)
+                if interval_s:  # `stream` coalesces what arrives meanwhile; a finish ends the wait
+                    await stream.wait(interval_s)
                 try:
                     batch = await anext(stream, None)
                 except Exception as e:  # the status line is sent: report in the stream, as SGLang does
