@@ -6,6 +6,9 @@ one preallocated buffer over loopback, nothing else: blocking sockets, each rece
 waiting for its whole piece in one call (MSG_WAITALL). It is the best of three piece
 sizes (the pull's chunk, 1 MiB, the stream's whole share), each best of --repeats.
 The pull adds the protocol, the per-chunk xxh3 checksums and the whole-buffer checksum.
+By default both senders (the publisher and the raw one) run in a child process, as the
+trainer's publisher and a worker's receiver do; `--sender thread` puts them in this
+process, where they share the receiver's GIL.
 
     python benchmarks/transfer.py --sizes-gib 1 --streams 1 4 8 16 --json out.json
 
@@ -20,9 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import socket
+import struct
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -33,44 +42,115 @@ from polyrl.transfer.publisher import WeightPublisher
 from polyrl.transfer.receiver import PullSource, pull
 
 
-def raw_ceiling(total: int, num_streams: int, src: memoryview, dst: memoryview, piece: int) -> float:
-    """Bytes/s of plain loopback TCP: stream i moves bytes [i*share, (i+1)*share) in
-    `piece`-sized sendall / recv_into(MSG_WAITALL) calls on blocking sockets."""
-    listener = socket.create_server(("127.0.0.1", 0), backlog=num_streams)
-    port = listener.getsockname()[1]
-    share = -(-total // num_streams)
+class CeilingSender:
+    """The raw-socket sender: connection i of n asks for bytes [i*share, (i+1)*share) of
+    `src` in `piece`-sized sendall calls (header: i, n, piece), one thread each."""
 
-    def serve() -> None:
-        for _ in range(num_streams):
-            conn, _ = listener.accept()
-            threading.Thread(target=send, args=(conn,), daemon=True).start()
+    def __init__(self, src: memoryview) -> None:
+        self.src = src
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
 
-    def send(conn: socket.socket) -> None:
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._send, args=(conn,), daemon=True).start()
+
+    def _send(self, conn: socket.socket) -> None:
         with conn:
-            i = int.from_bytes(conn.recv(2), "big")
-            view = src[i * share : min((i + 1) * share, total)]
+            i, n, piece = struct.unpack("!HHQ", conn.recv(12, socket.MSG_WAITALL))
+            total = len(self.src)
+            share = -(-total // n)
+            view = self.src[i * share : min((i + 1) * share, total)]
             for start in range(0, len(view), piece):
                 conn.sendall(view[start : start + piece])
 
+
+def raw_ceiling(port: int, num_streams: int, dst: memoryview, piece: int) -> float:
+    """Bytes/s of plain loopback TCP from a CeilingSender: blocking sockets, each piece
+    received with one recv_into(MSG_WAITALL), one thread per stream."""
+    total = len(dst)
+    share = -(-total // num_streams)
+
     def receive(i: int) -> None:
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(i.to_bytes(2, "big"))
+            sock.sendall(struct.pack("!HHQ", i, num_streams, piece))
             view = dst[i * share : min((i + 1) * share, total)]
             for start in range(0, len(view), piece):
                 part, got = view[start : start + piece], 0
                 while got < len(part):
                     got += sock.recv_into(part[got:], 0, socket.MSG_WAITALL)
 
-    threading.Thread(target=serve, daemon=True).start()
     t0 = time.perf_counter()
     threads = [threading.Thread(target=receive, args=(i,)) for i in range(num_streams)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    elapsed = time.perf_counter() - t0
-    listener.close()
-    return total / elapsed
+    return total / (time.perf_counter() - t0)
+
+
+@dataclass
+class Sender:
+    """Where the bytes come from: a published version and a raw sender over its buffer."""
+
+    source: PullSource
+    ceiling_port: int
+    total_bytes: int
+    chunk_bytes: int
+    publish_s: float
+
+
+def serve_version(total: int, chunk_bytes: int, conn: Connection | None = None) -> Iterator[Sender]:
+    """Publish `total` bytes of weights and serve them (pulls and the raw ceiling) until
+    the generator is closed; with `conn`, as a child process that reports through it."""
+    weights = {"w": torch.randn(total // 4)}
+    with WeightPublisher(chunk_bytes=chunk_bytes, keep_versions=1) as pub:
+        t0 = time.perf_counter()
+        info = pub.publish(weights, 1)
+        publish_s = time.perf_counter() - t0
+        ceiling = CeilingSender(memoryview(pub._lookup(1).view))  # type: ignore[union-attr]
+        source = PullSource(*pub.address, worker_id="bench", token=pub.grant("bench", 1))
+        try:
+            yield Sender(source, ceiling.port, info.manifest.total_bytes, info.chunk_bytes, publish_s)
+        finally:
+            ceiling.listener.close()
+
+
+def _sender_process(total: int, chunk_bytes: int, conn: Connection) -> None:
+    for sender in serve_version(total, chunk_bytes):
+        conn.send(sender)
+        conn.recv()  # serve until the parent says stop (or dies: EOFError)
+
+
+@contextmanager
+def sender(total: int, chunk_bytes: int, where: str) -> Iterator[Sender]:
+    """A Sender in this process (`thread`: it shares the receiver's GIL) or in a child
+    process (`process`: as deployed, the trainer's publisher and a worker's receiver are
+    different processes)."""
+    if where == "thread":
+        gen = serve_version(total, chunk_bytes)
+        try:
+            yield next(gen)
+        finally:
+            gen.close()
+        return
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_sender_process, args=(total, chunk_bytes, child), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(600):
+            raise TimeoutError("the sender process did not publish within 600 s")
+        yield parent.recv()
+    finally:
+        parent.send("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
 
 
 QWEN3_0_6B = {"vocab": 151936, "hidden": 1024, "layers": 28, "inter": 3072, "q": 2048, "kv": 1024, "head_dim": 128}
@@ -172,6 +252,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="best of N for both rows")
     p.add_argument("--hash-piece-kib", type=int, default=0,
                    help="receive+hash piece size (0: the receiver's default); set >= chunk to hash whole chunks")
+    p.add_argument("--sender", nargs="+", choices=["process", "thread"], default=["process"],
+                   help="process: the publisher and the raw sender in a child process, as deployed; thread: in this "
+                   "process, sharing the receiver's GIL (the shape of the earlier figures)")
     p.add_argument("--codecs", "--delta", dest="codecs", action="store_true", help="also measure the codecs (see above)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--json", help="write the numbers here")
@@ -180,30 +263,25 @@ def main() -> None:
         receiver.HASH_PIECE = args.hash_piece_kib * 1024
 
     rows = []
-    print(f"{'size':>8} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13}")
+    print(f"{'size':>8} {'sender':>7} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13}")
     for size_gib in args.sizes_gib:
         total = int(size_gib * 2**30) // 4 * 4
-        weights = {"w": torch.randn(total // 4)}
-        with WeightPublisher(chunk_bytes=args.chunk_mib * 2**20, keep_versions=1) as pub:
-            t0 = time.perf_counter()
-            info = pub.publish(weights, 1)
-            publish_s = time.perf_counter() - t0
-            src = memoryview(pub._lookup(1).view)  # type: ignore[union-attr]
-            recv_buffer = torch.empty(info.manifest.total_bytes, dtype=torch.uint8)  # reused, as a worker does
-            recv_buffer.fill_(0)  # touch the pages once, for both rows
-            dst = memoryview(recv_buffer.numpy()).cast("B")
-            source = PullSource(*pub.address, worker_id="bench", token=pub.grant("bench", 1))
-            for n in args.streams:
-                pieces = (info.chunk_bytes, 2**20, info.manifest.total_bytes)  # the best of three ways
-                ceiling = max(raw_ceiling(info.manifest.total_bytes, n, src, dst, piece)
-                              for piece in pieces for _ in range(args.repeats))  # fmt: skip
-                rate = max(pull(source, 1, num_streams=n, timeout_s=120, into=recv_buffer).bytes_per_s
-                           for _ in range(args.repeats))  # fmt: skip
-                rows.append({"size_gib": size_gib, "streams": n, "ceiling_Bps": ceiling, "pull_Bps": rate,
-                             "fraction": rate / ceiling, "publish_s": publish_s})  # fmt: skip
-                print(f"{size_gib:>6.1f}Gi {n:>7} {ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} {rate / ceiling:>12.0%}",
-                      flush=True)  # fmt: skip
-        print(f"  publish (snapshot + checksums) of {size_gib:g} GiB: {publish_s:.2f}s")
+        for where in args.sender:
+            with sender(total, args.chunk_mib * 2**20, where) as src:
+                recv_buffer = torch.empty(src.total_bytes, dtype=torch.uint8)  # reused, as a worker does
+                recv_buffer.fill_(0)  # touch the pages once, for both rows
+                dst = memoryview(recv_buffer.numpy()).cast("B")
+                for n in args.streams:
+                    pieces = (src.chunk_bytes, 2**20, src.total_bytes)  # the best of three ways
+                    ceiling = max(raw_ceiling(src.ceiling_port, n, dst, piece)
+                                  for piece in pieces for _ in range(args.repeats))  # fmt: skip
+                    rate = max(pull(src.source, 1, num_streams=n, timeout_s=120, into=recv_buffer).bytes_per_s
+                               for _ in range(args.repeats))  # fmt: skip
+                    rows.append({"size_gib": size_gib, "sender": where, "streams": n, "ceiling_Bps": ceiling,
+                                 "pull_Bps": rate, "fraction": rate / ceiling, "publish_s": src.publish_s})  # fmt: skip
+                    print(f"{size_gib:>6.1f}Gi {where:>7} {n:>7} {ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} "
+                          f"{rate / ceiling:>12.0%}", flush=True)  # fmt: skip
+            print(f"  publish (snapshot + checksums) of {size_gib:g} GiB: {src.publish_s:.2f}s ({where})")
     codecs = measure_codecs(args.lr) if args.codecs else {}
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, **codecs}, indent=2))
