@@ -53,6 +53,7 @@ from spot_gpu import (  # noqa: E402
     TOKEN,
     Result,
     Worker,
+    add_workload_args,
     make_model,
     read_metrics,
     summarise,
@@ -269,17 +270,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json", type=Path)
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=1024)
-    p.add_argument("--stop-ids", type=int, default=0, help="extra end-of-sequence ids (see spot_gpu.py)")
-    p.add_argument("--mini-batches", type=int, default=2)
-    p.add_argument("--micro-batch-tokens", type=int, default=8192)
-    p.add_argument("--warmup", type=int, default=2)
+    add_workload_args(p)
     p.add_argument("--phase-steps", type=int, default=3)
-    p.add_argument("--kv-fraction", type=float, default=0.45, help="rank 0's engine (fixed split)")
-    p.add_argument("--worker-kv-fraction", type=float, default=0.8)
-    p.add_argument("--restart-after-s", type=float, default=3.0)
     p.add_argument("--weight-path", choices=["auto", "tcp"], default="auto",
                    help="auto: same-host workers get NCCL after their first pull; tcp: TCP only")
     p.add_argument("--timeout-s", type=float, default=1500)

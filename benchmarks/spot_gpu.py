@@ -270,11 +270,8 @@ def learning_part(part: str, mode: str, args: argparse.Namespace, work: Path, ex
     return res
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", type=Path)
-    p.add_argument("--only", default="colocated,hybrid,hybrid_kill,hybrid_ahead,hybrid_ahead_kill,learn_colocated,"
-                   "learn_hybrid,learn_hybrid_ahead")  # fmt: skip
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The batch, learner and engine options this script shares with elastic_gpu.py."""
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=1024)
@@ -282,10 +279,18 @@ def main() -> None:
     p.add_argument("--mini-batches", type=int, default=2)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--kv-fraction", type=float, default=0.45, help="the trainer GPU's engine (fixed split)")
+    p.add_argument("--kv-fraction", type=float, default=0.45, help="the trainer's engine on its (first) GPU (fixed split)")
     p.add_argument("--worker-kv-fraction", type=float, default=0.8)
     p.add_argument("--restart-after-s", type=float, default=3.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--only", default="colocated,hybrid,hybrid_kill,hybrid_ahead,hybrid_ahead_kill,learn_colocated,"
+                   "learn_hybrid,learn_hybrid_ahead")  # fmt: skip
+    add_workload_args(p)
+    p.add_argument("--steps", type=int, default=3)
     p.add_argument("--learn-steps", type=int, default=80)
     p.add_argument("--part-timeout-s", type=float, default=900, help="a part still running then is stopped")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more trainer overrides")

@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -105,9 +105,10 @@ class Sender:
     publish_s: float
 
 
-def serve_version(total: int, chunk_bytes: int, conn: Connection | None = None) -> Iterator[Sender]:
-    """Publish `total` bytes of weights and serve them (pulls and the raw ceiling) until
-    the generator is closed; with `conn`, as a child process that reports through it."""
+@contextmanager
+def serve_version(total: int, chunk_bytes: int) -> Iterator[Sender]:
+    """Publish `total` bytes of weights and serve them (pulls and the raw ceiling) while
+    the context is open."""
     weights = {"w": torch.randn(total // 4)}
     with WeightPublisher(chunk_bytes=chunk_bytes, keep_versions=1) as pub:
         t0 = time.perf_counter()
@@ -122,7 +123,7 @@ def serve_version(total: int, chunk_bytes: int, conn: Connection | None = None) 
 
 
 def _sender_process(total: int, chunk_bytes: int, conn: Connection) -> None:
-    for sender in serve_version(total, chunk_bytes):
+    with serve_version(total, chunk_bytes) as sender:
         conn.send(sender)
         conn.recv()  # serve until the parent says stop (or dies: EOFError)
 
@@ -133,11 +134,8 @@ def sender(total: int, chunk_bytes: int, where: str) -> Iterator[Sender]:
     process (`process`: as deployed, the trainer's publisher and a worker's receiver are
     different processes)."""
     if where == "thread":
-        gen = serve_version(total, chunk_bytes)
-        try:
-            yield next(gen)
-        finally:
-            gen.close()
+        with serve_version(total, chunk_bytes) as here:
+            yield here
         return
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=_sender_process, args=(total, chunk_bytes, child), daemon=True)
@@ -147,7 +145,8 @@ def sender(total: int, chunk_bytes: int, where: str) -> Iterator[Sender]:
             raise TimeoutError("the sender process did not publish within 600 s")
         yield parent.recv()
     finally:
-        parent.send("stop")
+        with suppress(OSError):  # a child that died has closed its end
+            parent.send("stop")
         proc.join(30)
         if proc.is_alive():
             proc.kill()

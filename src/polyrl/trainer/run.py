@@ -377,9 +377,9 @@ def wait_for_workers(
         time.sleep(0.2)
     now = active()
     missing = [i for i in ids if i not in now]
-    if missing:
+    if missing and fleet is not None:  # launched ids come with their fleet
         log.warning("workers %s died or were not ready within %.0fs (see %s): training goes on without them",
-                    missing, timeout_s, fleet.log_dir if fleet is not None else "their logs")  # fmt: skip
+                    missing, timeout_s, fleet.log_dir)  # fmt: skip
     if len(now) < min_active:
         log.warning("%d of fleet.min_workers=%d workers active after %.0fs: training starts with them",
                     len(now), min_active, timeout_s)  # fmt: skip
