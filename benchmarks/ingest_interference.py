@@ -1,6 +1,8 @@
-"""What reading workers' streams costs the trainer's own Python: the manager runs in the
-trainer's process, so every stream chunk it parses holds the GIL the learner needs to
-launch its kernels.
+"""What reading workers' streams costs the trainer's own Python. With the manager in the
+trainer's process (`--placement in-process`, how polyrl ran until the process redesign)
+every stream chunk it parses holds the GIL the learner needs to launch its kernels; with
+the manager in its own process (`process`, how `polyrl train` runs now) the trainer
+reads only finished groups, through `rollout/manager_link.py`.
 
 The learner stands in as a dispatch-bound loop (tiny torch ops, each a few microseconds
 of Python and dispatcher with the GIL held, as a GPU learner's kernel launches are). Its
@@ -9,7 +11,7 @@ batch into the in-process manager. Variants: `manager.stream_interval_s` (the wo
 sends each request's tokens at most that often) and the interpreter's switch interval
 (the trainer's local engine sets 0.5 ms; Python's default is 5 ms); they alternate over
 the repeats. Other threads' CPU time over the window, per generated token, is the
-manager's ingest cost.
+trainer process's ingest cost: what it spends outside the learner.
 
     python benchmarks/ingest_interference.py --json out.json
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import subprocess
 import sys
@@ -31,8 +34,46 @@ import torch
 
 from polyrl.config import ManagerConfig, TinyModelConfig
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchPrompt, BatchRequest, BatchSampling
+from polyrl.manager.protocol import BatchPrompt, BatchRequest, BatchSampling, GroupResult, WorkerList
 from polyrl.models.tiny import save_tiny_model
+from polyrl.rollout.manager_link import ManagerLink
+from polyrl.rollout.manager_process import ManagerProcess
+
+TOKEN = "bench"
+
+
+class InProcess:
+    """The manager on a thread of this process (the old trainer)."""
+
+    def __init__(self, cfg: ManagerConfig) -> None:
+        self.mt = ManagerThread(cfg).start()
+
+    def generate(self, request: BatchRequest) -> list[GroupResult]:
+        return list(self.mt.generate(request))
+
+    def workers(self) -> WorkerList:
+        return self.mt.worker_list()
+
+    def stop(self) -> None:
+        self.mt.stop()
+
+
+class OwnProcess:
+    """`polyrl manager` in a child process, read as the trainer reads it now."""
+
+    def __init__(self, cfg: ManagerConfig, run_dir: Path) -> None:
+        self.proc = ManagerProcess(cfg, TOKEN, run_dir)
+        self.link = ManagerLink(self.proc.start(), TOKEN)
+
+    def generate(self, request: BatchRequest) -> list[GroupResult]:
+        return list(self.link.open_batch(request))
+
+    def workers(self) -> WorkerList:
+        return self.link.workers()
+
+    def stop(self) -> None:
+        self.link.close()
+        self.proc.stop()
 
 
 @dataclass
@@ -58,6 +99,7 @@ def dispatch_loop(seconds: float) -> Window:
 
 @dataclass
 class Row:
+    placement: str
     stream_interval_s: float
     switch_interval_s: float
     alone_ops_per_s: float
@@ -68,7 +110,7 @@ class Row:
     batch_outlasted_window: bool
 
 
-def measure(mt: ManagerThread, args: argparse.Namespace, seed: int) -> tuple[Window, Window, float, bool]:
+def measure(manager: InProcess | OwnProcess, args: argparse.Namespace, seed: int) -> tuple[Window, Window, float, bool]:
     """(alone, while streaming, the batch's tokens/s, whether it was still running when
     the window ended)."""
     alone = dispatch_loop(args.window_s)
@@ -79,7 +121,7 @@ def measure(mt: ManagerThread, args: argparse.Namespace, seed: int) -> tuple[Win
 
     def consume() -> None:
         t0 = time.perf_counter()
-        tokens = sum(len(s.output_ids) for g in mt.generate(request) for s in g.samples)
+        tokens = sum(len(s.output_ids) for g in manager.generate(request) for s in g.samples)
         done.append((tokens, time.perf_counter() - t0))
 
     consumer = threading.Thread(target=consume, daemon=True)
@@ -94,17 +136,24 @@ def measure(mt: ManagerThread, args: argparse.Namespace, seed: int) -> tuple[Win
     return alone, streaming, tokens / seconds, outlasted
 
 
-def start_worker(mt: ManagerThread, model: Path, slots: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model), "--manager", mt.url, "--token", "bench",
-           "--port", "0", "--worker-id", "w", f"engine.max_num_seqs={slots}"]  # fmt: skip
-    worker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start_worker(url: str, model: Path, slots: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model), "--manager", url, "--token", TOKEN,
+           "--port", "0", "--worker-id", "w", f"engine.max_num_seqs={slots}", "worker.heartbeat_interval_s=0.5"]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_active(manager: InProcess | OwnProcess, worker: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + 120
-    while not any(w.state == "active" for w in mt.call(mt.manager.worker_list).workers):
+    while not any(w.state == "active" for w in manager.workers().workers):
         if time.monotonic() > deadline or worker.poll() is not None:
-            worker.kill()
             raise RuntimeError("the worker did not become active")
         time.sleep(0.2)
-    return worker
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -114,43 +163,48 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=800)
     p.add_argument("--window-s", type=float, default=3.0)
     p.add_argument("--ramp-s", type=float, default=0.5)
-    p.add_argument("--stream-intervals", type=float, nargs="+", default=[0.0, 0.02, 0.05, 0.2],
+    p.add_argument("--placements", nargs="+", default=["in-process", "process"], choices=["in-process", "process"])
+    p.add_argument("--stream-intervals", type=float, nargs="+", default=[0.0, 0.2],
                    help="manager.stream_interval_s values")
-    p.add_argument("--switch-intervals", type=float, nargs="+", default=[0.005, 0.0005])
+    p.add_argument("--switch-intervals", type=float, nargs="+", default=[0.005],
+                   help="the interpreter's switch interval while measuring (in-process: the old local engine set 0.5 ms)")
     p.add_argument("--repeats", type=int, default=2, help="median of N (the variants alternate)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    variants = [(si, sw) for si in args.stream_intervals for sw in args.switch_intervals]
-    runs: dict[tuple[float, float], list[tuple[Window, Window, float, bool]]] = {v: [] for v in variants}
+    variants = [(pl, si, sw) for pl in args.placements for si in args.stream_intervals for sw in args.switch_intervals]
+    runs: dict[tuple[str, float, float], list[tuple[Window, Window, float, bool]]] = {v: [] for v in variants}
     default_switch = sys.getswitchinterval()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         model = save_tiny_model(Path(tmp) / "model", TinyModelConfig(
             hidden_size=64, intermediate_size=128, max_position_embeddings=args.new_tokens + 64))  # fmt: skip
-        with ManagerThread(ManagerConfig(port=0, token="bench")) as mt:
-            worker = start_worker(mt, model, args.prompts * args.n)
-            try:
-                for r in range(args.repeats):
-                    for k, (stream_interval, switch) in enumerate(variants):
-                        mt.call(setattr, mt.manager.remote, "stream_interval_s", stream_interval)
-                        sys.setswitchinterval(switch)
-                        try:
-                            runs[(stream_interval, switch)].append(measure(mt, args, seed=r * 100 + k))
-                        finally:
-                            sys.setswitchinterval(default_switch)
-            finally:
-                worker.terminate()
-                worker.wait(timeout=30)
+        worker = start_worker(f"http://127.0.0.1:{port}", model, args.prompts * args.n)
+        try:
+            for r in range(args.repeats):
+                for k, (placement, stream_interval, switch) in enumerate(variants):
+                    cfg = ManagerConfig(port=port, token=TOKEN, stream_interval_s=stream_interval)
+                    manager = InProcess(cfg) if placement == "in-process" else OwnProcess(cfg, Path(tmp))
+                    sys.setswitchinterval(switch)
+                    try:
+                        wait_active(manager, worker)
+                        runs[(placement, stream_interval, switch)].append(measure(manager, args, seed=r * 100 + k))
+                    finally:
+                        sys.setswitchinterval(default_switch)
+                        manager.stop()
+        finally:
+            worker.terminate()
+            worker.wait(timeout=30)
 
     rows: list[Row] = []
-    for (stream_interval, switch), results in runs.items():
+    for (placement, stream_interval, switch), results in runs.items():
         alone = statistics.median(a.ops_per_s for a, _, _, _ in results)
         streaming = statistics.median(s.ops_per_s for _, s, _, _ in results)
         tok_s = statistics.median(t for _, _, t, _ in results)
         cpu = statistics.median(s.other_threads_cpu_s / s.seconds for _, s, _, _ in results)
-        rows.append(Row(stream_interval, switch, alone, streaming, alone / streaming, tok_s, 1e6 * cpu / tok_s,
-                        all(o for *_, o in results)))  # fmt: skip
+        rows.append(Row(placement, stream_interval, switch, alone, streaming, alone / streaming, tok_s,
+                        1e6 * cpu / tok_s, all(o for *_, o in results)))  # fmt: skip
         print_row(rows[-1], header=len(rows) == 1)
     if not all(r.batch_outlasted_window for r in rows):
         print("note: some batches ended before their window did: raise --new-tokens")
@@ -160,9 +214,9 @@ def main() -> None:
 
 def print_row(r: Row, header: bool) -> None:
     if header:
-        print(f"{'stream interval':>15} {'switch':>7} {'ops/s alone':>12} {'ops/s streaming':>16} {'slowdown':>9} "
-              f"{'tokens/s':>9} {'ingest us/token':>16}")  # fmt: skip
-    print(f"{r.stream_interval_s:>14g}s {r.switch_interval_s * 1e3:>5.1f}ms {r.alone_ops_per_s:>12.0f} "
+        print(f"{'manager':>10} {'stream interval':>15} {'switch':>7} {'ops/s alone':>12} {'ops/s streaming':>16} "
+              f"{'slowdown':>9} {'tokens/s':>9} {'ingest us/token':>16}")  # fmt: skip
+    print(f"{r.placement:>10} {r.stream_interval_s:>14g}s {r.switch_interval_s * 1e3:>5.1f}ms {r.alone_ops_per_s:>12.0f} "
           f"{r.streaming_ops_per_s:>16.0f} {r.slowdown:>8.2f}x {r.tokens_per_s:>9.0f} {r.ingest_cpu_us_per_token:>16.1f}",
           flush=True)  # fmt: skip
 

@@ -15,7 +15,6 @@ from test_manager import TOKEN, _start_worker, fast_cfg, long_context_model  # n
 from test_worker import WorkerProcess, _wait_until
 
 from polyrl.config import EngineConfig, load_config
-from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest, EngineSampling
 from polyrl.manager.main import ManagerThread
@@ -210,39 +209,39 @@ def _reference(engine: Engine, prompt: BatchPrompt, n: int, max_new_tokens: int)
 
 
 def test_hybrid_window_hands_local_samples_to_a_worker_token_exact(long_context_model: Path) -> None:  # noqa: F811
-    """The trainer's engine generates while the only worker syncs; when the worker is in
-    sync the window closes and the unfinished samples continue there, token for token."""
+    """The local worker (the trainer's engine) generates while the only other worker
+    syncs; when that worker is in sync the window closes and the unfinished samples
+    continue there, token for token."""
     budget = 600
-    engine = AsyncEngine(Engine.from_pretrained(str(long_context_model), EngineConfig(max_num_seqs=8)))
-    engine.start()
     prompts = [BatchPrompt(id=f"p{i}", input_ids=[5 + i, 6, 7], seed=100 * i + 1) for i in range(2)]
     request = BatchRequest(prompts=prompts, n=2, sampling=BatchSampling(max_new_tokens=budget, ignore_eos=True))
-    try:
-        with ManagerThread(fast_cfg(), local_engine=engine) as mt, WeightPublisher(chunk_bytes=64 * 1024) as pub:
-            sync = PublisherSync(mt.manager, pub, codec="raw")
+    with ManagerThread(fast_cfg()) as mt, WeightPublisher(chunk_bytes=64 * 1024) as pub:
+        sync = PublisherSync(mt.manager, pub, codec="raw")
 
-            async def slow_sync(record, version):  # the window needs the worker to lag a little
-                await asyncio.sleep(0.5)
-                await sync(record, version)
+        async def slow_sync(record, version):  # the window needs the worker to lag a little
+            if not record.is_local:
+                await asyncio.sleep(1.0)
+            return await sync(record, version)
 
-            mt.add_sync_hook(slow_sync)
-            proc = _start_worker(long_context_model, mt.url, "w1")
-            try:
+        mt.add_sync_hook(slow_sync)
+        procs = [_start_worker(long_context_model, mt.url, "w1"),
+                 WorkerProcess(long_context_model, "--manager", mt.url, "--token", TOKEN, "worker.local=true")]  # fmt: skip
+        try:
+            for proc in procs:
                 proc.wait_ready()
-                _wait_until(lambda: mt.worker_list().workers[-1].state == "active", 30, "w1 active")
-                weights = {k: p.detach().clone() for k, p in engine.engine.model.named_parameters()}
-                pub.publish(weights, 1)  # the same values as v0: the reference stays valid
-                mt.run(engine.update_weights(weights, 1))
-                mt.publish_version(1)
-                mt.call(mt.manager.open_local_window, 60.0)
-                groups = list(mt.generate(request))
-                window = mt.manager.last_window
-            finally:
+            _wait_until(lambda: {w.state for w in mt.worker_list().workers} == {"active"}
+                        and len(mt.worker_list().workers) == 2, 60, "both active")  # fmt: skip
+            reference = Engine.from_pretrained(str(long_context_model), EngineConfig(max_num_seqs=8))
+            weights = {k: p.detach().clone() for k, p in reference.model.named_parameters()}
+            pub.publish(weights, 1)  # the same values as v0: the reference stays valid
+            mt.publish_version(1)
+            mt.call(mt.manager.open_local_window, 60.0)
+            groups = list(mt.generate(request))
+            window = mt.manager.window.last
+        finally:
+            for proc in procs:
                 proc.kill()
-    finally:
-        engine.shutdown()
-    assert window is not None and window[1] == "remote workers synced", window
-    reference = Engine.from_pretrained(str(long_context_model), EngineConfig(max_num_seqs=8))
+    assert window is not None and window.closed_by == "remote workers synced", window
     for g in groups:
         prompt = next(p for p in prompts if p.id == g.prompt_id)
         expected = _reference(reference, prompt, 2, budget)

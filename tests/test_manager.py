@@ -83,8 +83,10 @@ class FakeWorker:
     (HTTP 400)."""
 
     def __init__(self, manager_url: str, worker_id: str, *, token_delay_s: float = 0.002, max_num_seqs: int = 64,
-                 version: int = 0, mode: str = "ok", fault_after: int = 3, token: str = TOKEN) -> None:  # fmt: skip
+                 version: int = 0, mode: str = "ok", fault_after: int = 3, token: str = TOKEN,
+                 local: bool = False) -> None:  # fmt: skip
         self.manager_url, self.worker_id, self.token = manager_url, worker_id, token
+        self.local = local
         self.token_delay_s, self.max_num_seqs, self.version = token_delay_s, max_num_seqs, version
         self.mode, self.fault_after = mode, fault_after
         self.calls: list[dict[str, Any]] = []
@@ -111,7 +113,7 @@ class FakeWorker:
         with httpx.Client(base_url=self.manager_url, headers={"Authorization": f"Bearer {self.token}"}, timeout=5) as c:
             registration = {
                 "worker_id": self.worker_id, "url": self.url, "model_path": "fake", "weight_version": self.version,
-                "max_num_seqs": self.max_num_seqs, "max_model_len": 4096,
+                "max_num_seqs": self.max_num_seqs, "max_model_len": 4096, "local": self.local,
             }  # fmt: skip
             c.post("/v1/workers/register", json=registration).raise_for_status()
             while self.beating:
@@ -454,55 +456,65 @@ def test_config_refuses_open_non_loopback_manager(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------ local-engine fallback
 
 
-def test_local_engine_serves_when_no_worker_is_left(tiny_model_dir: Path) -> None:
-    engine = AsyncEngine(Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_num_seqs=8)))
-    engine.start()
-    try:
-        with ManagerThread(fast_cfg(), local_engine=engine) as mt:
-            request = batch(2, 3, 6)
-            request.sampling.ignore_eos = True
-            groups = list(mt.generate(request))
-    finally:
-        engine.shutdown()
+def test_local_worker_serves_only_when_no_worker_is_left() -> None:
+    """The trainer's own engine registers as `local`: with a remote worker alive it gets
+    nothing; once that worker is gone, it serves the rest."""
+    with ManagerThread(fast_cfg(heartbeat_timeout_s=1.0)) as mt, FakeWorker(mt.url, "local", local=True) as local:
+        wait_active(mt, "local")
+        with FakeWorker(mt.url, "w1") as w1:
+            wait_active(mt, "w1")
+            groups = list(mt.generate(batch(2, 3, 6)))
+            assert {seg.worker for g in groups for s in g.samples for seg in s.segments} == {"w1"}
+            assert not local.calls
+        _wait_until(lambda: all(w.worker_id != "w1" for w in mt.worker_list().workers), 10, "w1 gone")
+        groups = list(mt.generate(batch(2, 3, 6)))
     assert len(groups) == 2
     for g in groups:
         for s in g.samples:
-            assert len(s.output_ids) == 6 and len(s.logprobs) == 6 and s.finish_reason == "length"
-            assert [seg.worker for seg in s.segments] == ["local"]
-            assert all(lp <= 0 for lp in s.logprobs)
+            assert len(s.output_ids) == 6 and [seg.worker for seg in s.segments] == ["local"]
 
 
-def test_peer_window_gives_the_local_engine_its_share_and_lets_it_finish(tiny_model_dir: Path) -> None:
-    """Hybrid on a GPU trainer: the local engine is a peer of the workers for the whole
-    step. While the only worker syncs, the local engine holds at most half the worker
-    cap at once (the rest waits for the worker or its next wave); closing the window without hand-back lets it finish."""
-    engine = AsyncEngine(Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_num_seqs=64)))
-    engine.start()
-    try:
-        with ManagerThread(fast_cfg(max_inflight_per_worker=16), local_engine=engine) as mt:
-            with FakeWorker(mt.url, "w1", version=0, token_delay_s=0.01) as w1:
-                wait_active(mt, "w1")
-                mt.run(engine.update_weights(None, 1))
-                mt.publish_version(1)  # w1 syncs until its heartbeat says v1
-                mt.call(mt.manager.open_local_window, None, False)
-                # enough work that the local engine can't finish all of it in the moment
-                # between the pending check and w1's next heartbeat (it may take more waves)
-                request = batch(8, 4, 120, min_weight_version=1)
-                request.sampling.ignore_eos = True
-                consumer = Consumer(mt, request)
-                _wait_until(lambda: mt.call(lambda: mt.manager.local_record.inflight) > 0, 20, "local work")
-                assert mt.call(lambda: mt.manager.local_record.inflight) <= 8, "more than its share"
-                assert mt.call(lambda: len(mt.manager.pending)) > 0, "the worker's share should wait"
-                w1.version = 1
-                _wait_until(lambda: w1.calls, 20, "w1 gets the rest")
-                mt.call(mt.manager.close_local_window, "learner starts", False)
-                groups = consumer.join_ok(60)
-    finally:
-        engine.shutdown()
+def test_a_worker_may_not_take_the_local_id() -> None:
+    with ManagerThread(fast_cfg()) as mt, httpx.Client(base_url=mt.url, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
+        body = {"worker_id": "local", "url": "http://127.0.0.1:9", "model_path": "m", "weight_version": 0,
+                "max_num_seqs": 1, "max_model_len": 8}  # fmt: skip
+        assert c.post("/v1/workers/register", json=body).status_code == 422
+        assert c.post("/v1/workers/register", json=body | {"local": True}).status_code == 200
+
+
+def test_peer_window_gives_the_local_worker_its_share_and_lets_it_finish() -> None:
+    """Hybrid on a GPU trainer: the local worker is a peer of the workers for the whole
+    step. While the only worker syncs, the local worker holds at most half the worker
+    cap at once (the rest waits for the worker or its next wave); closing the window
+    without hand-back lets it finish."""
+    with ManagerThread(fast_cfg(max_inflight_per_worker=16)) as mt:
+        with FakeWorker(mt.url, "local", local=True, version=0, token_delay_s=0.01) as local, \
+                FakeWorker(mt.url, "w1", version=0, token_delay_s=0.01) as w1:  # fmt: skip
+            wait_active(mt, "w1")
+            wait_active(mt, "local")
+            local.version = 1  # the local worker syncs first (the trainer's own device)
+            mt.publish_version(1)  # w1 syncs until its heartbeat says v1
+            _wait_until(lambda: _state(mt, "local") == "active", 10, "local synced")
+            mt.call(mt.manager.open_local_window, None, False)
+            # enough work that the local worker can't finish all of it in the moment
+            # between the pending check and w1's next heartbeat (it may take more waves)
+            request = batch(8, 4, 120, min_weight_version=1)
+            consumer = Consumer(mt, request)
+            _wait_until(lambda: mt.call(lambda: mt.manager.local_record.inflight) > 0, 20, "local work")
+            assert mt.call(lambda: mt.manager.local_record.inflight) <= 8, "more than its share"
+            assert mt.call(lambda: len(mt.manager.pending)) > 0, "the worker's share should wait"
+            w1.version = 1
+            _wait_until(lambda: w1.calls, 20, "w1 gets the rest")
+            mt.call(mt.manager.learner_started)
+            groups = consumer.join_ok(60)
     workers = {seg.worker for g in groups for s in g.samples for seg in s.segments}
     assert workers == {"local", "w1"}
     assert all(len(s.segments) == 1 for g in groups for s in g.samples), "nothing migrated"
     assert all(len(s.output_ids) == 120 for g in groups for s in g.samples)
+
+
+def _state(mt: ManagerThread, worker_id: str) -> str:
+    return next((w.state for w in mt.worker_list().workers if w.worker_id == worker_id), "gone")
 
 
 # ------------------------------------------------------------------ real worker processes

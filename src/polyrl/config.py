@@ -274,6 +274,10 @@ class WorkerConfig(_Section):
     usd_per_hour: float | None = Field(None, ge=0)
     """This worker's price, told to the manager for cost accounting (None: the trainer's
     `cost.worker_usd_per_hour`)."""
+    local: bool = False
+    """The trainer's own engine (`polyrl train` starts it on the trainer's device): it
+    registers as `local`, and the manager gives it work only in the local window, when no
+    other worker is left, or for a batch stalled past `manager.local_fallback_s`."""
 
 
 class WorkerRunConfig(_Section):
@@ -358,6 +362,19 @@ class ManagerConfig(_Section):
     """A batch unfinished after this long fails with an error instead of hanging."""
     max_body_bytes: int = Field(64 * 2**20, ge=1024)
     """Largest request body (a batch of prompts); control messages are capped at 64 KiB."""
+    local_window: Literal["off", "synced", "learner"] = "off"
+    """Hybrid mode's local window (RLBoost's adaptive local rollout): after each published
+    version the `local` worker (the trainer's own engine) takes work while the others sync.
+    `synced`: it closes when every other worker serves the version, after twice the
+    measured sync time (at most `local_window_max_s`), or when the trainer says its
+    learner started; the local worker's unfinished samples then move on, token for token.
+    `learner`: the local worker is a peer of the others (its share of each batch) until
+    the learner starts, then finishes what it holds. `polyrl train` sets it from
+    `rollout.mode` and `rollout.hybrid_local_until`."""
+    local_window_max_s: float = Field(30.0, gt=0)
+    url: str | None = None
+    """`polyrl train` only: use the manager already serving at this URL (a standalone
+    `polyrl manager`, with `token`) instead of starting one."""
     transfer: TransferConfig = TransferConfig()
 
     @model_validator(mode="after")

@@ -1,9 +1,8 @@
-"""How the manager runs one generation call: on a remote worker over HTTP (SGLang's
-streaming `/generate`), or on the trainer's local engine in-process.
+"""How the manager runs one generation call on a worker (the trainer's `local` one too):
+SGLang's streaming `/generate` over HTTP.
 
-Both yield deltas (what is new for a sample since its previous delta) and raise one of
-four errors, which decide
-what the manager does next:
+A call yields deltas (what is new for a sample since its previous delta) and raises one
+of four errors, which decide what the manager does next:
 
 * `WorkerUnreachable`: connection refused/reset, stream cut, nothing for
   `stall_timeout_s` -> the worker is gone, all its work migrates (counts as a failure);
@@ -24,13 +23,6 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from polyrl.engine.async_engine import AsyncEngine, EngineDeadError
-from polyrl.engine.types import (
-    EngineFullError,
-    EngineRequest,
-    EngineSampling,
-    RequestError,
-)
 from polyrl.httpapi import CHECKSUM_HEADER, checksum
 from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import WorkerRecord
@@ -255,31 +247,3 @@ def _raise_for_status(response: httpx.Response, body: bytes) -> None:
     if response.status_code in (400, 413, 422):
         raise RequestRefused(message)
     raise WorkerFailed(message)
-
-
-# ------------------------------------------------------------------------------ local engine
-
-
-class LocalBackend:
-    """The trainer's own engine, used only when no remote worker can serve a batch."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-
-    async def stream(self, worker: WorkerRecord, call: GenerationCall) -> AsyncIterator[list[Delta]]:
-        s = call.sampling
-        sampling = EngineSampling(
-            max_new_tokens=call.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
-            stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, n=call.n, seed=call.seed,
-        )  # fmt: skip
-        request = EngineRequest(call.rid, call.input_ids, sampling)
-        try:
-            async for deltas in self.engine.generate(request):
-                yield [Delta(d.index, d.token_ids, d.logprobs, d.weight_versions, d.finish_reason) for d in deltas]
-        except RequestError as e:
-            raise RequestRefused(str(e)) from None
-        except EngineFullError as e:
-            raise WorkerBusy(str(e)) from None
-        except EngineDeadError as e:
-            raise WorkerUnreachable(f"local engine died: {e}") from None
-

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
@@ -20,7 +21,6 @@ from typing import Any, TypeVar
 import uvicorn
 
 from polyrl.config import ConfigError, ManagerConfig
-from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import freeze_gc_heap
 from polyrl.manager.batch import Batch
 from polyrl.manager.manager import RolloutManager, SyncHook
@@ -38,6 +38,7 @@ log = logging.getLogger("polyrl.manager")
 
 T = TypeVar("T")
 GRACEFUL_S = 5
+EXIT_CONFIG = 2
 
 
 def resolve_token(cfg: ManagerConfig) -> ManagerConfig:
@@ -55,9 +56,9 @@ def resolve_token(cfg: ManagerConfig) -> ManagerConfig:
 class ManagerService:
     """One RolloutManager behind its HTTP API, on the running event loop."""
 
-    def __init__(self, cfg: ManagerConfig, local_engine: AsyncEngine | None = None) -> None:
+    def __init__(self, cfg: ManagerConfig) -> None:
         self.cfg = resolve_token(cfg)
-        self.manager = RolloutManager(self.cfg, local_engine)
+        self.manager = RolloutManager(self.cfg)
         self.sock: socket.socket | None = None
         self.server: uvicorn.Server | None = None
         self.serving: asyncio.Task[None] | None = None
@@ -88,15 +89,25 @@ class ManagerService:
             self.sock.close()
 
 
-def run_manager(cfg: ManagerConfig) -> int:
-    """`polyrl manager`: serve until SIGTERM/SIGINT."""
-    return asyncio.run(_serve(cfg))
+def run_manager(cfg: ManagerConfig, ready_file: str | None = None) -> int:
+    """`polyrl manager`: serve until SIGTERM/SIGINT. `ready_file`: where to write the URL
+    once serving (for a parent process that started us on port 0)."""
+    return asyncio.run(_serve(cfg, ready_file))
 
 
-async def _serve(cfg: ManagerConfig) -> int:
+async def _serve(cfg: ManagerConfig, ready_file: str | None = None) -> int:
     service = ManagerService(cfg)
-    url = await service.start()
+    try:
+        url = await service.start()
+    except OSError as e:  # the port is taken, the address is not ours: the operator's to fix
+        print(f"config error: manager: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     print(f"polyrl manager serving on {url}", flush=True)
+    if ready_file:
+        tmp = f"{ready_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(url)
+        os.replace(tmp, ready_file)  # whole or absent, never half-written
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -119,8 +130,8 @@ class ManagerThread:
     `generate` is a plain iterator over the same GroupResult objects as the HTTP stream;
     breaking out of it cancels the rest of the batch."""
 
-    def __init__(self, cfg: ManagerConfig, local_engine: AsyncEngine | None = None) -> None:
-        self.service = ManagerService(cfg, local_engine)
+    def __init__(self, cfg: ManagerConfig) -> None:
+        self.service = ManagerService(cfg)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="polyrl-manager", daemon=True)
         self.url = ""

@@ -10,6 +10,9 @@ One asyncio loop owns all state, so nothing here locks. Three things run on it:
   draining), the unfinished samples go back to the front of the queue and continue
   from their tokens so far on the next worker, with the budget reduced;
 * the monitor declares silent workers gone and fails batches past their deadline.
+
+The trainer's own engine is an ordinary worker process that registers as `local`; it is
+placed by the local window's rules (`window.py`), and synced like any other worker.
 """
 
 from __future__ import annotations
@@ -28,11 +31,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 
 from polyrl.config import ManagerConfig
-from polyrl.engine.async_engine import AsyncEngine
 from polyrl.manager.backends import (
     Delta,
     GenerationCall,
-    LocalBackend,
     RemoteBackend,
     RequestRefused,
     WorkerBusy,
@@ -52,12 +53,15 @@ from polyrl.manager.protocol import (
     RegisterResponse,
     WorkerList,
 )
-from polyrl.manager.registry import Registry, WorkerRecord
+from polyrl.manager.registry import LOCAL_WORKER_ID, Registry, WorkerRecord
+from polyrl.manager.window import SYNCED, LocalWindow, Opening
 
 log = logging.getLogger("polyrl.manager")
 
-SyncHook = Callable[[WorkerRecord, int], Awaitable[None] | None]
-"""Called with (worker, version) when a worker needs weights `version` (the transfer layer)."""
+SyncHook = Callable[[WorkerRecord, int], Awaitable[int | None] | int | None]
+"""Called with (worker, version) when a worker needs weights `version` (the transfer
+layer); returns the version the worker serves once it has it (None: not delivered). The
+manager marks the worker synced itself."""
 
 BUSY_BACKOFF_S = 1.0
 """A worker that answered 429/503 gets no new work for this long."""
@@ -88,16 +92,11 @@ class _Cancel:
 
 
 class RolloutManager:
-    def __init__(self, cfg: ManagerConfig, local_engine: AsyncEngine | None = None, seed: int | None = None) -> None:
+    def __init__(self, cfg: ManagerConfig, seed: int | None = None) -> None:
         self.cfg = cfg
         self.registry = Registry()
         self.metrics = ManagerMetrics(self)
         self.remote = RemoteBackend(cfg.connect_timeout_s, cfg.stall_timeout_s, cfg.token, cfg.stream_interval_s)
-        self.local = LocalBackend(local_engine) if local_engine is not None else None
-        self.local_record: WorkerRecord | None = None
-        if local_engine is not None:
-            e = local_engine.engine
-            self.local_record = self.registry.add_local(e.cfg.max_num_seqs, e.max_model_len, e.weight_version)
         self.pending: deque[WorkUnit] = deque()
         self.batches: dict[str, Batch] = {}
         self.sync_hooks: list[SyncHook] = []
@@ -110,18 +109,18 @@ class RolloutManager:
         lately, for when it registers again."""
         self._wake: asyncio.Event | None = None
         self._closed = False
-        self.local_window_open = False
-        """Hybrid mode: the local engine takes work while remote workers sync (see
-        `open_local_window`); otherwise it serves only when no remote worker is left."""
-        self.window_until_synced = True
+        self.window = LocalWindow(cfg.local_window, cfg.local_window_max_s)
+        self._window_timer: asyncio.TimerHandle | None = None
         self._published_at = time.monotonic()
         self.sync_s: dict[str, float] = {}
         """Worker id -> seconds from `publish_version` of the latest version to the worker
         serving it (the weight update as the trainer sees it)."""
-        self._window_timer: asyncio.TimerHandle | None = None
-        self._window_opened_at = 0.0
-        self.last_window: tuple[float, str] | None = None
-        """(seconds open, why it closed) of the latest local window."""
+
+    @property
+    def local_record(self) -> WorkerRecord | None:
+        """The trainer's own engine, while it is registered."""
+        record = self.registry.get(LOCAL_WORKER_ID)
+        return record if record is not None and record.is_local else None
 
     # ------------------------------------------------------------------------ life of the service
 
@@ -162,10 +161,11 @@ class RolloutManager:
 
     def register(self, request: RegisterRequest) -> RegisterResponse:
         url = request.url.rstrip("/")
-        previous = [r for r in self.registry if not r.is_local and (r.worker_id == request.worker_id or r.url == url)]
+        worker_id = LOCAL_WORKER_ID if request.local else request.worker_id
+        previous = [r for r in self.registry if r.worker_id == worker_id or r.url == url]
         for old in previous:  # a restarted worker: its old streams are dead
             self._worker_gone(old, "registered again", is_failure=True)
-        record = self.registry.add(request, request.worker_id)
+        record = self.registry.add(request, worker_id)
         for key in (request.worker_id, url):  # coming back does not wipe its record of failing
             failures, until = self._failed_before.get(key, (0, 0.0))
             record.consecutive_failures = max(record.consecutive_failures, failures)
@@ -203,7 +203,7 @@ class RolloutManager:
     def heartbeat(self, worker_id: str, beat: Heartbeat) -> bool:
         """False: unknown worker (it registers again)."""
         record = self.registry.get(worker_id)
-        if record is None or record.is_local:
+        if record is None:
             return False
         self.registry.heartbeat(record, beat)
         self._after_version_change(record)
@@ -211,7 +211,7 @@ class RolloutManager:
 
     def leave(self, worker_id: str, reason: str) -> bool:
         record = self.registry.get(worker_id)
-        if record is None or record.is_local:
+        if record is None:
             return False
         self.metrics.worker_events.labels("left").inc()
         self._worker_gone(record, f"left: {reason}", is_failure=False)
@@ -225,6 +225,13 @@ class RolloutManager:
         self.sync_s = {}
         for record in self.registry.publish(version):
             self._call_sync_hooks(record, version)
+        opening = self.window.on_publish()
+        if opening is not None:
+            self._open_window(opening)
+
+    def learner_started(self) -> None:
+        """The trainer's learner has its first mini-batch of the step: the window closes."""
+        self.close_local_window("learner starts")
 
     def mark_synced(self, worker_id: str, version: int) -> None:
         """The transfer layer's hook: `worker_id` now serves `version`."""
@@ -238,8 +245,8 @@ class RolloutManager:
     def _after_version_change(self, record: WorkerRecord) -> None:
         if record.state == "syncing":
             self._call_sync_hooks(record, self.registry.latest_version)
-        if self.local_window_open and self.window_until_synced and self._fleet_synced():
-            self.close_local_window("remote workers synced")
+        if self.window.closes_when_synced and self._fleet_synced():
+            self.close_local_window(SYNCED)
         self.wake()
 
     def _alive_remote(self) -> list[WorkerRecord]:
@@ -253,38 +260,36 @@ class RolloutManager:
     # ------------------------------------------------------------------------- local window
 
     def open_local_window(self, max_s: float | None, until_synced: bool = True) -> None:
-        """Hybrid mode: let the local engine take work while remote workers sync the new
-        weights. The window closes when every remote worker is synced (`until_synced`),
-        after `max_s` (None: no limit), or on `close_local_window`; then the local
-        engine's unfinished samples move to the remote workers, token for token.
+        """Open the local window now, whatever `manager.local_window` says (tests and
+        benchmarks; the trainer's windows open at each publish). `until_synced=False`
+        makes the local worker a peer that finishes what it holds when the window closes."""
+        self._open_window(self.window.open_now(Opening(max_s, until_synced, hand_back=until_synced)))
 
-        `until_synced=False` makes the local engine a peer of the workers until the caller
-        closes the window (the learner starts): it then takes only its share of the work,
-        so that the workers still syncing find theirs waiting."""
-        assert self.local is not None, "the local window needs a local engine"
+    def _open_window(self, opening: Opening) -> None:
         if self._window_timer is not None:
             self._window_timer.cancel()
             self._window_timer = None
-        self.local_window_open = True
-        self.window_until_synced = until_synced
-        self._window_opened_at = time.monotonic()
-        if max_s is not None:
-            self._window_timer = asyncio.get_running_loop().call_later(max_s, self.close_local_window, "window elapsed")
-        if until_synced and self._fleet_synced():
-            self.close_local_window("remote workers synced")
+        if opening.max_s is not None:
+            self._window_timer = asyncio.get_running_loop().call_later(
+                opening.max_s, self.close_local_window, "window elapsed"
+            )
+        if opening.until_synced and self._fleet_synced():
+            self.close_local_window(SYNCED)
         self.wake()
 
-    def close_local_window(self, why: str, hand_back: bool = True) -> None:
-        """No new work for the local engine; with `hand_back`, its unfinished samples move
-        to the remote workers (re-prefilled there), else it finishes them."""
-        if not self.local_window_open:
+    def close_local_window(self, why: str, hand_back: bool | None = None) -> None:
+        """No new work for the local worker beyond the fallbacks; with `hand_back` (default:
+        as the window was opened) its unfinished samples move to the remote workers
+        (re-prefilled there), else it finishes them."""
+        opening = self.window.close(why)
+        if opening is None:
             return
-        self.local_window_open = False
         if self._window_timer is not None:
             self._window_timer.cancel()
             self._window_timer = None
-        self.last_window = (time.monotonic() - self._window_opened_at, why)
         local = self.local_record
+        if hand_back is None:
+            hand_back = opening.hand_back
         if hand_back and local is not None and local.tasks and self._alive_remote():
             log.debug("local window closed (%s): handing %d samples to remote workers", why, local.inflight)
             for task in list(local.tasks):
@@ -304,7 +309,14 @@ class RolloutManager:
                 log.error("sync hook for worker %s failed: %r", record.worker_id, e)
                 continue
             if inspect.isawaitable(result):
-                self._spawn(result)
+                self._spawn(self._synced_after(record, result))
+            elif result is not None:
+                self.mark_synced(record.worker_id, result)
+
+    async def _synced_after(self, record: WorkerRecord, delivery: Awaitable[int | None]) -> None:
+        served = await delivery
+        if served is not None and record.state != "gone":
+            self.mark_synced(record.worker_id, served)
 
     def _worker_gone(self, record: WorkerRecord, why: str, is_failure: bool) -> None:
         """Forget the worker and move its unfinished work to others."""
@@ -330,6 +342,8 @@ class RolloutManager:
         return WorkerList(
             latest_weight_version=self.registry.latest_version,
             workers=[r.info(now) for r in self.registry],
+            last_window=self.window.last,
+            sync_s={k: round(v, 6) for k, v in self.sync_s.items()},
         )
 
     # ------------------------------------------------------------------------------- batches
@@ -440,11 +454,10 @@ class RolloutManager:
             return worker, worker.free_slots(cap)
         local = self.local_record
         alive = self._alive_remote()
-        use_local = self.local_window_open or not alive or (stalled and not serving)
-        if use_local and local is not None and self.local is not None:
-            local.weight_version = self.local.engine.engine.weight_version
+        use_local = self.window.is_open or not alive or (stalled and not serving)
+        if use_local and local is not None:
             peers = [r for r in alive if r.state != "registering"]  # one still starting may take a minute
-            if self.local_window_open and not self.window_until_synced and peers and not stalled:
+            if self.window.is_peer and peers and not stalled:
                 cap = max(1, cap // (1 + len(peers)))  # a peer: its share, not the whole batch
             if local.serves(version, now) and local.free_slots(cap) > 0:
                 return local, local.free_slots(cap)
@@ -474,10 +487,8 @@ class RolloutManager:
     # ----------------------------------------------------------------------------- generating
 
     async def _run(self, unit: WorkUnit, worker: WorkerRecord, call: GenerationCall, outcome: _Outcome) -> None:
-        backend = self.local if worker.is_local else self.remote
-        assert backend is not None
         try:
-            async with contextlib.aclosing(backend.stream(worker, call)) as stream:  # closed at once on errors
+            async with contextlib.aclosing(self.remote.stream(worker, call)) as stream:  # closed at once on errors
                 async for deltas in stream:
                     for d in deltas:
                         self._apply(unit, d)
@@ -563,7 +574,7 @@ class RolloutManager:
         """No new work for the worker for a while, longer with each failure in a row; the
         calls that fail together (a cut link) count once."""
         now = time.monotonic()
-        if worker.is_local or now < worker.busy_until:
+        if now < worker.busy_until:
             return
         worker.consecutive_failures += 1
         low, high = FAILURE_BACKOFF_S
@@ -596,7 +607,7 @@ class RolloutManager:
             silent = now - record.last_seen
             # registering too: a worker killed during its readiness check heartbeats no
             # more, while a check through a relay would only fail at readiness_timeout_s
-            if not record.is_local and silent > self.cfg.heartbeat_timeout_s:
+            if silent > self.cfg.heartbeat_timeout_s:
                 self._worker_gone(record, f"no heartbeat for {silent:.1f}s", is_failure=True)
         for batch in list(self.batches.values()):
             if not batch.finished and now > batch.deadline:

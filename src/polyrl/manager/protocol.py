@@ -49,13 +49,16 @@ class RegisterRequest(_Message):
     """Extensions beyond SGLang's API the worker speaks: "incremental_stream"."""
     usd_per_hour: Finite | None = Field(None, ge=0)
     """What the worker costs, for the trainer's cost accounting (None: the trainer's default)."""
+    local: bool = False
+    """The trainer's own engine (`polyrl worker --local`, on the trainer's device): the
+    manager registers it as `local` and uses it only in the local window, when no other
+    worker is left, or for a batch stalled past `local_fallback_s`."""
 
-    @field_validator("worker_id")
-    @classmethod
-    def _not_reserved(cls, value: str) -> str:
-        if value == "local":
-            raise ValueError("'local' is reserved for the trainer's own engine")
-        return value
+    @model_validator(mode="after")
+    def _local_id_reserved(self) -> RegisterRequest:
+        if self.worker_id == "local" and not self.local:
+            raise ValueError("worker_id: 'local' is reserved for the trainer's own engine")
+        return self
 
     @field_validator("url")
     @classmethod
@@ -227,9 +230,19 @@ class WorkerInfo(_Message):
     usd_per_hour: float | None = None
 
 
+class LocalWindowReport(_Message):
+    """The latest local window (hybrid mode): how long it was open and what closed it."""
+
+    open_s: float
+    closed_by: str
+
+
 class WorkerList(_Message):
     latest_weight_version: int
     workers: list[WorkerInfo]
+    last_window: LocalWindowReport | None = None
+    sync_s: dict[str, float] = {}
+    """Worker id -> seconds from publishing the latest version to the worker serving it."""
 
 
 class PublishVersion(_Message):
@@ -237,3 +250,19 @@ class PublishVersion(_Message):
     need it by default and workers below it go to `syncing`."""
 
     version: int = Field(ge=0, lt=2**63)
+    on_device: bool = False
+    """The trainer also holds `version` on its GPU, for same-host workers (NCCL, CUDA IPC)."""
+
+
+class PublisherEndpoint(_Message):
+    """`POST {manager}/v1/publisher`: the trainer's weight publisher. The manager tells each
+    worker that needs a version where to pull it, with a token made from `key` for that
+    worker and version. Sent by the trainer on every (re)connection; it replaces the last."""
+
+    groups: list[tuple[str, int]] = Field(min_length=1, max_length=64)
+    """(host, port) that workers connect to, per publisher group."""
+    key: str = Field(pattern=r"^[0-9a-f]{32,128}$")
+    """The publisher's HMAC key, hex (the manager's API is authenticated)."""
+    device_host_id: str | None = Field(None, max_length=256)
+    device_gpu_uuid: str | None = Field(None, max_length=256)
+    """Where the trainer holds versions on a GPU (None: it holds none there)."""

@@ -106,17 +106,10 @@ class Registry:
             weight_version=request.weight_version,
             incremental_stream="incremental_stream" in request.capabilities,
             usd_per_hour=request.usd_per_hour,
+            is_local=request.local,
         )
         self.workers[worker_id] = record
         log.info("worker %s registered from %s (weights v%d)", worker_id, record.url, record.weight_version)
-        return record
-
-    def add_local(self, max_num_seqs: int, max_model_len: int, weight_version: int) -> WorkerRecord:
-        record = WorkerRecord(
-            worker_id=LOCAL_WORKER_ID, url="local", model_path="", max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, weight_version=weight_version, state="active", is_local=True,
-        )  # fmt: skip
-        self.workers[LOCAL_WORKER_ID] = record
         return record
 
     def ready(self, record: WorkerRecord) -> None:
@@ -147,7 +140,7 @@ class Registry:
         self.latest_version = version
         stale = []
         for record in self:
-            if record.state in ("active", "syncing") and record.weight_version < version and not record.is_local:
+            if record.state in ("active", "syncing") and record.weight_version < version:
                 if record.state == "active":
                     record.state = "syncing"
                 stale.append(record)

@@ -7,9 +7,11 @@ malformed request gets a 4xx naming the reason and changes nothing.
     POST /v1/workers/register            RegisterRequest -> RegisterResponse
     POST /v1/workers/{id}/heartbeat      Heartbeat (404: unknown, register again)
     POST /v1/workers/{id}/leave          LeaveRequest
-    GET  /v1/workers                     WorkerList
+    GET  /v1/workers                     WorkerList (with the latest local window and sync times)
     POST /v1/batches                     BatchRequest -> NDJSON GroupResult lines + BatchEnd
+    POST /v1/publisher                   PublisherEndpoint: where workers pull weights from
     POST /v1/weights/version             PublishVersion
+    POST /v1/learner_started             the trainer's learner started on the step: the local window closes
     GET  /health, GET /metrics
 """
 
@@ -27,12 +29,14 @@ from starlette.types import Receive, Scope, Send
 from polyrl.httpapi import ApiError, BodyLimit, check_bearer, error_handlers
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.metrics import CONTENT_TYPE
+from polyrl.manager.weight_sync import EndpointPublisher, PublisherSync
 from polyrl.manager.protocol import (
     BatchEnd,
     BatchError,
     BatchRequest,
     Heartbeat,
     LeaveRequest,
+    PublisherEndpoint,
     PublishVersion,
     RegisterRequest,
     RegisterResponse,
@@ -68,6 +72,8 @@ class _BatchStream(StreamingResponse):
 class _Handlers:
     def __init__(self, manager: RolloutManager, allowed: list[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> None:
         self.manager, self.allowed = manager, allowed
+        self.publisher: EndpointPublisher | None = None
+        self.publisher_sync: PublisherSync | None = None
 
     def _check_peer(self, request: Request) -> None:
         host = request.client.host if request.client else ""
@@ -96,11 +102,27 @@ class _Handlers:
         return self.manager.worker_list()
 
     async def publish(self, body: PublishVersion) -> dict[str, Any]:
+        if self.publisher is not None:
+            self.publisher.published(body.version, body.on_device)
         try:
             self.manager.publish_version(body.version)
         except ValueError as e:
             raise ApiError(409, str(e), "version_conflict") from None
         return {"latest_weight_version": body.version}
+
+    async def set_publisher(self, body: PublisherEndpoint) -> dict[str, Any]:
+        """Workers pull from this publisher from now on (it replaces the last one)."""
+        hooks = self.manager.sync_hooks
+        if self.publisher_sync is not None and self.publisher_sync in hooks:
+            hooks.remove(self.publisher_sync)
+        self.publisher = EndpointPublisher(body)
+        self.publisher_sync = PublisherSync(self.manager, self.publisher, codec=self.manager.cfg.transfer.codec)
+        hooks.append(self.publisher_sync)
+        return {}
+
+    async def learner_started(self) -> dict[str, Any]:
+        self.manager.learner_started()
+        return {}
 
     async def batches(self, body: BatchRequest) -> Response:
         try:
@@ -146,11 +168,14 @@ def create_app(manager: RolloutManager) -> FastAPI:
     app.get("/v1/workers")(h.workers)
     app.post("/v1/batches", dependencies=auth)(h.batches)
     app.post("/v1/weights/version", dependencies=auth)(h.publish)
+    app.post("/v1/publisher", dependencies=auth)(h.set_publisher)
+    app.post("/v1/learner_started", dependencies=auth)(h.learner_started)
     app.get("/health")(h.health)
     app.get("/metrics")(h.metrics)
 
     def limit_for(path: str) -> int:
-        return CONTROL_BODY_LIMIT if path.startswith(("/v1/workers", "/v1/weights")) else cfg.max_body_bytes
+        control = ("/v1/workers", "/v1/weights", "/v1/publisher", "/v1/learner_started")
+        return CONTROL_BODY_LIMIT if path.startswith(control) else cfg.max_body_bytes
 
     app.add_middleware(BodyLimit, limit_for=limit_for)
     return app

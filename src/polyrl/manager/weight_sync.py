@@ -10,7 +10,11 @@ to TCP stays on TCP (logged once).
 
 The hook runs as its own task, so a slow or dead worker never holds anything up; a
 failed pull is retried with backoff, then logged (the worker stays `syncing` until the
-next version is published). `DiskSync` does the same through a shared directory.
+next version is published). It returns the version the worker reports, and the manager
+marks the worker synced. `DiskSync` does the same through a shared directory.
+
+In the manager's own process the publisher is the trainer's, known only by what the
+trainer told the manager (`PublisherEndpoint`): `EndpointPublisher` stands in for it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import torch
@@ -27,18 +31,66 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from polyrl.manager.manager import RolloutManager
+from polyrl.manager.protocol import PublisherEndpoint
 from polyrl.manager.registry import WorkerRecord
 from polyrl.transfer.device import DeviceIdentity, WeightPath
-from polyrl.transfer.publisher import WeightPublisher
+from polyrl.transfer.wire import transfer_token
 
 log = logging.getLogger("polyrl.manager")
+
+
+class DeviceView(Protocol):
+    identity: DeviceIdentity
+
+    def holds(self, version: int) -> bool: ...
+
+
+class PublisherView(Protocol):
+    """What the sync needs of a publisher: the in-process `WeightPublisher`, or an
+    `EndpointPublisher` made from what the trainer told the manager."""
+
+    addresses: list[tuple[str, int]]
+
+    @property
+    def device(self) -> DeviceView | None: ...
+
+    def grant(self, worker_id: str, version: int) -> str: ...
+
+
+class EndpointDevice:
+    """The versions the trainer holds on its GPU, as its publish messages said."""
+
+    def __init__(self, identity: DeviceIdentity) -> None:
+        self.identity = identity
+        self.version: int | None = None
+
+    def holds(self, version: int) -> bool:
+        return version == self.version
+
+
+class EndpointPublisher:
+    """The trainer's publisher seen from the manager's process."""
+
+    def __init__(self, endpoint: PublisherEndpoint) -> None:
+        self.addresses = [(host, port) for host, port in endpoint.groups]
+        self.key = bytes.fromhex(endpoint.key)
+        self.device: EndpointDevice | None = None
+        if endpoint.device_host_id is not None:
+            self.device = EndpointDevice(DeviceIdentity(host_id=endpoint.device_host_id, gpu_uuid=endpoint.device_gpu_uuid))
+
+    def grant(self, worker_id: str, version: int) -> str:
+        return transfer_token(self.key, worker_id, version)
+
+    def published(self, version: int, on_device: bool) -> None:
+        if self.device is not None and on_device:
+            self.device.version = version
 
 
 class PublisherSync:
     def __init__(
         self,
         manager: RolloutManager,
-        publisher: WeightPublisher,
+        publisher: PublisherView,
         advertise_host: str | None = None,
         retries: int = 3,
         pull_timeout_s: float = 120.0,
@@ -73,9 +125,7 @@ class PublisherSync:
         # NCCL between two GPUs; between two CPUs the same code runs gloo (tests)
         return "nccl" if (there.gpu_uuid is None) == (here.identity.gpu_uuid is None) else "tcp"
 
-    async def __call__(self, record: WorkerRecord, version: int) -> None:
-        if record.is_local:
-            return
+    async def __call__(self, record: WorkerRecord, version: int) -> int | None:
         path = self.path_for(record.worker_id, version)
         host, port = self.groups[self.group_for(record.worker_id)]
         body = {
@@ -93,9 +143,11 @@ class PublisherSync:
         reply = await tell_worker(
             self.manager, record, version, "/update_weights_from_publisher", body, self.pull_timeout_s + 10, self.retries
         )
-        if reply is not None:
-            self._note(record.worker_id, path, reply)
-            log.debug("worker %s pulled v%d: %s", record.worker_id, version, reply.get("message", ""))
+        if reply is None:
+            return None
+        self._note(record.worker_id, path, reply)
+        log.debug("worker %s pulled v%d: %s", record.worker_id, version, reply.get("message", ""))
+        return int(reply["weight_version"])
 
     def group_for(self, worker_id: str) -> int:
         """The worker's publisher group: on its first pull, the one with the fewest
@@ -148,15 +200,15 @@ class DiskSync:
         tmp.rename(final)
         return final
 
-    async def __call__(self, record: WorkerRecord, version: int) -> None:
-        if record.is_local:
-            return
+    async def __call__(self, record: WorkerRecord, version: int) -> int | None:
         body = {"model_path": str(self.path(version).resolve()), "weight_version": version}
         reply = await tell_worker(
             self.manager, record, version, "/update_weights_from_disk", body, self.load_timeout_s, self.retries
         )
-        if reply is not None:
-            log.debug("worker %s loaded v%d from %s", record.worker_id, version, body["model_path"])
+        if reply is None:
+            return None
+        log.debug("worker %s loaded v%d from %s", record.worker_id, version, body["model_path"])
+        return int(reply["weight_version"])
 
 
 async def tell_worker(
@@ -169,7 +221,7 @@ async def tell_worker(
     retries: int,
 ) -> dict[str, Any] | None:
     """POST `body` to the worker's weight-update `endpoint`, retrying with backoff; on
-    success mark the worker synced at the version it reports and return its reply. None:
+    success return its reply (it names the version the worker now serves). None:
     it left, a newer version superseded this one, it is unreachable (declared gone), or
     every try failed (logged; its next heartbeat asks again, so a worker is never left
     syncing for good)."""
@@ -181,7 +233,7 @@ async def tell_worker(
             response = await manager.remote.http.post(f"{record.url}{endpoint}", json=body, timeout=timeout_s)
             if response.status_code == 200:
                 reply = response.json()
-                manager.mark_synced(record.worker_id, int(reply["weight_version"]))
+                int(reply["weight_version"])  # a reply without it is a failed try
                 return reply
             why = f"HTTP {response.status_code}: {response.text[:300]}"
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:

@@ -79,7 +79,7 @@ class WorkerFleet:
         proc = subprocess.Popen(
             self.command(worker_id), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=self._env(), start_new_session=True,  # a Ctrl-C in the trainer's terminal is the trainer's
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )  # fmt: skip
         with self._lock:
             self.workers.append(LaunchedWorker(worker_id, proc, log_file))
@@ -88,19 +88,12 @@ class WorkerFleet:
         return worker_id
 
     def command(self, worker_id: str) -> list[str]:
-        engine = [f"engine.{k}={json.dumps(v)}" for k, v in self.engine.model_dump(mode="json").items()]
-        return [
-            sys.executable, "-m", "polyrl.cli", "worker", "--model", str(self.model_dir), "--port", "0",
-            "--manager", self.manager_url, "--worker-id", worker_id, *engine,
+        return worker_command(self.model_dir, self.manager_url, worker_id, self.engine, [
             f"worker.usd_per_hour={self.cfg.usd_per_hour}", f"worker.drain_timeout_s={self.cfg.drain_timeout_s}",
-        ]  # fmt: skip
+        ])  # fmt: skip
 
     def _env(self) -> dict[str, str]:
-        threads = str(self.cfg.worker_threads)
-        return os.environ | {
-            "POLYRL_TOKEN": self.token, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-            "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "200",
-        }  # fmt: skip
+        return worker_env(self.token, self.cfg.worker_threads)
 
     # ---------------------------------------------------------------------------- leaving
 
@@ -201,6 +194,24 @@ class WorkerFleet:
         return rng.expovariate(1.0 / mean) if mean > 0 else float("inf")
 
 
+def worker_command(
+    model_dir: Path, manager_url: str, worker_id: str, engine: EngineConfig, overrides: list[str]
+) -> list[str]:
+    """`polyrl worker` joining `manager_url` with the run's engine settings."""
+    settings = [f"engine.{k}={json.dumps(v)}" for k, v in engine.model_dump(mode="json").items()]
+    return [
+        sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--port", "0",
+        "--manager", manager_url, "--worker-id", worker_id, *settings, *overrides,
+    ]  # fmt: skip
+
+
+def worker_env(token: str, threads: int) -> dict[str, str]:
+    return os.environ | {
+        "POLYRL_TOKEN": token, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "200",
+    }  # fmt: skip
+
+
 def churn_direction(count: int, growing: bool, max_workers: int, min_workers: int) -> bool:
     """One tick of the schedule: True to launch a worker, False to retire the oldest.
     Grow up to `max_workers`, then shrink down to `min_workers`, then grow again."""
@@ -226,7 +237,7 @@ _PRCTL = _find_prctl()
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: SIGTERM it when the trainer dies, even by kill -9, so no
     orphaned worker keeps heartbeating to a manager that is gone (Linux only)."""
     if _PRCTL is not None:

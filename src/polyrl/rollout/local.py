@@ -135,5 +135,11 @@ class LocalRollout:
                     stats.tokens_by_worker[LOCAL_WORKER_ID] += sum(len(r.token_ids) for r in results)
                     yield Group(prompt=prompt, samples=[to_sample(r, LOCAL_WORKER_ID, elapsed) for r in results])
 
+    def learner_started(self) -> None:
+        pass  # the whole batch was generated before it (`shares_weights`)
+
+    def workers(self) -> list:
+        return []
+
     def close(self) -> None:
         pass

@@ -1,41 +1,70 @@
 """Disaggregated rollout: every sample comes through the rollout manager, from workers
-that pull each weight version over the transfer layer.
+that pull each weight version from the trainer's publisher.
 
-Rank 0 of the trainer holds the pieces: the manager (in-process, HTTP for workers), the
-weight publisher (TCP data plane) and a local engine on its own copy of the weights. The
-local engine is the fallback that lets a step finish with no worker at all and, in
-hybrid mode, the engine that generates while the workers sync a new version (the
-"local window", RLBoost's adaptive local rollout); when the window closes its unfinished
-samples move to the workers, token for token. The copy costs one more set of weights,
-and buys exactness: the learner updates its own parameters mid-step while the local
-engine may still be generating with the step's version.
+Each role runs in a process of its own (README, "What runs where"): the manager
+(`manager_process.py`, or a standalone one at `manager.url`), the publisher's data
+plane, the trainer's own engine (the `local` worker, `local_worker.py`) and the
+launched workers. The trainer's process keeps the learner, and only I/O threads beside
+it: one per batch, reading finished groups. The hybrid window's policy is the
+manager's; the trainer only says when its learner starts.
+
+If the manager's process dies, the trainer starts it again on the same port, tells it
+the publisher and the current version, and resubmits the prompts whose groups had not
+arrived (same seeds): nothing is lost, and workers register again by themselves.
 """
 
 from __future__ import annotations
 
+import logging
 import random
-from collections.abc import Iterator, Mapping
-from typing import Literal
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel
 
-from polyrl.config import EngineConfig, ManagerConfig, RolloutConfig
-from polyrl.engine.async_engine import AsyncEngine
-from polyrl.engine.engine import Engine
-from polyrl.manager.batch import Batch
-from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchPrompt, BatchRequest, BatchSampling, GroupResult, WorkerInfo
+from polyrl.config import ManagerConfig, RunConfig
+from polyrl.manager.protocol import (
+    BatchError,
+    BatchPrompt,
+    BatchRequest,
+    BatchSampling,
+    GroupResult,
+    PublisherEndpoint,
+    WorkerInfo,
+    WorkerList,
+)
 from polyrl.manager.registry import LOCAL_WORKER_ID
-from polyrl.manager.weight_sync import PublisherSync
-from polyrl.rollout.local import engine_copy, engine_dtype, learner_weights
+from polyrl.rollout.local import engine_dtype, learner_weights
+from polyrl.rollout.local_worker import LocalWorker
+from polyrl.rollout.manager_link import BatchStream, ManagerLink, ManagerUnreachable
+from polyrl.rollout.manager_process import ManagerProcess
 from polyrl.rollout.stats import RolloutStats
 from polyrl.rollout.types import Group, Prompt, Sample, SamplingParams
 from polyrl.transfer.device import DeviceVersions
 from polyrl.transfer.publisher import WeightPublisher
 
-WINDOW_EMA = 0.5
-"""Weight of the newest measured sync time in the hybrid window's estimate."""
+log = logging.getLogger("polyrl.rollout")
+
+T = TypeVar("T")
+
+RECOVERABLE = ("disconnected", "shutdown")
+"""Batch failures that mean the manager went away, not that the batch was bad."""
+
+
+def window_policy(cfg: RunConfig, device: torch.device) -> ManagerConfig:
+    """The manager's config with the hybrid window's mode (see `manager/window.py`)."""
+    r = cfg.rollout
+    if r.mode != "hybrid":
+        mode = "off"
+    elif r.hybrid_local_until == "auto":
+        mode = "learner" if device.type == "cuda" and not r.max_staleness else "synced"
+    else:
+        mode = r.hybrid_local_until
+    return cfg.manager.model_copy(update={"local_window": mode, "local_window_max_s": r.hybrid_max_window_s})
 
 
 class RemoteRollout:
@@ -44,53 +73,55 @@ class RemoteRollout:
     shares_weights = False
     """The learner may update while generation goes on: nothing here reads its weights."""
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        mode: Literal["remote", "hybrid"],
-        rollout_cfg: RolloutConfig,
-        manager_cfg: ManagerConfig,
-        engine_cfg: EngineConfig,
-        compute_dtype: torch.dtype,
-        window_groups: int,
-    ) -> None:
-        self.model, self.mode, self.cfg = model, mode, rollout_cfg
-        self.window_groups = window_groups
-        """Hybrid: the window closes once this many groups are in (the learner starts)."""
+    def __init__(self, model: PreTrainedModel, cfg: RunConfig, run_dir: Path, token: str, init_path: Path,
+                 compute_dtype: torch.dtype) -> None:  # fmt: skip
+        self.model, self.mode = model, cfg.rollout.mode
         self.publish_dtype = engine_dtype(model, compute_dtype)
-        self.local_engine = AsyncEngine(Engine(engine_copy(model, self.publish_dtype), engine_cfg, compute_dtype))
-        self.local_until_learner = mode == "hybrid" and (
-            rollout_cfg.hybrid_local_until == "learner"
-            or (rollout_cfg.hybrid_local_until == "auto" and model.device.type == "cuda" and not rollout_cfg.max_staleness)
-        )
-        self.local_engine.start()
-        transfer = manager_cfg.transfer
-        try:
-            self.publisher = WeightPublisher(
-                manager_cfg.host, transfer.port, num_groups=transfer.num_groups, group_hosts=transfer.group_hosts
-            ).start()
-        except BaseException:
-            self.local_engine.shutdown()
-            raise
-        if transfer.gpu_paths and model.device.type == "cuda":  # workers on this host pull over NCCL / CUDA IPC
-            self.publisher.device = DeviceVersions(model.device)
-        self.mt = ManagerThread(manager_cfg, self.local_engine)
-        try:
-            self.mt.start()
-        except BaseException:
-            self.mt.stop()
-            self.publisher.stop()
-            self.local_engine.shutdown()
-            raise
-        advertise = None if transfer.group_hosts else transfer.advertise_host  # each group's own bind address
-        self.mt.add_sync_hook(PublisherSync(self.mt.manager, self.publisher, advertise, codec=transfer.codec))
-        self.version = self.local_engine.engine.weight_version
+        self.version = 0
         self.stats = RolloutStats()
-        self._sync_estimate_s: float | None = None
+        self.num_recoveries = 0
+        self._recover_lock = threading.Lock()
+        self._stack = ExitStack()
+        try:
+            self._start(cfg, run_dir, token, init_path)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _start(self, cfg: RunConfig, run_dir: Path, token: str, init_path: Path) -> None:
+        mcfg, transfer = window_policy(cfg, self.model.device), cfg.manager.transfer
+        self.publisher = WeightPublisher(
+            mcfg.host, transfer.port, num_groups=transfer.num_groups, group_hosts=transfer.group_hosts
+        ).start()
+        self._stack.callback(self.publisher.stop)
+        if transfer.gpu_paths and self.model.device.type == "cuda":  # workers on this host pull over NCCL / CUDA IPC
+            self.publisher.device = DeviceVersions(self.model.device)
+        advertise = None if transfer.group_hosts else transfer.advertise_host  # each group's own bind address
+        device = self.publisher.device.identity if self.publisher.device is not None else None
+        self.endpoint = PublisherEndpoint(
+            groups=[(advertise or host, port) for host, port in self.publisher.addresses], key=self.publisher.key.hex(),
+            device_host_id=device.host_id if device else None, device_gpu_uuid=device.gpu_uuid if device else None,
+        )  # fmt: skip
+        self.manager: ManagerProcess | None = None
+        if mcfg.url:
+            url = mcfg.url
+            log.info("using the rollout manager at %s", url)
+        else:
+            self.manager = ManagerProcess(mcfg, token, run_dir)
+            url = self.manager.start()
+            self._stack.callback(self.manager.stop)
+        self.link = ManagerLink(url, token)
+        self._stack.callback(self.link.close)
+        self.link.set_publisher(self.endpoint)
+        self.local = LocalWorker(
+            init_path, url, token, cfg.engine, self.model.device, run_dir / "workers", cfg.fleet.worker_threads
+        )
+        self.local.start()
+        self._stack.callback(self.local.stop)
 
     @property
     def url(self) -> str:
-        return self.mt.url
+        return self.link.url
 
     @property
     def weight_version(self) -> int:
@@ -98,51 +129,64 @@ class RemoteRollout:
 
     @property
     def num_instances(self) -> int:
-        """Engines that generated for the last step (workers and the local engine)."""
+        """Engines that generated for the last step (workers and the local one)."""
         return len(self.stats.tokens_by_worker)
 
+    def fleet(self) -> WorkerList:
+        return self._control(self.link.workers)
+
     def workers(self) -> list[WorkerInfo]:
-        return [w for w in self.mt.worker_list().workers if w.worker_id != LOCAL_WORKER_ID]
+        """The rollout workers, without the trainer's own engine."""
+        return [w for w in self.fleet().workers if w.worker_id != LOCAL_WORKER_ID]
+
+    def local_active(self) -> bool:
+        return any(w.worker_id == LOCAL_WORKER_ID and w.state == "active" for w in self.fleet().workers)
 
     # --------------------------------------------------------------------------- publishing
 
     def publish(self, version: int, weights: Mapping[str, torch.Tensor] | None = None) -> None:
         """Snapshot the learner's weights (or `weights`, full tensors by HF name) as
-        `version` for the workers to pull, and load them into the local engine; batches
-        from now on need `version`. On CUDA with bf16 compute, the version is published in
-        bf16: what every engine computes with, and half the bytes of the master weights."""
+        `version` for the workers to pull; batches from now on need `version`. On CUDA
+        with bf16 compute, the version is published in bf16: what every engine computes
+        with, and half the bytes of the master weights."""
         if weights is None:
             weights = learner_weights(self.model)
         weights = {k: t.detach().to(self.publish_dtype) for k, t in weights.items()}
         self.publisher.publish(weights, version)
         if self.publisher.device is not None:
             self.publisher.device.publish(weights, version)
-        self.mt.run(self.local_engine.update_weights(weights, version))
-        self._note_sync_time()
-        self.mt.publish_version(version)
         self.version = version
-        if self.local_until_learner:
-            self.mt.call(self.mt.manager.open_local_window, None, False)
-        elif self.mode == "hybrid":
-            self.mt.call(self.mt.manager.open_local_window, self._window_s())
+        self.local.restart_if_dead()
+        self._control(lambda: self.link.publish_version(version, self.publisher.device is not None))
 
-    def _note_sync_time(self) -> None:
-        """The last window's length, when the workers' sync closed it, is the fleet's sync time."""
-        last = self._last_window()
-        if last is None or last[1] != "remote workers synced":
-            return
-        s = last[0]
-        prev = self._sync_estimate_s
-        self._sync_estimate_s = s if prev is None else WINDOW_EMA * s + (1 - WINDOW_EMA) * prev
+    def learner_started(self) -> None:
+        """The learner has its first mini-batch of the step: the local window closes."""
+        if self.mode == "hybrid":
+            self._control(self.link.learner_started)
 
-    def _last_window(self) -> tuple[float, str] | None:
-        return self.mt.call(getattr, self.mt.manager, "last_window")
+    def _control(self, call: Callable[[], T]) -> T:
+        """A control call; if the manager is gone, bring it back and call once more."""
+        generation = self.num_recoveries
+        try:
+            return call()
+        except ManagerUnreachable as e:
+            self._recover(generation, str(e))
+            return call()
 
-    def _window_s(self) -> float:
-        """Twice the measured sync time (a slow sync should not stall the step), at least
-        a second, at most `rollout.hybrid_max_window_s`."""
-        estimate = self._sync_estimate_s if self._sync_estimate_s is not None else self.cfg.hybrid_max_window_s
-        return min(max(2 * estimate, 1.0), self.cfg.hybrid_max_window_s)
+    def _recover(self, generation: int, why: str) -> None:
+        """Start the manager again (unless another thread did since `generation`) and tell
+        it what it forgot: the publisher and the current version."""
+        with self._recover_lock:
+            if self.num_recoveries != generation:
+                return
+            if self.manager is None:
+                log.warning("lost the rollout manager at %s (%s); waiting for it to come back", self.url, why)
+                self.link.retry_s = 300.0  # a standalone manager restarts on its own schedule
+            else:
+                self.manager.restart()
+            self.link.set_publisher(self.endpoint)
+            self.link.publish_version(self.version, self.publisher.device is not None)
+            self.num_recoveries += 1
 
     # --------------------------------------------------------------------------- generating
 
@@ -162,30 +206,42 @@ class RemoteRollout:
             ),  # fmt: skip
             min_weight_version=self.version,
         )
-        return self._groups(self.mt.submit(request), {str(p.index): p for p in prompts}, n)
+        stream = self.link.open_batch(request)
+        return self._groups(request, stream, self.num_recoveries, {str(p.index): p for p in prompts})
 
-    def _groups(self, batch: Batch, by_id: dict[str, Prompt], n: int) -> Iterator[Group]:
-        self.stats = stats = RolloutStats(num_requested=len(by_id) * n)  # the step's: set when it starts reading
-        for result in self.mt.results(batch):
-            group = to_group(by_id[result.prompt_id], result, stats)
-            # the manager's clock, not ours: the learner consumes groups at its own pace
-            done_s = max(s.latency_s for s in result.samples)
-            stats.first_group_s = min(stats.first_group_s or done_s, done_s)
-            stats.gen_s = max(stats.gen_s, done_s)
-            if self.mode == "hybrid" and stats.num_received == self.window_groups * n:
-                # a peer finishes what it holds (moving it costs a re-prefill); a stopgap hands it on
-                self.mt.call(self.mt.manager.close_local_window, "learner starts", not self.local_until_learner)
-            yield group
-        window = self._last_window()
-        if self.mode == "hybrid" and window is not None:
-            stats.window_s, stats.window_closed_by = window
-        synced = self.mt.call(getattr, self.mt.manager, "sync_s")
-        stats.weight_sync_s = max(synced.values()) if synced else None
+    def _groups(self, request: BatchRequest, stream: BatchStream, generation: int, by_id: dict[str, Prompt]) -> Iterator[Group]:
+        self.stats = stats = RolloutStats(num_requested=len(by_id) * request.n)  # the step's: set when it starts reading
+        received: set[str] = set()
+        while True:
+            try:
+                for result in stream:
+                    received.add(result.prompt_id)
+                    yield self._note(to_group(by_id[result.prompt_id], result, stats), result, stats)
+                break
+            except BatchError as e:
+                if e.kind not in RECOVERABLE:
+                    raise
+                self._recover(generation, str(e))
+                generation = self.num_recoveries
+                rest = [p for p in request.prompts if p.id not in received]
+                log.warning("resubmitting %d of %d prompts after losing the manager (%s)", len(rest), len(by_id), e)
+                stream = self.link.open_batch(request.model_copy(update={"prompts": rest}))
+        fleet = self.fleet()
+        if fleet.last_window is not None and self.mode == "hybrid":
+            stats.window_s, stats.window_closed_by = fleet.last_window.open_s, fleet.last_window.closed_by
+        remote = [s for w, s in fleet.sync_s.items() if w != LOCAL_WORKER_ID]
+        stats.weight_sync_s = max(remote) if remote else None
+
+    @staticmethod
+    def _note(group: Group, result: GroupResult, stats: RolloutStats) -> Group:
+        # the manager's clock, not ours: the learner consumes groups at its own pace
+        done_s = max(s.latency_s for s in result.samples)
+        stats.first_group_s = min(stats.first_group_s or done_s, done_s)
+        stats.gen_s = max(stats.gen_s, done_s)
+        return group
 
     def close(self) -> None:
-        self.mt.stop()
-        self.publisher.stop()
-        self.local_engine.shutdown()
+        self._stack.close()
 
 
 def to_group(prompt: Prompt, result: GroupResult, stats: RolloutStats) -> Group:

@@ -6,8 +6,15 @@ manager's streamed results later) and the learner.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from polyrl.manager.protocol import WorkerInfo
+    from polyrl.rollout.stats import RolloutStats
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -54,3 +61,35 @@ class Group:
     prompt: Prompt
     samples: list[Sample]
     rewards: list[float] | None = None
+
+
+class Rollout(Protocol):
+    """Where a step's groups come from: the colocated engine (`LocalRollout`) or the
+    manager and its workers (`RemoteRollout`)."""
+
+    shares_weights: bool
+    """The engine reads the learner's own parameters: a batch must finish generating
+    before the first update."""
+    stats: RolloutStats
+    """The step's generation, once its batch has been read."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    @property
+    def num_instances(self) -> int: ...
+
+    def publish(self, version: int, weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Weights `version` (the learner's, or `weights`) for every engine; batches
+        submitted from now on are generated with it."""
+
+    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> Iterator[Group]:
+        """Submit now; each prompt's group as soon as its last sample is done."""
+
+    def learner_started(self) -> None:
+        """The learner is about to take its first update of the step."""
+
+    def workers(self) -> list[WorkerInfo]:
+        """The rollout workers now (none colocated)."""
+
+    def close(self) -> None: ...

@@ -56,7 +56,9 @@ def train(
                 if run.rollout.shares_weights:
                     groups = list(groups)  # generated in full before the learner changes the weights
                 version = run.rollout.weight_version
-                result = learn_from_stream(groups, run.scorer, run.learner, cfg.algo, tcfg.ppo_mini_batch_size, version)
+                result = learn_from_stream(
+                    groups, run.scorer, run.learner, cfg.algo, tcfg.ppo_mini_batch_size, version, run.rollout.learner_started
+                )
                 with timer("update_weights"):
                     run.publish_weights()
                 timer.spans["step"] = time.perf_counter() - t0

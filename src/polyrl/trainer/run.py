@@ -11,7 +11,7 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,11 +33,12 @@ from polyrl.metrics.step_stats import (
 )
 from polyrl.metrics.tracker import Tracker
 from polyrl.models.precision import DTYPES
+from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.models.tiny import save_tiny_model
 from polyrl.rollout.fleet import WorkerFleet
 from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.remote import RemoteRollout
-from polyrl.rollout.types import Group, SamplingParams
+from polyrl.rollout.types import Group, Rollout, SamplingParams
 from polyrl.trainer.checkpoint import (
     TrainState,
     latest_checkpoint,
@@ -125,7 +126,7 @@ class Run:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     source: PromptSource
-    rollout: LocalRollout
+    rollout: Rollout
     scorer: GroupScorer
     learner: Learner
     tracker: Tracker
@@ -135,6 +136,8 @@ class Run:
     fleet: WorkerFleet | None = None
     ahead: deque[PendingBatch] = field(default_factory=deque)
     """Submitted batches of the steps to come (rollout.max_staleness of them), oldest first."""
+    cleanup: ExitStack = field(default_factory=ExitStack)
+    """Stops what the run started (reward pool, rollout, fleet, tracker), last first."""
 
     @classmethod
     def create(cls, cfg: RunConfig, run_dir: Path, resume: bool, dp: DataParallel) -> Run:
@@ -152,57 +155,50 @@ class Run:
         ckpt = latest_checkpoint(run_dir) if resume else None
         if resume and ckpt is None:
             log.warning("no checkpoint in %s: starting from step 0", run_dir)
-        try:  # user input checked against real files and modules: report it as config
-            device = pick_device(tcfg.device)
-            if not cfg.model.path and not (init_path / "config.json").exists():
-                save_tiny_model(init_path, cfg.model.tiny)
-            model = load_model(ckpt / "model" if ckpt else init_path, device)
-            tokenizer = AutoTokenizer.from_pretrained(init_path)
-            source = PromptSource(cfg.data, tokenizer, tcfg.seed)
-            fit_prompts_to_context(source, model, cfg.rollout.max_new_tokens)
-            functions = cfg.reward.functions or [source.default_reward]
-            pool = RewardPool(functions, cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s)
-        except (ValueError, OSError) as e:
-            raise ConfigError(f"config error: {e}") from None
-        blob = read_trainer_state(ckpt) if ckpt else None
-        state = TrainState(**blob["state"]) if blob else TrainState()
-        source.cursor = state.cursor
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        compute_dtype = DTYPES[cfg.model.dtype]
-        # The rollout first: its engine copies (or, colocated, shares) the model before sharding.
-        try:
-            rollout, fleet = start_rollout(cfg, run_dir, model, compute_dtype, init_path)
-        except BaseException:
-            pool.close()
-            raise
-        try:
+        with ExitStack() as cleanup:
+            try:  # user input checked against real files and modules: report it as config
+                device = pick_device(tcfg.device)
+                if not cfg.model.path and not (init_path / "config.json").exists():
+                    save_tiny_model(init_path, cfg.model.tiny)
+                model = load_model(ckpt / "model" if ckpt else init_path, device)
+                tokenizer = AutoTokenizer.from_pretrained(init_path)
+                source = PromptSource(cfg.data, tokenizer, tcfg.seed)
+                fit_prompts_to_context(source, model, cfg.rollout.max_new_tokens)
+                functions = cfg.reward.functions or [source.default_reward]
+                pool = RewardPool(functions, cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s)
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"config error: {e}") from None
+            cleanup.callback(pool.close)
+            blob = read_trainer_state(ckpt) if ckpt else None
+            state = TrainState(**blob["state"]) if blob else TrainState()
+            source.cursor = state.cursor
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            compute_dtype = DTYPES[cfg.model.dtype]
+            # The rollout first: its engine shares the model (colocated) before sharding, and
+            # the local worker sizes its KV cache before the learner allocates.
+            rollout, fleet = start_rollout(cfg, run_dir, model, compute_dtype, init_path, cleanup)
             rollout.publish(state.weight_version)
             with dp.command("start", cfg, init_path, pad_id, ckpt):
                 learner = build_learner(cfg, model, init_path, pad_id, blob, dp)
-        except BaseException:
-            if fleet is not None:
-                fleet.stop()
-            rollout.close()
-            pool.close()
-            raise
-        if blob:
-            set_rng_state(blob["rng"])
-        sampling = SamplingParams(
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            stop_token_ids=stop_token_ids(model, tokenizer),
-        )
-        name = cfg.run_name or run_dir.name
-        # On resume, metrics past the checkpoint (or all of them, without one) are dropped.
-        tracker = Tracker(cfg.logging, run_dir, state.step if resume else None, name, cfg.model_dump(mode="json"))
-        if ckpt:
-            log.info("resumed from %s at step %d", ckpt, state.step)
-        return cls(
-            cfg, run_dir, model, tokenizer, source, rollout, GroupScorer(pool, tokenizer), learner, tracker, sampling,
-            state, dp, fleet,
-        )  # fmt: skip
+            if blob:
+                set_rng_state(blob["rng"])
+            sampling = SamplingParams(
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p,
+                top_k=cfg.rollout.top_k,
+                stop_token_ids=stop_token_ids(model, tokenizer),
+            )
+            name = cfg.run_name or run_dir.name
+            # On resume, metrics past the checkpoint (or all of them, without one) are dropped.
+            tracker = Tracker(cfg.logging, run_dir, state.step if resume else None, name, cfg.model_dump(mode="json"))
+            cleanup.callback(tracker.close)
+            if ckpt:
+                log.info("resumed from %s at step %d", ckpt, state.step)
+            return cls(
+                cfg, run_dir, model, tokenizer, source, rollout, GroupScorer(pool, tokenizer), learner, tracker,
+                sampling, state, dp, fleet, cleanup=cleanup.pop_all(),
+            )  # fmt: skip
 
     def next_batch(self, step: int) -> Iterator[Group]:
         """Step `step`'s groups. With rollout.max_staleness = k, the next k steps' batches
@@ -241,7 +237,7 @@ class Run:
         metrics["timing_s/update_actor"] = result.update_s
         metrics["training/num_rollout_instances"] = float(self.rollout.num_instances)
         prices: list[float] = []
-        if isinstance(self.rollout, RemoteRollout):
+        if self.cfg.rollout.mode != "local":
             default = self.cfg.cost.worker_usd_per_hour
             prices = [w.usd_per_hour if w.usd_per_hour is not None else default for w in self.rollout.workers()]
             metrics["training/num_workers"] = float(len(prices))
@@ -271,11 +267,7 @@ class Run:
         return out
 
     def close(self) -> None:
-        if self.fleet is not None:
-            self.fleet.stop()
-        self.rollout.close()
-        self.tracker.close()
-        self.scorer.pool.close()
+        self.cleanup.close()
 
 
 def build_learner(
@@ -315,67 +307,67 @@ def load_learner(dp: DataParallel, cfg: RunConfig, init_path: Path, pad_id: int,
 
 
 def start_rollout(
-    cfg: RunConfig, run_dir: Path, model: PreTrainedModel, compute_dtype: torch.dtype, init_path: Path
-) -> tuple[LocalRollout | RemoteRollout, WorkerFleet | None]:
+    cfg: RunConfig, run_dir: Path, model: PreTrainedModel, compute_dtype: torch.dtype, init_path: Path,
+    cleanup: ExitStack,
+) -> tuple[Rollout, WorkerFleet | None]:  # fmt: skip
+    """The rollout and, remote or hybrid, the launched workers; `cleanup` stops them."""
     if cfg.rollout.mode == "local":
         return LocalRollout.colocated(model, cfg.engine, compute_dtype), None
-    return start_remote(cfg, run_dir, model, compute_dtype, init_path)
+    return start_remote(cfg, run_dir, model, compute_dtype, init_path, cleanup)
 
 
 def start_remote(
-    cfg: RunConfig, run_dir: Path, model: PreTrainedModel, compute_dtype: torch.dtype, init_path: Path
-) -> tuple[RemoteRollout, WorkerFleet | None]:
-    """The in-process manager and weight publisher, then the launched workers (if any).
-    The manager always has a token (a random one unless given), so that workers from
-    anywhere can be added later; it goes to RUN_DIR/manager.json (owner-only), not to
-    the log."""
+    cfg: RunConfig, run_dir: Path, model: PreTrainedModel, compute_dtype: torch.dtype, init_path: Path,
+    cleanup: ExitStack,
+) -> tuple[RemoteRollout, WorkerFleet | None]:  # fmt: skip
+    """The manager, publisher and local worker processes, then the launched workers (if
+    any). The manager always has a token (a random one unless given), so that workers
+    from anywhere can be added later; it goes to RUN_DIR/manager.json (owner-only), not
+    to the log."""
     token = cfg.manager.token or os.environ.get("POLYRL_TOKEN") or secrets.token_hex(16)
-    mcfg = cfg.manager.model_copy(update={"token": token})
     try:
-        rollout = RemoteRollout(
-            model, cfg.rollout.mode, cfg.rollout, mcfg, cfg.engine, compute_dtype, cfg.trainer.ppo_mini_batch_size
-        )  # type: ignore[arg-type]
+        rollout = RemoteRollout(model, cfg, run_dir, token, init_path, compute_dtype)
     except OSError as e:  # the port is taken, the address is not ours
-        raise ConfigError(f"config error: manager: cannot listen on {mcfg.host}:{mcfg.port}: {e}") from None
+        raise ConfigError(f"config error: manager: cannot listen on {cfg.manager.host}:{cfg.manager.port}: {e}") from None
+    cleanup.callback(rollout.close)
     info = run_dir / "manager.json"
-    info.write_text(json.dumps({"url": rollout.url, "token": mcfg.token}))
+    info.write_text(json.dumps({"url": rollout.url, "token": token}))
     os.chmod(info, 0o600)
     log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token <token in %s>",
              rollout.url, init_path, rollout.url, info)  # fmt: skip
     fleet = None
     if cfg.fleet.num_workers:
         fleet = WorkerFleet(cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers")
-    try:
-        ids = fleet.start() if fleet is not None else []
-        if ids or cfg.fleet.min_workers:
-            wait_for_workers(rollout, fleet, ids, cfg.fleet.min_workers, cfg.fleet.ready_timeout_s)
-    except BaseException:
-        if fleet is not None:
-            fleet.stop()
-        rollout.close()
-        raise
+        cleanup.callback(fleet.stop)
+    ids = fleet.start() if fleet is not None else []
+    wait_for_workers(rollout, fleet, ids, cfg.fleet.min_workers, cfg.fleet.ready_timeout_s)
     return rollout, fleet
 
 
 def wait_for_workers(
     rollout: RemoteRollout, fleet: WorkerFleet | None, ids: list[str], min_active: int, timeout_s: float
 ) -> None:
-    """Wait until the launched workers `ids` are active and at least `min_active` workers
-    in all (a worker's start-up is mostly imports and model loading); a launched worker
-    that dies or is late, or a fleet short of `min_active`, is left behind with a warning."""
+    """Wait until the local worker and the launched workers `ids` are active, and at
+    least `min_active` workers in all (a worker's start-up is mostly imports and model
+    loading); a launched worker that dies or is late, or a fleet short of `min_active`,
+    is left behind with a warning."""
     deadline = time.monotonic() + timeout_s
     if min_active:
         log.info("waiting up to %.0fs for %d active rollout workers (fleet.min_workers)", timeout_s, min_active)
 
     def active() -> set[str]:
-        return {w.worker_id for w in rollout.workers() if w.state == "active"}
+        return {w.worker_id for w in rollout.fleet().workers if w.state == "active"}
 
     while time.monotonic() < deadline:
         now, launched = active(), {w.worker_id for w in fleet.alive()} if fleet is not None else set()
-        if len(now) >= min_active and all(i in now or i not in launched for i in ids):
+        local_up = LOCAL_WORKER_ID in now or not rollout.local.alive()
+        if local_up and len(now - {LOCAL_WORKER_ID}) >= min_active and all(i in now or i not in launched for i in ids):
             break
         time.sleep(0.2)
     now = active()
+    if LOCAL_WORKER_ID not in now:
+        log.warning("the local worker is not active after %.0fs (see %s)", timeout_s, rollout.local.log_dir / "local.log")
+    now.discard(LOCAL_WORKER_ID)
     missing = [i for i in ids if i not in now]
     if missing and fleet is not None:  # launched ids come with their fleet
         log.warning("workers %s died or were not ready within %.0fs (see %s): training goes on without them",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -64,9 +64,12 @@ def learn_from_stream(
     algo: AlgoConfig,
     mini_batch_size: int,
     version: int | None = None,
+    on_learner_start: Callable[[], None] | None = None,
 ) -> StreamResult:
     """Score and train on groups in arrival order; one optimizer step per mini-batch.
-    version: the learner's weight version now; tokens of another version lag behind it."""
+    version: the learner's weight version now; tokens of another version lag behind it.
+    on_learner_start: called once, right before the step's first update (the rollout's
+    local window closes then)."""
     out = StreamResult(version=version)
     pending: deque = deque()  # (group, reward future), in arrival order
     scored: list[Group] = []
@@ -86,6 +89,8 @@ def learn_from_stream(
             # Until the step's first update, the learner holds the weights that sampled the
             # step's current-version tokens: there, recomputed log-probs must equal the engine's.
             first = not out.train_metrics
+            if first and on_learner_start is not None:
+                on_learner_start()
             out.train_metrics.append(learner.train_mini_batch(items, weights_as_sampled=first))
         out.update_s += time.perf_counter() - t0
 

@@ -64,7 +64,7 @@ async def _serve(cfg: WorkerRunConfig, engine: AsyncEngine, tokenizer: Any | Non
     state = WorkerState(
         engine,
         model_path=str(cfg.model.path),
-        worker_id=cfg.worker.worker_id or f"{socket.gethostname()}-{port}",
+        worker_id="local" if cfg.worker.local else cfg.worker.worker_id or f"{socket.gethostname()}-{port}",
         tokenizer=tokenizer,
         block_size=cfg.engine.block_size,
         max_num_seqs=cfg.engine.max_num_seqs,
@@ -120,6 +120,7 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
             max_model_len=state.engine.engine.max_model_len,
             capabilities=["incremental_stream"],
             usd_per_hour=cfg.worker.usd_per_hour,
+            local=cfg.worker.local,
         )
 
     def on_registered(reply: RegisterResponse) -> None:

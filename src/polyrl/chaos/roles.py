@@ -1,0 +1,175 @@
+"""Faults of `polyrl train`'s own processes: each role runs in a process of its own (the
+rollout manager, the local worker, the publisher's data plane), so each can die alone.
+
+A real `polyrl train` runs with workers started outside it; a child of the trainer is
+killed with SIGKILL mid-step, `injections` times. The trainer must notice, bring the
+role back, and finish every step with every sample it asked for, each step logged once.
+
+* manager: killed mid-step; the trainer starts it again on its port, tells it the
+  publisher and the version, and resubmits the prompts whose groups had not arrived.
+  Recovery: the kill until the new manager serves every worker again.
+* local worker (hybrid, as a peer of the workers, so it holds work in every step's
+  window): killed while it holds samples; they migrate to the workers token for token,
+  and the trainer starts it again at the next publish. Recovery: the kill until the
+  local worker is active again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from polyrl.chaos.harness import free_port, wait_for
+from polyrl.chaos.restarts import CONTROL, _active_workers, _check_run, _cli, _serving, _start_workers, _stop
+from polyrl.chaos.scenarios import FaultRow, Scale
+
+
+def pids_with(*needles: str) -> list[int]:
+    """Processes whose command line holds every needle (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if all(n in cmdline for n in needles):
+            found.append(int(entry.name))
+    return found
+
+
+def _workers(url: str) -> list[dict]:
+    try:
+        response = httpx.get(f"{url}/v1/workers", timeout=2)
+        return response.json()["workers"] if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
+
+
+class TrainRun:
+    """`polyrl train` with `num_workers` workers of its own started beside it."""
+
+    def __init__(self, model_dir: Path, work: Path, scale: Scale, total_steps: int, extra: list[str]) -> None:
+        work.mkdir(parents=True, exist_ok=True)
+        self.work, self.run_dir, self.total_steps = work, work / "run", total_steps
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics = self.run_dir / "metrics.jsonl"
+        overrides = [
+            f"model.path={json.dumps(str(model_dir))}", f"manager.port={self.port}", "fleet.num_workers=0",
+            f"fleet.min_workers={scale.num_workers}", f"trainer.total_steps={total_steps}", "trainer.save_every=0",
+            "trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=4", "rollout.n=4", "rollout.max_new_tokens=24",
+            "logging.console=false", "logging.tensorboard=false", *CONTROL, *extra,
+        ]  # fmt: skip
+        self.workers = _start_workers(model_dir, self.url, work, scale.num_workers)
+        self.trainer = _cli("train", "--run-dir", str(self.run_dir), *overrides, log_path=work / "trainer.log")
+
+    def steps(self) -> list[dict[str, float]]:
+        if not self.metrics.exists():
+            return []
+        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+
+    def until(self, predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.02) -> float:
+        """wait_for, failing at once (with the log's end) when the trainer has exited."""
+
+        def check() -> bool:
+            if self.trainer.poll() is not None:
+                tail = (self.work / "trainer.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the trainer exited with {self.trainer.returncode} before {what}; log:\n{tail}")
+            return predicate()
+
+        return wait_for(check, timeout_s, what, poll_s=poll_s)
+
+    def finish(self, row: FaultRow) -> None:
+        code = self.trainer.wait(timeout=600)
+        if code != 0:
+            row.errors.append(f"the trainer exited with {code}; see {self.work / 'trainer.log'}")
+        _check_run(row, self.steps(), self.total_steps, [])
+        row.errors += [f"worker exited with {p.returncode}" for p in self.workers if p.poll() is not None]
+
+    def stop(self) -> None:
+        _stop([self.trainer, *self.workers])
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def manager_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
+    row = FaultRow("trainer's manager process kill -9")
+    run = TrainRun(model_dir, work, scale, total_steps=8 + 6 * scale.injections, extra=[])
+    started = time.monotonic()
+    try:
+        for i in range(scale.injections):
+            done = len(run.steps())
+            run.until(lambda: len(run.steps()) > done + 2, 300, "steps served")
+            time.sleep(0.1)  # into the next step's generation
+            pids = pids_with("polyrl.cli", " manager ", str(run.run_dir / "manager.toml"))
+            if not pids:
+                raise RuntimeError("no manager process found")
+            for pid in pids:
+                _kill(pid)
+            row.injected += 1
+            killed = time.monotonic()
+            run.until(lambda: _serving(run.url) and _active_workers(run.url) >= scale.num_workers, 120, "manager back")
+            row.recovery_s.append(time.monotonic() - killed)
+        run.finish(row)
+    except Exception as e:
+        row.errors.append(f"{type(e).__name__}: {e}")
+    finally:
+        run.stop()
+    row.wall_s = round(time.monotonic() - started, 2)
+    return row
+
+
+def local_worker_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
+    row = FaultRow("local worker kill -9 mid-window")
+    extra = ["rollout.mode=hybrid", "rollout.hybrid_local_until=learner", "rollout.max_new_tokens=64"]
+    run = TrainRun(model_dir, work, scale, total_steps=8 + 8 * scale.injections, extra=extra)
+    started = time.monotonic()
+
+    def local(key: str) -> float:
+        return next((w[key] for w in _workers(run.url) if w["worker_id"] == "local"), -1)
+
+    try:
+        for _ in range(scale.injections):
+            done = len(run.steps())
+            run.until(lambda: len(run.steps()) > done + 1, 300, "steps served")
+            run.until(lambda: local("num_inflight") > 0, 120, "the local worker holding samples", poll_s=0.005)
+            pids = pids_with("polyrl.cli", " worker ", "worker.local=true", f"--manager {run.url}")
+            if not pids:
+                raise RuntimeError("no local worker process found")
+            for pid in pids:
+                _kill(pid)
+            row.injected += 1
+            killed = time.monotonic()
+            run.until(lambda: local("num_inflight") < 0, 60, "the manager dropping the local worker")
+            run.until(lambda: local("weight_version") >= 0 and _local_active(run.url), 180, "the local worker back")
+            row.recovery_s.append(time.monotonic() - killed)
+        run.finish(row)
+    except Exception as e:
+        row.errors.append(f"{type(e).__name__}: {e}")
+    finally:
+        run.stop()
+    row.wall_s = round(time.monotonic() - started, 2)
+    return row
+
+
+def _local_active(url: str) -> bool:
+    return any(w["worker_id"] == "local" and w["state"] == "active" for w in _workers(url))
+
+
+ROLE_SCENARIOS: dict[str, Callable[[Path, Path, Scale], FaultRow]] = {
+    "trainer's manager process kill -9": manager_killed,
+    "local worker kill -9 mid-window": local_worker_killed,
+}

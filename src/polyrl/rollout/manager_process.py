@@ -1,0 +1,129 @@
+"""The rollout manager as a child process of the trainer.
+
+The manager parses every worker's token stream, and in the trainer's interpreter each
+chunk held the GIL that the learner needs: on 2x H200 the learner slowed from 8.4 s to
+19-29 s per step while a worker streamed into it (BENCHMARKS.md). So `polyrl train`
+starts the same program a user runs standalone, `polyrl manager`, and talks to it only
+through its authenticated HTTP API; the trainer receives finished groups, a few
+messages per group.
+
+If the child dies, `restart` starts it again on the same port: workers find it there
+and register again by themselves (a heartbeat answered 404), and the trainer resubmits
+what was unfinished (`rollout/remote.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+from polyrl.config import ConfigError, ManagerConfig, ManagerRunConfig, save_config
+from polyrl.rollout.fleet import die_with_parent
+
+log = logging.getLogger("polyrl.rollout")
+
+EXIT_CONFIG = 2
+START_TIMEOUT_S = 120.0
+"""Imports and binding take a few seconds; a loaded 2-core machine takes longer."""
+
+
+class ManagerStartError(RuntimeError):
+    pass
+
+
+class ManagerProcess:
+    """`polyrl manager` started, watched and restarted by the trainer."""
+
+    def __init__(self, cfg: ManagerConfig, token: str, run_dir: Path) -> None:
+        self.cfg = cfg.model_copy(update={"token": None, "url": None})  # the token goes by environment
+        self.token, self.run_dir = token, run_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.num_restarts = 0
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> str:
+        """Start the child and wait until it serves; returns its URL."""
+        config = self.run_dir / "manager.toml"
+        save_config(ManagerRunConfig(manager=self.cfg), config)
+        ready = self.run_dir / "manager.url"
+        ready.unlink(missing_ok=True)
+        self._log = open(self.run_dir / "manager.log", "ab")  # noqa: SIM115 - closed in stop()
+        command = [sys.executable, "-m", "polyrl.cli", "manager", "--config", str(config), "--ready-file", str(ready)]
+        self.proc = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=_env(self.token), start_new_session=True,  # a terminal's Ctrl-C is the trainer's to handle
+            preexec_fn=die_with_parent,
+        )  # fmt: skip
+        self.url = self._wait_ready(ready)
+        port = int(self.url.rsplit(":", 1)[1])
+        self.cfg = self.cfg.model_copy(update={"port": port})  # a restart serves where workers look
+        log.info("rollout manager (pid %d) serving on %s; log: %s", self.proc.pid, self.url, self.run_dir / "manager.log")
+        return self.url
+
+    def _wait_ready(self, ready: Path) -> str:
+        assert self.proc is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if ready.exists():
+                return ready.read_text().strip()
+            if self.proc.poll() == EXIT_CONFIG:  # e.g. its port is taken
+                raise ConfigError(_tail(self.run_dir / "manager.log", 1))
+            if self.proc.poll() is not None:
+                raise ManagerStartError(
+                    f"the rollout manager exited with code {self.proc.returncode} before serving "
+                    f"(see {self.run_dir / 'manager.log'}): {_tail(self.run_dir / 'manager.log')}"
+                )
+            time.sleep(0.05)
+        self._kill()
+        raise ManagerStartError(f"the rollout manager did not serve within {START_TIMEOUT_S:.0f}s")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self) -> str:
+        """A new child on the same port, after the old one died (or is killed here)."""
+        code = self.proc.poll() if self.proc is not None else None
+        log.warning("rollout manager %s; starting it again on %s",
+                    f"exited with code {code}" if code is not None else "unreachable", self.url)  # fmt: skip
+        self._kill()
+        self.num_restarts += 1
+        return self.start()
+
+    def stop(self) -> None:
+        """SIGTERM (the manager fails open batches and stops), then SIGKILL after 15 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self._kill()
+        self._close_log()
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def _env(token: str) -> dict[str, str]:
+    import os
+
+    return os.environ | {"POLYRL_TOKEN": token, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+
+
+def _tail(path: Path, num_lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-num_lines:])
+    except OSError:
+        return ""
