@@ -9,8 +9,9 @@ TCP proxy on every link), and what each cost.
 Columns: fault; times injected; samples the batches asked for; samples lost, duplicated
 or cut short (all must be 0); samples that migrated between workers; recovery time
 (median and worst; see polyrl/chaos/scenarios.py for what it measures); wall time.
-The process-level faults of the trainer and the standalone manager (kill -9 and restart)
-are rows too.
+The process-level faults of the trainer and the standalone manager (kill -9 and restart),
+and of `polyrl train`'s own role processes (its manager, its local worker) killed
+mid-step, are rows too (polyrl/chaos/restarts.py, roles.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from polyrl.chaos.restarts import RESTART_SCENARIOS
+from polyrl.chaos.roles import ROLE_SCENARIOS
 from polyrl.chaos.scenarios import SCENARIOS, FaultRow, Scale, run_fleet_scenarios
 from polyrl.config import TinyModelConfig
 from polyrl.models.tiny import save_tiny_model
@@ -76,7 +78,8 @@ def main() -> int:
     parser.add_argument("--keep-logs", type=Path, help="keep worker and trainer logs in this directory")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    known = list(SCENARIOS) + list(RESTART_SCENARIOS)
+    process_scenarios = RESTART_SCENARIOS | ROLE_SCENARIOS
+    known = list(SCENARIOS) + list(process_scenarios)
     for name in args.only or []:
         if name not in known:
             parser.error(f"unknown fault {name!r}; one of: {', '.join(known)}")
@@ -90,7 +93,7 @@ def main() -> int:
         for row in run_fleet_scenarios(model_dir, work / "logs", version_weights(model_dir), scale, fleet_names):
             print(f"[{time.monotonic() - started:7.1f}s] {row.fault}: {'ok' if row.ok else 'FAILED'}", flush=True)
             rows.append(row)
-    for name, scenario in RESTART_SCENARIOS.items():
+    for name, scenario in process_scenarios.items():
         if args.only and name not in args.only:
             continue
         row = scenario(model_dir, work / name.replace(" ", "_"), scale)

@@ -30,6 +30,7 @@ from test_manager import FakeWorker, batch, check_exact, fast_cfg, wait_active
 from polyrl.chaos.harness import ChaosFleet, chaos_manager_config
 from polyrl.chaos.proxy import FaultProxy
 from polyrl.chaos.restarts import manager_restart, trainer_restart
+from polyrl.chaos.roles import local_worker_killed, manager_killed
 from polyrl.chaos.scenarios import SCENARIOS, Context, FaultRow, Scale
 from polyrl.config import TinyModelConfig
 from polyrl.httpapi import CHECKSUM_HEADER, ChecksumGuard, checksum
@@ -191,6 +192,21 @@ def test_standalone_manager_restart_workers_come_back(chaos_model: Path, tmp_pat
     row = manager_restart(chaos_model, tmp_path, SCALE)
     assert row.ok, row.summary()
     assert max(row.recovery_s) < 5
+
+
+def test_trainers_manager_process_killed_mid_step_nothing_lost(chaos_model: Path, tmp_path: Path) -> None:
+    """The trainer starts its manager again, tells it the publisher and the version, and
+    resubmits what was unfinished: every step complete, each logged once."""
+    row = manager_killed(chaos_model, tmp_path, SCALE)
+    assert row.ok, row.summary()
+    assert row.samples > 0 and row.lost == 0
+
+
+def test_local_worker_killed_mid_window_nothing_lost(chaos_model: Path, tmp_path: Path) -> None:
+    """Its samples move to the workers token for token; the trainer starts it again."""
+    row = local_worker_killed(chaos_model, tmp_path, SCALE)
+    assert row.ok, row.summary()
+    assert row.samples > 0 and row.lost == 0
 
 
 @pytest.mark.slow
