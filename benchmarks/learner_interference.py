@@ -58,6 +58,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
 TOKEN = "bench-" + secrets.token_hex(8)
+KEEP_VERSIONS = 3
+"""One more than the trainer's default: a receiver one version behind still finds it."""
 
 # Per device: the model shape, the mini-batch, and the offered token rate.
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -312,7 +314,8 @@ class Bench:
         prepare_process(cfg.trainer)
         shape = DEFAULTS[args.device]["model"]
         config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096, pad_token_id=0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(self.device)
+        with self.device:  # random init on the GPU: on the host it took longer than the whole phase
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         self.model = model
         self.learner = build_learner(cfg, model, Path("unused"), 0, None, DataParallel())
         self.publish_dtype = torch.bfloat16 if on_cuda else torch.float32
@@ -390,8 +393,9 @@ def loaded_phase(bench: Bench, publisher: Any, children: Children, run_dir: Path
         httpx.post(f"{info['fleet_url']}/_fleet/join", json={"count": args.engines}, timeout=30).raise_for_status()
         wait_active(link, args.engines, timeout_s=60)
         receivers = Receivers(children, publisher, args.receivers)
-        # Lanes enough to fill every slot: a lane's batch is 4 prompts x 8 samples.
-        stream = Stream(link, args, num_lanes=-(-args.engines * args.slots // 32))
+        # A lane's batch is 4 prompts x 8 samples; half again as many lanes as fill every
+        # slot, so that queued samples take the slots a finished batch frees at once.
+        stream = Stream(link, args, num_lanes=-(-3 * args.engines * args.slots // 64))
         time.sleep(args.ramp_s)  # every slot streaming, groups finishing
         num_pulls_before = len(receivers.pull_s)
         phase = bench.run_phase("B loaded", publisher, receivers)
@@ -430,6 +434,9 @@ def summarize(phases: list[Phase]) -> dict[str, Any]:
         "drift_pct": 100 * (statistics.mean(a2.step_s) / statistics.mean(a1.step_s) - 1),
         "delivered_tokens_per_s": b.delivered_tokens / b.window_s,
         "other_threads_cpu_us_per_token": 1e6 * b.other_threads_cpu_s / max(b.delivered_tokens, 1),
+        # what the A phases' other threads used (torch's, CUDA's) at the same rate, taken out
+        "other_threads_cpu_us_per_token_net": 1e6 * (b.other_threads_cpu_s - b.window_s * (
+            (a1.other_threads_cpu_s + a2.other_threads_cpu_s) / (a1.window_s + a2.window_s))) / max(b.delivered_tokens, 1),
         "pulls": b.pulls, "pull_s_mean": b.pull_s_mean,
     }  # fmt: skip
 
@@ -444,7 +451,10 @@ def print_table(phases: list[Phase], summary: dict[str, Any]) -> None:
     s = summary
     print(f"\nloaded vs alone (mean of both A): {s['slowdown_pct']:+.2f}% (target <= 3%), A drift {s['drift_pct']:+.2f}%; "
           f"{s['delivered_tokens_per_s']:.0f} tokens/s of finished groups (target >= 20000); "
-          f"{s['other_threads_cpu_us_per_token']:.2f} us of other threads' CPU per delivered token")  # fmt: skip
+          f"{s['other_threads_cpu_us_per_token']:.2f} us of other threads' CPU per delivered token "
+          f"({s['other_threads_cpu_us_per_token_net']:.2f} net of the A phases' rate)")  # fmt: skip
+    if "ramp_tokens_per_s" in s:
+        print(f"the stream before the loaded phase: {s['ramp_tokens_per_s']:.0f} tokens/s")
     for p in phases:
         for e in p.pull_errors + p.stream_errors:
             print(f"  ! {p.name}: {e}")
@@ -461,13 +471,17 @@ def trainer_main(args: argparse.Namespace) -> None:
     from polyrl.transfer.publisher import WeightPublisher
 
     t_start = time.perf_counter()
+    signal.signal(signal.SIGALRM, _out_of_time)
+    signal.alarm(args.timeout_s)  # the handler raises in the main thread: the finally blocks run
     bench = Bench(args)
     print(f"model built in {time.perf_counter() - t_start:.1f}s; warming up", flush=True)
     for _ in range(args.warmup):
         bench.step()
-    publisher = WeightPublisher("127.0.0.1", 0, keep_versions=3).start()
+    publisher = WeightPublisher("127.0.0.1", 0, keep_versions=KEEP_VERSIONS).start()
     children = Children()
     try:
+        for _ in range(KEEP_VERSIONS + 1):  # every host buffer allocated: later versions reuse them
+            bench.publish(publisher)
         with tempfile.TemporaryDirectory() as run_dir:
             a1 = bench.run_phase("A alone", publisher)
             print(f"A: {statistics.mean(a1.step_s):.4f}s a step", flush=True)
@@ -478,13 +492,17 @@ def trainer_main(args: argparse.Namespace) -> None:
         children.close()
         publisher.stop()
     phases = [a1, b, a2]
-    summary = summarize(phases)
+    summary = summarize(phases) | info
     print_table(phases, summary)
     print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
     if args.json:
         result = {"machine": machine(), "args": vars(args), "summary": summary, "loaded_info": info,
                   "phases": [asdict(p) for p in phases], "total_s": time.perf_counter() - t_start}  # fmt: skip
         Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def _out_of_time(signum: int, frame: Any) -> None:
+    raise TimeoutError("the benchmark ran past --timeout-s; stopping every child process")
 
 
 def parse_args() -> argparse.Namespace:
@@ -498,6 +516,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--token-delay-s", type=float, help="per token per fake sample")
     p.add_argument("--ramp-s", type=float, help="streaming before the loaded phase's timing starts")
     p.add_argument("--receivers", type=int, default=2)
+    p.add_argument("--timeout-s", type=int, default=330, help="the whole run; past it, children are killed")
     p.add_argument("--manager", help="(fleet role)")
     p.add_argument("--publisher", help="host:port (receiver role)")
     p.add_argument("--worker-id", help="(receiver role)")
