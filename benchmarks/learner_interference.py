@@ -26,13 +26,16 @@ so groups finish steadily rather than in waves.
 
     python benchmarks/learner_interference.py --device cpu         # tiny model, ~1 min, 2 cores
 
-On one H100 (16 host cores), about 2 minutes: model build and warm-up ~30 s, each phase
-K=10 steps of ~1.1 s plus a publish, children start ~10 s, ramp 6 s:
+On one H100 (16 host cores), about 2 minutes (model build and warm-up ~30 s; each phase
+K=10 steps of ~1.1 s plus a publish; children start in ~10 s, then 8 s of ramp); past
+`--timeout-s` (330 s) it stops every child and exits with an error:
 
     python benchmarks/learner_interference.py --device cuda --json $OUT/interference.json
 
-CUDA defaults: 16 engines x 64 slots at 0.04 s per token = 25.6k tokens/s offered,
-32 x 1024-token mini-batch (64 prompt + 960 completion), 8192-token micro-batches.
+CUDA defaults: 16 engines x 64 slots at 0.032 s per token = 32k tokens/s offered (on
+the 2-core CPU box the same fleet delivered 20k to a starved trainer), completions of
+64-128 tokens; a 32 x 1024-token mini-batch (64 prompt + 960 completion) in 8192-token
+micro-batches.
 """
 
 from __future__ import annotations
@@ -67,12 +70,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         model=dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                    num_attention_heads=16, num_key_value_heads=8, head_dim=128),
         seqs=32, prompt_tokens=64, completion_tokens=960, micro_batch_tokens=8192, steps=10, warmup=2,
-        engines=16, slots=64, token_delay_s=0.04, chunk_tokens=5, new_tokens=128, ramp_s=6.0,
+        engines=16, slots=64, token_delay_s=0.032, chunk_tokens=5, new_tokens=128, ramp_s=8.0,
     ),
     "cpu": dict(
         model=dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-        seqs=8, prompt_tokens=16, completion_tokens=112, micro_batch_tokens=512, steps=4, warmup=1,
+        seqs=8, prompt_tokens=16, completion_tokens=112, micro_batch_tokens=512, steps=8, warmup=1,
         engines=4, slots=16, token_delay_s=0.03, chunk_tokens=5, new_tokens=32, ramp_s=2.0,
     ),
 }  # fmt: skip
@@ -120,8 +123,8 @@ def fleet_main(args: argparse.Namespace) -> None:
                 engine.num_running -= n
                 disconnected.cancel()
 
-    fleet = ChunkedFleet(args.manager, os.environ["POLYRL_TOKEN"], max_num_seqs=args.slots, token_delay_s=args.token_delay_s,
-                         seed=0)  # fmt: skip
+    token = os.environ["POLYRL_TOKEN"]
+    fleet = ChunkedFleet(args.manager, token, max_num_seqs=args.slots, token_delay_s=args.token_delay_s, seed=0)
     fleet.rng = AlwaysIncremental()
     threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
     fleet.serve()
@@ -385,8 +388,10 @@ def loaded_phase(bench: Bench, publisher: Any, children: Children, run_dir: Path
     try:
         url = manager.start()
         link = ManagerLink(url, TOKEN)
-        fleet = children.start(["--role", "fleet", "--manager", url, "--slots", str(args.slots),
-                                "--token-delay-s", str(args.token_delay_s), "--chunk-tokens", str(args.chunk_tokens)])  # fmt: skip
+        fleet = children.start([
+            "--role", "fleet", "--manager", url, "--slots", str(args.slots), "--token-delay-s", str(args.token_delay_s),
+            "--chunk-tokens", str(args.chunk_tokens),
+        ])  # fmt: skip
         info["fleet_url"] = read_line(fleet, "the fake fleet", 60).split()[-1]
         import httpx
 
@@ -429,15 +434,19 @@ def summarize(phases: list[Phase]) -> dict[str, Any]:
     a1, b, a2 = phases
     alone = statistics.mean(a1.step_s + a2.step_s)
     loaded = statistics.mean(b.step_s)
+    tokens_per_s = b.delivered_tokens / b.window_s
+    alone_cpu_per_s = (a1.other_threads_cpu_s + a2.other_threads_cpu_s) / (a1.window_s + a2.window_s)
     return {
         "alone_step_s_mean": alone, "loaded_step_s_mean": loaded, "slowdown_pct": 100 * (loaded / alone - 1),
+        "slowdown_median_pct": 100 * (statistics.median(b.step_s) / statistics.median(a1.step_s + a2.step_s) - 1),
         "drift_pct": 100 * (statistics.mean(a2.step_s) / statistics.mean(a1.step_s) - 1),
-        "delivered_tokens_per_s": b.delivered_tokens / b.window_s,
+        "delivered_tokens_per_s": tokens_per_s,
         "other_threads_cpu_us_per_token": 1e6 * b.other_threads_cpu_s / max(b.delivered_tokens, 1),
         # what the A phases' other threads used (torch's, CUDA's) at the same rate, taken out
-        "other_threads_cpu_us_per_token_net": 1e6 * (b.other_threads_cpu_s - b.window_s * (
-            (a1.other_threads_cpu_s + a2.other_threads_cpu_s) / (a1.window_s + a2.window_s))) / max(b.delivered_tokens, 1),
+        "other_threads_cpu_us_per_token_net": 1e6 * (b.other_threads_cpu_s - b.window_s * alone_cpu_per_s)
+        / max(b.delivered_tokens, 1),
         "pulls": b.pulls, "pull_s_mean": b.pull_s_mean,
+        "target_met": loaded <= 1.03 * alone and tokens_per_s >= 20000 and b.pulls >= 2 * len(b.step_s),
     }  # fmt: skip
 
 
@@ -449,10 +458,13 @@ def print_table(phases: list[Phase], summary: dict[str, Any]) -> None:
               f"{statistics.mean(p.publish_s):9.4f} {p.delivered_tokens / p.window_s:9.0f} {p.pulls:>6} "
               f"{p.pull_s_mean:7.3f} {p.other_threads_cpu_s:11.2f}")  # fmt: skip
     s = summary
-    print(f"\nloaded vs alone (mean of both A): {s['slowdown_pct']:+.2f}% (target <= 3%), A drift {s['drift_pct']:+.2f}%; "
+    print(f"\nloaded vs alone (mean of both A): {s['slowdown_pct']:+.2f}% (target <= 3%; medians "
+          f"{s['slowdown_median_pct']:+.2f}%), A drift {s['drift_pct']:+.2f}%; "
           f"{s['delivered_tokens_per_s']:.0f} tokens/s of finished groups (target >= 20000); "
           f"{s['other_threads_cpu_us_per_token']:.2f} us of other threads' CPU per delivered token "
           f"({s['other_threads_cpu_us_per_token_net']:.2f} net of the A phases' rate)")  # fmt: skip
+    print(f"issue 21's target (<= 3% slower at >= 20k tokens/s, every version pulled twice): "
+          f"{'met' if s['target_met'] else 'NOT met'}")
     if "ramp_tokens_per_s" in s:
         print(f"the stream before the loaded phase: {s['ramp_tokens_per_s']:.0f} tokens/s")
     for p in phases:
