@@ -32,9 +32,9 @@ K=10 steps of ~1.1 s plus a publish; children start in ~10 s, then 8 s of ramp);
 
     python benchmarks/learner_interference.py --device cuda --json $OUT/interference.json
 
-CUDA defaults: 16 engines x 64 slots at 0.032 s per token = 32k tokens/s offered (on
-the 2-core CPU box the same fleet delivered 20k to a starved trainer), completions of
-64-128 tokens; a 32 x 1024-token mini-batch (64 prompt + 960 completion) in 8192-token
+CUDA defaults: 16 engines x 64 slots at 0.032 s per token = 32k tokens/s offered (at
+0.04 s, 25.6k offered, the 2-core CPU box delivered 20k tokens/s to a starved trainer),
+completions of 64-128 tokens; a 32 x 1024-token mini-batch (64 prompt + 960 completion) in 8192-token
 micro-batches.
 """
 
@@ -166,9 +166,9 @@ class Children:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[str]] = []
 
-    def start(self, role_args: list[str], stdout: Any = subprocess.PIPE) -> subprocess.Popen[str]:
+    def start(self, role_args: list[str]) -> subprocess.Popen[str]:
         env = os.environ | {"POLYRL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen([sys.executable, __file__, *role_args], stdin=subprocess.PIPE, stdout=stdout,
+        proc = subprocess.Popen([sys.executable, __file__, *role_args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True, env=env, start_new_session=True)  # fmt: skip
         self.procs.append(proc)
         return proc
