@@ -191,6 +191,16 @@ class TrainerConfig(_Section):
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping
     them: less memory for longer micro-batches, at the cost of about one more forward."""
+    learner_impl: Literal["packed", "padded"] = "packed"
+    """packed: micro-batches filled by tokens into one padding-free row, log-probs straight
+    from the hidden states chunk by chunk (trainer/packing.py, lm_head.py); padded: one row
+    per sequence and full logits, the earlier path (kept as the baseline)."""
+    packed_attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
+    """How packed attention keeps to each sequence. auto: torch's varlen flash attention on
+    CUDA (flex if torch lacks it), a loop of SDPA calls per sequence on CPU (exact)."""
+    compile_layers: bool = False
+    """torch.compile each decoder layer's forward (fuses RMSNorm, RoPE, SwiGLU); the first
+    steps pay the compile time."""
 
     @model_validator(mode="after")
     def _mini_batch_divides(self) -> TrainerConfig:

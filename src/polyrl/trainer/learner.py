@@ -7,8 +7,10 @@ the split over ranks is exact in the same way as the split into micro-batches.""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -19,6 +21,8 @@ from polyrl.models.precision import autocast
 from polyrl.trainer.batching import MicroBatch, SeqItem, collate
 from polyrl.trainer.distributed import DataParallel
 from polyrl.trainer.grpo import LossInputs, policy_loss, token_logprobs
+from polyrl.trainer.lm_head import head_logprobs
+from polyrl.trainer.packing import collate_packed, default_backend, make_docs, pack_by_tokens, use_packed_attention
 
 
 def lr_lambda(cfg: TrainerConfig, total_updates: int):
@@ -62,6 +66,29 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.disable_input_require_grads()
 
 
+def compile_layers(model: PreTrainedModel) -> None:
+    """torch.compile every decoder layer's forward (not its __call__: checkpointing and FSDP
+    hooks stay outside the compiled graph). All layers share one graph, compiled per shape."""
+    torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
+    for layer in model.model.layers:
+        layer.forward = torch.compile(layer.forward)
+
+
+@contextlib.contextmanager
+def _swapped_forward(module: torch.nn.Module, forward: Callable) -> Iterator[None]:
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def _on_grid(values: torch.Tensor, grid_index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """values [N] at flat positions grid_index of a zero [B, L-1] grid shaped like `like`."""
+    flat = values.new_zeros(like.numel()).index_put((grid_index,), values)  # [B * (L-1)]
+    return flat.view(like.shape)
+
+
 class Learner:
     def __init__(
         self,
@@ -83,13 +110,45 @@ class Learner:
         self.compute_dtype = compute_dtype
         """Autocast dtype (float32: none; a sharded model may cast its parameters instead)."""
         self.dp = dp or DataParallel()
+        self.is_packed = cfg.learner_impl == "packed"
+        self.attn_backend = cfg.packed_attention
+        if self.attn_backend == "auto":
+            self.attn_backend = default_backend(model.device)
+        if self.is_packed:
+            for m in (model, ref_model):
+                if m is not None:
+                    use_packed_attention(m)
+        if cfg.compile_layers:
+            compile_layers(model)
 
     def logprobs(self, model: PreTrainedModel, mb: MicroBatch, with_entropy: bool):
+        if mb.packed is not None:
+            return self._packed_logprobs(model, mb, with_entropy)
         with autocast(mb.input_ids.device, self.compute_dtype):
             logits = model(
                 input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
             ).logits[:, :-1]  # [B, L-1, V]
         logp, entropy = token_logprobs(logits, mb.target_ids, self.temperature)
+        return logp, (entropy if with_entropy else None)
+
+    def _packed_logprobs(self, model: PreTrainedModel, mb: MicroBatch, with_entropy: bool):
+        """The padded path's (logp, entropy) [B, L-1] from one packed row: only the counted
+        targets' positions go through the LM head, and the rest stay 0 (every use masks them).
+
+        The head runs inside the model's own forward (its `forward` swapped for the call), so
+        FSDP's root hooks gather and reduce its weight as they do for the logits."""
+        row = mb.packed
+        docs = make_docs(row.lengths, self.attn_backend, row.input_ids.device)
+        head = model.get_output_embeddings()
+        cd = self.compute_dtype if self.compute_dtype != torch.float32 else head.weight.dtype
+
+        def logp_and_entropy(hidden: torch.Tensor) -> torch.Tensor:  # [1, T, H] -> [2, N]
+            h = hidden[0].index_select(0, row.head_rows)  # [N, H]
+            return torch.stack(head_logprobs(h, head.weight, row.head_targets, self.temperature, cd))
+
+        with autocast(row.input_ids.device, self.compute_dtype), _swapped_forward(head, logp_and_entropy):
+            out = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, packed_docs=docs)
+        logp, entropy = (_on_grid(v, row.grid_index, mb.mask) for v in out.logits)  # [B, L-1] each
         return logp, (entropy if with_entropy else None)
 
     @property
@@ -104,7 +163,8 @@ class Learner:
     def _prepare(self, batches: list[list[SeqItem]]) -> list[MicroBatch]:
         """Collate, and attach old (proximal) and reference log-probs before any update."""
         device = self.model.device
-        mbs = [collate(b, self.pad_id).to(device) for b in batches]
+        collate_fn = collate_packed if self.is_packed else collate
+        mbs = [collate_fn(b, self.pad_id).to(device) for b in batches]
         for mb in mbs:
             if not self.algo.recompute_old_logprobs:
                 mb.old_logp = mb.behav_logp
@@ -129,7 +189,8 @@ class Learner:
         self.model.train()
         num_tokens = sum(it.num_completion_tokens for it in items)  # the whole mini-batch's, on every rank
         num_current = sum(it.num_current_tokens for it in items) if weights_as_sampled else 0
-        mbs = self._prepare(self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id))
+        pack = pack_by_tokens if self.is_packed else None
+        mbs = self._prepare(self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id, pack))
         sums: dict[str, float] = defaultdict(float)  # this rank's part of each metric
         grad_norm_mean, lr = 0.0, 0.0
         for epoch in range(self.algo.ppo_epochs):
