@@ -121,3 +121,23 @@ def test_packed_training_equals_padded(tiny_model_dir, arch_tied, epochs, mode, 
         assert m_pack[key] == pytest.approx(m_pad[key], rel=1e-5, abs=1e-7), key
     for (name, p), q in zip(pad.named_parameters(), pack.parameters()):
         assert _rel_err(q.grad, p.grad) < 1e-5, name
+
+
+def test_bf16_working_copy_tracks_fp32_masters(tiny_model_dir):
+    """The bf16 copy trains, its gradients land on the float32 masters, and after the step
+    it holds the masters' new values; the result is close to autocast's."""
+    model = _model(tiny_model_dir, ("qwen3", True))
+    items = _items(2)
+    results = {}
+    for working_copy in (False, True):
+        cfg = TrainerConfig(train_batch_size=4, ppo_mini_batch_size=4, warmup_steps=0, working_copy=working_copy)
+        m = copy.deepcopy(model)
+        opt, sched = build_optimizer(m, cfg, total_updates=10)
+        learner = Learner(m, None, opt, sched, AlgoConfig(), cfg, 0.7, 0, compute_dtype=torch.bfloat16)
+        results[working_copy] = learner.train_mini_batch(items, weights_as_sampled=True)
+        assert (learner.work is not m) == working_copy
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in m.parameters())
+        for p, w in zip(m.parameters(), learner.work.parameters()):
+            assert torch.equal(w, p.to(w.dtype))
+    assert results[True]["actor/grad_norm"] == pytest.approx(results[False]["actor/grad_norm"], rel=0.05)
+    assert results[True]["actor/entropy"] == pytest.approx(results[False]["actor/entropy"], rel=0.01)

@@ -198,6 +198,11 @@ class TrainerConfig(_Section):
     packed_attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """How packed attention keeps to each sequence. auto: torch's varlen flash attention on
     CUDA (flex if torch lacks it), a loop of SDPA calls per sequence on CPU (exact)."""
+    working_copy: bool = False
+    """With a bf16 `model.dtype` on one rank: forward and backward run on a bf16 copy of the
+    weights, refreshed from the float32 masters after each optimizer step, instead of
+    autocast casting every weight again for every micro-batch; gradients are summed into
+    float32 before the (fused) AdamW step. The residual stream is then bf16 too."""
     compile_layers: bool = False
     """torch.compile each decoder layer's forward (fuses RMSNorm, RoPE, SwiGLU); the first
     steps pay the compile time."""

@@ -8,6 +8,7 @@ the split over ranks is exact in the same way as the split into micro-batches.""
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -118,8 +119,13 @@ class Learner:
             for m in (model, ref_model):
                 if m is not None:
                     use_packed_attention(m)
+        self.work = self.model
+        """The weights forward and backward run on: the model itself, or its bf16 copy."""
+        if cfg.working_copy and compute_dtype != torch.float32 and self.dp.world_size == 1:
+            self.work = copy.deepcopy(model).to(compute_dtype)
+            self.compute_dtype = torch.float32  # no autocast: the weights are bf16 already
         if cfg.compile_layers:
-            compile_layers(model)
+            compile_layers(self.work)
 
     def logprobs(self, model: PreTrainedModel, mb: MicroBatch, with_entropy: bool):
         if mb.packed is not None:
@@ -140,7 +146,7 @@ class Learner:
         row = mb.packed
         docs = make_docs(row.lengths, self.attn_backend, row.input_ids.device)
         head = model.get_output_embeddings()
-        cd = self.compute_dtype if self.compute_dtype != torch.float32 else head.weight.dtype
+        cd = self.compute_dtype if self.compute_dtype != torch.float32 else head.weight.dtype  # bf16 copy: bf16
 
         def logp_and_entropy(hidden: torch.Tensor) -> torch.Tensor:  # [1, T, H] -> [2, N]
             h = hidden[0].index_select(0, row.head_rows)  # [N, H]
@@ -150,6 +156,20 @@ class Learner:
             out = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, packed_docs=docs)
         logp, entropy = (_on_grid(v, row.grid_index, mb.mask) for v in out.logits)  # [B, L-1] each
         return logp, (entropy if with_entropy else None)
+
+    def _grads_to_master(self) -> None:
+        """The working copy's gradients, in float32, become the master weights' gradients."""
+        if self.work is self.model:
+            return
+        for master, work in zip(self.model.parameters(), self.work.parameters(), strict=True):
+            master.grad = None if work.grad is None else work.grad.to(master.dtype)
+            work.grad = None
+
+    @torch.no_grad()
+    def _refresh_work(self) -> None:
+        """Once per optimizer step, not once per micro-batch as autocast casts."""
+        if self.work is not self.model:
+            torch._foreach_copy_(list(self.work.parameters()), list(self.model.parameters()))
 
     @property
     def _old_logp_from_training_pass(self) -> bool:
@@ -169,7 +189,7 @@ class Learner:
             if not self.algo.recompute_old_logprobs:
                 mb.old_logp = mb.behav_logp
             elif not self._old_logp_from_training_pass:
-                mb.old_logp = self.logprobs(self.model, mb, False)[0]
+                mb.old_logp = self.logprobs(self.work, mb, False)[0]
             if self.ref_model is not None and self.algo.kl_coef > 0:
                 mb.ref_logp = self.logprobs(self.ref_model, mb, False)[0]
         return mbs
@@ -186,7 +206,7 @@ class Learner:
             return self._train(items, weights_as_sampled)
 
     def _train(self, items: list[SeqItem], weights_as_sampled: bool) -> dict[str, float]:
-        self.model.train()
+        self.work.train()
         num_tokens = sum(it.num_completion_tokens for it in items)  # the whole mini-batch's, on every rank
         num_current = sum(it.num_current_tokens for it in items) if weights_as_sampled else 0
         pack = pack_by_tokens if self.is_packed else None
@@ -197,7 +217,7 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             for mb in mbs:
                 with_entropy = True  # cheap next to the forward pass, and always logged
-                logp, entropy = self.logprobs(self.model, mb, with_entropy)
+                logp, entropy = self.logprobs(self.work, mb, with_entropy)
                 if mb.old_logp is None:
                     mb.old_logp = logp.detach()
                 if epoch == 0 and num_current and self.algo.recompute_old_logprobs:
@@ -220,6 +240,7 @@ class Learner:
                     # token means per micro-batch: weight them by tokens.
                     is_loss = key in ("actor/pg_loss", "actor/kl_loss")
                     sums[key] += value / self.algo.ppo_epochs if is_loss else value * weight
+            self._grads_to_master()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             if isinstance(grad_norm, DTensor):  # sharded: the global norm, replicated on every rank
                 grad_norm = grad_norm.full_tensor()
@@ -227,8 +248,9 @@ class Learner:
             lr = self.scheduler.get_last_lr()[0]
             if torch.isfinite(grad_norm):
                 self.optimizer.step()
+                self._refresh_work()
             self.scheduler.step()
-        self.model.eval()
+        self.work.eval()
         out = self.dp.sum_over_ranks(sums)
         out["actor/grad_norm"], out["actor/lr"] = grad_norm_mean, lr
         return out
