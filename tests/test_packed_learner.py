@@ -141,3 +141,24 @@ def test_bf16_working_copy_tracks_fp32_masters(tiny_model_dir):
             assert torch.equal(w, p.to(w.dtype))
     assert results[True]["actor/grad_norm"] == pytest.approx(results[False]["actor/grad_norm"], rel=0.05)
     assert results[True]["actor/entropy"] == pytest.approx(results[False]["actor/entropy"], rel=0.01)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_backend_keeps_attention_per_document(tiny_model_dir, monkeypatch):
+    """The flex document mask (the GPU's alternative), run by eager flex_attention on CPU,
+    gives the exact per-document SDPA's log-probs."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from polyrl.trainer import packing
+
+    monkeypatch.setattr(packing, "_compiled_flex", flex_attention)
+    model = _model(tiny_model_dir, ("qwen3", True))
+    items = _items(3)
+    out = []
+    for backend in ("sdpa", "flex"):
+        learner = _learner(copy.deepcopy(model), "packed", AlgoConfig(), packed_attention=backend)
+        with torch.no_grad():
+            out.append(learner.logprobs(learner.model, collate_packed(items, 0), True))
+    m = collate(items, 0).mask > 0
+    assert _rel_err(out[1][0][m], out[0][0][m]) < 1e-5
+    assert _rel_err(out[1][1][m], out[0][1][m]) < 1e-5
