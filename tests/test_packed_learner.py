@@ -151,7 +151,7 @@ def test_flex_backend_keeps_attention_per_document(tiny_model_dir, monkeypatch):
 
     from polyrl.trainer import packing
 
-    monkeypatch.setattr(packing, "_compiled_flex", flex_attention)
+    monkeypatch.setattr(packing, "_compiled_flex", lambda: flex_attention)
     model = _model(tiny_model_dir, ("qwen3", True))
     items = _items(3)
     out = []

@@ -9,11 +9,18 @@ model's forward hands down to every attention call.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.9
+    varlen_attn = None
 
 from polyrl.trainer.batching import MicroBatch, SeqItem, collate
 
@@ -49,6 +56,7 @@ class PackedDocs:
     cu_seqlens: torch.Tensor | None = None  # [D+1] int32, varlen
     max_len: int = 0
     block_mask: object | None = None  # flex BlockMask
+    varlen_kwargs: dict | None = None
 
 
 @dataclass
@@ -109,10 +117,8 @@ def collate_packed(items: list[SeqItem], pad_id: int) -> MicroBatch:
 
 def _varlen_kwargs() -> dict | None:
     """Causal and GQA keywords of torch's varlen_attn, whose signature moved between
-    releases (is_causal in 2.9-2.10, window_size later); None without it."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+    releases (is_causal, then window_size; enable_gqa later); None without it."""
+    if varlen_attn is None:
         return None
     params = inspect.signature(varlen_attn).parameters
     kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
@@ -130,11 +136,10 @@ def make_docs(lengths: tuple[int, ...], backend: str, device: torch.device) -> P
     """Build once per micro-batch what every layer's attention call reuses."""
     docs = PackedDocs(backend, lengths, max_len=max(lengths))
     if backend == "varlen":
+        docs.varlen_kwargs = _varlen_kwargs()
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         docs.cu_seqlens = cu.to(device)  # [D+1]
     elif backend == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
-
         doc = _document_ids(lengths, device)  # [T]
 
         def same_doc_causal(b, h, q, kv):
@@ -147,17 +152,11 @@ def make_docs(lengths: tuple[int, ...], backend: str, device: torch.device) -> P
     return docs
 
 
-_compiled_flex = None
-
-
-def _flex(q, k, v, block_mask, scale):
-    """flex_attention compiled once (uncompiled it materialises the scores)."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+@functools.cache
+def _compiled_flex():
+    """flex_attention compiled once (uncompiled, it materialises the scores); shapes that
+    vary from micro-batch to micro-batch make it dynamic after the first recompile."""
+    return torch.compile(flex_attention)
 
 
 def _repeat_kv(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
@@ -175,9 +174,13 @@ def _same_low_dtype(*qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(x.to(dt) for x in qkv)
 
 
+@torch.compiler.disable
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None), causal within
-    each document of `packed_docs`; without it, plain causal SDPA (right padding only)."""
+    each document of `packed_docs`; without it, plain causal SDPA (right padding only).
+
+    Outside compiled layers (a graph break): the varlen op and compiled flex run as they
+    are, and per-micro-batch lengths never become guards of the layer's graph."""
     docs: PackedDocs | None = kwargs.get("packed_docs")
     groups = query.shape[1] // key.shape[1]
     if docs is not None and docs.backend != "sdpa":
@@ -187,11 +190,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=attention_mask, scale=scaling,
                                              is_causal=attention_mask is None)  # fmt: skip
     elif docs.backend == "flex":
-        out = _flex(query, key, value, docs.block_mask, scaling)  # [1, Hq, T, D]
+        out = _compiled_flex()(query, key, value, block_mask=docs.block_mask, scale=scaling, enable_gqa=True)
     elif docs.backend == "varlen":
-        from torch.nn.attention.varlen import varlen_attn
-
-        kw = _varlen_kwargs()
+        kw = docs.varlen_kwargs
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
         if "enable_gqa" not in kw:
             k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
