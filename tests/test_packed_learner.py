@@ -4,6 +4,7 @@ states) against the padded one: same log-probs, same loss, same gradients in flo
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -19,17 +20,20 @@ from polyrl.trainer.packing import collate_packed, pack_by_tokens
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_head_logprobs_match_full_logits(monkeypatch, temperature):
+@pytest.mark.parametrize("fused", [False, True])
+def test_head_logprobs_match_full_logits(monkeypatch, temperature, fused):
     """Values and gradients (of a random mix of logp and entropy) against autograd through
-    the full logits, with the chunk forced to 5 tokens."""
+    the full logits, with the chunk forced to 5 tokens. fused: the per-chunk math traced by
+    torch.compile (aot_eager here: inductor's C++ build is too slow for CI)."""
     monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMS", 5 * 50)
+    monkeypatch.setattr(lm_head, "_fused", functools.cache(lambda fn: torch.compile(fn, dynamic=True, backend="aot_eager")))
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(23, 16, generator=g, requires_grad=True)  # [N, H]
     weight = torch.randn(50, 16, generator=g, requires_grad=True)  # [V, H]
     targets = torch.randint(0, 50, (23,), generator=g)
     a, b = torch.randn(23, generator=g), torch.randn(23, generator=g)
 
-    logp, ent = head_logprobs(hidden, weight, targets, temperature)
+    logp, ent = head_logprobs(hidden, weight, targets, temperature, fused=fused)
     (logp * a + ent * b).sum().backward()
     got = [logp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone()]
 

@@ -204,8 +204,8 @@ class TrainerConfig(_Section):
     autocast casting every weight again for every micro-batch; gradients are summed into
     float32 before the (fused) AdamW step. The residual stream is then bf16 too."""
     compile_layers: bool = False
-    """torch.compile each decoder layer's forward (fuses RMSNorm, RoPE, SwiGLU); the first
-    steps pay the compile time."""
+    """torch.compile each decoder layer's forward (fuses RMSNorm, RoPE, SwiGLU) and, packed,
+    the LM head's per-chunk softmax math; the first steps pay the compile time."""
 
     @model_validator(mode="after")
     def _mini_batch_divides(self) -> TrainerConfig:

@@ -150,7 +150,8 @@ class Learner:
 
         def logp_and_entropy(hidden: torch.Tensor) -> torch.Tensor:  # [1, T, H] -> [2, N]
             h = hidden[0].index_select(0, row.head_rows)  # [N, H]
-            return torch.stack(head_logprobs(h, head.weight, row.head_targets, self.temperature, cd))
+            fused = self.cfg.compile_layers
+            return torch.stack(head_logprobs(h, head.weight, row.head_targets, self.temperature, cd, fused))
 
         with autocast(row.input_ids.device, self.compute_dtype), _swapped_forward(head, logp_and_entropy):
             out = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, packed_docs=docs)
