@@ -74,9 +74,12 @@ VARIANTS = {
         Variant("packed+copy+compile+ckpt", working_copy=True, compile_layers=True, checkpointing=True),
     ]
 }
-EQ_ROWS = ["padded-16k", "padded-8k", "packed", "packed+copy", "packed-flex+copy", "packed+copy+compile",
-           "packed+compile", "packed+copy+compile-32k", "packed+copy+compile+ckpt"]  # fmt: skip
-TAIL_ROWS = ["padded-16k", "packed+copy", "packed+copy+compile", "packed"]
+PLAN = ["eq:padded-16k", "eq:padded-8k", "eq:packed", "eq:packed+copy", "eq:packed+copy+compile",
+        "tail:padded-16k", "tail:packed+copy", "tail:packed+copy+compile", "numerics",
+        "eq:packed-flex+copy", "eq:packed+compile", "eq:packed+copy+compile+ckpt", "eq:packed+copy+compile-32k",
+        "tail:packed"]  # fmt: skip
+"""The rows that decide first (today's path, the packed variants, on both batches, and the
+numerics check), then the alternatives, which --budget-s may cut."""
 NUMERICS = ["padded-16k", "packed", "packed+copy", "packed+copy+compile"]
 
 
@@ -201,7 +204,7 @@ def free(device: torch.device) -> None:
 
 
 def numerics(items: list[SeqItem], args: argparse.Namespace) -> dict:
-    """Per-step pg loss and grad norm of each variant over `args.numerics_steps` steps (lr
+    """Per-step pg loss, entropy and grad norm of each variant over `args.numerics_steps` steps (lr
     1e-6 so the weights move), and the largest relative difference from padded-16k."""
     curves = {}
     for name in NUMERICS:
@@ -210,8 +213,7 @@ def numerics(items: list[SeqItem], args: argparse.Namespace) -> dict:
         try:
             learner = build_learner(VARIANTS[name], args, args.numerics_steps)
             _, metrics = timed_steps(learner, items, args.numerics_steps, args.device)
-            curves[name] = {"loss": [m["actor/pg_loss"] for m in metrics],
-                            "grad_norm": [m["actor/grad_norm"] for m in metrics]}  # fmt: skip
+            curves[name] = {key: [m[f"actor/{key}"] for m in metrics] for key in ("pg_loss", "entropy", "grad_norm")}
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"numerics {name}: FAILED {type(e).__name__}: {e}", flush=True)
         finally:
@@ -220,7 +222,7 @@ def numerics(items: list[SeqItem], args: argparse.Namespace) -> dict:
     base = curves.get("padded-16k")
     for name, c in curves.items():
         if base is not None:
-            for key in ("loss", "grad_norm"):
+            for key in ("pg_loss", "entropy", "grad_norm"):
                 c[f"max_rel_diff_{key}"] = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(c[key], base[key]))
         print(f"numerics {name:28s} " + " ".join(f"{k}={_fmt(x)}" for k, x in c.items()), flush=True)
     return curves
@@ -277,19 +279,21 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--numerics-steps", type=int, default=3)
-    p.add_argument("--eq-rows", default=",".join(EQ_ROWS))
-    p.add_argument("--tail-rows", default=",".join(TAIL_ROWS))
-    p.add_argument("--budget-s", type=float, default=420.0, help="rows starting after this are skipped")
+    p.add_argument("--plan", default=",".join(PLAN), help="batch:variant entries and 'numerics', in order")
+    p.add_argument("--budget-s", type=float, default=300.0, help="rows starting after this are skipped")
     args = p.parse_args()
     args.device = torch.device(args.device)
     args.shape = QWEN3_06B if args.device.type == "cuda" else TINY
     args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
     start = time.perf_counter()
     data = batches(args)
-    out = {"machine": machine(args.device), "peak_flops": PEAK_FLOPS, "rows": [], "errors": []}
+    out = {"machine": machine(args.device), "peak_flops": PEAK_FLOPS, "rows": [], "errors": [], "numerics": {}}
     print(f"{out['machine']}\n{HEADER}", flush=True)
-    plan = [("eq", n) for n in args.eq_rows.split(",") if n] + [("tail", n) for n in args.tail_rows.split(",") if n]
-    for batch, name in plan:
+    for entry in args.plan.split(","):
+        if entry == "numerics":
+            out["numerics"] = numerics(data["eq"][:16], args)
+            continue
+        batch, name = entry.split(":")
         v = VARIANTS[name]
         if not _runnable(v, args) or time.perf_counter() - start > args.budget_s:
             print(f"{batch:5s} {name:28s} skipped ({'budget' if _runnable(v, args) else args.device.type})", flush=True)
@@ -303,7 +307,6 @@ def main() -> None:
             out["errors"].append({"batch": batch, "variant": name, "error": traceback.format_exc()[-3000:]})
         finally:
             free(args.device)
-    out["numerics"] = numerics(data["eq"][:16], args)
     out["total_s"] = time.perf_counter() - start
     print(f"total {out['total_s']:.0f} s", flush=True)
     if args.json:

@@ -123,14 +123,17 @@ class Learner:
         """The weights forward and backward run on: the model itself, or its bf16 copy."""
         if cfg.working_copy and compute_dtype != torch.float32 and self.dp.world_size == 1:
             self.work = copy.deepcopy(model).to(compute_dtype)
-            self.compute_dtype = torch.float32  # no autocast: the weights are bf16 already
         if cfg.compile_layers:
             compile_layers(self.work)
+
+    def _autocast_dtype(self, model: PreTrainedModel) -> torch.dtype:
+        """The bf16 working copy runs as it is; the float32 models under autocast."""
+        return torch.float32 if model is self.work and self.work is not self.model else self.compute_dtype
 
     def logprobs(self, model: PreTrainedModel, mb: MicroBatch, with_entropy: bool):
         if mb.packed is not None:
             return self._packed_logprobs(model, mb, with_entropy)
-        with autocast(mb.input_ids.device, self.compute_dtype):
+        with autocast(mb.input_ids.device, self._autocast_dtype(model)):
             logits = model(
                 input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
             ).logits[:, :-1]  # [B, L-1, V]
@@ -146,14 +149,15 @@ class Learner:
         row = mb.packed
         docs = make_docs(row.lengths, self.attn_backend, row.input_ids.device)
         head = model.get_output_embeddings()
-        cd = self.compute_dtype if self.compute_dtype != torch.float32 else head.weight.dtype  # bf16 copy: bf16
+        autocast_dtype = self._autocast_dtype(model)
+        cd = autocast_dtype if autocast_dtype != torch.float32 else head.weight.dtype  # bf16 copy: bf16
 
         def logp_and_entropy(hidden: torch.Tensor) -> torch.Tensor:  # [1, T, H] -> [2, N]
             h = hidden[0].index_select(0, row.head_rows)  # [N, H]
             fused = self.cfg.compile_layers
             return torch.stack(head_logprobs(h, head.weight, row.head_targets, self.temperature, cd, fused))
 
-        with autocast(row.input_ids.device, self.compute_dtype), _swapped_forward(head, logp_and_entropy):
+        with autocast(row.input_ids.device, autocast_dtype), _swapped_forward(head, logp_and_entropy):
             out = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, packed_docs=docs)
         logp, entropy = (_on_grid(v, row.grid_index, mb.mask) for v in out.logits)  # [B, L-1] each
         return logp, (entropy if with_entropy else None)

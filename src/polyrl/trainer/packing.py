@@ -210,16 +210,24 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2).contiguous(), None
 
 
+def _no_mask(*args, **kwargs) -> None:
+    """Packed calls need no mask tensor: the documents' bounds travel in `packed_docs`."""
+    return None
+
+
 def use_packed_attention(model: torch.nn.Module) -> None:
     """Route the model's attention through `packed_attention` (the engine's own attention
     is not affected: it calls the projections, not the HF attention forward)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, packed_attention)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)  # else a [T, T] mask per forward
     try:
         model.set_attn_implementation(ATTN_NAME)
-    except (AttributeError, ValueError):
+    except Exception:  # noqa: BLE001 - older transformers: set the config as it would
         model.config._attn_implementation = ATTN_NAME
+    assert model.config._attn_implementation == ATTN_NAME, model.config._attn_implementation
 
 
 def default_backend(device: torch.device) -> str:
