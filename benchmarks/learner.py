@@ -32,7 +32,7 @@ import random
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
@@ -210,15 +210,18 @@ def numerics(items: list[SeqItem], args: argparse.Namespace) -> dict:
     for name in NUMERICS:
         if not _runnable(VARIANTS[name], args):
             continue
-        try:
-            learner = build_learner(VARIANTS[name], args, args.numerics_steps)
-            _, metrics = timed_steps(learner, items, args.numerics_steps, args.device)
-            curves[name] = {key: [m[f"actor/{key}"] for m in metrics] for key in ("pg_loss", "entropy", "grad_norm")}
-        except Exception as e:  # noqa: BLE001 - report and go on
-            print(f"numerics {name}: FAILED {type(e).__name__}: {e}", flush=True)
-        finally:
-            learner = None
-            free(args.device)
+        for v in _with_fallback(VARIANTS[name]):
+            try:
+                learner = build_learner(v, args, args.numerics_steps)
+                _, metrics = timed_steps(learner, items, args.numerics_steps, args.device)
+                keys = ("pg_loss", "entropy", "grad_norm")
+                curves[v.name] = {key: [m[f"actor/{key}"] for m in metrics] for key in keys}
+                break
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"numerics {v.name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            finally:
+                learner = None
+                free(args.device)
     base = curves.get("padded-16k")
     for name, c in curves.items():
         if base is not None:
@@ -239,6 +242,14 @@ def _fmt(x) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def _with_fallback(v: Variant) -> list[Variant]:
+    """The variant, then (packed, automatic attention: varlen on CUDA) the same with flex
+    attention, in case this torch's varlen attention fails."""
+    if v.impl != "packed" or v.attention != "auto":
+        return [v]
+    return [v, replace(v, name=f"{v.name}[flex]", attention="flex")]
+
+
 def _runnable(v: Variant, args: argparse.Namespace) -> bool:
     """On CPU: no compile and no flex (inductor's C++ build takes minutes on a small box);
     the working copy needs bf16 compute, so on CPU it is the same as without."""
@@ -253,7 +264,8 @@ def batches(args: argparse.Namespace) -> dict[str, list[SeqItem]]:
     return {"eq": eq, "tail": tail}
 
 
-HEADER = f"{'batch':5s} {'variant':28s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>8s} {'step s':>7s} {'warm s':>7s} {'loss':>10s} {'grad norm':>10s}"
+HEADER = (f"{'batch':5s} {'variant':28s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>8s} {'step s':>7s} {'warm s':>7s} "
+          f"{'loss':>10s} {'grad norm':>10s}")  # fmt: skip
 
 
 def print_row(r: dict) -> None:
@@ -298,15 +310,17 @@ def main() -> None:
         if not _runnable(v, args) or time.perf_counter() - start > args.budget_s:
             print(f"{batch:5s} {name:28s} skipped ({'budget' if _runnable(v, args) else args.device.type})", flush=True)
             continue
-        try:
-            row = run_row(v, batch, data[batch], args)
-            out["rows"].append(row)
-            print_row(row)
-        except Exception as e:  # noqa: BLE001 - one failed variant must not lose the others
-            print(f"{batch:5s} {name:28s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            out["errors"].append({"batch": batch, "variant": name, "error": traceback.format_exc()[-3000:]})
-        finally:
-            free(args.device)
+        for attempt in _with_fallback(v):
+            try:
+                row = run_row(attempt, batch, data[batch], args)
+                out["rows"].append(row)
+                print_row(row)
+                break
+            except Exception as e:  # noqa: BLE001 - one failed variant must not lose the others
+                print(f"{batch:5s} {attempt.name:28s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                out["errors"].append({"batch": batch, "variant": attempt.name, "error": traceback.format_exc()[-3000:]})
+            finally:
+                free(args.device)
     out["total_s"] = time.perf_counter() - start
     print(f"total {out['total_s']:.0f} s", flush=True)
     if args.json:

@@ -26,7 +26,8 @@ def test_head_logprobs_match_full_logits(monkeypatch, temperature, fused):
     the full logits, with the chunk forced to 5 tokens. fused: the per-chunk math traced by
     torch.compile (aot_eager here: inductor's C++ build is too slow for CI)."""
     monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMS", 5 * 50)
-    monkeypatch.setattr(lm_head, "_fused", functools.cache(lambda fn: torch.compile(fn, dynamic=True, backend="aot_eager")))
+    traced = functools.cache(lambda fn: torch.compile(fn, dynamic=True, backend="aot_eager"))
+    monkeypatch.setattr(lm_head, "_fused", traced)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(23, 16, generator=g, requires_grad=True)  # [N, H]
     weight = torch.randn(50, 16, generator=g, requires_grad=True)  # [V, H]

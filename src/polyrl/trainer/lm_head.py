@@ -94,7 +94,8 @@ class _HeadLogprobEntropy(torch.autograd.Function):
             rows = slice(t0, t0 + step)
             h = hidden[rows].to(cd)  # [n, H]
             g_lp, g_h = g_logp[rows].to(lse.dtype), g_ent[rows].to(lse.dtype)  # [n] each
-            g_z = chunk_backward(_chunk_logits(h, w), target_ids[rows], lse[rows], entropy[rows], g_lp, g_h, ctx.temperature)
+            logits = _chunk_logits(h, w)  # [n, V] recomputed
+            g_z = chunk_backward(logits, target_ids[rows], lse[rows], entropy[rows], g_lp, g_h, ctx.temperature)
             grad_h[rows] = g_z @ w  # [n, H]
             grad_w += g_z.t() @ h  # [V, H]
         return grad_h, grad_w.to(weight.dtype), None, None, None, None

@@ -204,7 +204,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         parts, start = [], 0
         for n in docs.lengths:
             s = slice(start, start + n)
-            parts.append(F.scaled_dot_product_attention(query[:, :, s], k[:, :, s], v[:, :, s], scale=scaling, is_causal=True))
+            q_s, k_s, v_s = query[:, :, s], k[:, :, s], v[:, :, s]  # [1, H, n, D]
+            parts.append(F.scaled_dot_product_attention(q_s, k_s, v_s, scale=scaling, is_causal=True))
             start += n
         out = torch.cat(parts, dim=2)  # [1, Hq, T, D]
     return out.transpose(1, 2).contiguous(), None
