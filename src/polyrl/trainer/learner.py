@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from polyrl.config import AlgoConfig, TrainerConfig
 from polyrl.models.precision import autocast
 from polyrl.trainer.batching import MicroBatch, SeqItem, collate
-from polyrl.trainer.distributed import DataParallel
+from polyrl.trainer.distributed import DataParallel, is_sharded
 from polyrl.trainer.grpo import LossInputs, policy_loss, token_logprobs
 from polyrl.trainer.lm_head import head_logprobs
 from polyrl.trainer.packing import collate_packed, default_backend, make_docs, pack_by_tokens, use_packed_attention
@@ -144,8 +144,9 @@ class Learner:
         """The padded path's (logp, entropy) [B, L-1] from one packed row: only the counted
         targets' positions go through the LM head, and the rest stay 0 (every use masks them).
 
-        The head runs inside the model's own forward (its `forward` swapped for the call), so
-        FSDP's root hooks gather and reduce its weight as they do for the logits."""
+        Sharded, the head runs inside the model's own forward (its `forward` swapped for the
+        call), so FSDP's root hooks gather and reduce its weight as they do for the logits; in
+        one process the head is left alone, as the engine may be calling it meanwhile."""
         row = mb.packed
         docs = make_docs(row.lengths, self.attn_backend, row.input_ids.device)
         head = model.get_output_embeddings()
@@ -157,9 +158,14 @@ class Learner:
             fused = self.cfg.compile_layers
             return torch.stack(head_logprobs(h, head.weight, row.head_targets, self.temperature, cd, fused))
 
-        with autocast(row.input_ids.device, autocast_dtype), _swapped_forward(head, logp_and_entropy):
-            out = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, packed_docs=docs)
-        logp, entropy = (_on_grid(v, row.grid_index, mb.mask) for v in out.logits)  # [B, L-1] each
+        inputs = {"input_ids": row.input_ids, "position_ids": row.position_ids, "use_cache": False, "packed_docs": docs}
+        with autocast(row.input_ids.device, autocast_dtype):
+            if is_sharded(model):
+                with _swapped_forward(head, logp_and_entropy):
+                    stacked = model(**inputs).logits  # [2, N]
+            else:
+                stacked = logp_and_entropy(model.model(**inputs).last_hidden_state)  # [2, N]
+        logp, entropy = (_on_grid(v, row.grid_index, mb.mask) for v in stacked)  # [B, L-1] each
         return logp, (entropy if with_entropy else None)
 
     def _grads_to_master(self) -> None:
