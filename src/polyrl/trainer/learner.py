@@ -70,7 +70,9 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
 def compile_layers(model: PreTrainedModel) -> None:
     """torch.compile every decoder layer's forward (not its __call__: checkpointing and FSDP
     hooks stay outside the compiled graph). All layers share one graph, compiled per shape."""
-    torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
+    setattr(config, name, max(64, getattr(config, name)))
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward)
 
