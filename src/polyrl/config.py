@@ -196,8 +196,8 @@ class TrainerConfig(_Section):
     from the hidden states chunk by chunk (trainer/packing.py, lm_head.py); padded: one row
     per sequence and full logits, the earlier path (kept as the baseline)."""
     packed_attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
-    """How packed attention keeps to each sequence. auto: torch's varlen flash attention on
-    CUDA (flex if torch lacks it), a loop of SDPA calls per sequence on CPU (exact)."""
+    """How packed attention keeps to each sequence. auto: torch's varlen flash attention for
+    bf16 on CUDA (flex if torch lacks it), else a loop of SDPA calls per sequence (exact)."""
     working_copy: bool = False
     """With a bf16 `model.dtype` on one rank: forward and backward run on a bf16 copy of the
     weights, refreshed from the float32 masters after each optimizer step, instead of

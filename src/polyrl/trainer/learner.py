@@ -116,7 +116,7 @@ class Learner:
         self.is_packed = cfg.learner_impl == "packed"
         self.attn_backend = cfg.packed_attention
         if self.attn_backend == "auto":
-            self.attn_backend = default_backend(model.device)
+            self.attn_backend = default_backend(model.device, compute_dtype)
         if self.is_packed:
             for m in (model, ref_model):
                 if m is not None:

@@ -231,9 +231,10 @@ def use_packed_attention(model: torch.nn.Module) -> None:
     assert model.config._attn_implementation == ATTN_NAME, model.config._attn_implementation
 
 
-def default_backend(device: torch.device) -> str:
-    """varlen (flash attention inside torch) on CUDA where torch has it, else flex; the
-    exact per-document loop on CPU."""
-    if device.type != "cuda":
+def default_backend(device: torch.device, compute_dtype: torch.dtype) -> str:
+    """varlen (flash attention inside torch) for bf16/fp16 compute on CUDA where torch has
+    it, else flex; otherwise the exact per-sequence SDPA loop (CPU, and float32 on CUDA,
+    which flash attention would round to bf16)."""
+    if device.type != "cuda" or compute_dtype not in (torch.bfloat16, torch.float16):
         return "sdpa"
     return "varlen" if _varlen_kwargs() is not None else "flex"
