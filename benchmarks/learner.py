@@ -131,7 +131,10 @@ def step_flops(config: Qwen3Config, lengths: list[int]) -> float:
 
 
 def build_model(shape: dict, device: torch.device) -> PreTrainedModel:
-    config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=1e6)
+    try:
+        config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=1e6)
+    except TypeError:  # a transformers that wants rope_parameters; theta does not change the speed
+        config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=8192)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
