@@ -163,15 +163,14 @@ def _repeat_kv(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
 
 
-def _same_low_dtype(*qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_flash: bool) -> tuple[torch.Tensor, ...]:
     """Under autocast, Qwen3's q/k norms hand float32 queries and keys beside bf16 values:
     SDPA autocasts itself, flex and varlen need one dtype (and flash a 16-bit one)."""
-    device = qkv[0].device.type
-    if torch.is_autocast_enabled(device):
-        dt = torch.get_autocast_dtype(device)
-    else:
-        dt = qkv[2].dtype if qkv[2].dtype in (torch.bfloat16, torch.float16) or device != "cuda" else torch.bfloat16
-    return tuple(x.to(dt) for x in qkv)
+    device = q.device.type
+    dt = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else v.dtype
+    if is_flash and dt not in (torch.bfloat16, torch.float16):
+        dt = torch.bfloat16
+    return q.to(dt), k.to(dt), v.to(dt)
 
 
 @torch.compiler.disable
@@ -184,7 +183,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     docs: PackedDocs | None = kwargs.get("packed_docs")
     groups = query.shape[1] // key.shape[1]
     if docs is not None and docs.backend != "sdpa":
-        query, key, value = _same_low_dtype(query, key, value)
+        query, key, value = _same_dtype(query, key, value, is_flash=docs.backend == "varlen")
     if docs is None:
         k, v = _repeat_kv(key, groups, 1), _repeat_kv(value, groups, 1)
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=attention_mask, scale=scaling,
