@@ -17,8 +17,16 @@ second term causal attention (forward + backward), peak 989 TFLOP/s (H100 dense 
 same useful FLOPs for every row: padding and recomputation count as waste. Peak memory is
 torch's max allocated over the row's steps. Loss is the policy-gradient term, as logged.
 Then a numerics check: padded and packed, 3 optimizer steps each from the same weights on
-the same batch; per-step losses and grad norms and their largest relative difference.
-Every row runs in its own try/except: a failure prints and the next row runs.
+16 of the equal-length sequences; per-step pg loss, entropy and grad norm and their largest
+relative difference from padded-16k (the bf16 tolerance; tests/test_packed_gpu.py asserts it).
+Every row runs in its own try/except: a failure prints and the next row runs; a packed row
+with automatic attention (varlen on CUDA) that fails is retried with flex attention.
+
+Variants: padded-16k / padded-8k are today's path (trainer.learner_impl=padded) with
+16k / 8k-token micro-batches; packed* use trainer.learner_impl=packed with 16k tokens per
+micro-batch, "+copy" trainer.working_copy, "+compile" trainer.compile_layers, "-flex"
+trainer.packed_attention=flex, "-32k" 32k-token micro-batches, "+ckpt" activation
+checkpointing.
 """
 
 from __future__ import annotations
