@@ -191,6 +191,21 @@ class TrainerConfig(_Section):
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping
     them: less memory for longer micro-batches, at the cost of about one more forward."""
+    learner_impl: Literal["packed", "padded"] = "packed"
+    """packed: micro-batches filled by tokens into one padding-free row, log-probs straight
+    from the hidden states chunk by chunk (trainer/packing.py, lm_head.py); padded: one row
+    per sequence and full logits, the earlier path (kept as the baseline)."""
+    packed_attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
+    """How packed attention keeps to each sequence. auto: torch's varlen flash attention for
+    bf16 on CUDA (flex if torch lacks it), else a loop of SDPA calls per sequence (exact)."""
+    working_copy: bool = False
+    """With a bf16 `model.dtype` on one rank: forward and backward run on a bf16 copy of the
+    weights, refreshed from the float32 masters after each optimizer step, instead of
+    autocast casting every weight again for every micro-batch; gradients are summed into
+    float32 before the (fused) AdamW step. The residual stream is then bf16 too."""
+    compile_layers: bool = False
+    """torch.compile each decoder layer's forward (fuses RMSNorm, RoPE, SwiGLU) and, packed,
+    the LM head's per-chunk softmax math; the first steps pay the compile time."""
 
     @model_validator(mode="after")
     def _mini_batch_divides(self) -> TrainerConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,9 +74,11 @@ class MicroBatch:
     current_mask: torch.Tensor  # [B, L-1] 1.0 where the target was sampled by the step's starting weights
     old_logp: torch.Tensor | None = None  # [B, L-1]
     ref_logp: torch.Tensor | None = None  # [B, L-1]
+    packed: Any = None
+    """The same sequences as one padding-free row (packing.PackedRow), when trained packed."""
 
     def to(self, device: torch.device) -> MicroBatch:
-        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        moved = {k: (v if v is None or isinstance(v, int | float) else v.to(device)) for k, v in vars(self).items()}
         return MicroBatch(**moved)
 
 

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -33,7 +33,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import PreTrainedModel
 
-from polyrl.trainer.batching import SeqItem, pack_micro_batches
+from polyrl.trainer.batching import SeqItem
+from polyrl.trainer.batching import pack_micro_batches as _pack_padded
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,14 @@ class DataParallel:
         except (RuntimeError, OSError) as e:  # they are gone already (torchrun stopping everyone)
             log.warning("could not tell the other ranks to stop: %s", e)
 
-    def micro_batches(self, items: list[SeqItem], max_tokens: int, pad_id: int) -> list[list[SeqItem]]:
+    def micro_batches(
+        self, items: list[SeqItem], max_tokens: int, pad_id: int, pack: Callable | None = None
+    ) -> list[list[SeqItem]]:
         """This rank's micro-batches of a mini-batch: a token-balanced share, packed, then
         filled up with empty micro-batches to the busiest rank's count, because every FSDP
-        forward and backward is a collective that all ranks must join."""
+        forward and backward is a collective that all ranks must join. `pack`: how to split
+        a share (default: padded micro-batches, `pack_micro_batches`)."""
+        pack_micro_batches = pack or _pack_padded
         if self.world_size == 1:
             return pack_micro_batches(items, max_tokens)
         packed = [pack_micro_batches(share, max_tokens) for share in split_items(items, self.world_size)]

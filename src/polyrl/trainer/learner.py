@@ -7,8 +7,11 @@ the split over ranks is exact in the same way as the split into micro-batches.""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,8 +20,10 @@ from transformers import PreTrainedModel
 from polyrl.config import AlgoConfig, TrainerConfig
 from polyrl.models.precision import autocast
 from polyrl.trainer.batching import MicroBatch, SeqItem, collate
-from polyrl.trainer.distributed import DataParallel
+from polyrl.trainer.distributed import DataParallel, is_sharded
 from polyrl.trainer.grpo import LossInputs, policy_loss, token_logprobs
+from polyrl.trainer.lm_head import head_logprobs
+from polyrl.trainer.packing import collate_packed, default_backend, make_docs, pack_by_tokens, use_packed_attention
 
 
 def lr_lambda(cfg: TrainerConfig, total_updates: int):
@@ -62,6 +67,31 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.disable_input_require_grads()
 
 
+def compile_layers(model: PreTrainedModel) -> None:
+    """torch.compile every decoder layer's forward (not its __call__: checkpointing and FSDP
+    hooks stay outside the compiled graph). All layers share one graph, compiled per shape."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
+    setattr(config, name, max(64, getattr(config, name)))
+    for layer in model.model.layers:
+        layer.forward = torch.compile(layer.forward)
+
+
+@contextlib.contextmanager
+def _swapped_forward(module: torch.nn.Module, forward: Callable) -> Iterator[None]:
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def _on_grid(values: torch.Tensor, grid_index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """values [N] at flat positions grid_index of a zero [B, L-1] grid shaped like `like`."""
+    flat = values.new_zeros(like.numel()).index_put((grid_index,), values)  # [B * (L-1)]
+    return flat.view(like.shape)
+
+
 class Learner:
     def __init__(
         self,
@@ -83,14 +113,76 @@ class Learner:
         self.compute_dtype = compute_dtype
         """Autocast dtype (float32: none; a sharded model may cast its parameters instead)."""
         self.dp = dp or DataParallel()
+        self.is_packed = cfg.learner_impl == "packed"
+        self.attn_backend = cfg.packed_attention
+        if self.attn_backend == "auto":
+            self.attn_backend = default_backend(model.device, compute_dtype)
+        if self.is_packed:
+            for m in (model, ref_model):
+                if m is not None:
+                    use_packed_attention(m)
+        self.work = self.model
+        """The weights forward and backward run on: the model itself, or its bf16 copy."""
+        if cfg.working_copy and compute_dtype != torch.float32 and self.dp.world_size == 1:
+            self.work = copy.deepcopy(model).to(compute_dtype)
+        if cfg.compile_layers:
+            compile_layers(self.work)
+
+    def _autocast_dtype(self, model: PreTrainedModel) -> torch.dtype:
+        """The bf16 working copy runs as it is; the float32 models under autocast."""
+        return torch.float32 if model is self.work and self.work is not self.model else self.compute_dtype
 
     def logprobs(self, model: PreTrainedModel, mb: MicroBatch, with_entropy: bool):
-        with autocast(mb.input_ids.device, self.compute_dtype):
+        if mb.packed is not None:
+            return self._packed_logprobs(model, mb, with_entropy)
+        with autocast(mb.input_ids.device, self._autocast_dtype(model)):
             logits = model(
                 input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
             ).logits[:, :-1]  # [B, L-1, V]
         logp, entropy = token_logprobs(logits, mb.target_ids, self.temperature)
         return logp, (entropy if with_entropy else None)
+
+    def _packed_logprobs(self, model: PreTrainedModel, mb: MicroBatch, with_entropy: bool):
+        """The padded path's (logp, entropy) [B, L-1] from one packed row: only the counted
+        targets' positions go through the LM head, and the rest stay 0 (every use masks them).
+
+        Sharded, the head runs inside the model's own forward (its `forward` swapped for the
+        call), so FSDP's root hooks gather and reduce its weight as they do for the logits; in
+        one process the head is left alone, as the engine may be calling it meanwhile."""
+        row = mb.packed
+        docs = make_docs(row.lengths, self.attn_backend, row.input_ids.device)
+        head = model.get_output_embeddings()
+        autocast_dtype = self._autocast_dtype(model)
+        cd = autocast_dtype if autocast_dtype != torch.float32 else head.weight.dtype  # bf16 copy: bf16
+
+        def logp_and_entropy(hidden: torch.Tensor) -> torch.Tensor:  # [1, T, H] -> [2, N]
+            h = hidden[0].index_select(0, row.head_rows)  # [N, H]
+            fused = self.cfg.compile_layers
+            return torch.stack(head_logprobs(h, head.weight, row.head_targets, self.temperature, cd, fused))
+
+        inputs = {"input_ids": row.input_ids, "position_ids": row.position_ids, "use_cache": False, "packed_docs": docs}
+        with autocast(row.input_ids.device, autocast_dtype):
+            if is_sharded(model):
+                with _swapped_forward(head, logp_and_entropy):
+                    stacked = model(**inputs).logits  # [2, N]
+            else:
+                stacked = logp_and_entropy(model.model(**inputs).last_hidden_state)  # [2, N]
+        logp, entropy = (_on_grid(v, row.grid_index, mb.mask) for v in stacked)  # [B, L-1] each
+        return logp, (entropy if with_entropy else None)
+
+    def _grads_to_master(self) -> None:
+        """The working copy's gradients, in float32, become the master weights' gradients."""
+        if self.work is self.model:
+            return
+        for master, work in zip(self.model.parameters(), self.work.parameters(), strict=True):
+            master.grad = None if work.grad is None else work.grad.to(master.dtype)
+            work.grad = None
+
+    @torch.no_grad()
+    def _refresh_work(self) -> None:
+        """Once per optimizer step, not once per micro-batch as autocast casts."""
+        if self.work is not self.model:
+            torch._foreach_copy_(list(self.work.parameters()), list(self.model.parameters()))
 
     @property
     def _old_logp_from_training_pass(self) -> bool:
@@ -104,12 +196,13 @@ class Learner:
     def _prepare(self, batches: list[list[SeqItem]]) -> list[MicroBatch]:
         """Collate, and attach old (proximal) and reference log-probs before any update."""
         device = self.model.device
-        mbs = [collate(b, self.pad_id).to(device) for b in batches]
+        collate_fn = collate_packed if self.is_packed else collate
+        mbs = [collate_fn(b, self.pad_id).to(device) for b in batches]
         for mb in mbs:
             if not self.algo.recompute_old_logprobs:
                 mb.old_logp = mb.behav_logp
             elif not self._old_logp_from_training_pass:
-                mb.old_logp = self.logprobs(self.model, mb, False)[0]
+                mb.old_logp = self.logprobs(self.work, mb, False)[0]
             if self.ref_model is not None and self.algo.kl_coef > 0:
                 mb.ref_logp = self.logprobs(self.ref_model, mb, False)[0]
         return mbs
@@ -126,17 +219,18 @@ class Learner:
             return self._train(items, weights_as_sampled)
 
     def _train(self, items: list[SeqItem], weights_as_sampled: bool) -> dict[str, float]:
-        self.model.train()
+        self.work.train()
         num_tokens = sum(it.num_completion_tokens for it in items)  # the whole mini-batch's, on every rank
         num_current = sum(it.num_current_tokens for it in items) if weights_as_sampled else 0
-        mbs = self._prepare(self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id))
+        pack = pack_by_tokens if self.is_packed else None
+        mbs = self._prepare(self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id, pack))
         sums: dict[str, float] = defaultdict(float)  # this rank's part of each metric
         grad_norm_mean, lr = 0.0, 0.0
         for epoch in range(self.algo.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for mb in mbs:
                 with_entropy = True  # cheap next to the forward pass, and always logged
-                logp, entropy = self.logprobs(self.model, mb, with_entropy)
+                logp, entropy = self.logprobs(self.work, mb, with_entropy)
                 if mb.old_logp is None:
                     mb.old_logp = logp.detach()
                 if epoch == 0 and num_current and self.algo.recompute_old_logprobs:
@@ -159,6 +253,7 @@ class Learner:
                     # token means per micro-batch: weight them by tokens.
                     is_loss = key in ("actor/pg_loss", "actor/kl_loss")
                     sums[key] += value / self.algo.ppo_epochs if is_loss else value * weight
+            self._grads_to_master()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             if isinstance(grad_norm, DTensor):  # sharded: the global norm, replicated on every rank
                 grad_norm = grad_norm.full_tensor()
@@ -166,8 +261,9 @@ class Learner:
             lr = self.scheduler.get_last_lr()[0]
             if torch.isfinite(grad_norm):
                 self.optimizer.step()
+                self._refresh_work()
             self.scheduler.step()
-        self.model.eval()
+        self.work.eval()
         out = self.dp.sum_over_ranks(sums)
         out["actor/grad_norm"], out["actor/lr"] = grad_norm_mean, lr
         return out

@@ -1,0 +1,343 @@
+"""One learner mini-batch step, today's padded path against the packed one, on one device.
+
+    PYTHONPATH=src python benchmarks/learner.py --device cuda --json "$OUT/learner.json"
+    PYTHONPATH=src python benchmarks/learner.py --device cpu      # tiny model, proves the script
+
+Each row builds the model afresh (random weights from seed 0: Qwen3-0.6B's shape on CUDA,
+a tiny Qwen3 on CPU; float32 master weights, bf16 compute on CUDA) and a real `Learner`,
+then runs warm-up steps (their time, compile included, is reported apart) and timed steps
+on one fixed mini-batch, one optimizer step each:
+  * eq:   64 sequences x 1024 tokens (64 prompt + 960 completion);
+  * tail: lognormal lengths (mean ~1k, the longest 8k, 64 prompt tokens each) until about
+          the same 64k tokens: the padding a padded micro-batch carries is what differs.
+Columns: tokens/s counts every token of the mini-batch, prompt and completion; MFU is
+    (6 * N * tokens + 6 * layers * heads * head_dim * sum(len_i^2)) / step_s / peak,
+with N the matmul parameters (decoder layers' linear weights plus the LM head, V x H), the
+second term causal attention (forward + backward), peak 989 TFLOP/s (H100 dense bf16). The
+same useful FLOPs for every row: padding and recomputation count as waste. Peak memory is
+torch's max allocated over the row's steps. Loss is the policy-gradient term, as logged.
+Then a numerics check: padded and packed, 3 optimizer steps each from the same weights on
+16 of the equal-length sequences; per-step pg loss, entropy and grad norm and their largest
+relative difference from padded-16k (the bf16 tolerance; tests/test_packed_gpu.py asserts it).
+Every row runs in its own try/except: a failure prints and the next row runs; a packed row
+with automatic attention (varlen on CUDA) that fails is retried with flex attention.
+
+Variants: padded-16k / padded-8k are today's path (trainer.learner_impl=padded) with
+16k / 8k-token micro-batches; packed* use trainer.learner_impl=packed with 16k tokens per
+micro-batch, "+copy" trainer.working_copy, "+compile" trainer.compile_layers, "-flex"
+trainer.packed_attention=flex, "-32k" 32k-token micro-batches, "+ckpt" activation
+checkpointing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import random
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
+
+from polyrl.config import AlgoConfig, TrainerConfig
+from polyrl.trainer.batching import SeqItem
+from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing
+
+QWEN3_06B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936}  # fmt: skip
+TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "intermediate_size": 128, "vocab_size": 512}  # fmt: skip
+PEAK_FLOPS = 989e12
+"""H100 SXM dense bf16, the denominator of every row's MFU (also on other devices)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    impl: str = "packed"  # trainer.learner_impl
+    max_tokens: int = 16384  # trainer.micro_batch_max_tokens (CPU: divided by 16)
+    attention: str = "auto"  # trainer.packed_attention
+    working_copy: bool = False
+    compile_layers: bool = False
+    checkpointing: bool = False
+
+
+VARIANTS = {
+    v.name: v
+    for v in [
+        Variant("padded-16k", impl="padded"),
+        Variant("padded-8k", impl="padded", max_tokens=8192),
+        Variant("packed"),
+        Variant("packed+copy", working_copy=True),
+        Variant("packed-flex+copy", attention="flex", working_copy=True),
+        Variant("packed+copy+compile", working_copy=True, compile_layers=True),
+        Variant("packed+compile", compile_layers=True),
+        Variant("packed+copy+compile-32k", max_tokens=32768, working_copy=True, compile_layers=True),
+        Variant("packed+copy+compile+ckpt", working_copy=True, compile_layers=True, checkpointing=True),
+    ]
+}
+PLAN = ["eq:padded-16k", "eq:padded-8k", "eq:packed", "eq:packed+copy", "eq:packed+copy+compile",
+        "tail:padded-16k", "tail:packed+copy", "tail:packed+copy+compile", "numerics",
+        "eq:packed-flex+copy", "eq:packed+compile", "eq:packed+copy+compile+ckpt", "eq:packed+copy+compile-32k",
+        "tail:packed"]  # fmt: skip
+"""The rows that decide first (today's path, the packed variants, on both batches, and the
+numerics check), then the alternatives, which --budget-s may cut."""
+NUMERICS = ["padded-16k", "packed", "packed+copy", "packed+copy+compile"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches and FLOPs
+# ---------------------------------------------------------------------------------------------
+
+
+def make_items(lengths: list[int], prompt_len: int, vocab: int, seed: int) -> list[SeqItem]:
+    """Random tokens; behaviour log-probs near a random model's own (-log V +- 0.5) so the
+    importance weights and the loss depend on the model; advantages in [0.5, 1.5]."""
+    rng = random.Random(seed)
+    items = []
+    for n in lengths:
+        ids = [rng.randrange(3, vocab) for _ in range(n)]
+        behav = [-math.log(vocab) + rng.uniform(-0.5, 0.5) for _ in range(n - prompt_len)]
+        items.append(SeqItem(ids, prompt_len, behav, rng.uniform(0.5, 1.5)))
+    return items
+
+
+def tail_lengths(total: int, mean: int, longest: int, prompt_len: int, seed: int) -> list[int]:
+    """Lognormal (sigma 1) lengths of the given mean, clipped to [prompt + 16, longest], until
+    `total` tokens; one sequence is exactly `longest`, as a long tail has."""
+    rng = random.Random(seed)
+    mu = math.log(mean) - 0.5
+    lengths = [longest]
+    while sum(lengths) < total:
+        lengths.append(int(min(longest, max(prompt_len + 16, rng.lognormvariate(mu, 1.0)))))
+    rng.shuffle(lengths)
+    return lengths
+
+
+def matmul_params(config: Qwen3Config) -> int:
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    return config.num_hidden_layers * per_layer + config.vocab_size * h
+
+
+def step_flops(config: Qwen3Config, lengths: list[int]) -> float:
+    dense = 6 * matmul_params(config) * sum(lengths)
+    attn = 6 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * sum(n * n for n in lengths)
+    return float(dense + attn)
+
+
+# ---------------------------------------------------------------------------------------------
+# One row
+# ---------------------------------------------------------------------------------------------
+
+
+def build_model(shape: dict, device: torch.device) -> PreTrainedModel:
+    try:
+        config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=1e6)
+    except TypeError:  # a transformers that wants rope_parameters; theta does not change the speed
+        config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def build_learner(v: Variant, args: argparse.Namespace, total_steps: int) -> Learner:
+    model = build_model(args.shape, args.device)
+    if v.checkpointing:
+        enable_gradient_checkpointing(model)
+    max_tokens = v.max_tokens if args.device.type == "cuda" else v.max_tokens // 16
+    cfg = TrainerConfig(lr=1e-6, warmup_steps=0, train_batch_size=64, ppo_mini_batch_size=64,
+                        micro_batch_max_tokens=max_tokens, learner_impl=v.impl, packed_attention=v.attention,
+                        working_copy=v.working_copy, compile_layers=v.compile_layers)  # fmt: skip
+    optimizer, scheduler = build_optimizer(model, cfg, total_steps)
+    return Learner(model, None, optimizer, scheduler, AlgoConfig(), cfg, 1.0, 0, args.dtype)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(learner: Learner, items: list[SeqItem], n: int, device: torch.device) -> tuple[list[float], list[dict]]:
+    times, metrics = [], []
+    for _ in range(n):
+        sync(device)
+        t0 = time.perf_counter()
+        metrics.append(learner.train_mini_batch(items, weights_as_sampled=True))
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times, metrics
+
+
+def run_row(v: Variant, batch: str, items: list[SeqItem], args: argparse.Namespace) -> dict:
+    learner = build_learner(v, args, args.warmup + args.steps)
+    if args.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(args.device)
+    warm_s, _ = timed_steps(learner, items, args.warmup, args.device)
+    times, metrics = timed_steps(learner, items, args.steps, args.device)
+    step_s = sorted(times)[len(times) // 2]
+    lengths = [len(it.token_ids) for it in items]
+    config = learner.model.config
+    return {
+        "batch": batch,
+        "variant": v.name,
+        **asdict(v),
+        "tokens": sum(lengths),
+        "step_s": step_s,
+        "tokens_per_s": sum(lengths) / step_s,
+        "mfu": step_flops(config, lengths) / step_s / PEAK_FLOPS,
+        "peak_gib": torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.type == "cuda" else None,
+        "warmup_s": sum(warm_s),
+        "loss": metrics[-1]["actor/pg_loss"],
+        "grad_norm": metrics[-1]["actor/grad_norm"],
+        "step_times_s": times,
+    }
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerics: padded vs packed over a few optimizer steps
+# ---------------------------------------------------------------------------------------------
+
+
+def numerics(items: list[SeqItem], args: argparse.Namespace) -> dict:
+    """Per-step pg loss, entropy and grad norm of each variant over `args.numerics_steps` steps (lr
+    1e-6 so the weights move), and the largest relative difference from padded-16k."""
+    curves = {}
+    for name in NUMERICS:
+        if not _runnable(VARIANTS[name], args):
+            continue
+        for v in _with_fallback(VARIANTS[name]):
+            try:
+                learner = build_learner(v, args, args.numerics_steps)
+                _, metrics = timed_steps(learner, items, args.numerics_steps, args.device)
+                keys = ("pg_loss", "entropy", "grad_norm")
+                curves[v.name] = {key: [m[f"actor/{key}"] for m in metrics] for key in keys}
+                break
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"numerics {v.name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            finally:
+                learner = None
+                free(args.device)
+    base = curves.get("padded-16k")
+    for name, c in curves.items():
+        if base is not None:
+            for key in ("pg_loss", "entropy", "grad_norm"):
+                c[f"max_rel_diff_{key}"] = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(c[key], base[key]))
+        print(f"numerics {name:28s} " + " ".join(f"{k}={_fmt(x)}" for k, x in c.items()), flush=True)
+    return curves
+
+
+def _fmt(x) -> str:
+    if isinstance(x, list):
+        return "[" + ", ".join(f"{y:.6g}" for y in x) + "]"
+    return f"{x:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def _with_fallback(v: Variant) -> list[Variant]:
+    """The variant, then (packed, automatic attention: varlen on CUDA) the same with flex
+    attention, in case this torch's varlen attention fails."""
+    if v.impl != "packed" or v.attention != "auto":
+        return [v]
+    return [v, replace(v, name=f"{v.name}[flex]", attention="flex")]
+
+
+def _runnable(v: Variant, args: argparse.Namespace) -> bool:
+    """On CPU: no compile and no flex (inductor's C++ build takes minutes on a small box);
+    the working copy needs bf16 compute, so on CPU it is the same as without."""
+    return args.device.type == "cuda" or not (v.compile_layers or v.attention == "flex")
+
+
+def batches(args: argparse.Namespace) -> dict[str, list[SeqItem]]:
+    scale = 1 if args.device.type == "cuda" else 8  # CPU: 128-token sequences
+    vocab, prompt = args.shape["vocab_size"], 64 // scale
+    eq = make_items([1024 // scale] * 64, prompt, vocab, seed=1)
+    tail = make_items(tail_lengths(65536 // scale, 1024 // scale, 8192 // scale, prompt, seed=2), prompt, vocab, 3)
+    return {"eq": eq, "tail": tail}
+
+
+HEADER = (f"{'batch':5s} {'variant':28s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>8s} {'step s':>7s} {'warm s':>7s} "
+          f"{'loss':>10s} {'grad norm':>10s}")  # fmt: skip
+
+
+def print_row(r: dict) -> None:
+    peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+    print(f"{r['batch']:5s} {r['variant']:28s} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% {peak:>8s} "
+          f"{r['step_s']:7.3f} {r['warmup_s']:7.1f} {r['loss']:10.6f} {r['grad_norm']:10.6f}", flush=True)  # fmt: skip
+
+
+def machine(device: torch.device) -> dict:
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform()}
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", help="write rows, numerics and machine here")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--numerics-steps", type=int, default=3)
+    p.add_argument("--plan", default=",".join(PLAN), help="batch:variant entries and 'numerics', in order")
+    p.add_argument("--budget-s", type=float, default=300.0, help="rows starting after this are skipped")
+    args = p.parse_args()
+    args.device = torch.device(args.device)
+    args.shape = QWEN3_06B if args.device.type == "cuda" else TINY
+    args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
+    start = time.perf_counter()
+    data = batches(args)
+    out = {"machine": machine(args.device), "peak_flops": PEAK_FLOPS, "rows": [], "errors": [], "numerics": {}}
+    print(f"{out['machine']}\n{HEADER}", flush=True)
+    for entry in args.plan.split(","):
+        if entry == "numerics":
+            out["numerics"] = numerics(data["eq"][:16], args)
+            continue
+        batch, name = entry.split(":")
+        v = VARIANTS[name]
+        if not _runnable(v, args) or time.perf_counter() - start > args.budget_s:
+            print(f"{batch:5s} {name:28s} skipped ({'budget' if _runnable(v, args) else args.device.type})", flush=True)
+            continue
+        for attempt in _with_fallback(v):
+            try:
+                row = run_row(attempt, batch, data[batch], args)
+                out["rows"].append(row)
+                print_row(row)
+                break
+            except Exception as e:  # noqa: BLE001 - one failed variant must not lose the others
+                print(f"{batch:5s} {attempt.name:28s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                out["errors"].append({"batch": batch, "variant": attempt.name, "error": traceback.format_exc()[-3000:]})
+            finally:
+                free(args.device)
+    out["total_s"] = time.perf_counter() - start
+    print(f"total {out['total_s']:.0f} s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

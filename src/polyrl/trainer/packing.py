@@ -1,0 +1,239 @@
+"""Padding-free micro-batches: sequences concatenated into one row [1, T], position ids
+restarting at 0 per sequence, attention kept inside each sequence.
+
+On the long-tail lengths of reasoning RL (lognormal, up to 8k) a padded micro-batch is
+mostly padding; packed, every token computed is a real one. The attention function
+registered here reads the documents' bounds from the `packed_docs` keyword that the
+model's forward hands down to every attention call.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.9
+    varlen_attn = None
+
+from polyrl.trainer.batching import MicroBatch, SeqItem, collate
+
+ATTN_NAME = "polyrl_packed"
+PAD_MULTIPLE = 128
+"""The packed row is padded to a multiple of this (flex attention's block size), so fewer
+distinct shapes reach compiled code; the padding is a document of its own."""
+
+
+def pack_by_tokens(items: list[SeqItem], max_tokens: int) -> list[list[SeqItem]]:
+    """Greedy packing in arrival order: a micro-batch's total tokens stay within
+    `max_tokens` (no padding to count); a single longer sequence gets one of its own."""
+    batches: list[list[SeqItem]] = []
+    current: list[SeqItem] = []
+    total = 0
+    for item in items:
+        if current and total + len(item.token_ids) > max_tokens:
+            batches.append(current)
+            current, total = [], 0
+        current.append(item)
+        total += len(item.token_ids)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass
+class PackedDocs:
+    """Where the documents of a packed row are, in the form the attention backend needs."""
+
+    backend: str  # "sdpa" (a loop over documents, exact, for CPU), "flex" or "varlen"
+    lengths: tuple[int, ...]  # tokens per document, the padding last
+    cu_seqlens: torch.Tensor | None = None  # [D+1] int32, varlen
+    max_len: int = 0
+    block_mask: object | None = None  # flex BlockMask
+    varlen_kwargs: dict | None = None
+
+
+@dataclass
+class PackedRow:
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    head_rows: torch.Tensor  # [N] row positions whose next token is a counted target
+    head_targets: torch.Tensor  # [N]
+    grid_index: torch.Tensor  # [N] flat index of each into the padded [B, L-1] grid
+    lengths: tuple[int, ...]
+
+    def to(self, device: torch.device) -> PackedRow:
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return PackedRow(**moved)
+
+
+def pack_row(items: list[SeqItem], pad_id: int) -> PackedRow:
+    """The items as one row, plus where their counted targets (completion tokens) sit in
+    it and in the padded grid of `collate`, which keeps the loss's inputs."""
+    width = max(len(it.token_ids) for it in items)
+    ids, pos, rows, targets, grid = [], [], [], [], []
+    for i, it in enumerate(items):
+        n, start = len(it.token_ids), len(ids)
+        ids += it.token_ids
+        pos += range(n)
+        # Position t predicts token t+1; completion targets are tokens prompt_len .. n-1.
+        rows += range(start + it.prompt_len - 1, start + n - 1)
+        targets += it.token_ids[it.prompt_len :]
+        grid += range(i * (width - 1) + it.prompt_len - 1, i * (width - 1) + n - 1)
+    lengths = [len(it.token_ids) for it in items]
+    pad = -len(ids) % PAD_MULTIPLE
+    if pad:
+        ids += [pad_id] * pad
+        pos += range(pad)
+        lengths.append(pad)
+    return PackedRow(
+        input_ids=torch.tensor([ids]),
+        position_ids=torch.tensor([pos]),
+        head_rows=torch.tensor(rows, dtype=torch.long),
+        head_targets=torch.tensor(targets, dtype=torch.long),
+        grid_index=torch.tensor(grid, dtype=torch.long),
+        lengths=tuple(lengths),
+    )
+
+
+def collate_packed(items: list[SeqItem], pad_id: int) -> MicroBatch:
+    """The padded micro-batch of `collate` for the loss's per-token inputs ([B, L-1], small),
+    with the packed row that the model actually runs on."""
+    mb = collate(items, pad_id)
+    mb.packed = pack_row(items, pad_id)
+    return mb
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention over packed documents
+# ---------------------------------------------------------------------------------------------
+
+
+def _varlen_kwargs() -> dict | None:
+    """Causal and GQA keywords of torch's varlen_attn, whose signature moved between
+    releases (is_causal, then window_size; enable_gqa later); None without it."""
+    if varlen_attn is None:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return kwargs
+
+
+def _document_ids(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    sizes = torch.tensor(lengths, device=device)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), sizes)  # [T]
+
+
+def make_docs(lengths: tuple[int, ...], backend: str, device: torch.device) -> PackedDocs:
+    """Build once per micro-batch what every layer's attention call reuses."""
+    docs = PackedDocs(backend, lengths, max_len=max(lengths))
+    if backend == "varlen":
+        docs.varlen_kwargs = _varlen_kwargs()
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        docs.cu_seqlens = cu.to(device)  # [D+1]
+    elif backend == "flex":
+        doc = _document_ids(lengths, device)  # [T]
+
+        def same_doc_causal(b, h, q, kv):
+            return (doc[q] == doc[kv]) & (q >= kv)
+
+        T = sum(lengths)
+        docs.block_mask = create_block_mask(same_doc_causal, None, None, T, T, device=device)
+    elif backend != "sdpa":
+        raise ValueError(f"unknown packed attention backend {backend!r}")
+    return docs
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention compiled once (uncompiled, it materialises the scores); shapes that
+    vary from micro-batch to micro-batch make it dynamic after the first recompile."""
+    return torch.compile(flex_attention)
+
+
+def _repeat_kv(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
+
+
+def _same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_flash: bool) -> tuple[torch.Tensor, ...]:
+    """Under autocast, Qwen3's q/k norms hand float32 queries and keys beside bf16 values:
+    SDPA autocasts itself, flex and varlen need one dtype (and flash a 16-bit one)."""
+    device = q.device.type
+    dt = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else v.dtype
+    if is_flash and dt not in (torch.bfloat16, torch.float16):
+        dt = torch.bfloat16
+    return q.to(dt), k.to(dt), v.to(dt)
+
+
+@torch.compiler.disable
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None), causal within
+    each document of `packed_docs`; without it, plain causal SDPA (right padding only).
+
+    Outside compiled layers (a graph break): the varlen op and compiled flex run as they
+    are, and per-micro-batch lengths never become guards of the layer's graph."""
+    docs: PackedDocs | None = kwargs.get("packed_docs")
+    groups = query.shape[1] // key.shape[1]
+    if docs is not None and docs.backend != "sdpa":
+        query, key, value = _same_dtype(query, key, value, is_flash=docs.backend == "varlen")
+    if docs is None:
+        k, v = _repeat_kv(key, groups, 1), _repeat_kv(value, groups, 1)
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=attention_mask, scale=scaling,
+                                             is_causal=attention_mask is None)  # fmt: skip
+    elif docs.backend == "flex":
+        out = _compiled_flex()(query, key, value, block_mask=docs.block_mask, scale=scaling, enable_gqa=True)
+    elif docs.backend == "varlen":
+        kw = docs.varlen_kwargs
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+        if "enable_gqa" not in kw:
+            k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
+        q = query[0].transpose(0, 1)  # [T, Hq, D]
+        out = varlen_attn(q, k, v, docs.cu_seqlens, docs.cu_seqlens, docs.max_len, docs.max_len, scale=scaling, **kw)
+        return out.unsqueeze(0), None  # [1, T, Hq, D]
+    else:
+        k, v = _repeat_kv(key, groups, 1), _repeat_kv(value, groups, 1)
+        parts, start = [], 0
+        for n in docs.lengths:
+            s = slice(start, start + n)
+            q_s, k_s, v_s = query[:, :, s], k[:, :, s], v[:, :, s]  # [1, H, n, D]
+            parts.append(F.scaled_dot_product_attention(q_s, k_s, v_s, scale=scaling, is_causal=True))
+            start += n
+        out = torch.cat(parts, dim=2)  # [1, Hq, T, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """Packed calls need no mask tensor: the documents' bounds travel in `packed_docs`."""
+    return None
+
+
+def use_packed_attention(model: torch.nn.Module) -> None:
+    """Route the model's attention through `packed_attention` (the engine's own attention
+    is not affected: it calls the projections, not the HF attention forward)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, packed_attention)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)  # else a [T, T] mask per forward
+    try:
+        model.set_attn_implementation(ATTN_NAME)
+    except Exception:  # noqa: BLE001 - older transformers: set the config as it would
+        model.config._attn_implementation = ATTN_NAME
+    assert model.config._attn_implementation == ATTN_NAME, model.config._attn_implementation
+
+
+def default_backend(device: torch.device, compute_dtype: torch.dtype) -> str:
+    """varlen (flash attention inside torch) for bf16/fp16 compute on CUDA where torch has
+    it, else flex; otherwise the exact per-sequence SDPA loop (CPU, and float32 on CUDA,
+    which flash attention would round to bf16)."""
+    if device.type != "cuda" or compute_dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa"
+    return "varlen" if _varlen_kwargs() is not None else "flex"
