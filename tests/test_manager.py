@@ -229,7 +229,7 @@ def check_exact(request: BatchRequest, groups: list[GroupResult], version: int =
 def test_generate_body_asks_polyrl_workers_for_the_stream_interval() -> None:
     """The manager's stream interval travels in the body a polyrl worker validates; a
     plain SGLang server (cumulative streams) never sees the extension fields."""
-    call = GenerationCall("r1", [1, 2], n=2, seed=7, max_new_tokens=5, sampling=BatchSampling(max_new_tokens=5))
+    call = GenerationCall("r1", [1, 2], num_samples=2, seed=7, remaining_tokens=5, sampling=BatchSampling(max_new_tokens=5))
     body = generate_body(call, incremental=True, stream_interval_s=0.05)
     assert GenerateRequest.model_validate(body).stream_interval_s == 0.05
     assert GenerateRequest.model_validate(generate_body(call, incremental=True)).stream_interval_s == 0.0

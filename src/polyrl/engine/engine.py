@@ -188,8 +188,8 @@ class Engine:
             )
         if not (s.temperature == 0 or MIN_TEMPERATURE <= s.temperature < float("inf")):
             raise RequestError(f"temperature must be 0 (greedy) or finite and >= {MIN_TEMPERATURE:g}")
-        if not 0 < s.top_p <= 1 or not -1 <= s.top_k < MAX_TOP_K:
-            raise RequestError("need 0 < top_p <= 1 and -1 <= top_k < 2**63")
+        if not 0 < s.top_p <= 1 or not 0 <= s.top_k < MAX_TOP_K:
+            raise RequestError("need 0 < top_p <= 1 and 0 <= top_k < 2**63 (0: off)")
         if not 1 <= s.n <= self.cfg.max_num_seqs:
             raise RequestError(f"n must be in [1, {self.cfg.max_num_seqs}] (got {s.n})")
         if s.seed is not None and not 0 <= s.seed < MAX_SEED:

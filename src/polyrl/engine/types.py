@@ -33,7 +33,7 @@ class EngineSampling:
     max_new_tokens: int
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
+    top_k: int = 0  # 0: off (the HTTP APIs' -1 is read as 0 at their boundary)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # True: the model's EOS ids do not stop generation
     n: int = 1

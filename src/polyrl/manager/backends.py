@@ -46,12 +46,17 @@ class RequestRefused(Exception):
 
 @dataclass(frozen=True)
 class GenerationCall:
+    """One /generate call: some samples of one group, on one worker. A migrated sample
+    goes with its tokens so far appended to the prompt and only its remaining budget."""
+
     rid: str
     input_ids: list[int]
-    n: int
+    num_samples: int
+    """Samples in this call (a group may be split over several calls)."""
     seed: int
     """Sample j of the call uses seed + j."""
-    max_new_tokens: int
+    remaining_tokens: int
+    """This call's budget: the batch's max_new_tokens less what the samples already have."""
     sampling: BatchSampling
 
 
@@ -76,13 +81,13 @@ def generate_body(call: GenerationCall, incremental: bool, stream_interval_s: fl
         "stream": True,
         "return_logprob": True,
         "sampling_params": {
-            "max_new_tokens": call.max_new_tokens,
+            "max_new_tokens": call.remaining_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
             "top_k": s.top_k if s.top_k > 0 else -1,
             "stop_token_ids": s.stop_token_ids,
             "ignore_eos": s.ignore_eos,
-            "n": call.n,
+            "n": call.num_samples,
             "sampling_seed": call.seed,
         },
     }

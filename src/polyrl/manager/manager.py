@@ -468,9 +468,9 @@ class RolloutManager:
         call = GenerationCall(
             rid=f"{unit.group.batch.batch_id}-{next(self._ids)}",
             input_ids=unit.group.prompt.input_ids + first.token_ids,
-            n=len(unit.samples),
+            num_samples=len(unit.samples),
             seed=first.seed,
-            max_new_tokens=first.remaining,
+            remaining_tokens=first.remaining,
             sampling=unit.group.batch.request.sampling,
         )
         for sample in unit.samples:

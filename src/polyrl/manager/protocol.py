@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from polyrl.engine.types import EngineSampling
+
 PROTOCOL_VERSION = 1
 
 WorkerLifecycleState = Literal["active", "draining"]
@@ -105,14 +107,30 @@ WorkerState = Literal["registering", "syncing", "active", "draining", "gone"]
 
 
 class BatchSampling(_Message):
+    """How every sample of a batch is drawn: the one sampling vocabulary from the trainer
+    to the fleet (the trainer's local rollout turns it into the engine's `EngineSampling`
+    with `to_engine`, workers get it as SGLang's `sampling_params`)."""
+
     max_new_tokens: int = Field(ge=1, lt=2**63)
     """The token budget of each sample, kept across migrations."""
     temperature: Finite = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, lt=2**63)
-    """0 or -1: off."""
+    top_k: int = Field(0, ge=0, lt=2**63)
+    """0: off (SGLang's -1 is accepted and read as 0)."""
     stop_token_ids: list[Int64] = []
     ignore_eos: bool = False
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _sglang_off(cls, value: object) -> object:
+        return 0 if value == -1 else value
+
+    def to_engine(self, n: int, seed: int | None) -> EngineSampling:
+        """The engine's request sampling for `n` samples from `seed` on."""
+        return EngineSampling(
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos, n=n, seed=seed,
+        )  # fmt: skip
 
 
 class BatchPrompt(_Message):

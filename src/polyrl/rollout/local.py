@@ -21,10 +21,11 @@ from transformers import PreTrainedModel
 
 from polyrl.config import EngineConfig
 from polyrl.engine.engine import Engine
-from polyrl.engine.types import EngineRequest, EngineSampling, SampleResult
+from polyrl.engine.types import EngineRequest, SampleResult
+from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.rollout.stats import RolloutStats
-from polyrl.rollout.types import Group, Prompt, Sample, SamplingParams
+from polyrl.rollout.types import Group, Prompt, Sample
 
 
 def to_sample(result: SampleResult, worker: str, gen_time_s: float) -> Sample:
@@ -102,24 +103,15 @@ class LocalRollout:
             weights = learner_weights(self.model)
         self.engine.update_weights(weights, version)
 
-    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> Iterator[Group]:
+    def generate(self, prompts: list[Prompt], n: int, sampling: BatchSampling) -> Iterator[Group]:
         """Yield each prompt's group as soon as its last sample is finished."""
         t0 = time.perf_counter()
         self.stats = stats = RolloutStats(num_requested=len(prompts) * n)
         pending: dict[str, tuple[Prompt, list[SampleResult]]] = {}
         for p in prompts:
             rid = f"local-{p.index}"
-            sampling = EngineSampling(
-                max_new_tokens=params.max_new_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                stop_token_ids=params.stop_token_ids,
-                ignore_eos=True,  # the trainer's stop ids already name the EOS tokens it wants
-                n=n,
-                seed=random.getrandbits(63),  # from the run's seeded (and checkpointed) RNG
-            )
-            self.engine.add_request(EngineRequest(rid, p.prompt_ids, sampling))
+            # seeds from the run's seeded (and checkpointed) RNG
+            self.engine.add_request(EngineRequest(rid, p.prompt_ids, sampling.to_engine(n, random.getrandbits(63))))
             pending[rid] = (p, [SampleResult(rid, i, len(p.prompt_ids)) for i in range(n)])
         while pending:
             for d in self.engine.step():

@@ -43,7 +43,7 @@ from polyrl.rollout.local_worker import LocalWorker
 from polyrl.rollout.manager_link import BatchStream, ManagerLink, ManagerUnreachable
 from polyrl.rollout.manager_process import ManagerProcess
 from polyrl.rollout.stats import RolloutStats
-from polyrl.rollout.types import Group, Prompt, Sample, SamplingParams
+from polyrl.rollout.types import Group, Prompt, Sample
 from polyrl.transfer.device import DeviceVersions
 from polyrl.transfer.publisher import WeightPublisher
 
@@ -190,7 +190,7 @@ class RemoteRollout:
 
     # --------------------------------------------------------------------------- generating
 
-    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> Iterator[Group]:
+    def generate(self, prompts: list[Prompt], n: int, sampling: BatchSampling) -> Iterator[Group]:
         """Submits the batch now (workers start on it at once, even ahead of its step); the
         iterator gives each prompt's group as soon as its last sample is done."""
         request = BatchRequest(
@@ -200,10 +200,7 @@ class RemoteRollout:
                 for p in prompts
             ],
             n=n,
-            sampling=BatchSampling(
-                max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-                top_k=params.top_k, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
-            ),  # fmt: skip
+            sampling=sampling,
             min_weight_version=self.version,
         )
         stream = self.link.open_batch(request)

@@ -13,19 +13,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from polyrl.manager.protocol import WorkerInfo
+    from polyrl.manager.protocol import BatchSampling, WorkerInfo
     from polyrl.rollout.stats import RolloutStats
 
 FinishReason = Literal["stop", "length", "abort"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -83,8 +74,9 @@ class Rollout(Protocol):
         """Weights `version` (the learner's, or `weights`) for every engine; batches
         submitted from now on are generated with it."""
 
-    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> Iterator[Group]:
-        """Submit now; each prompt's group as soon as its last sample is done."""
+    def generate(self, prompts: list[Prompt], n: int, sampling: BatchSampling) -> Iterator[Group]:
+        """Submit now (`n` samples per prompt, the group size); each prompt's group as soon
+        as its last sample is done."""
 
     def learner_started(self) -> None:
         """The learner is about to take its first update of the step."""

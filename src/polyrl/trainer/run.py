@@ -33,12 +33,13 @@ from polyrl.metrics.step_stats import (
 )
 from polyrl.metrics.tracker import Tracker
 from polyrl.models.precision import DTYPES
+from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.models.tiny import save_tiny_model
 from polyrl.rollout.fleet import WorkerFleet
 from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.remote import RemoteRollout
-from polyrl.rollout.types import Group, Rollout, SamplingParams
+from polyrl.rollout.types import Group, Rollout
 from polyrl.trainer.checkpoint import (
     TrainState,
     latest_checkpoint,
@@ -130,7 +131,7 @@ class Run:
     scorer: GroupScorer
     learner: Learner
     tracker: Tracker
-    sampling: SamplingParams
+    sampling: BatchSampling
     state: TrainState
     dp: DataParallel
     fleet: WorkerFleet | None = None
@@ -182,12 +183,13 @@ class Run:
                 learner = build_learner(cfg, model, init_path, pad_id, blob, dp)
             if blob:
                 set_rng_state(blob["rng"])
-            sampling = SamplingParams(
+            sampling = BatchSampling(
                 max_new_tokens=cfg.rollout.max_new_tokens,
                 temperature=cfg.rollout.temperature,
                 top_p=cfg.rollout.top_p,
                 top_k=cfg.rollout.top_k,
-                stop_token_ids=stop_token_ids(model, tokenizer),
+                stop_token_ids=list(stop_token_ids(model, tokenizer)),
+                ignore_eos=True,  # the stop ids already name the EOS tokens the run wants
             )
             name = cfg.run_name or run_dir.name
             # On resume, metrics past the checkpoint (or all of them, without one) are dropped.

@@ -52,7 +52,7 @@ class SamplingParams(_Wire):
     """0: greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
-    """-1 or 0: off."""
+    """-1 or 0: off (SGLang's convention; the engine's is 0)."""
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1)
