@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from test_worker import ThreadedServer, WorkerProcess, _tiny, _wait_until
 
 from polyrl.config import EngineConfig, ManagerConfig
-from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest, EngineSampling
 from polyrl.manager.backends import GenerationCall, generate_body
@@ -461,7 +460,7 @@ def test_local_worker_serves_only_when_no_worker_is_left() -> None:
     nothing; once that worker is gone, it serves the rest."""
     with ManagerThread(fast_cfg(heartbeat_timeout_s=1.0)) as mt, FakeWorker(mt.url, "local", local=True) as local:
         wait_active(mt, "local")
-        with FakeWorker(mt.url, "w1") as w1:
+        with FakeWorker(mt.url, "w1"):
             wait_active(mt, "w1")
             groups = list(mt.generate(batch(2, 3, 6)))
             assert {seg.worker for g in groups for s in g.samples for seg in s.segments} == {"w1"}

@@ -13,7 +13,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from polyrl.config import AlgoConfig, TrainerConfig
 from polyrl.trainer import lm_head
 from polyrl.trainer.batching import SeqItem, collate
-from polyrl.trainer.grpo import token_logprobs
 from polyrl.trainer.learner import Learner, build_optimizer
 from polyrl.trainer.lm_head import head_logprobs
 from polyrl.trainer.packing import collate_packed, pack_by_tokens

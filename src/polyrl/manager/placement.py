@@ -1,0 +1,99 @@
+"""Placing waiting work: the least-loaded worker that serves the batch's weight version
+and has a free slot (a fresh group goes as one request with `n`, split over workers
+when one has too few slots); the local worker only by the local window's rules."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections import deque
+
+from polyrl.manager.backends import GenerationCall
+from polyrl.manager.batch import WorkUnit
+from polyrl.manager.registry import WorkerRecord
+from polyrl.manager.settlement import Outcome
+from polyrl.manager.state import ManagerState
+
+
+class Placement(ManagerState):
+    async def _dispatch_loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            self._place()
+
+    def _place(self) -> None:
+        now = time.monotonic()
+        if self.pending and not self._any_free_slot(now):
+            return  # the common case under load: every worker is full
+        waiting: deque[WorkUnit] = deque()
+        no_worker: set[tuple[int, bool]] = set()  # (version, stalled) with nothing free right now
+        while self.pending:
+            unit = self.pending.popleft()
+            batch = unit.group.batch
+            if batch.finished:
+                continue
+            version = batch.required_version
+            stalled = now - batch.submitted_at > self.cfg.local_fallback_s
+            key = (version, stalled)
+            picked = None if key in no_worker else self._pick(version, now, stalled)
+            if picked is None:
+                no_worker.add(key)
+                waiting.append(unit)
+                continue
+            worker, slots = picked
+            piece, rest = unit.split(slots)
+            self._launch(piece, worker)
+            if rest is not None:
+                self.pending.appendleft(rest)
+        self.pending = waiting
+
+    def _any_free_slot(self, now: float) -> bool:
+        cap = self.cfg.max_inflight_per_worker
+        return any(r.state == "active" and now >= r.busy_until and r.free_slots(cap) > 0 for r in self.registry)
+
+    def _pick(self, version: int, now: float, stalled: bool = False) -> tuple[WorkerRecord, int] | None:
+        """(worker, free slots): the least loaded remote worker with a free slot; the local
+        engine only while the local window is open, when no remote worker is left (none
+        registering, syncing or active), or when the batch is `stalled` (older than
+        `local_fallback_s`) and no remote worker serves its version: a fleet that is merely
+        syncing is waited for, one that cannot sync is not."""
+        cap = self.cfg.max_inflight_per_worker
+        serving = [r for r in self.registry if not r.is_local and r.serves(version, now)]
+        free = [r for r in serving if r.free_slots(cap) > 0]
+        if free:
+            worker = min(free, key=lambda r: (r.load(), r.inflight))
+            return worker, worker.free_slots(cap)
+        local = self.local_record
+        alive = self._alive_remote()
+        use_local = self.window.is_open or not alive or (stalled and not serving)
+        if use_local and local is not None:
+            peers = [r for r in alive if r.state != "registering"]  # one still starting may take a minute
+            if self.window.is_peer and peers and not stalled:
+                cap = max(1, cap // (1 + len(peers)))  # a peer: its share, not the whole batch
+            if local.serves(version, now) and local.free_slots(cap) > 0:
+                return local, local.free_slots(cap)
+        return None
+
+    def _launch(self, unit: WorkUnit, worker: WorkerRecord) -> None:
+        first = unit.samples[0]
+        call = GenerationCall(
+            rid=f"{unit.group.batch.batch_id}-{next(self._ids)}",
+            input_ids=unit.group.prompt.input_ids + first.token_ids,
+            num_samples=len(unit.samples),
+            seed=first.seed,
+            remaining_tokens=first.remaining,
+            sampling=unit.group.batch.request.sampling,
+        )
+        for sample in unit.samples:
+            sample.start_segment(worker.worker_id)
+        worker.inflight += len(unit.samples)
+        outcome = Outcome()
+        task = asyncio.ensure_future(self._run(unit, worker, call, outcome))
+        worker.tasks.add(task)
+        unit.group.batch.tasks.add(task)
+        # a done-callback, not a `finally`: a task cancelled before its first step never
+        # runs its body, and its samples and slots must come back all the same
+        task.add_done_callback(functools.partial(self._call_done, unit, worker, outcome))
