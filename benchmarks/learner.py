@@ -26,7 +26,15 @@ Variants: padded-16k / padded-8k are today's path (trainer.learner_impl=padded) 
 16k / 8k-token micro-batches; packed* use trainer.learner_impl=packed with 16k tokens per
 micro-batch, "+copy" trainer.working_copy, "+compile" trainer.compile_layers, "-flex"
 trainer.packed_attention=flex, "-32k" 32k-token micro-batches, "+ckpt" activation
-checkpointing.
+checkpointing. Every row sets working_copy and compile_layers to true or false itself, never
+"auto" (the trainer's default, which picks packed+copy+compile on one GPU in bf16).
+
+--profile [BATCH:]VARIANT (batch eq unless named) runs one more step of that row, after its
+timed ones, under torch.profiler, and prints the 25 ops / kernels with the most self device
+time (self CPU time on CPU) and how the kernels' time splits between matmuls, attention and
+the rest; --profile-out PATH keeps that text. Without --plan only that row runs:
+
+    PYTHONPATH=src python benchmarks/learner.py --device cpu --profile packed --profile-out /tmp/prof.txt
 """
 
 from __future__ import annotations
@@ -40,9 +48,12 @@ import random
 import sys
 import time
 import traceback
+from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
 from polyrl.config import AlgoConfig, TrainerConfig
@@ -178,7 +189,8 @@ def timed_steps(learner: Learner, items: list[SeqItem], n: int, device: torch.de
 
 
 def run_row(v: Variant, batch: str, items: list[SeqItem], args: argparse.Namespace) -> dict:
-    learner = build_learner(v, args, args.warmup + args.steps)
+    is_profiled = f"{batch}:{v.name.removesuffix('[flex]')}" == args.profile
+    learner = build_learner(v, args, args.warmup + args.steps + is_profiled)
     if args.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)
     warm_s, _ = timed_steps(learner, items, args.warmup, args.device)
@@ -186,7 +198,7 @@ def run_row(v: Variant, batch: str, items: list[SeqItem], args: argparse.Namespa
     step_s = sorted(times)[len(times) // 2]
     lengths = [len(it.token_ids) for it in items]
     config = learner.model.config
-    return {
+    row = {
         "batch": batch,
         "variant": v.name,
         **asdict(v),
@@ -200,6 +212,9 @@ def run_row(v: Variant, batch: str, items: list[SeqItem], args: argparse.Namespa
         "grad_norm": metrics[-1]["actor/grad_norm"],
         "step_times_s": times,
     }
+    if is_profiled:  # after the row's numbers, so the profiler's overhead touches none of them
+        args.profile_text = profile_step(learner, items, f"{batch}:{v.name}", args)
+    return row
 
 
 def free(device: torch.device) -> None:
@@ -207,6 +222,60 @@ def free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile: where one step's time goes
+# ---------------------------------------------------------------------------------------------
+
+MATMUL_MARKS = ("gemm", "sm90", "cutlass", "matmul", "nvjet", "cublas")  # nvjet: cuBLAS on Hopper
+CPU_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+ATTENTION_MARKS = ("flash", "fmha", "attention", "flex")
+
+
+def kernel_kind(name: str) -> str:
+    """matmul, attention or other, by the kernel's (or, on CPU, the op's) name. Attention
+    first: cutlass-based attention kernels would otherwise count as matmuls."""
+    low = name.lower()
+    if any(m in low for m in ATTENTION_MARKS):
+        return "attention"
+    if any(m in low for m in MATMUL_MARKS) or name in CPU_MATMUL_OPS:
+        return "matmul"
+    return "other"
+
+
+def _is_kernel(event) -> bool:
+    """A GPU kernel or copy; not an annotation (a compiled region's span on the GPU's timeline)."""
+    return event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+
+
+def profile_step(learner: Learner, items: list[SeqItem], title: str, args: argparse.Namespace) -> str:
+    """One more (warm) step under torch.profiler: the top 25 by self device time, and the
+    step's kernel time by kind. On CUDA only kernels count (their self times partition the
+    GPU's busy time: the CPU ops that launched them would count it twice); on CPU, ops."""
+    is_cuda = args.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda else [])
+    sync(args.device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        learner.train_mini_batch(items, weights_as_sampled=True)
+        sync(args.device)
+        step_s = time.perf_counter() - t0
+    events = prof.key_averages()
+    sort_by = "self_cuda_time_total" if is_cuda else "self_cpu_time_total"
+    if is_cuda:
+        timed = [(e.key, e.self_device_time_total) for e in events if _is_kernel(e)]
+    else:
+        timed = [(e.key, e.self_cpu_time_total) for e in events]
+    by_kind = defaultdict(float)
+    for name, us in timed:
+        by_kind[kernel_kind(name)] += us / 1e6
+    busy_s = sum(by_kind.values())
+    split = ", ".join(f"{k} {by_kind[k]:.3f} s ({100 * by_kind[k] / max(busy_s, 1e-12):.0f}%)"
+                      for k in ("matmul", "attention", "other"))  # fmt: skip
+    what = "kernels" if is_cuda else "ops (self CPU time)"
+    return (f"profile {title}: step {step_s:.3f} s under the profiler; {what} {busy_s:.3f} s: {split}\n"
+            + events.table(sort_by=sort_by, row_limit=25))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,6 +364,29 @@ def machine(device: torch.device) -> dict:
     return info
 
 
+def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """The rows to run: --plan's; with --profile and no --plan, only the profiled row; the
+    profiled row is added at the end when --plan lacks it."""
+    plan = args.plan.split(",") if args.plan else PLAN
+    args.profile_text = None
+    if args.profile:
+        args.profile = args.profile if ":" in args.profile else f"eq:{args.profile}"
+        batch, name = args.profile.split(":")
+        if batch not in ("eq", "tail") or name not in VARIANTS:
+            parser.error(f"--profile: no row {args.profile!r} (batches eq, tail; variants {', '.join(VARIANTS)})")
+        plan = plan if args.plan else []
+        plan = plan if args.profile in plan else [*plan, args.profile]
+    return plan
+
+
+def _report_profile(args: argparse.Namespace) -> None:
+    text = args.profile_text or f"profile {args.profile}: not run (the row failed or was skipped)\n"
+    print(text, end="", flush=True)
+    if args.profile_out:
+        with open(args.profile_out, "w") as f:
+            f.write(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -302,9 +394,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--numerics-steps", type=int, default=3)
-    p.add_argument("--plan", default=",".join(PLAN), help="batch:variant entries and 'numerics', in order")
+    p.add_argument("--plan", help="batch:variant entries and 'numerics', in order (default: all, deciding first)")
     p.add_argument("--budget-s", type=float, default=300.0, help="rows starting after this are skipped")
+    p.add_argument("--profile", metavar="[BATCH:]VARIANT", help="profile one more step of this row (default batch: eq)")
+    p.add_argument("--profile-out", metavar="PATH", help="write the profile's text here")
     args = p.parse_args()
+    plan = _plan(args, p)
     args.device = torch.device(args.device)
     args.shape = QWEN3_06B if args.device.type == "cuda" else TINY
     args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
@@ -312,7 +407,7 @@ def main() -> None:
     data = batches(args)
     out = {"machine": machine(args.device), "peak_flops": PEAK_FLOPS, "rows": [], "errors": [], "numerics": {}}
     print(f"{out['machine']}\n{HEADER}", flush=True)
-    for entry in args.plan.split(","):
+    for entry in plan:
         if entry == "numerics":
             out["numerics"] = numerics(data["eq"][:16], args)
             continue
@@ -332,6 +427,9 @@ def main() -> None:
                 out["errors"].append({"batch": batch, "variant": attempt.name, "error": traceback.format_exc()[-3000:]})
             finally:
                 free(args.device)
+    if args.profile:
+        _report_profile(args)
+        out["profile"] = args.profile_text
     out["total_s"] = time.perf_counter() - start
     print(f"total {out['total_s']:.0f} s", flush=True)
     if args.json:

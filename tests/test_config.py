@@ -94,3 +94,12 @@ def test_cli_config_error_exit_code(args, needle, tmp_path):
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_learner_switches_are_auto_or_bool():
+    assert load_config(None).trainer.working_copy == "auto"
+    cfg = load_config(None, ["trainer.working_copy=false", "trainer.compile_layers=true"])
+    assert cfg.trainer.working_copy is False and cfg.trainer.compile_layers is True
+    assert load_config(None, ["trainer.compile_layers=auto"]).trainer.compile_layers == "auto"
+    with pytest.raises(ConfigError, match="trainer.compile_layers"):
+        load_config(None, ["trainer.compile_layers='sometimes'"])

@@ -229,7 +229,8 @@ def test_two_gpus_match_one_in_bf16(tmp_path, tiny_model_dir, monkeypatch):
     """bf16 compute: one GPU autocasts, two gather bf16 parameters (FSDP's policy); the
     losses of a few steps agree within bf16's precision."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    overrides = [*LEARNER, "model.dtype=bfloat16"]
+    # one GPU as two run: autocast, not "auto"'s working copy and compiled layers
+    overrides = [*LEARNER, "model.dtype=bfloat16", "trainer.working_copy=false", "trainer.compile_layers=false"]
     batches = _mini_batches(3, [8, 3, 8], vocab=40)
     _train(0, 1, 0, tiny_model_dir, None, tmp_path / "one.pt", batches, overrides, "cuda")
     mp.spawn(_train, args=(2, free_port(), tiny_model_dir, None, tmp_path / "two.pt", batches, overrides, "cuda"), nprocs=2)

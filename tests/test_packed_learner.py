@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from polyrl.config import AlgoConfig, TrainerConfig
 from polyrl.trainer import lm_head
 from polyrl.trainer.batching import SeqItem, collate
-from polyrl.trainer.learner import Learner, build_optimizer
+from polyrl.trainer.learner import Learner, build_optimizer, is_fast_path_default
 from polyrl.trainer.lm_head import head_logprobs
 from polyrl.trainer.packing import collate_packed, pack_by_tokens
 
@@ -145,6 +145,25 @@ def test_bf16_working_copy_tracks_fp32_masters(tiny_model_dir):
             assert torch.equal(w, p.to(w.dtype))
     assert results[True]["actor/grad_norm"] == pytest.approx(results[False]["actor/grad_norm"], rel=0.05)
     assert results[True]["actor/entropy"] == pytest.approx(results[False]["actor/entropy"], rel=0.01)
+
+
+def test_auto_keeps_cpu_exact(tiny_model_dir):
+    """On CPU "auto" means no working copy and no compile, even with bf16 compute; explicit
+    true still gives the copy."""
+    model = _model(tiny_model_dir, ("qwen3", True))
+    assert TrainerConfig().working_copy == "auto" and TrainerConfig().compile_layers == "auto"
+    for working_copy, has_copy in (("auto", False), (True, True)):
+        cfg = TrainerConfig(train_batch_size=4, ppo_mini_batch_size=4, working_copy=working_copy)
+        m = copy.deepcopy(model)
+        opt, sched = build_optimizer(m, cfg, total_updates=10)
+        learner = Learner(m, None, opt, sched, AlgoConfig(), cfg, 0.7, 0, compute_dtype=torch.bfloat16)
+        assert (learner.work is not m) == has_copy and not learner.is_compiled
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert is_fast_path_default(cuda, torch.bfloat16, is_packed=True, world_size=1)
+    assert not is_fast_path_default(cpu, torch.bfloat16, is_packed=True, world_size=1)
+    assert not is_fast_path_default(cuda, torch.float32, is_packed=True, world_size=1)
+    assert not is_fast_path_default(cuda, torch.bfloat16, is_packed=False, world_size=1)
+    assert not is_fast_path_default(cuda, torch.bfloat16, is_packed=True, world_size=2)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

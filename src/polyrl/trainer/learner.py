@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -24,6 +26,8 @@ from polyrl.trainer.distributed import DataParallel, is_sharded
 from polyrl.trainer.grpo import LossInputs, policy_loss, token_logprobs
 from polyrl.trainer.lm_head import head_logprobs
 from polyrl.trainer.packing import collate_packed, default_backend, make_docs, pack_by_tokens, use_packed_attention
+
+log = logging.getLogger(__name__)
 
 
 def lr_lambda(cfg: TrainerConfig, total_updates: int):
@@ -77,6 +81,19 @@ def compile_layers(model: PreTrainedModel) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
+def is_fast_path_default(device: torch.device, compute_dtype: torch.dtype, is_packed: bool, world_size: int) -> bool:
+    """What "auto" means for trainer.working_copy and trainer.compile_layers: on where both
+    were measured to pay (the packed learner, one CUDA device, 16-bit compute: 2.35x the
+    padded path's tokens/s on equal lengths, 4.9x on a long tail, 33 GiB peak against 55,
+    within bf16's tolerance of it). CPU keeps exact float32 and skips compile time."""
+    is_16bit = compute_dtype in (torch.bfloat16, torch.float16)
+    return is_packed and device.type == "cuda" and is_16bit and world_size == 1
+
+
+def _resolve(setting: str | bool, default: bool) -> bool:
+    return default if setting == "auto" else bool(setting)
+
+
 @contextlib.contextmanager
 def _swapped_forward(module: torch.nn.Module, forward: Callable) -> Iterator[None]:
     module.forward = forward
@@ -121,12 +138,19 @@ class Learner:
             for m in (model, ref_model):
                 if m is not None:
                     use_packed_attention(m)
+        fast = is_fast_path_default(model.device, compute_dtype, self.is_packed, self.dp.world_size)
         self.work = self.model
         """The weights forward and backward run on: the model itself, or its bf16 copy."""
-        if cfg.working_copy and compute_dtype != torch.float32 and self.dp.world_size == 1:
+        if _resolve(cfg.working_copy, fast) and compute_dtype != torch.float32 and self.dp.world_size == 1:
             self.work = copy.deepcopy(model).to(compute_dtype)
-        if cfg.compile_layers:
+        has_triton = importlib.util.find_spec("triton") is not None  # inductor's CUDA kernels need it
+        self.is_compiled = _resolve(cfg.compile_layers, fast and has_triton)
+        if self.is_compiled:
             compile_layers(self.work)
+        attention = self.attn_backend if self.is_packed else "-"
+        is_copy = self.work is not self.model
+        log.info("learner: %s, attention %s, working copy %s, compiled layers %s", cfg.learner_impl, attention, is_copy,
+                 self.is_compiled)  # fmt: skip
 
     def _autocast_dtype(self, model: PreTrainedModel) -> torch.dtype:
         """The bf16 working copy runs as it is; the float32 models under autocast."""
@@ -157,7 +181,7 @@ class Learner:
 
         def logp_and_entropy(hidden: torch.Tensor) -> torch.Tensor:  # [1, T, H] -> [2, N]
             h = hidden[0].index_select(0, row.head_rows)  # [N, H]
-            fused = self.cfg.compile_layers
+            fused = self.is_compiled
             return torch.stack(head_logprobs(h, head.weight, row.head_targets, self.temperature, cd, fused))
 
         inputs = {"input_ids": row.input_ids, "position_ids": row.position_ids, "use_cache": False, "packed_docs": docs}
