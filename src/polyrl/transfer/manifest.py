@@ -67,13 +67,8 @@ def flatten(
     `pin_memory` (default: when any tensor is on CUDA) makes the device-to-host copies
     run at full PCIe speed. `out`: a buffer to reuse when it has the right size and
     pinning (a pinned allocation costs far more than the copy into it)."""
-    entries, offset = [], 0
-    for name, t in state_dict.items():
-        if str(t.dtype).removeprefix("torch.") not in _DTYPES:
-            raise ValueError(f"{name}: dtype {t.dtype} is not supported")
-        nbytes = t.numel() * t.element_size()
-        entries.append(TensorEntry(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), offset=offset, nbytes=nbytes))
-        offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    manifest = layout(state_dict, version)
+    entries, offset = manifest.tensors, manifest.total_bytes
     if pin_memory is None:
         pin_memory = any(t.is_cuda for t in state_dict.values())
     fits = out is not None and out.dtype == torch.uint8 and out.numel() == offset and out.is_pinned() == pin_memory
@@ -84,7 +79,19 @@ def flatten(
         buffer[entry.offset : entry.offset + entry.nbytes].copy_(flat, non_blocking=pin_memory and flat.is_cuda)
     if pin_memory and any(t.is_cuda for t in state_dict.values()):
         torch.cuda.current_stream().synchronize()  # not the device: an NCCL send may be running there
-    return buffer, Manifest(version=version, total_bytes=offset, tensors=entries)
+    return buffer, manifest
+
+
+def layout(state_dict: Mapping[str, torch.Tensor], version: int) -> Manifest:
+    """Where `flatten` puts each tensor, without copying anything (to size a buffer first)."""
+    entries, offset = [], 0
+    for name, t in state_dict.items():
+        if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} is not supported")
+        nbytes = t.numel() * t.element_size()
+        entries.append(TensorEntry(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), offset=offset, nbytes=nbytes))
+        offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    return Manifest(version=version, total_bytes=offset, tensors=entries)
 
 
 def unflatten(buffer: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
