@@ -153,8 +153,10 @@ class WeightPublisher:
             self._cv.notify_all()
         with self._send_lock:
             conn, process = self._conn, self._process
-            if conn is not None:
-                conn.close()  # EOF: the process stops serving and exits
+            if conn is not None:  # EOF for both: the process exits, the relay thread returns
+                with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as channel:
+                    channel.shutdown(socket.SHUT_RDWR)  # a close alone would not wake the relay's recv
+                conn.close()
         if process is not None:
             _reap(process)
         if self._supervisor.is_alive():
@@ -202,12 +204,12 @@ class WeightPublisher:
         buffer, _ = flatten(state_dict, version, pin_memory=slot.pinned, out=out)
         if buffer.data_ptr() != out.data_ptr():  # flatten did not take the slot (pinning reported differently)
             out.copy_(buffer)
+        text = manifest.model_dump_json()
         with self._cv:
-            self._held[version], self._manifests[version] = slot.id, manifest.model_dump_json()
-            self._acks[version] = None
+            self._held[version], self._manifests[version], self._acks[version] = slot.id, text, None
             for old in sorted(self._held)[: -self.keep_versions]:
                 del self._held[old], self._manifests[old]  # its slot is free once the process says no pull reads it
-        self._announce(version, slot, self._manifests[version])
+        self._announce(version, slot, text)
         sums = self._wait_servable(version, timeout_s)
         log.debug("weights v%d published: %.1f MB in %d chunks", version, manifest.total_bytes / 1e6, len(sums))
         return TransferInfo(manifest=manifest, chunk_bytes=self.chunk_bytes, chunk_checksums=sums,
@@ -229,7 +231,7 @@ class WeightPublisher:
         another size are closed."""
         with self._cv:
             fits = [i for i in self._free if self._slots[i].nbytes == max(nbytes, 1) and self._slots[i].pinned >= pin]
-            others = [self._slots.pop(i) for i in self._free if i not in fits[:1]]
+            others = [self._slots.pop(i) for i in self._free if i not in fits]
             self._free -= {s.id for s in others} | set(fits[:1])
             if fits:
                 slot = self._slots[fits[0]]
