@@ -286,6 +286,10 @@ class _Server(socketserver.ThreadingTCPServer):
         self.socket.close()
         self.socket, self.versions = listener, versions  # the trainer's socket: bound and listening
 
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A handler's unexpected error ends its connection with one line, not a traceback."""
+        log.warning("weight pull from %s failed", client_address, exc_info=log.isEnabledFor(logging.DEBUG))
+
 
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
