@@ -22,6 +22,7 @@ from polyrl.config import EngineConfig
 from polyrl.engine.engine import Engine
 from polyrl.transfer.manifest import flatten, unflatten
 from polyrl.transfer.publisher import WeightPublisher
+from polyrl.transfer.receive_pool import ReceiverPool
 from polyrl.transfer.receiver import PullSource, describe, pull
 from polyrl.transfer.wire import (
     ENCODED_OPS,
@@ -376,13 +377,13 @@ def test_auto_codec_encodes_only_after_a_slow_raw_pull() -> None:
     assert receiver._plan("delta") == (True, "raw") and receiver._plan("int8") == (False, "int8")
 
 
-def _weight_slots() -> int:
-    """The publisher's shared-memory slots mapped by this process (memfds)."""
+def _weight_slots(name: str = "polyrl-weights") -> int:
+    """Shared-memory buffers (memfds) called `name`* this process holds."""
     links = set()
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
             links.add(os.readlink(f"/proc/self/fd/{fd}"))
-    return sum("polyrl-weights" in link for link in links)
+    return sum(name in link for link in links)
 
 
 def test_a_dropped_version_is_served_to_its_reader_and_its_slot_reused_after() -> None:
@@ -509,3 +510,52 @@ def test_a_receiver_killed_mid_pull_does_not_disturb_other_pulls() -> None:
         got = pull(source(pub, 1), 1, num_streams=3)
         assert torch.equal(unflatten(got.buffer, got.manifest)["w"], sent["w"])
         assert pub.pid == pid and pub.restarts == 0
+
+
+# ------------------------------------------------------------------------ receiver processes
+
+
+@pytest.fixture
+def pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[ReceiverPool]:
+    import polyrl.transfer.receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "MIN_POOL_BYTES", 0)  # small versions too, here
+    pool = ReceiverPool(2)
+    yield pool
+    pool.close()
+
+
+def test_receiver_processes_pull_bit_exact_into_shared_memory(publisher: WeightPublisher, pool: ReceiverPool) -> None:
+    before = _weight_slots("polyrl-landing")
+    for v in (1, 2):
+        publisher.publish(weights(v), v)
+    landing = pool.landing(publisher.publish(weights(3), 3).manifest.total_bytes, pin=False)
+    for version, streams in ((2, 1), (3, 5)):  # 5 streams over 2 processes
+        got = pull(source(publisher, version), version, num_streams=streams, into=landing.tensor, pool=pool)
+        assert got.buffer.data_ptr() == landing.tensor.data_ptr()  # landed in the shared buffer
+        assert_same(unflatten(got.buffer, got.manifest), weights(version))
+    assert len(pool.pids) == 2
+    with pytest.raises(TransferError, match="bad transfer token"):
+        pull(PullSource(*publisher.address, "w1", "nope"), 3, num_streams=3, into=landing.tensor, pool=pool)
+    pids = pool.pids
+    pool.close()
+    assert not any(_alive(pid) for pid in pids) and _weight_slots("polyrl-landing") == before
+
+
+def test_a_receiver_process_killed_mid_pull_fails_that_pull_only(pool: ReceiverPool) -> None:
+    sent = {"w": torch.randn(32 * 2**20 // 4)}
+    with WeightPublisher(chunk_bytes=2**20, io_timeout_s=2) as pub:
+        pub.publish(sent, 1)
+        landing = pool.landing(32 * 2**20, pin=False)
+        src = source(pub, 1)
+        pull(src, 1, num_streams=2, into=landing.tensor, pool=pool)  # the processes are up
+        victim = pool.pids[0]
+        killer = threading.Timer(0.05, os.kill, (victim, 9))
+        killer.start()
+        with pytest.raises(TransferError, match="died|closed|failed"):
+            for _ in range(50):  # until the kill lands mid-pull
+                pull(src, 1, num_streams=2, into=landing.tensor, pool=pool)
+        killer.join()
+        got = pull(src, 1, num_streams=2, into=landing.tensor, pool=pool)  # a new process takes its place
+        assert torch.equal(unflatten(got.buffer, got.manifest)["w"], sent["w"])
+        assert victim not in pool.pids and pub.restarts == 0

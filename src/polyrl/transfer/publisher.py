@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 
@@ -45,6 +44,7 @@ from polyrl.transfer.serve import (
     ServeConfig,
     word_bytes,
 )
+from polyrl.transfer.shm import SharedBuffer
 from polyrl.transfer.wire import STATUS_REFUSED, GPU_OPS, Request, TransferInfo, combined_checksum, send_text, transfer_token
 
 __all__ = ["WeightPublisher", "word_bytes"]
@@ -63,21 +63,14 @@ SEND_MODE = "sendall"
 from the memfd (see BENCHMARKS.md for the measurement that picked it)."""
 
 
-@dataclass
-class _Slot:
+class _Slot(SharedBuffer):
     """One version's worth of shared memory, mapped here; the process maps it too."""
 
-    id: int
-    fd: int
-    map: mmap.mmap
-    buffer: torch.Tensor
-    pinned: bool
-    sent_to: int = -1
-    """The generation of the publisher process that has its fd (-1: none)."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
+    def __init__(self, slot_id: int, nbytes: int, pin: bool) -> None:
+        super().__init__(f"polyrl-weights-{slot_id}", nbytes, pin)
+        self.id = slot_id
+        self.sent_to = -1
+        """The generation of the publisher process that has its fd (-1: none)."""
 
 
 class WeightPublisher:
@@ -165,7 +158,7 @@ class WeightPublisher:
             listener.close()
         with self._cv:
             for slot in self._slots.values():
-                _close_slot(slot)
+                slot.close()
             self._slots.clear()
             self._held.clear()
             self._manifests.clear()
@@ -200,7 +193,7 @@ class WeightPublisher:
         new pulls of it are refused)."""
         manifest = layout(state_dict, version)
         slot = self._take_slot(manifest.total_bytes, any(t.is_cuda for t in state_dict.values()))
-        out = slot.buffer[: manifest.total_bytes]
+        out = slot.tensor[: manifest.total_bytes]
         buffer, _ = flatten(state_dict, version, pin_memory=slot.pinned, out=out)
         if buffer.data_ptr() != out.data_ptr():  # flatten did not take the slot (pinning reported differently)
             out.copy_(buffer)
@@ -237,7 +230,7 @@ class WeightPublisher:
                 slot = self._slots[fits[0]]
             else:
                 self._next_slot += 1
-                slot = _new_slot(self._next_slot, nbytes, pin)
+                slot = _Slot(self._next_slot, nbytes, pin)
                 self._slots[slot.id] = slot
         for other in others:
             self._forget(other)
@@ -247,7 +240,7 @@ class WeightPublisher:
         with self._send_lock:
             if slot.sent_to == self._generation and self._conn is not None:
                 _send_quietly(self._conn, Forget(slot.id))
-        _close_slot(slot)
+        slot.close()
 
     def _announce(self, version: int, slot: _Slot, manifest_json: str) -> None:
         """Tell the process; if it is dead, its successor gets every held version anyway."""
@@ -376,41 +369,6 @@ def _listen(hosts: list[str], port: int) -> list[socket.socket]:
             listener.close()
         raise
     return listeners
-
-
-def _new_slot(slot_id: int, nbytes: int, pin: bool) -> _Slot:
-    """Shared memory for one version; pinned when the weights are on CUDA, so the
-    device-to-host copy runs at full PCIe speed."""
-    size = max(nbytes, 1)
-    fd = os.memfd_create(f"polyrl-weights-{slot_id}")
-    try:
-        os.ftruncate(fd, size)
-        m = mmap.mmap(fd, size)
-    except BaseException:
-        os.close(fd)
-        raise
-    buffer = torch.frombuffer(m, dtype=torch.uint8)
-    return _Slot(slot_id, fd, m, buffer, pin and _host_register(buffer))
-
-
-def _host_register(buffer: torch.Tensor) -> bool:
-    if not torch.cuda.is_available():
-        return False
-    code = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
-    if int(code) != 0:
-        log.warning("could not pin the publisher's shared memory (CUDA error %s): device copies run slower", code)
-    return int(code) == 0
-
-
-def _close_slot(slot: _Slot) -> None:
-    if slot.pinned:
-        torch.cuda.cudart().cudaHostUnregister(slot.buffer.data_ptr())
-    del slot.buffer
-    try:
-        slot.map.close()
-    except BufferError:  # a tensor made from it is still alive: the GC unmaps it
-        pass
-    os.close(slot.fd)
 
 
 def _send_quietly(conn: Connection, message: object) -> bool:
