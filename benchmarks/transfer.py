@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import socket
 import struct
 import threading
@@ -39,6 +40,7 @@ import torch
 from polyrl.transfer import receiver
 from polyrl.transfer.manifest import Manifest, flatten
 from polyrl.transfer.publisher import WeightPublisher
+from polyrl.transfer.receive_pool import ReceiverPool
 from polyrl.transfer.receiver import PullSource, pull
 
 
@@ -244,7 +246,10 @@ def measure_whole_codecs(new: torch.Tensor, manifest: Manifest) -> dict[str, dic
 
 
 def measure_rows(src: Sender, args: argparse.Namespace, row: dict[str, object]) -> list[dict[str, object]]:
-    """For each stream count: the raw ceiling, then the pull, both best of `args.repeats`."""
+    """For each stream count: the raw ceiling, then the pull with each receiver, all best
+    of `args.repeats`. The pull lands in a buffer reused across pulls, as a worker's does:
+    for `process`, a shared-memory landing buffer of a pool started once (as WeightReceiver
+    does), its processes started by a first pull that is not counted."""
     recv_buffer = torch.empty(src.total_bytes, dtype=torch.uint8)  # reused, as a worker does
     recv_buffer.fill_(0)  # touch the pages once, for both rows
     dst = memoryview(recv_buffer.numpy()).cast("B")
@@ -252,13 +257,28 @@ def measure_rows(src: Sender, args: argparse.Namespace, row: dict[str, object]) 
     for n in args.streams:
         pieces = (src.chunk_bytes, 2**20, src.total_bytes)  # the best of three ways
         ceiling = max(raw_ceiling(src.ceiling_port, n, dst, piece) for piece in pieces for _ in range(args.repeats))
-        rate = max(pull(src.source, 1, num_streams=n, timeout_s=120, into=recv_buffer).bytes_per_s
-                   for _ in range(args.repeats))  # fmt: skip
-        rows.append(row | {"streams": n, "ceiling_Bps": ceiling, "pull_Bps": rate, "fraction": rate / ceiling,
-                           "publish_s": src.publish_s})  # fmt: skip
-        print(f"{row['size_gib']:>6.2f}Gi {row['sender']:>7} {row['send_mode']:>8} {n:>7} {ceiling / 1e9:>13.2f} "
-              f"{rate / 1e9:>10.2f} {rate / ceiling:>12.0%}", flush=True)  # fmt: skip
+        for how in args.receiver:
+            rate = best_pull(src, n, how, recv_buffer, args.repeats)
+            rows.append(row | {"receiver": how, "streams": n, "ceiling_Bps": ceiling, "pull_Bps": rate,
+                               "fraction": rate / ceiling, "publish_s": src.publish_s})  # fmt: skip
+            print(f"{row['size_gib']:>6.2f}Gi {row['sender']:>7} {row['send_mode']:>8} {how:>8} {n:>7} "
+                  f"{ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} {rate / ceiling:>12.0%}", flush=True)  # fmt: skip
     return rows
+
+
+def best_pull(src: Sender, num_streams: int, how: str, recv_buffer: torch.Tensor, repeats: int) -> float:
+    if how == "thread":
+        return max(pull(src.source, 1, num_streams=num_streams, timeout_s=120, into=recv_buffer).bytes_per_s
+                   for _ in range(repeats))  # fmt: skip
+    pool = ReceiverPool(min(num_streams, os.cpu_count() or 1))
+    try:
+        landing = pool.landing(src.total_bytes, pin=False)
+        landing.tensor.fill_(0)
+        pull(src.source, 1, num_streams=num_streams, timeout_s=120, into=landing.tensor, pool=pool)  # start them
+        return max(pull(src.source, 1, num_streams=num_streams, timeout_s=120, into=landing.tensor, pool=pool).bytes_per_s
+                   for _ in range(repeats))  # fmt: skip
+    finally:
+        pool.close()
 
 
 def main() -> None:
@@ -274,6 +294,9 @@ def main() -> None:
                    "process, sharing the receiver's GIL (the shape of the earlier figures)")
     p.add_argument("--send-mode", nargs="+", choices=["sendall", "sendfile"], default=["sendall"],
                    help="how the publisher process sends chunks: sendall from its mapping, or sendfile from the memfd")
+    p.add_argument("--receiver", nargs="+", choices=["thread", "process"], default=["thread", "process"],
+                   help="thread: one thread per stream in this process; process: a pool of receiver processes "
+                   "(one per stream, up to the cores) pulling into shared memory, as WeightReceiver does")
     p.add_argument("--codecs", "--delta", dest="codecs", action="store_true", help="also measure the codecs (see above)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--json", help="write the numbers here")
@@ -282,7 +305,7 @@ def main() -> None:
         receiver.HASH_PIECE = args.hash_piece_kib * 1024
 
     rows = []
-    print(f"{'size':>8} {'sender':>7} {'send':>8} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13}")
+    print(f"{'size':>8} {'sender':>7} {'send':>8} {'receiver':>8} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13}")
     for size_gib in args.sizes_gib:
         total = int(size_gib * 2**30) // 4 * 4
         for where in args.sender:
