@@ -200,6 +200,7 @@ class WeightPublisher:
         text = manifest.model_dump_json()
         with self._cv:
             self._held[version], self._manifests[version], self._acks[version] = slot.id, text, None
+            self._free.discard(slot.id)  # a restart while we wrote it counted it free
             for old in sorted(self._held)[: -self.keep_versions]:
                 del self._held[old], self._manifests[old]  # its slot is free once the process says no pull reads it
         self._announce(version, slot, text)
@@ -223,17 +224,19 @@ class WeightPublisher:
         host, the copy into it 0.02 s: BENCHMARKS.md), else a new one; free slots of
         another size are closed."""
         with self._cv:
+            self._free -= set(self._held.values())
             fits = [i for i in self._free if self._slots[i].nbytes == max(nbytes, 1) and self._slots[i].pinned >= pin]
             others = [self._slots.pop(i) for i in self._free if i not in fits]
             self._free -= {s.id for s in others} | set(fits[:1])
-            if fits:
-                slot = self._slots[fits[0]]
-            else:
-                self._next_slot += 1
-                slot = _Slot(self._next_slot, nbytes, pin)
-                self._slots[slot.id] = slot
+            slot = self._slots[fits[0]] if fits else None
+            self._next_slot += 1
+            slot_id = self._next_slot
         for other in others:
             self._forget(other)
+        if slot is None:  # allocated (and pinned: slow) without holding up the relay
+            slot = _Slot(slot_id, nbytes, pin)
+            with self._cv:
+                self._slots[slot.id] = slot
         return slot
 
     def _forget(self, slot: _Slot) -> None:
