@@ -7,10 +7,13 @@ waiting for its whole piece in one call (MSG_WAITALL). It is the best of three p
 sizes (the pull's chunk, 1 MiB, the stream's whole share), each best of --repeats.
 The pull adds the protocol, the per-chunk xxh3 checksums and the whole-buffer checksum.
 By default both senders (the publisher and the raw one) run in a child process, as the
-trainer's publisher and a worker's receiver do; `--sender thread` puts them in this
-process, where they share the receiver's GIL.
+trainer does; `--sender thread` puts them in this process. Either way the publisher
+serves from its own process (`transfer/serve.py`), sending each chunk with `sendall`
+from its shared memory or `sendfile` from the memfd (`--send-mode`). The pull is
+received by threads of this process, or by a pool of receiver processes writing into a
+shared-memory landing buffer, as a worker does for a large version (`--receiver`).
 
-    python benchmarks/transfer.py --sizes-gib 1 --streams 1 4 8 16 --json out.json
+    python benchmarks/transfer.py --sizes-gib 1 --streams 1 8 16 --send-mode sendall sendfile --json out.json
 
 `--codecs` (alias `--delta`) also measures the codecs on a realistic update: bf16 weights
 of Qwen3-0.6B's shapes (random values, std 0.02), fp32 master copies, one torch Adam step
@@ -288,7 +291,7 @@ def main() -> None:
     p.add_argument("--chunk-mib", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2, help="best of N for both rows")
     p.add_argument("--hash-piece-kib", type=int, default=0,
-                   help="receive+hash piece size (0: the receiver's default); set >= chunk to hash whole chunks")
+                   help="receive+hash piece size of the thread receiver (0: its default); set >= chunk to hash whole chunks")
     p.add_argument("--sender", nargs="+", choices=["process", "thread"], default=["process"],
                    help="process: the publisher and the raw sender in a child process, as deployed; thread: in this "
                    "process, sharing the receiver's GIL (the shape of the earlier figures)")

@@ -84,9 +84,14 @@ class ReceiverPool:
             request = encode_request(OP_CHUNKS, version, worker_id, token, stream, num_streams)
             jobs.setdefault(stream % self.num_processes, []).append(StreamJob(request, chunks))
         with self._lock:
-            started = [(self._send(i, Job(into.id, False, host, port, timeout_s, streams), into), i)
-                       for i, streams in jobs.items()]  # fmt: skip
-            errors = self._collect([conn for conn, _ in started], timeout_s)
+            conns: list[Connection] = []
+            try:
+                for i, streams in jobs.items():
+                    conns.append(self._send(i, Job(into.id, False, host, port, timeout_s, streams), into))
+            except TransferError:
+                self._kill(set(conns))  # their answers must not be read as the next pull's
+                raise
+            errors = self._collect(conns, timeout_s)
         if errors:
             raise TransferError(f"pull of v{version} failed: {errors[0]}")
 
@@ -106,6 +111,8 @@ class ReceiverPool:
         proc = self._procs[index]
         if proc is None or proc.process.poll() is not None:
             proc = self._procs[index] = _Proc()
+            for buffer in self._buffers.values():  # a reused pid maps nothing yet
+                buffer.sent_to.discard(proc.process.pid)
         new_fd = proc.process.pid not in into.sent_to
         try:
             proc.conn.send(Job(job.buffer_id, new_fd, job.host, job.port, job.timeout_s, job.streams))
@@ -113,6 +120,7 @@ class ReceiverPool:
                 send_handle(proc.conn, into.fd, proc.process.pid)
                 into.sent_to.add(proc.process.pid)
         except OSError as e:
+            self._kill({proc.conn})
             raise TransferError(f"receiver process {proc.process.pid} is gone: {e}") from None
         return proc.conn
 
