@@ -60,7 +60,10 @@ START_TIMEOUT_S = 120.0
 """For the publisher process to come up (it imports torch: seconds on a loaded host)."""
 SEND_MODE = "sendall"
 """How the publisher process sends chunks: `sendall` from its mapping, or `sendfile`
-from the memfd (see BENCHMARKS.md for the measurement that picked it)."""
+from the memfd. Over loopback on the 2-core dev machine (256 MiB in 8 MiB chunks to a
+receiver process, 6 runs each) sendall moved 2.9 GB/s (median; best 3.3) and sendfile
+1.4 (best 1.8), for about the same sender CPU (0.12 and 0.13 s/GB): sendfile from shmem
+pays per page. `benchmarks/transfer.py --send-mode sendall sendfile` compares them."""
 
 
 class _Slot(SharedBuffer):
@@ -124,7 +127,8 @@ class WeightPublisher:
         self.restarts = 0
         """How often the publisher process was restarted after dying."""
         self.last_recovery_s: float | None = None
-        """From noticing the last death to serving again (versions announced)."""
+        """From noticing the last death until the new process listens (the held versions
+        are announced to it right after, in milliseconds)."""
         self._supervisor = threading.Thread(target=self._supervise, name="polyrl-publisher", daemon=True)
 
     # ------------------------------------------------------------------------ lifecycle
@@ -271,15 +275,21 @@ class WeightPublisher:
     def _supervise(self) -> None:
         """Start the publisher process, relay what it says, restart it when it dies."""
         died_at: float | None = None
+        backoff_s = 0.5
         while not self._stopping:
             try:
                 conn, process = self._spawn()
-            except Exception as e:  # noqa: BLE001 (reported to start(), or logged on a restart)
-                with self._cv:
-                    self._failed = e
-                    self._cv.notify_all()
-                log.error("weight publisher process failed to start: %s", e)
-                return
+            except Exception as e:  # noqa: BLE001 (reported to start(); on a restart, tried again)
+                if died_at is None:
+                    with self._cv:
+                        self._failed = e
+                        self._cv.notify_all()
+                    return
+                log.error("weight publisher process failed to restart (%s): trying again in %.1fs", e, backoff_s)
+                time.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, 10.0)
+                continue
+            backoff_s = 0.5
             self._install(conn, process)
             if died_at is not None:
                 self.restarts += 1
