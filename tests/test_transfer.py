@@ -5,6 +5,7 @@ publisher still serving."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -572,3 +574,42 @@ def test_a_receiver_process_killed_mid_pull_fails_that_pull_only(publisher: Weig
     got = pull(source(publisher, 1), 1, num_streams=2, into=landing.tensor, pool=pool)
     assert_same(unflatten(got.buffer, got.manifest), weights())
     assert victim not in pool.pids
+
+
+class _Engine:
+    """What WeightReceiver needs of an AsyncEngine: a version, a device, update_weights."""
+
+    def __init__(self) -> None:
+        self.engine = SimpleNamespace(weight_version=0, device=torch.device("cpu"))
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        self.loaded = {k: t.clone() for k, t in tensors.items()}
+        self.engine.weight_version = version
+
+
+def test_worker_lands_large_versions_in_two_shared_buffers_taking_turns(
+    publisher: WeightPublisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import polyrl.transfer.receiver as receiver_module
+    import polyrl.worker.weight_sync as weight_sync_module
+    from polyrl.worker.weight_sync import WeightReceiver
+
+    for module in (receiver_module, weight_sync_module):
+        monkeypatch.setattr(module, "MIN_POOL_BYTES", 0)  # "large" here: anything
+    before = _weight_slots("polyrl-landing")
+    engine = _Engine()
+    receiver = WeightReceiver(engine, receive_processes=2)  # type: ignore[arg-type]
+    landed = []
+    try:
+        for v in (1, 2, 3, 4):
+            publisher.publish(weights(v), v)
+            pulled = asyncio.run(receiver.sync(source(publisher, v), v, 3, 10.0, "raw"))
+            assert pulled is not None and pulled.codec == "raw"
+            assert_same(engine.loaded, weights(v))
+            landed.append(pulled.buffer.data_ptr())
+        assert len(set(landed)) == 2 and landed[0] == landed[2] and landed[1] == landed[3]  # double-buffered
+        assert _weight_slots("polyrl-landing") - before == 2
+    finally:
+        receiver.close()
+    assert _weight_slots("polyrl-landing") == before
