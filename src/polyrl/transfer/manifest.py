@@ -8,55 +8,15 @@ so no tensor is copied twice on the receiving side.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-ALIGN_BYTES = 64  # every tensor starts on a 64-byte boundary (safe for any dtype and SIMD copies)
+from polyrl.transfer.schema import ALIGN_BYTES, ITEMSIZES, Manifest, TensorEntry, numel
+
+__all__ = ["ALIGN_BYTES", "Manifest", "TensorEntry", "flatten", "layout", "unflatten"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
-_Size = Annotated[int, Field(ge=0, lt=2**63)]
-
-
-class TensorEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    dtype: str
-    shape: list[_Size]
-    offset: _Size
-    nbytes: _Size
-
-    @property
-    def itemsize(self) -> int:
-        dtype = _DTYPES.get(self.dtype)
-        return dtype.itemsize if dtype is not None else 1
-
-
-class Manifest(BaseModel):
-    """Checked whole when parsed (it comes over the network): every entry has a known
-    dtype, matches its shape, starts aligned to its dtype and lies inside the buffer, so
-    `unflatten` cannot fail halfway through a version."""
-
-    model_config = ConfigDict(extra="forbid")
-    version: int
-    total_bytes: _Size
-    tensors: list[TensorEntry]
-
-    @model_validator(mode="after")
-    def _entries_fit(self) -> Manifest:
-        names = set()
-        for e in self.tensors:
-            dtype = _DTYPES.get(e.dtype)
-            if dtype is None:
-                raise ValueError(f"{e.name}: unknown dtype {e.dtype!r}")
-            misaligned = e.offset % dtype.itemsize != 0  # a view of another dtype needs it
-            if e.nbytes != dtype.itemsize * _numel(e.shape) or misaligned or e.offset + e.nbytes > self.total_bytes:
-                raise ValueError(f"{e.name}: entry does not fit its shape or the buffer")
-            if e.name in names:
-                raise ValueError(f"{e.name}: named twice")
-            names.add(e.name)
-        return self
+assert _DTYPES.keys() == ITEMSIZES.keys()
 
 
 def flatten(
@@ -103,14 +63,7 @@ def unflatten(buffer: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tenso
         dtype = _DTYPES.get(e.dtype)
         if dtype is None:
             raise ValueError(f"{e.name}: unknown dtype {e.dtype!r}")
-        if e.offset + e.nbytes > manifest.total_bytes or e.nbytes != dtype.itemsize * _numel(e.shape):
+        if e.offset + e.nbytes > manifest.total_bytes or e.nbytes != dtype.itemsize * numel(e.shape):
             raise ValueError(f"{e.name}: entry does not fit its shape or the buffer")
         out[e.name] = buffer[e.offset : e.offset + e.nbytes].view(dtype).view(e.shape)
     return out
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

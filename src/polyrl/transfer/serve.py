@@ -10,7 +10,8 @@ again only once this process says `Released`. GPU ops (NCCL, CUDA IPC) read the
 trainer's GPU, so their connections go back to the trainer, token checked, with the
 socket itself (SCM_RIGHTS).
 
-Imports only what serving needs: no CUDA, NCCL or trainer code.
+Imports only what serving needs: no torch (but for the int8 codec, on first use), CUDA,
+NCCL or trainer code, so it starts (and restarts) in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -33,12 +34,10 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 
 import numpy as np
-import torch
 
 from polyrl.transfer.compress import encode_zstd
 from polyrl.transfer.delta import encode_delta
-from polyrl.transfer.manifest import Manifest
-from polyrl.transfer.quantize import encode_int8
+from polyrl.transfer.schema import Manifest
 from polyrl.transfer.wire import (
     ENCODED_OPS,
     GPU_OPS,
@@ -258,7 +257,12 @@ def _encode(op: int, new: _Held | None, old: _Held | None) -> bytes | None:
         payload = encode_delta(old.array(), new.array())  # type: ignore[union-attr]
     elif op == OP_ZSTD:
         payload = encode_zstd(new.array(), word_bytes(new.info.manifest))
-    else:
+    else:  # the one op that needs torch: imported on first use, not at every (re)start
+        import torch
+
+        from polyrl.transfer.quantize import encode_int8
+
+        torch.set_num_threads(1)  # the trainer's cores are for learning
         payload = encode_int8(torch.from_numpy(new.array()), new.info.manifest)
     total = new.info.manifest.total_bytes
     log.debug("v%d as %s: %.1f MB (%.1f%% of raw) in %.2fs", new.info.manifest.version, ENCODED_OPS[op],
@@ -375,7 +379,6 @@ def main(control_fd: int, parent_pid: int) -> None:
     conn = Connection(control_fd)
     cfg: ServeConfig = conn.recv()
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s[serve]: %(message)s")
-    torch.set_num_threads(1)  # int8 encoding only; the trainer's cores are for learning
     versions = Versions(cfg, conn, mmap.mmap(cfg.stats_fd, STATS_BYTES))
     for g, fd in enumerate(cfg.listener_fds):
         server = _Server(socket.socket(fileno=fd), versions)

@@ -34,6 +34,7 @@ from polyrl.transfer.manifest import unflatten
 from polyrl.transfer.nccl import NcclReceiver
 from polyrl.transfer.receive_pool import MIN_POOL_BYTES, ReceiverPool
 from polyrl.transfer.receiver import Pulled, PullSource, describe, pull
+from polyrl.transfer.wire import TransferError
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +163,14 @@ class WeightReceiver:
         """A buffer the size of `version` (made once per buffer: pinning is slow): shared
         with the receiver processes for a large version, else pinned or left to `pull`."""
         total = describe(source, version, timeout_s).manifest.total_bytes
-        if total >= MIN_POOL_BYTES and self._receive_processes != 0:
-            if self._pool is None:
-                self._pool = ReceiverPool(self._receive_processes or max(1, min(num_streams, os.cpu_count() or 1)))
-            return self._pool.landing(total, self.pin_memory).tensor
-        return torch.empty(total, dtype=torch.uint8, pin_memory=True) if self.pin_memory else None
+        try:
+            if total >= MIN_POOL_BYTES and self._receive_processes != 0:
+                if self._pool is None:
+                    self._pool = ReceiverPool(self._receive_processes or max(1, min(num_streams, os.cpu_count() or 1)))
+                return self._pool.landing(total, self.pin_memory).tensor
+            return torch.empty(total, dtype=torch.uint8, pin_memory=True) if self.pin_memory else None
+        except (OSError, RuntimeError) as e:  # the description claims more than this host has
+            raise TransferError(f"cannot allocate {total} bytes for v{version}: {e}") from None
 
     def close(self) -> None:
         """Stop the receiver processes and free their landing buffers."""
