@@ -391,23 +391,26 @@ def _weight_slots(name: str = "polyrl-weights") -> int:
 def test_a_dropped_version_is_served_to_its_reader_and_its_slot_reused_after() -> None:
     """Snapshots land in the slot of a dropped version (no new shared memory per version),
     but never in one a pull is still reading: that pull gets the version it asked for."""
-    chunk, before = 2**20, _weight_slots()
-    versions = {v: {"w": torch.full((4 * chunk // 4,), float(v))} for v in range(1, 10)}
+    chunk, size, before = 2**20, 16 * 2**20, _weight_slots()  # more than the socket buffers hold
+
+    def version(v: int) -> dict[str, torch.Tensor]:
+        return {"w": torch.full((size // 4,), float(v))}
+
     with WeightPublisher(keep_versions=1, chunk_bytes=chunk) as pub:
         for v in (1, 2, 3):
-            pub.publish(versions[v], v)
+            pub.publish(version(v), v)
         assert _weight_slots() - before == 2  # v3 went into v1's slot
         with small_window(pub.address) as sock:  # a slow pull of v3 ...
             sock.sendall(encode_request(OP_CHUNKS, 3, "w1", pub.grant("w1", 3), 0, 1))
             assert recv_exact(sock, 1) == bytes([STATUS_OK])
             first = recv_exact(sock, 4096)
             for v in (4, 5, 6):  # ... while v3 is dropped and newer versions come
-                pub.publish(versions[v], v)
-            rest = recv_exact(sock, 4 * chunk - 4096)
-        assert torch.equal(torch.frombuffer(bytearray(first + rest), dtype=torch.float32), versions[3]["w"])
+                pub.publish(version(v), v)
+            rest = recv_exact(sock, size - 4096)
+        assert torch.equal(torch.frombuffer(bytearray(first + rest), dtype=torch.float32), version(3)["w"])
         assert _weight_slots() - before == 3  # v3's slot was kept while read
         for v in (7, 8, 9):
-            pub.publish(versions[v], v)
+            pub.publish(version(v), v)
         assert _weight_slots() - before == 3  # and reused once free
     assert _weight_slots() == before
 
