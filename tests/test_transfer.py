@@ -476,6 +476,17 @@ time.sleep(60)
 """
 
 
+def test_sendfile_serves_the_same_bytes() -> None:
+    """The publisher process's other way to send chunks: from the memfd, by the kernel."""
+    with pytest.raises(ValueError, match="send_mode"):
+        WeightPublisher(send_mode="splice")
+    with WeightPublisher(chunk_bytes=CHUNK, send_mode="sendfile") as pub:
+        pub.publish(weights(), 1)
+        got = pull(source(pub, 1), 1, num_streams=3)
+        assert_same(unflatten(got.buffer, got.manifest), weights())
+        assert pub.bytes_sent == got.manifest.total_bytes
+
+
 def test_publisher_process_dies_with_the_trainer() -> None:
     """kill -9 of the trainer: the publisher process goes too (PR_SET_PDEATHSIG), leaving
     no process and no shared memory (memfds die with their last holder)."""

@@ -95,6 +95,8 @@ class WeightPublisher:
         `port` is set, else on any free port; the manager spreads workers over them."""
         if chunk_bytes < 4096 or keep_versions < 1 or num_groups < 1:
             raise ValueError("chunk_bytes must be >= 4096, keep_versions and num_groups >= 1")
+        if send_mode not in ("sendall", "sendfile"):
+            raise ValueError(f"send_mode {send_mode!r}: sendall or sendfile")
         if group_hosts and len(group_hosts) != num_groups:
             raise ValueError(f"{len(group_hosts)} group_hosts for {num_groups} groups")
         self.key = key if key is not None else os.urandom(32)
