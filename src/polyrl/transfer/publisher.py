@@ -200,8 +200,9 @@ class WeightPublisher:
         manifest = layout(state_dict, version)
         slot = self._take_slot(manifest.total_bytes, any(t.is_cuda for t in state_dict.values()))
         out = slot.tensor[: manifest.total_bytes]
-        buffer, _ = flatten(state_dict, version, pin_memory=slot.pinned, out=out)
-        if buffer.data_ptr() != out.data_ptr():  # flatten did not take the slot (pinning reported differently)
+        pinned = slot.pinned and out.is_pinned()  # as flatten sees registered memory: then it takes the slot
+        buffer, _ = flatten(state_dict, version, pin_memory=pinned, out=out)
+        if buffer.data_ptr() != out.data_ptr():  # never expected: flatten made its own buffer
             out.copy_(buffer)
         text = manifest.model_dump_json()
         with self._cv:
