@@ -197,6 +197,8 @@ class WeightPublisher:
         """Snapshot `state_dict` as `version` and return once it is servable; the oldest
         versions beyond `keep_versions` are dropped (a pull already reading one finishes;
         new pulls of it are refused)."""
+        if not self._supervisor.is_alive():
+            raise RuntimeError("the weight publisher is not running: start() it first")
         manifest = layout(state_dict, version)
         slot = self._take_slot(manifest.total_bytes, any(t.is_cuda for t in state_dict.values()))
         out = slot.tensor[: manifest.total_bytes]
