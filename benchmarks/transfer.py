@@ -7,10 +7,13 @@ waiting for its whole piece in one call (MSG_WAITALL). It is the best of three p
 sizes (the pull's chunk, 1 MiB, the stream's whole share), each best of --repeats.
 The pull adds the protocol, the per-chunk xxh3 checksums and the whole-buffer checksum.
 By default both senders (the publisher and the raw one) run in a child process, as the
-trainer's publisher and a worker's receiver do; `--sender thread` puts them in this
-process, where they share the receiver's GIL.
+trainer does; `--sender thread` puts them in this process. Either way the publisher
+serves from its own process (`transfer/serve.py`), sending each chunk with `sendall`
+from its shared memory or `sendfile` from the memfd (`--send-mode`). The pull is
+received by threads of this process, or by a pool of receiver processes writing into a
+shared-memory landing buffer, as a worker does for a large version (`--receiver`).
 
-    python benchmarks/transfer.py --sizes-gib 1 --streams 1 4 8 16 --json out.json
+    python benchmarks/transfer.py --sizes-gib 1 --streams 1 8 16 --send-mode sendall sendfile --json out.json
 
 `--codecs` (alias `--delta`) also measures the codecs on a realistic update: bf16 weights
 of Qwen3-0.6B's shapes (random values, std 0.02), fp32 master copies, one torch Adam step
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import socket
 import struct
 import threading
@@ -37,8 +41,9 @@ from pathlib import Path
 import torch
 
 from polyrl.transfer import receiver
-from polyrl.transfer.manifest import Manifest
+from polyrl.transfer.manifest import Manifest, flatten
 from polyrl.transfer.publisher import WeightPublisher
+from polyrl.transfer.receive_pool import ReceiverPool
 from polyrl.transfer.receiver import PullSource, pull
 
 
@@ -106,15 +111,15 @@ class Sender:
 
 
 @contextmanager
-def serve_version(total: int, chunk_bytes: int) -> Iterator[Sender]:
+def serve_version(total: int, chunk_bytes: int, send_mode: str = "sendall") -> Iterator[Sender]:
     """Publish `total` bytes of weights and serve them (pulls and the raw ceiling) while
     the context is open."""
     weights = {"w": torch.randn(total // 4)}
-    with WeightPublisher(chunk_bytes=chunk_bytes, keep_versions=1) as pub:
+    with WeightPublisher(chunk_bytes=chunk_bytes, keep_versions=1, send_mode=send_mode) as pub:
         t0 = time.perf_counter()
         info = pub.publish(weights, 1)
         publish_s = time.perf_counter() - t0
-        ceiling = CeilingSender(memoryview(pub._lookup(1).view))  # type: ignore[union-attr]
+        ceiling = CeilingSender(memoryview(flatten(weights, 1)[0].numpy()).cast("B"))
         source = PullSource(*pub.address, worker_id="bench", token=pub.grant("bench", 1))
         try:
             yield Sender(source, ceiling.port, info.manifest.total_bytes, info.chunk_bytes, publish_s)
@@ -122,23 +127,23 @@ def serve_version(total: int, chunk_bytes: int) -> Iterator[Sender]:
             ceiling.listener.close()
 
 
-def _sender_process(total: int, chunk_bytes: int, conn: Connection) -> None:
-    with serve_version(total, chunk_bytes) as sender:
+def _sender_process(total: int, chunk_bytes: int, send_mode: str, conn: Connection) -> None:
+    with serve_version(total, chunk_bytes, send_mode) as sender:
         conn.send(sender)
         conn.recv()  # serve until the parent says stop (or dies: EOFError)
 
 
 @contextmanager
-def sender(total: int, chunk_bytes: int, where: str) -> Iterator[Sender]:
+def sender(total: int, chunk_bytes: int, where: str, send_mode: str) -> Iterator[Sender]:
     """A Sender in this process (`thread`: it shares the receiver's GIL) or in a child
     process (`process`: as deployed, the trainer's publisher and a worker's receiver are
     different processes)."""
     if where == "thread":
-        with serve_version(total, chunk_bytes) as here:
+        with serve_version(total, chunk_bytes, send_mode) as here:
             yield here
         return
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=_sender_process, args=(total, chunk_bytes, child), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_sender_process, args=(total, chunk_bytes, send_mode, child), daemon=True)
     proc.start()
     try:
         if not parent.poll(600):
@@ -243,6 +248,42 @@ def measure_whole_codecs(new: torch.Tensor, manifest: Manifest) -> dict[str, dic
     return results
 
 
+def measure_rows(src: Sender, args: argparse.Namespace, row: dict[str, object]) -> list[dict[str, object]]:
+    """For each stream count: the raw ceiling, then the pull with each receiver, all best
+    of `args.repeats`. The pull lands in a buffer reused across pulls, as a worker's does:
+    for `process`, a shared-memory landing buffer of a pool started once (as WeightReceiver
+    does), its processes started by a first pull that is not counted."""
+    recv_buffer = torch.empty(src.total_bytes, dtype=torch.uint8)  # reused, as a worker does
+    recv_buffer.fill_(0)  # touch the pages once, for both rows
+    dst = memoryview(recv_buffer.numpy()).cast("B")
+    rows = []
+    for n in args.streams:
+        pieces = (src.chunk_bytes, 2**20, src.total_bytes)  # the best of three ways
+        ceiling = max(raw_ceiling(src.ceiling_port, n, dst, piece) for piece in pieces for _ in range(args.repeats))
+        for how in args.receiver:
+            rate = best_pull(src, n, how, recv_buffer, args.repeats)
+            rows.append(row | {"receiver": how, "streams": n, "ceiling_Bps": ceiling, "pull_Bps": rate,
+                               "fraction": rate / ceiling, "publish_s": src.publish_s})  # fmt: skip
+            print(f"{row['size_gib']:>6.2f}Gi {row['sender']:>7} {row['send_mode']:>8} {how:>8} {n:>7} "
+                  f"{ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} {rate / ceiling:>12.0%}", flush=True)  # fmt: skip
+    return rows
+
+
+def best_pull(src: Sender, num_streams: int, how: str, recv_buffer: torch.Tensor, repeats: int) -> float:
+    if how == "thread":
+        return max(pull(src.source, 1, num_streams=num_streams, timeout_s=120, into=recv_buffer).bytes_per_s
+                   for _ in range(repeats))  # fmt: skip
+    pool = ReceiverPool(min(num_streams, os.cpu_count() or 1))
+    try:
+        landing = pool.landing(src.total_bytes, pin=False)
+        landing.tensor.fill_(0)
+        pull(src.source, 1, num_streams=num_streams, timeout_s=120, into=landing.tensor, pool=pool)  # start them
+        return max(pull(src.source, 1, num_streams=num_streams, timeout_s=120, into=landing.tensor, pool=pool).bytes_per_s
+                   for _ in range(repeats))  # fmt: skip
+    finally:
+        pool.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-gib", type=float, nargs="+", default=[1.0])
@@ -250,10 +291,15 @@ def main() -> None:
     p.add_argument("--chunk-mib", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2, help="best of N for both rows")
     p.add_argument("--hash-piece-kib", type=int, default=0,
-                   help="receive+hash piece size (0: the receiver's default); set >= chunk to hash whole chunks")
+                   help="receive+hash piece size of the thread receiver (0: its default); set >= chunk to hash whole chunks")
     p.add_argument("--sender", nargs="+", choices=["process", "thread"], default=["process"],
                    help="process: the publisher and the raw sender in a child process, as deployed; thread: in this "
                    "process, sharing the receiver's GIL (the shape of the earlier figures)")
+    p.add_argument("--send-mode", nargs="+", choices=["sendall", "sendfile"], default=["sendall"],
+                   help="how the publisher process sends chunks: sendall from its mapping, or sendfile from the memfd")
+    p.add_argument("--receiver", nargs="+", choices=["thread", "process"], default=["thread", "process"],
+                   help="thread: one thread per stream in this process; process: a pool of receiver processes "
+                   "(one per stream, up to the cores) pulling into shared memory, as WeightReceiver does")
     p.add_argument("--codecs", "--delta", dest="codecs", action="store_true", help="also measure the codecs (see above)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--json", help="write the numbers here")
@@ -262,25 +308,14 @@ def main() -> None:
         receiver.HASH_PIECE = args.hash_piece_kib * 1024
 
     rows = []
-    print(f"{'size':>8} {'sender':>7} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13}")
+    print(f"{'size':>8} {'sender':>7} {'send':>8} {'receiver':>8} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13}")
     for size_gib in args.sizes_gib:
         total = int(size_gib * 2**30) // 4 * 4
         for where in args.sender:
-            with sender(total, args.chunk_mib * 2**20, where) as src:
-                recv_buffer = torch.empty(src.total_bytes, dtype=torch.uint8)  # reused, as a worker does
-                recv_buffer.fill_(0)  # touch the pages once, for both rows
-                dst = memoryview(recv_buffer.numpy()).cast("B")
-                for n in args.streams:
-                    pieces = (src.chunk_bytes, 2**20, src.total_bytes)  # the best of three ways
-                    ceiling = max(raw_ceiling(src.ceiling_port, n, dst, piece)
-                                  for piece in pieces for _ in range(args.repeats))  # fmt: skip
-                    rate = max(pull(src.source, 1, num_streams=n, timeout_s=120, into=recv_buffer).bytes_per_s
-                               for _ in range(args.repeats))  # fmt: skip
-                    rows.append({"size_gib": size_gib, "sender": where, "streams": n, "ceiling_Bps": ceiling,
-                                 "pull_Bps": rate, "fraction": rate / ceiling, "publish_s": src.publish_s})  # fmt: skip
-                    print(f"{size_gib:>6.1f}Gi {where:>7} {n:>7} {ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} "
-                          f"{rate / ceiling:>12.0%}", flush=True)  # fmt: skip
-            print(f"  publish (snapshot + checksums) of {size_gib:g} GiB: {src.publish_s:.2f}s ({where})")
+            for mode in args.send_mode:
+                with sender(total, args.chunk_mib * 2**20, where, mode) as src:
+                    rows += measure_rows(src, args, {"size_gib": size_gib, "sender": where, "send_mode": mode})
+                print(f"  publish (snapshot + checksums) of {size_gib:g} GiB: {src.publish_s:.2f}s ({where})")
     codecs = measure_codecs(args.lr) if args.codecs else {}
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, **codecs}, indent=2))

@@ -5,21 +5,41 @@ publisher still serving."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import socket
 import socketserver
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from polyrl.config import EngineConfig
 from polyrl.engine.engine import Engine
-from polyrl.transfer.manifest import unflatten
+from polyrl.transfer.manifest import flatten, unflatten
 from polyrl.transfer.publisher import WeightPublisher
+from polyrl.transfer.receive_pool import ReceiverPool
 from polyrl.transfer.receiver import PullSource, describe, pull
-from polyrl.transfer.wire import OP_CHUNKS, STATUS_OK, TransferError, encode_request, read_request, send_text
+from polyrl.transfer.wire import (
+    ENCODED_OPS,
+    OP_CHUNKS,
+    STATUS_OK,
+    TransferError,
+    TransferInfo,
+    checksum,
+    chunk_checksums,
+    combined_checksum,
+    encode_request,
+    read_request,
+    recv_exact,
+    send_text,
+)
 
 CHUNK = 4096
 
@@ -89,13 +109,15 @@ def test_bad_token_and_token_for_another_version_are_refused(publisher: WeightPu
             pull(PullSource(host, port, "w1", token), 1)
 
 
-def test_corrupted_chunk_is_rejected(publisher: WeightPublisher) -> None:
-    publisher.publish(weights(), 1)
-    held = publisher._lookup(1)
-    assert held is not None
-    held.buffer[3 * CHUNK + 7] ^= 0x10  # a bit flips in memory after publishing
-    with pytest.raises(TransferError, match="chunk 3 .* failed its checksum"):
-        pull(source(publisher, 1), 1, num_streams=2)
+def test_corrupted_chunk_is_rejected() -> None:
+    evil = _Evil(weights(), "flip")  # a bit flipped in memory after the checksums were made
+    threading.Thread(target=evil.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(TransferError, match="chunk 3 .* failed its checksum"):
+            pull(PullSource("127.0.0.1", evil.server_address[1], "w1", "any"), 1, num_streams=2)
+    finally:
+        evil.shutdown()
+        evil.server_close()
 
 
 def test_receiver_dying_mid_transfer_does_not_hurt_the_publisher(publisher: WeightPublisher) -> None:
@@ -110,39 +132,52 @@ def test_receiver_dying_mid_transfer_does_not_hurt_the_publisher(publisher: Weig
 
 
 class _Evil(socketserver.ThreadingTCPServer):
-    """A publisher that describes a version truthfully, then misbehaves."""
+    """A publisher of v1 = `sent` that describes it truthfully, then misbehaves (`mode`):
+    truncate, garbage (description), stall, flip (a bit of chunk 3), or for an encoded op
+    a payload with a wrong checksum (`bad-sum`) or well-framed garbage (`bad-payload`)."""
 
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, real: WeightPublisher, mode: str) -> None:
-        self.real, self.mode, self.release = real, mode, threading.Event()
+    def __init__(self, sent: dict[str, torch.Tensor], mode: str) -> None:
+        self.mode, self.release = mode, threading.Event()
+        buffer, manifest = flatten(sent, 1)
+        self.view = memoryview(buffer.numpy()).cast("B")
+        sums = chunk_checksums(self.view, CHUNK)
+        if mode == "flip":
+            buffer[3 * CHUNK + 7] ^= 0x10
+        self.info = TransferInfo(manifest=manifest, chunk_bytes=CHUNK, chunk_checksums=sums, buffer_checksum=combined_checksum(sums))
         super().__init__(("127.0.0.1", 0), _EvilHandler)
 
 
 class _EvilHandler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         server: _Evil = self.server  # type: ignore[assignment]
-        req = read_request(self.request)
-        held = server.real._lookup(req.version)
-        assert held is not None
-        if req.op != OP_CHUNKS:
-            text = held.info.model_dump_json().encode()
+        req, sock = read_request(self.request), self.request
+        if req.op in ENCODED_OPS:
+            payload = b"PRZ1" + bytes(40) if server.mode == "bad-payload" else bytes(server.view)
+            good = checksum(payload) if server.mode == "bad-payload" else 12345
+            sock.sendall(bytes([STATUS_OK]) + len(payload).to_bytes(8, "big") + good.to_bytes(8, "big") + payload)
+        elif req.op != OP_CHUNKS:
+            text = server.info.model_dump_json().encode()
             if server.mode == "garbage":
                 text = text.replace(b'"total_bytes"', b'"total_bites"')
-            send_text(self.request, STATUS_OK, text)
-            return
-        self.request.sendall(bytes([STATUS_OK]))
-        start, end = held.info.chunk_range(req.stream)
-        self.request.sendall(held.view[start : start + (end - start) // 2])  # half a chunk, then hang up
-        if server.mode == "stall":  # ... or keep the connection open and send nothing more
-            server.release.wait(30)
+            send_text(sock, STATUS_OK, text)
+        elif server.mode == "flip":
+            sock.sendall(bytes([STATUS_OK]))
+            for index in range(req.stream, server.info.num_chunks, req.num_streams):
+                sock.sendall(server.view[slice(*server.info.chunk_range(index))])
+        else:
+            sock.sendall(bytes([STATUS_OK]))
+            start, end = server.info.chunk_range(req.stream)
+            sock.sendall(server.view[start : start + (end - start) // 2])  # half a chunk, then hang up
+            if server.mode == "stall":  # ... or keep the connection open and send nothing more
+                server.release.wait(30)
 
 
 @pytest.mark.parametrize("mode", ["truncate", "garbage"])
-def test_truncated_stream_or_bad_description_is_rejected(publisher: WeightPublisher, mode: str) -> None:
-    publisher.publish(weights(), 1)
-    evil = _Evil(publisher, mode)
+def test_truncated_stream_or_bad_description_is_rejected(mode: str) -> None:
+    evil = _Evil(weights(), mode)
     threading.Thread(target=evil.serve_forever, daemon=True).start()
     try:
         src = PullSource("127.0.0.1", evil.server_address[1], "w1", "any")
@@ -154,11 +189,10 @@ def test_truncated_stream_or_bad_description_is_rejected(publisher: WeightPublis
         evil.server_close()
 
 
-def test_a_publisher_that_stalls_mid_chunk_times_the_pull_out(publisher: WeightPublisher) -> None:
+def test_a_publisher_that_stalls_mid_chunk_times_the_pull_out() -> None:
     """The data sockets wait in the kernel (SO_RCVTIMEO, MSG_WAITALL), not in Python's
     poll: a sender that goes quiet half way through a chunk still ends the pull."""
-    publisher.publish(weights(), 1)
-    evil = _Evil(publisher, "stall")
+    evil = _Evil(weights(), "stall")
     threading.Thread(target=evil.serve_forever, daemon=True).start()
     try:
         start = time.monotonic()
@@ -171,20 +205,29 @@ def test_a_publisher_that_stalls_mid_chunk_times_the_pull_out(publisher: WeightP
         evil.server_close()
 
 
-def test_publisher_gives_up_on_a_receiver_that_stops_reading(caplog: pytest.LogCaptureFixture) -> None:
+def small_window(address: tuple[str, int]) -> socket.socket:
+    """A connection whose receive buffer stays small (set before connecting, so the
+    kernel does not grow it to tens of MB): a sender to it blocks soon."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    sock.connect(address)
+    return sock
+
+
+def test_publisher_gives_up_on_a_receiver_that_stops_reading() -> None:
     """A receiver that asks for chunks and never reads them costs the publisher one thread
-    for about its io timeout (the kernel's send timeout), not forever."""
+    for about its io timeout (the kernel's send timeout), not forever: it hangs up."""
     sent = {"w": torch.randn(16 * 2**20 // 4)}  # 16 MiB: far more than loopback's socket buffers hold
-    with WeightPublisher(chunk_bytes=2**20, io_timeout_s=0.5) as pub, caplog.at_level("DEBUG", "polyrl.transfer"):
+    with WeightPublisher(chunk_bytes=2**20, io_timeout_s=0.5) as pub:
         pub.publish(sent, 1)
-        with socket.create_connection(pub.address) as sock:
+        with small_window(pub.address) as sock:
             sock.sendall(encode_request(OP_CHUNKS, 1, "w1", pub.grant("w1", 1), 0, 1))
-            start = time.monotonic()
-            deadline = start + 10
-            while not any("ended" in m for m in caplog.messages):
-                assert time.monotonic() < deadline, "the publisher still blocks on a receiver that reads nothing"
-                time.sleep(0.05)
-            assert time.monotonic() - start >= 0.4  # it waited for the timeout, not less
+            time.sleep(3)  # read nothing for six times the publisher's io timeout
+            sock.settimeout(10)
+            received = 0
+            while data := sock.recv(2**20):  # what was in flight, then the publisher's hang-up
+                received += len(data)
+            assert received < 16 * 2**20
         assert pub.bytes_sent < 16 * 2**20
         got = pull(PullSource(*pub.address, "w2", pub.grant("w2", 1)), 1, num_streams=2)
         assert torch.equal(unflatten(got.buffer, got.manifest)["w"], sent["w"])
@@ -312,20 +355,16 @@ def test_int8_pull_is_marked_lossy_and_off_by_at_most_half_a_step(publisher: Wei
 
 
 @pytest.mark.parametrize("codec", ["zstd", "int8"])
-def test_corrupted_or_undecodable_payloads_are_rejected(publisher: WeightPublisher, monkeypatch, codec: str) -> None:
-    import polyrl.transfer.publisher as publisher_module
-
-    publisher.publish(weights(), 1)
-    monkeypatch.setattr(publisher_module, "checksum", lambda data: 12345)  # bytes changed on the way
-    with pytest.raises(TransferError, match=f"{codec} payload failed its checksum"):
-        pull(source(publisher, 1), 1, codec=codec)
-    monkeypatch.undo()
-    publisher._encoded_cache.clear()
-    monkeypatch.setattr(publisher_module, f"encode_{codec}", lambda *a: b"PRZ1" + bytes(40))  # well-framed garbage
-    with pytest.raises(TransferError, match=f"bad {codec} payload"):
-        pull(source(publisher, 1), 1, codec=codec)
-    got = pull(source(publisher, 1), 1)  # the publisher still serves raw pulls
-    assert_same(unflatten(got.buffer, got.manifest), weights())
+def test_corrupted_or_undecodable_payloads_are_rejected(codec: str) -> None:
+    for mode, error in (("bad-sum", f"{codec} payload failed its checksum"), ("bad-payload", f"bad {codec} payload")):
+        evil = _Evil(weights(), mode)  # bytes changed on the way; well-framed garbage
+        threading.Thread(target=evil.serve_forever, daemon=True).start()
+        try:
+            with pytest.raises(TransferError, match=error):
+                pull(PullSource("127.0.0.1", evil.server_address[1], "w1", "any"), 1, codec=codec)
+        finally:
+            evil.shutdown()
+            evil.server_close()
 
 
 def test_auto_codec_encodes_only_after_a_slow_raw_pull() -> None:
@@ -340,20 +379,251 @@ def test_auto_codec_encodes_only_after_a_slow_raw_pull() -> None:
     assert receiver._plan("delta") == (True, "raw") and receiver._plan("int8") == (False, "int8")
 
 
-def test_a_dropped_version_buffer_is_reused_only_once_nobody_reads_it() -> None:
-    """Snapshots land in the buffer of a dropped version (no new pinned allocation per
-    version), but never in one a pull is still reading."""
-    weights = {"w": torch.arange(4096, dtype=torch.float32)}
-    pub = WeightPublisher(keep_versions=1)
-    pub.publish(weights, 1)
-    first = pub._lookup(1).buffer.data_ptr()
-    pub.publish(weights, 2)  # v1 dropped, nobody reading it: it is the spare
-    pub.publish({"w": weights["w"] + 1}, 3)
-    assert pub._lookup(3).buffer.data_ptr() == first
-    with pub._reading(3) as held:  # a pull reads v3 while v4 and v5 are published
-        pub.publish(weights, 4)
-        pub.publish(weights, 5)
-        assert pub._lookup(5).buffer.data_ptr() != first
-        assert torch.equal(held.buffer.view(torch.float32)[:4096], weights["w"] + 1)  # untouched
-    pub.publish(weights, 6)  # the reader is done: v3's buffer is free again
-    assert pub._lookup(6).buffer.data_ptr() == first
+def _weight_slots(name: str = "polyrl-weights") -> int:
+    """Shared-memory buffers (memfds) called `name`* this process holds."""
+    links = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            links.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return sum(name in link for link in links)
+
+
+def test_a_dropped_version_is_served_to_its_reader_and_its_slot_reused_after() -> None:
+    """Snapshots land in the slot of a dropped version (no new shared memory per version),
+    but never in one a pull is still reading: that pull gets the version it asked for."""
+    chunk, size, before = 2**20, 16 * 2**20, _weight_slots()  # more than the socket buffers hold
+
+    def version(v: int) -> dict[str, torch.Tensor]:
+        return {"w": torch.full((size // 4,), float(v))}
+
+    with WeightPublisher(keep_versions=1, chunk_bytes=chunk) as pub:
+        for v in (1, 2, 3):
+            pub.publish(version(v), v)
+        assert _weight_slots() - before == 2  # v3 went into v1's slot
+        with small_window(pub.address) as sock:  # a slow pull of v3 ...
+            sock.sendall(encode_request(OP_CHUNKS, 3, "w1", pub.grant("w1", 3), 0, 1))
+            assert recv_exact(sock, 1) == bytes([STATUS_OK])
+            first = recv_exact(sock, 4096)
+            for v in (4, 5, 6):  # ... while v3 is dropped and newer versions come
+                pub.publish(version(v), v)
+            rest = recv_exact(sock, size - 4096)
+        assert torch.equal(torch.frombuffer(bytearray(first + rest), dtype=torch.float32), version(3)["w"])
+        assert _weight_slots() - before == 3  # v3's slot was kept while read
+        for v in (7, 8, 9):
+            pub.publish(version(v), v)
+        assert _weight_slots() - before == 3  # and reused once free
+    assert _weight_slots() == before
+
+
+# ------------------------------------------------------------------------ the publisher process
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie (not yet reaped) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_publisher_process_killed_is_restarted_on_the_same_port_with_its_versions() -> None:
+    """kill -9 of the process that serves pulls: the trainer's side notices, starts another
+    on the same listening socket and announces the versions it holds; pulls work again,
+    bit-exact, without the trainer doing anything."""
+    before = _weight_slots()
+    with WeightPublisher(chunk_bytes=CHUNK, keep_versions=2) as pub:
+        for v in (1, 2):
+            pub.publish(weights(v), v)
+        first = pub.pid
+        assert first is not None
+        os.kill(first, 9)
+        start = time.monotonic()
+        while True:
+            try:
+                got = pull(source(pub, 2), 2, num_streams=3, timeout_s=5)
+                break
+            except TransferError:
+                assert time.monotonic() - start < 30, "no pull worked within 30 s of the kill"
+                time.sleep(0.1)
+        assert_same(unflatten(got.buffer, got.manifest), weights(2))
+        assert pub.pid != first and pub.restarts == 1 and pub.versions == [1, 2]
+        assert pub.last_recovery_s is not None and pub.last_recovery_s < 30
+        pub.publish(weights(3), 3)  # and publishing goes on
+        got = pull(source(pub, 3), 3, num_streams=2)
+        assert_same(unflatten(got.buffer, got.manifest), weights(3))
+        second = pub.pid
+    assert second is not None and not _alive(second) and not _alive(first)
+    assert _weight_slots() == before  # no shared memory left mapped
+
+
+_TRAINER = """
+import sys, time, torch
+from polyrl.transfer.publisher import WeightPublisher
+pub = WeightPublisher().start()
+pub.publish({"w": torch.ones(1024)}, 1)
+print(pub.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_sendfile_serves_the_same_bytes() -> None:
+    """The publisher process's other way to send chunks: from the memfd, by the kernel."""
+    with pytest.raises(ValueError, match="send_mode"):
+        WeightPublisher(send_mode="splice")
+    with WeightPublisher(chunk_bytes=CHUNK, send_mode="sendfile") as pub:
+        pub.publish(weights(), 1)
+        got = pull(source(pub, 1), 1, num_streams=3)
+        assert_same(unflatten(got.buffer, got.manifest), weights())
+        assert pub.bytes_sent == got.manifest.total_bytes
+
+
+def test_publisher_process_dies_with_the_trainer() -> None:
+    """kill -9 of the trainer: the publisher process goes too (PR_SET_PDEATHSIG), leaving
+    no process and no shared memory (memfds die with their last holder)."""
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER], stdout=subprocess.PIPE, text=True)
+    try:
+        line = trainer.stdout.readline()  # type: ignore[union-attr]
+        assert line.strip().isdigit(), line
+        child = int(line)
+        assert _alive(child)
+        trainer.kill()
+        trainer.wait(10)
+        _wait_for(lambda: not _alive(child), 10, "the publisher process to die with its trainer")
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+    assert not [name for name in os.listdir("/dev/shm") if "polyrl" in name]
+
+
+_RECEIVER = """
+import sys
+from polyrl.transfer.receiver import PullSource, pull
+pull(PullSource("127.0.0.1", int(sys.argv[1]), "dying", sys.argv[2]), 1, num_streams=4)
+"""
+
+
+def test_a_receiver_killed_mid_pull_does_not_disturb_other_pulls() -> None:
+    sent = {"w": torch.randn(32 * 2**20 // 4)}
+    with WeightPublisher(chunk_bytes=2**20) as pub:
+        pub.publish(sent, 1)
+        pid = pub.pid
+        dying = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(pub.address[1]), pub.grant("dying", 1)])
+        try:
+            _wait_for(lambda: pub.bytes_sent > 0, 30, "the dying receiver to start pulling")
+        finally:
+            dying.kill()
+            dying.wait(10)
+        got = pull(source(pub, 1), 1, num_streams=3)
+        assert torch.equal(unflatten(got.buffer, got.manifest)["w"], sent["w"])
+        assert pub.pid == pid and pub.restarts == 0
+
+
+# ------------------------------------------------------------------------ receiver processes
+
+
+@pytest.fixture
+def pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[ReceiverPool]:
+    import polyrl.transfer.receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "MIN_POOL_BYTES", 0)  # small versions too, here
+    pool = ReceiverPool(2)
+    yield pool
+    pool.close()
+
+
+def test_receiver_processes_pull_bit_exact_into_shared_memory(publisher: WeightPublisher, pool: ReceiverPool) -> None:
+    before = _weight_slots("polyrl-landing")
+    for v in (1, 2):
+        publisher.publish(weights(v), v)
+    landing = pool.landing(publisher.publish(weights(3), 3).manifest.total_bytes, pin=False)
+    for version, streams in ((2, 1), (3, 5)):  # 5 streams over 2 processes
+        got = pull(source(publisher, version), version, num_streams=streams, into=landing.tensor, pool=pool)
+        assert got.buffer.data_ptr() == landing.tensor.data_ptr()  # landed in the shared buffer
+        assert_same(unflatten(got.buffer, got.manifest), weights(version))
+    assert len(pool.pids) == 2
+    with pytest.raises(TransferError, match="bad transfer token"):
+        pull(PullSource(*publisher.address, "w1", "nope"), 3, num_streams=3, into=landing.tensor, pool=pool)
+    pids = pool.pids
+    pool.close()
+    assert not any(_alive(pid) for pid in pids) and _weight_slots("polyrl-landing") == before
+
+
+def test_a_receiver_process_killed_mid_pull_fails_that_pull_only(publisher: WeightPublisher, pool: ReceiverPool) -> None:
+    """A pull whose receiver process dies ends in TransferError (not a hang); the next
+    pull gets a new process and is bit-exact."""
+    evil = _Evil(weights(), "stall")  # half a chunk per stream, then silence: the pull is stuck mid-way
+    threading.Thread(target=evil.serve_forever, daemon=True).start()
+    landing = pool.landing(publisher.publish(weights(), 1).manifest.total_bytes, pin=False)
+    outcome: list[BaseException] = []
+
+    def stuck_pull() -> None:
+        try:
+            pull(PullSource("127.0.0.1", evil.server_address[1], "w1", "any"), 1, 2, 20, into=landing.tensor, pool=pool)
+        except BaseException as e:  # noqa: BLE001 (checked below)
+            outcome.append(e)
+
+    try:
+        puller = threading.Thread(target=stuck_pull)
+        puller.start()
+        _wait_for(lambda: len(pool.pids) == 2, 30, "both receiver processes")
+        time.sleep(0.5)  # both are blocked mid-chunk
+        victim = pool.pids[0]
+        os.kill(victim, 9)
+        puller.join(15)
+        assert not puller.is_alive() and isinstance(outcome[0], TransferError) and "died" in str(outcome[0])
+    finally:
+        evil.release.set()
+        evil.shutdown()
+        evil.server_close()
+    got = pull(source(publisher, 1), 1, num_streams=2, into=landing.tensor, pool=pool)
+    assert_same(unflatten(got.buffer, got.manifest), weights())
+    assert victim not in pool.pids
+
+
+class _Engine:
+    """What WeightReceiver needs of an AsyncEngine: a version, a device, update_weights."""
+
+    def __init__(self) -> None:
+        self.engine = SimpleNamespace(weight_version=0, device=torch.device("cpu"))
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        self.loaded = {k: t.clone() for k, t in tensors.items()}
+        self.engine.weight_version = version
+
+
+def test_worker_lands_large_versions_in_two_shared_buffers_taking_turns(
+    publisher: WeightPublisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import polyrl.transfer.receiver as receiver_module
+    import polyrl.worker.weight_sync as weight_sync_module
+    from polyrl.worker.weight_sync import WeightReceiver
+
+    for module in (receiver_module, weight_sync_module):
+        monkeypatch.setattr(module, "MIN_POOL_BYTES", 0)  # "large" here: anything
+    before = _weight_slots("polyrl-landing")
+    engine = _Engine()
+    receiver = WeightReceiver(engine, receive_processes=2)  # type: ignore[arg-type]
+    landed = []
+    try:
+        for v in (1, 2, 3, 4):
+            publisher.publish(weights(v), v)
+            pulled = asyncio.run(receiver.sync(source(publisher, v), v, 3, 10.0, "raw"))
+            assert pulled is not None and pulled.codec == "raw"
+            assert_same(engine.loaded, weights(v))
+            landed.append(pulled.buffer.data_ptr())
+        assert len(set(landed)) == 2 and landed[0] == landed[2] and landed[1] == landed[3]  # double-buffered
+        assert _weight_slots("polyrl-landing") - before == 2
+    finally:
+        receiver.close()
+    assert _weight_slots("polyrl-landing") == before

@@ -13,6 +13,7 @@ exactly its budget of tokens.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import statistics
 import time
@@ -296,6 +297,34 @@ def corrupt_weights(ctx: Context, row: FaultRow) -> None:
         ctx.check_versions(row, running, version)
 
 
+def kill_publisher(ctx: Context, row: FaultRow) -> None:
+    """SIGKILL the publisher process while workers pull a new version (the data plane is
+    slowed so the pulls take a while): the trainer's side restarts it on the same port
+    with the versions it holds, the manager retries the pulls, every worker serves the
+    version. Recovery: from the kill until every worker is active at that version."""
+    proxy, publisher = ctx.fleet.data_proxy, ctx.fleet.publisher
+    assert proxy is not None
+    for i in range(ctx.scale.injections):
+        ctx.healthy_fleet()
+        proxy.set(delay_s=0.1)
+        sent = proxy.stats.bytes_to_client
+        version = ctx.publish_next()
+        wait_for(lambda: proxy.stats.bytes_to_client > sent, 30, "a pull to start")
+        pid, restarts = publisher.pid, publisher.restarts
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        row.injected += 1
+        proxy.heal()
+        ctx.fleet.wait_active(*ctx.fleet.workers, version=version)
+        row.recovery_s.append(time.monotonic() - killed)
+        if publisher.restarts != restarts + 1:
+            row.errors.append(f"the publisher process was restarted {publisher.restarts - restarts} times, not once")
+        running = ctx.batch(f"kp{i}-")
+        row.add(running.result(BATCH_TIMEOUT_S))
+        ctx.check_versions(row, running, version)
+
+
 SCENARIOS: dict[str, Callable[[Context, FaultRow], None]] = {
     "kill -9 while generating": kill_generating,
     "kill -9 during weight pull": kill_during_transfer,
@@ -306,6 +335,7 @@ SCENARIOS: dict[str, Callable[[Context, FaultRow], None]] = {
     "connections cut after 4 KiB": cut_streams,
     "stream bytes corrupted": corrupt_streams,
     "weight chunks corrupted / cut": corrupt_weights,
+    "publisher process kill -9 during pulls": kill_publisher,
 }
 
 

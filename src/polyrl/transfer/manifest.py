@@ -8,55 +8,15 @@ so no tensor is copied twice on the receiving side.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-ALIGN_BYTES = 64  # every tensor starts on a 64-byte boundary (safe for any dtype and SIMD copies)
+from polyrl.transfer.schema import ALIGN_BYTES, ITEMSIZES, Manifest, TensorEntry, numel
+
+__all__ = ["ALIGN_BYTES", "Manifest", "TensorEntry", "flatten", "layout", "unflatten"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
-_Size = Annotated[int, Field(ge=0, lt=2**63)]
-
-
-class TensorEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    dtype: str
-    shape: list[_Size]
-    offset: _Size
-    nbytes: _Size
-
-    @property
-    def itemsize(self) -> int:
-        dtype = _DTYPES.get(self.dtype)
-        return dtype.itemsize if dtype is not None else 1
-
-
-class Manifest(BaseModel):
-    """Checked whole when parsed (it comes over the network): every entry has a known
-    dtype, matches its shape, starts aligned to its dtype and lies inside the buffer, so
-    `unflatten` cannot fail halfway through a version."""
-
-    model_config = ConfigDict(extra="forbid")
-    version: int
-    total_bytes: _Size
-    tensors: list[TensorEntry]
-
-    @model_validator(mode="after")
-    def _entries_fit(self) -> Manifest:
-        names = set()
-        for e in self.tensors:
-            dtype = _DTYPES.get(e.dtype)
-            if dtype is None:
-                raise ValueError(f"{e.name}: unknown dtype {e.dtype!r}")
-            misaligned = e.offset % dtype.itemsize != 0  # a view of another dtype needs it
-            if e.nbytes != dtype.itemsize * _numel(e.shape) or misaligned or e.offset + e.nbytes > self.total_bytes:
-                raise ValueError(f"{e.name}: entry does not fit its shape or the buffer")
-            if e.name in names:
-                raise ValueError(f"{e.name}: named twice")
-            names.add(e.name)
-        return self
+assert _DTYPES.keys() == ITEMSIZES.keys()
 
 
 def flatten(
@@ -67,13 +27,8 @@ def flatten(
     `pin_memory` (default: when any tensor is on CUDA) makes the device-to-host copies
     run at full PCIe speed. `out`: a buffer to reuse when it has the right size and
     pinning (a pinned allocation costs far more than the copy into it)."""
-    entries, offset = [], 0
-    for name, t in state_dict.items():
-        if str(t.dtype).removeprefix("torch.") not in _DTYPES:
-            raise ValueError(f"{name}: dtype {t.dtype} is not supported")
-        nbytes = t.numel() * t.element_size()
-        entries.append(TensorEntry(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), offset=offset, nbytes=nbytes))
-        offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    manifest = layout(state_dict, version)
+    entries, offset = manifest.tensors, manifest.total_bytes
     if pin_memory is None:
         pin_memory = any(t.is_cuda for t in state_dict.values())
     fits = out is not None and out.dtype == torch.uint8 and out.numel() == offset and out.is_pinned() == pin_memory
@@ -84,7 +39,19 @@ def flatten(
         buffer[entry.offset : entry.offset + entry.nbytes].copy_(flat, non_blocking=pin_memory and flat.is_cuda)
     if pin_memory and any(t.is_cuda for t in state_dict.values()):
         torch.cuda.current_stream().synchronize()  # not the device: an NCCL send may be running there
-    return buffer, Manifest(version=version, total_bytes=offset, tensors=entries)
+    return buffer, manifest
+
+
+def layout(state_dict: Mapping[str, torch.Tensor], version: int) -> Manifest:
+    """Where `flatten` puts each tensor, without copying anything (to size a buffer first)."""
+    entries, offset = [], 0
+    for name, t in state_dict.items():
+        if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} is not supported")
+        nbytes = t.numel() * t.element_size()
+        entries.append(TensorEntry(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), offset=offset, nbytes=nbytes))
+        offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    return Manifest(version=version, total_bytes=offset, tensors=entries)
 
 
 def unflatten(buffer: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
@@ -96,14 +63,7 @@ def unflatten(buffer: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tenso
         dtype = _DTYPES.get(e.dtype)
         if dtype is None:
             raise ValueError(f"{e.name}: unknown dtype {e.dtype!r}")
-        if e.offset + e.nbytes > manifest.total_bytes or e.nbytes != dtype.itemsize * _numel(e.shape):
+        if e.offset + e.nbytes > manifest.total_bytes or e.nbytes != dtype.itemsize * numel(e.shape):
             raise ValueError(f"{e.name}: entry does not fit its shape or the buffer")
         out[e.name] = buffer[e.offset : e.offset + e.nbytes].view(dtype).view(e.shape)
     return out
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

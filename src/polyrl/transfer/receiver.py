@@ -24,6 +24,7 @@ from polyrl.transfer.compress import decode_zstd
 from polyrl.transfer.delta import apply_delta
 from polyrl.transfer.manifest import Manifest
 from polyrl.transfer.quantize import decode_int8
+from polyrl.transfer.receive_pool import MIN_POOL_BYTES, ReceiverPool
 from polyrl.transfer.wire import (
     ENCODED_OPS,
     OP_CHUNKS,
@@ -107,6 +108,7 @@ def pull(
     into: torch.Tensor | None = None,
     base: tuple[int, torch.Tensor] | None = None,
     codec: str = "raw",
+    pool: ReceiverPool | None = None,
 ) -> Pulled:
     """Fetch `version` over `num_streams` connections; raises TransferError.
 
@@ -114,7 +116,9 @@ def pull(
     saves allocating and first-touching the pages; it is used when large enough.
     `base`: (version, buffer) the receiver holds; the publisher then sends only the
     words that changed, when it still holds that version (else `codec` follows).
-    `codec`: raw (parallel streams), zstd (one compressed payload) or int8 (LOSSY)."""
+    `codec`: raw (parallel streams), zstd (one compressed payload) or int8 (LOSSY).
+    `pool`: receiver processes that pull the raw streams when `into` is one of their
+    LandingBuffers' tensors and the version is large (`transfer/receive_pool.py`)."""
     if codec not in ("raw", "zstd", "int8"):
         raise ValueError(f"unknown codec {codec!r} (raw, zstd, int8)")
     t0 = time.perf_counter()
@@ -138,22 +142,31 @@ def pull(
         log.info("pulled v%d as %s%s: %.1f MB on the wire for %.1f MB in %.2fs", version, pulled.codec,
                  " (LOSSY)" if pulled.lossy else "", pulled.wire_bytes / 1e6, total / 1e6, pulled.seconds)  # fmt: skip
         return pulled
-    view = memoryview(buffer.numpy()).cast("B")
     num_streams = max(1, min(num_streams, info.num_chunks))
-    with ThreadPoolExecutor(num_streams, thread_name_prefix="polyrl-pull") as pool:
-        futures = [pool.submit(_pull_stream, source, info, view, i, num_streams, timeout_s) for i in range(num_streams)]
-        errors = [f.exception() for f in futures]
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        if isinstance(first, TransferError):
-            raise first
-        raise TransferError(f"pull of v{version} failed: {type(first).__name__}: {first}") from first
+    landing = pool.landing_of(buffer) if pool is not None and total >= MIN_POOL_BYTES else None
+    if landing is not None:
+        pool.receive(source.host, source.port, source.worker_id, source.token, info, landing, num_streams, timeout_s)  # type: ignore[union-attr]
+    else:
+        _pull_streams(source, info, buffer, num_streams, timeout_s)
     if combined_checksum(info.chunk_checksums) != info.buffer_checksum:  # each chunk matched its own
         raise TransferError(f"v{version}: the chunk checksums do not add up to the version's checksum")
     pulled = Pulled(buffer, info.manifest, time.perf_counter() - t0, "raw", total)
     log.info("pulled v%d: %.1f MB in %.2fs over %d streams", version, info.manifest.total_bytes / 1e6,
              pulled.seconds, num_streams)  # fmt: skip
     return pulled
+
+
+def _pull_streams(source: PullSource, info: TransferInfo, buffer: torch.Tensor, num_streams: int, timeout_s: float) -> None:
+    """One thread per stream, in this process."""
+    view = memoryview(buffer.numpy()).cast("B")
+    with ThreadPoolExecutor(num_streams, thread_name_prefix="polyrl-pull") as threads:
+        futures = [threads.submit(_pull_stream, source, info, view, i, num_streams, timeout_s) for i in range(num_streams)]
+        errors = [f.exception() for f in futures]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        if isinstance(first, TransferError):
+            raise first
+        raise TransferError(f"pull of v{info.manifest.version} failed: {type(first).__name__}: {first}") from first
 
 
 def _pull_stream(

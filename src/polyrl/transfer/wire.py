@@ -42,7 +42,7 @@ from typing import TypeVar
 import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from polyrl.transfer.manifest import Manifest
+from polyrl.transfer.schema import Manifest
 
 MAGIC = b"PRLW2\n"
 OP_DESCRIBE, OP_CHUNKS, OP_DELTA, OP_ZSTD, OP_INT8, OP_NCCL, OP_IPC = 1, 2, 3, 4, 5, 6, 7

@@ -5,6 +5,8 @@ Over TCP, two host buffers take turns: the current version's (the base of the ne
 pull) and a spare one the next pull lands in, so a pull allocates nothing after the first
 two. With the engine on CUDA they are pinned, so the copy into the engine runs at full
 PCIe speed (~55 GB/s on an H200 host, against a fraction of that from pageable memory).
+For a large version they are shared memory that receiver processes pull the streams
+into (`transfer/receive_pool.py`), so receiving is not bound by this interpreter's GIL.
 
 On the trainer's host the manager may ask for a GPU path instead (`path`): `nccl` (the
 trainer's GPU broadcasts into a buffer on ours) or `cuda_ipc` (our engine is on the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from functools import cached_property
 
 import torch
@@ -29,7 +32,9 @@ from polyrl.transfer.cuda_ipc import IpcVersion
 from polyrl.transfer.device import DeviceIdentity, WeightPath, local_identity
 from polyrl.transfer.manifest import unflatten
 from polyrl.transfer.nccl import NcclReceiver
+from polyrl.transfer.receive_pool import MIN_POOL_BYTES, ReceiverPool
 from polyrl.transfer.receiver import Pulled, PullSource, describe, pull
+from polyrl.transfer.wire import TransferError
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +45,14 @@ slower than this (about 2 Gbit/s): encoding and decoding cost CPU time per GB
 
 
 class WeightReceiver:
-    def __init__(self, engine: AsyncEngine, pin_memory: bool | None = None) -> None:
-        """`pin_memory`: land TCP pulls in pinned host buffers (default: when the engine is on CUDA)."""
+    def __init__(self, engine: AsyncEngine, pin_memory: bool | None = None, receive_processes: int | None = None) -> None:
+        """`pin_memory`: land TCP pulls in pinned host buffers (default: when the engine is on CUDA).
+        `receive_processes`: pull large versions' streams in this many processes (default:
+        one per stream, up to the host's cores; 0: threads of this process only)."""
         self.engine = engine
         self._pin_memory = pin_memory
+        self._receive_processes = receive_processes
+        self._pool: ReceiverPool | None = None
         self.fallback: str | None = None
         """Why the last GPU-path pull went over TCP instead (None: it did not)."""
         self._base: tuple[int, torch.Tensor] | None = None
@@ -130,11 +139,11 @@ class WeightReceiver:
     async def _sync_tcp(self, source: PullSource, version: int, num_streams: int, timeout_s: float, codec: str) -> Pulled:
         base, into = self._base, self._spare
         delta, whole = self._plan(codec)
-        if into is None and self.pin_memory:
-            into = self._spare = await asyncio.to_thread(self._pinned_landing, source, version, timeout_s)
+        if into is None:
+            into = self._spare = await asyncio.to_thread(self._landing, source, version, num_streams, timeout_s)
         pulled = await asyncio.to_thread(
             pull, source, version, num_streams=num_streams, timeout_s=timeout_s, into=into,
-            base=base if delta else None, codec=whole,
+            base=base if delta else None, codec=whole, pool=self._pool,
         )  # fmt: skip
         if pulled.codec == "raw":
             self._raw_bytes_per_s = pulled.bytes_per_s
@@ -150,8 +159,21 @@ class WeightReceiver:
         self._base = (version, pulled.buffer)
         return pulled
 
-    @staticmethod
-    def _pinned_landing(source: PullSource, version: int, timeout_s: float) -> torch.Tensor:
-        """A pinned buffer the size of `version` (asked for once per buffer: pinning is slow)."""
+    def _landing(self, source: PullSource, version: int, num_streams: int, timeout_s: float) -> torch.Tensor | None:
+        """A buffer the size of `version` (made once per buffer: pinning is slow): shared
+        with the receiver processes for a large version, else pinned or left to `pull`."""
         total = describe(source, version, timeout_s).manifest.total_bytes
-        return torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        try:
+            if total >= MIN_POOL_BYTES and self._receive_processes != 0:
+                if self._pool is None:
+                    self._pool = ReceiverPool(self._receive_processes or max(1, min(num_streams, os.cpu_count() or 1)))
+                return self._pool.landing(total, self.pin_memory).tensor
+            return torch.empty(total, dtype=torch.uint8, pin_memory=True) if self.pin_memory else None
+        except (OSError, RuntimeError) as e:  # the description claims more than this host has
+            raise TransferError(f"cannot allocate {total} bytes for v{version}: {e}") from None
+
+    def close(self) -> None:
+        """Stop the receiver processes and free their landing buffers."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

@@ -1,0 +1,183 @@
+"""Receiver processes that pull a version's streams in parallel interpreters.
+
+`receiver.pull` on threads contends for one GIL: on a 16-core host the checksummed pull
+fell from 84% of the raw-socket ceiling at 1 stream to 56% at 16 (BENCHMARKS.md). A
+ReceiverPool keeps a few torch-free processes (`transfer/pull_proc.py`), started once
+per worker; a pull gives stream i to process i mod N, each writes straight into a
+shared-memory landing buffer (`LandingBuffer`, pinned when the engine is on CUDA) and
+checks its chunks as they land. The caller still describes the version, checks the
+whole-buffer checksum and decides what to load, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import send_handle
+
+import torch
+
+from polyrl.transfer.pull_proc import Job, StreamJob
+from polyrl.transfer.shm import SharedBuffer
+from polyrl.transfer.wire import OP_CHUNKS, TransferError, TransferInfo, encode_request
+
+log = logging.getLogger("polyrl.transfer")
+
+MIN_POOL_BYTES = 64 * 2**20
+"""Smaller versions are pulled on threads: a few ms either way, and tests stay light."""
+
+
+class LandingBuffer(SharedBuffer):
+    """A buffer the pool's processes pull into; `tensor` is what the engine reads."""
+
+    _next_id = 0
+
+    def __init__(self, nbytes: int, pin: bool = False) -> None:
+        LandingBuffer._next_id += 1
+        self.id = LandingBuffer._next_id
+        super().__init__(f"polyrl-landing-{self.id}", nbytes, pin)
+        self.sent_to: set[int] = set()
+        """Pids of the processes that have it mapped."""
+
+
+class _Proc:
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        entry = f"from polyrl.transfer.pull_proc import main; main({theirs.fileno()}, {os.getpid()})"
+        try:
+            self.process = subprocess.Popen([sys.executable, "-c", entry], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+
+    def close(self) -> None:
+        self.conn.close()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+
+
+class ReceiverPool:
+    def __init__(self, num_processes: int) -> None:
+        if num_processes < 1:
+            raise ValueError("num_processes must be >= 1")
+        self.num_processes = num_processes
+        self._procs: list[_Proc | None] = [None] * num_processes
+        self._lock = threading.Lock()  # one pull at a time (a worker syncs one version at a time)
+        self._buffers: dict[int, LandingBuffer] = {}  # by data_ptr
+
+    def receive(self, host: str, port: int, worker_id: str, token: str, info: TransferInfo,
+                into: LandingBuffer, num_streams: int, timeout_s: float) -> None:  # fmt: skip
+        """Pull every chunk of `info` into `into` over `num_streams` streams; raises
+        TransferError. A process that died is replaced at the next pull."""
+        version = info.manifest.version
+        jobs: dict[int, list[StreamJob]] = {}
+        for stream in range(num_streams):
+            chunks = [(*info.chunk_range(i), info.chunk_checksums[i]) for i in range(stream, info.num_chunks, num_streams)]
+            request = encode_request(OP_CHUNKS, version, worker_id, token, stream, num_streams)
+            jobs.setdefault(stream % self.num_processes, []).append(StreamJob(request, chunks))
+        with self._lock:
+            conns: list[Connection] = []
+            try:
+                for i, streams in jobs.items():
+                    conns.append(self._send(i, Job(into.id, False, host, port, timeout_s, streams), into))
+            except TransferError:
+                self._kill(set(conns))  # their answers must not be read as the next pull's
+                raise
+            errors = self._collect(conns, timeout_s)
+        if errors:
+            raise TransferError(f"pull of v{version} failed: {errors[0]}")
+
+    def landing(self, nbytes: int, pin: bool) -> LandingBuffer:
+        """A landing buffer this pool knows (so `receiver.pull` lets the processes fill it)."""
+        buffer = LandingBuffer(nbytes, pin)
+        with self._lock:
+            self._buffers[buffer.tensor.data_ptr()] = buffer
+        return buffer
+
+    def landing_of(self, tensor: torch.Tensor) -> LandingBuffer | None:
+        """The landing buffer `tensor` starts at, if it is one of ours."""
+        with self._lock:
+            return self._buffers.get(tensor.data_ptr())
+
+    def _send(self, index: int, job: Job, into: LandingBuffer) -> Connection:
+        proc = self._procs[index]
+        if proc is None or proc.process.poll() is not None:
+            proc = self._procs[index] = _Proc()
+            for buffer in self._buffers.values():  # a reused pid maps nothing yet
+                buffer.sent_to.discard(proc.process.pid)
+        new_fd = proc.process.pid not in into.sent_to
+        try:
+            proc.conn.send(Job(job.buffer_id, new_fd, job.host, job.port, job.timeout_s, job.streams))
+            if new_fd:
+                send_handle(proc.conn, into.fd, proc.process.pid)
+                into.sent_to.add(proc.process.pid)
+        except OSError as e:
+            self._kill({proc.conn})
+            raise TransferError(f"receiver process {proc.process.pid} is gone: {e}") from None
+        return proc.conn
+
+    def _collect(self, conns: list[Connection], timeout_s: float) -> list[str]:
+        """Each process's answer. At the first error the processes still pulling are
+        killed (replaced at the next pull, in ~0.1 s: they import no torch): the pull has
+        failed, and one left running could write into the landing buffer under the next."""
+        errors: list[str] = []
+        waiting = set(conns)
+        while waiting and not errors:
+            ready = wait(list(waiting), timeout=timeout_s * 2 + 10)
+            if not ready:
+                self._kill(waiting)
+                return errors + [f"no answer from {len(waiting)} receiver processes in {timeout_s * 2 + 10:.0f}s"]
+            for conn in ready:
+                waiting.discard(conn)  # type: ignore[arg-type]
+                try:
+                    error = conn.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    error = "a receiver process died"
+                    self._kill({conn})  # type: ignore[arg-type]
+                if error is not None:
+                    errors.append(error)
+        if waiting:
+            self._kill(waiting)
+        return errors
+
+    def _kill(self, conns: set[Connection]) -> None:
+        for i, proc in enumerate(self._procs):
+            if proc is not None and proc.conn in conns:
+                proc.process.kill()
+                proc.close()
+                self._procs[i] = None
+
+    def release(self, buffer: LandingBuffer) -> None:
+        """Close `buffer`, here and in the processes."""
+        with self._lock:
+            self._buffers.pop(buffer.tensor.data_ptr(), None)
+            for proc in self._procs:
+                if proc is not None and proc.process.pid in buffer.sent_to:
+                    try:
+                        proc.conn.send(buffer.id)
+                    except OSError:
+                        pass
+        buffer.close()
+
+    def close(self) -> None:
+        """Stop the processes and close every landing buffer."""
+        for buffer in list(self._buffers.values()):
+            self.release(buffer)
+        with self._lock:
+            for proc in self._procs:
+                if proc is not None:
+                    proc.close()
+            self._procs = [None] * self.num_processes
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.process.pid for p in self._procs if p is not None]
+
