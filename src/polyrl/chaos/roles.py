@@ -135,7 +135,7 @@ def manager_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
 def local_worker_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
     row = FaultRow("local worker kill -9 mid-window")
     extra = ["rollout.mode=hybrid", "rollout.hybrid_local_until=learner", "rollout.max_new_tokens=64"]
-    run = TrainRun(model_dir, work, scale, total_steps=8 + 8 * scale.injections, extra=extra)
+    run = TrainRun(model_dir, work, scale, total_steps=10 + 25 * scale.injections, extra=extra)  # a restart takes ~5 s
     started = time.monotonic()
 
     def local(key: str) -> float:
