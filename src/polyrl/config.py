@@ -191,10 +191,13 @@ class TrainerConfig(_Section):
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping
     them: less memory for longer micro-batches, at the cost of about one more forward."""
-    learner_impl: Literal["packed", "padded"] = "packed"
+    learner_impl: Literal["auto", "packed", "padded"] = "auto"
     """packed: micro-batches filled by tokens into one padding-free row, log-probs straight
     from the hidden states chunk by chunk (trainer/packing.py, lm_head.py); padded: one row
-    per sequence and full logits, the earlier path (kept as the baseline)."""
+    per sequence and full logits, the earlier path (kept as the baseline). auto: packed on
+    CUDA; padded on CPU, where packed attention is an exact loop of one attention call per
+    sequence, which costs more than the padding it saves on short sequences (the default
+    main job's learner: 0.66 s a step packed, 0.27 s padded, on 2 cores)."""
     packed_attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """How packed attention keeps to each sequence. auto: torch's varlen flash attention for
     bf16 on CUDA (flex if torch lacks it), else a loop of SDPA calls per sequence (exact)."""

@@ -130,7 +130,7 @@ class Learner:
         self.compute_dtype = compute_dtype
         """Autocast dtype (float32: none; a sharded model may cast its parameters instead)."""
         self.dp = dp or DataParallel()
-        self.is_packed = cfg.learner_impl == "packed"
+        self.is_packed = cfg.learner_impl == "packed" or (cfg.learner_impl == "auto" and model.device.type == "cuda")
         self.attn_backend = cfg.packed_attention
         if self.attn_backend == "auto":
             self.attn_backend = default_backend(model.device, compute_dtype)
@@ -149,8 +149,8 @@ class Learner:
             compile_layers(self.work)
         attention = self.attn_backend if self.is_packed else "-"
         is_copy = self.work is not self.model
-        log.info("learner: %s, attention %s, working copy %s, compiled layers %s", cfg.learner_impl, attention, is_copy,
-                 self.is_compiled)  # fmt: skip
+        log.info("learner: %s, attention %s, working copy %s, compiled layers %s",
+                 "packed" if self.is_packed else "padded", attention, is_copy, self.is_compiled)  # fmt: skip
 
     def _autocast_dtype(self, model: PreTrainedModel) -> torch.dtype:
         """The bf16 working copy runs as it is; the float32 models under autocast."""
