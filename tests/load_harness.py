@@ -41,6 +41,9 @@ from polyrl.manager.protocol import (
 )
 from polyrl.manager.registry import WorkerRecord
 
+MANAGER_PARTS = ("RolloutManager.", "Membership.", "Placement.", "Settlement.")
+"""The classes the manager's own tasks are methods of (manager/manager.py and its mixins)."""
+
 TOKEN = "load-token"
 PROBE_ID = "probe"
 FLEET_SCRIPT = Path(__file__).with_name("fake_fleet.py")
@@ -406,7 +409,7 @@ class LoadHarness:
                 "batches": len(m.batches), "pending": len(m.pending), "cancels": len(m._cancels),
                 "inflight": sum(r.inflight for r in m.registry), "worker_tasks": sum(len(r.tasks) for r in m.registry),
                 "busy_connections": sum(not (c.is_idle() or c.is_closed()) for c in pool.connections),
-                "manager_tasks": sorted(n for n in names if n.startswith("RolloutManager.")),
+                "manager_tasks": sorted(n for n in names if n.startswith(MANAGER_PARTS)),
                 "loop_tasks": sum(n != "RequestResponseCycle.run_asgi" for n in names),
             }  # fmt: skip
 

@@ -42,7 +42,7 @@ CONTROL_P99_S = 1.0
 declared gone."""
 
 IDLE = {"batches": 0, "pending": 0, "cancels": 0, "inflight": 0, "worker_tasks": 0, "busy_connections": 0,
-        "manager_tasks": ["RolloutManager._dispatch_loop", "RolloutManager._monitor_loop"]}  # fmt: skip
+        "manager_tasks": ["Placement._dispatch_loop", "RolloutManager._monitor_loop"]}  # fmt: skip
 
 
 def check_idle(result: dict[str, Any], leftovers: dict[str, Any]) -> None:
