@@ -55,7 +55,7 @@ def train(
                 groups = run.next_batch(step)
                 if run.rollout.shares_weights:
                     groups = list(groups)  # generated in full before the learner changes the weights
-                version = run.rollout.weight_version
+                version = run.version
                 result = learn_from_stream(
                     groups, run.scorer, run.learner, cfg.algo, tcfg.ppo_mini_batch_size, version, run.rollout.learner_started
                 )

@@ -139,6 +139,9 @@ class Run:
     """Submitted batches of the steps to come (rollout.max_staleness of them), oldest first."""
     cleanup: ExitStack = field(default_factory=ExitStack)
     """Stops what the run started (reward pool, rollout, fleet, tracker), last first."""
+    version: int = 0
+    """The policy's weight version: the trainer's to count (one per step), the rollout's
+    to deliver."""
 
     @classmethod
     def create(cls, cfg: RunConfig, run_dir: Path, resume: bool, dp: DataParallel) -> Run:
@@ -199,7 +202,7 @@ class Run:
                 log.info("resumed from %s at step %d", ckpt, state.step)
             return cls(
                 cfg, run_dir, model, tokenizer, source, rollout, GroupScorer(pool, tokenizer), learner, tracker,
-                sampling, state, dp, fleet, cleanup=cleanup.pop_all(),
+                sampling, state, dp, fleet, cleanup=cleanup.pop_all(), version=state.weight_version,
             )  # fmt: skip
 
     def next_batch(self, step: int) -> Iterator[Group]:
@@ -216,12 +219,13 @@ class Run:
         """Record `step` as done. Batches in flight for later steps are not part of the
         state: a resumed run takes their prompts and draws their seeds again."""
         cursor = self.ahead[0].cursor if self.ahead else self.source.cursor
-        self.state = TrainState(step, cursor, self.rollout.weight_version)
+        self.state = TrainState(step, cursor, self.version)
 
     def publish_weights(self) -> None:
         """Colocated: a version bump (the engine runs on the trainer's model); remote: a
         snapshot the workers pull (of the whole weights, gathered from every rank's shard)."""
-        self.rollout.publish(self.rollout.weight_version + 1, gather_weights(self.model, self.dp))
+        self.version += 1
+        self.rollout.publish(self.version, gather_weights(self.model, self.dp))
 
     def step_metrics(self, groups: list[Group], result: StreamResult, timings: dict[str, float]) -> dict[str, float]:
         step_s = timings["step"]
@@ -250,7 +254,7 @@ class Run:
             metrics.update({"fleet/launched": float(events.launched), "fleet/retired": float(events.retired),
                             "fleet/killed": float(events.killed)})  # fmt: skip
         metrics["training/filtered_groups"] = float(result.num_filtered_groups)
-        metrics["training/weight_version"] = float(self.rollout.weight_version)
+        metrics["training/weight_version"] = float(self.version)
         return metrics
 
     def save(self) -> Path:
