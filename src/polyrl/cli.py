@@ -140,7 +140,7 @@ def manager_config(args: argparse.Namespace) -> ManagerRunConfig:
 def cmd_manager(args: argparse.Namespace) -> int:
     from polyrl.manager.main import run_manager
 
-    return run_manager(manager_config(args).manager, args.ready_file)
+    return run_manager(manager_config(args).manager, args.ready_file, args.listen_fd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="port to listen on, 0 = any free one (manager.port; default 5000)")
     p.add_argument("--token", help="shared secret (manager.token; default: $POLYRL_TOKEN)")
     p.add_argument("--ready-file", help="write the URL there once serving (for a parent process)")
+    p.add_argument("--listen-fd", type=int, help="serve on this inherited, bound socket (for a parent process)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. manager.retry_budget=3")
     p.set_defaults(func=cmd_manager)
     return parser

@@ -56,16 +56,20 @@ def resolve_token(cfg: ManagerConfig) -> ManagerConfig:
 class ManagerService:
     """One RolloutManager behind its HTTP API, on the running event loop."""
 
-    def __init__(self, cfg: ManagerConfig) -> None:
+    def __init__(self, cfg: ManagerConfig, listen_fd: int | None = None) -> None:
+        """`listen_fd`: a bound socket to serve on, handed over by the parent (`polyrl
+        train` binds it, so the URL is known before this process starts and a restart
+        serves on the same port)."""
         self.cfg = resolve_token(cfg)
         self.manager = RolloutManager(self.cfg)
+        self.listen_fd = listen_fd
         self.sock: socket.socket | None = None
         self.server: uvicorn.Server | None = None
         self.serving: asyncio.Task[None] | None = None
         self.url = ""
 
     async def start(self) -> str:
-        self.sock = bind(self.cfg.host, self.cfg.port)
+        self.sock = socket.socket(fileno=self.listen_fd) if self.listen_fd is not None else bind(self.cfg.host, self.cfg.port)
         await self.manager.start()
         config = uvicorn.Config(
             create_app(self.manager), log_config=None, log_level="warning", access_log=False, lifespan="off",
@@ -89,14 +93,14 @@ class ManagerService:
             self.sock.close()
 
 
-def run_manager(cfg: ManagerConfig, ready_file: str | None = None) -> int:
+def run_manager(cfg: ManagerConfig, ready_file: str | None = None, listen_fd: int | None = None) -> int:
     """`polyrl manager`: serve until SIGTERM/SIGINT. `ready_file`: where to write the URL
-    once serving (for a parent process that started us on port 0)."""
-    return asyncio.run(_serve(cfg, ready_file))
+    once serving; `listen_fd`: a bound socket to serve on (both for a parent process)."""
+    return asyncio.run(_serve(cfg, ready_file, listen_fd))
 
 
-async def _serve(cfg: ManagerConfig, ready_file: str | None = None) -> int:
-    service = ManagerService(cfg)
+async def _serve(cfg: ManagerConfig, ready_file: str | None = None, listen_fd: int | None = None) -> int:
+    service = ManagerService(cfg, listen_fd)
     try:
         url = await service.start()
     except OSError as e:  # the port is taken, the address is not ours: the operator's to fix

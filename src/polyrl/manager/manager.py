@@ -67,6 +67,7 @@ class RolloutManager(Membership, Placement, Settlement):
         self._wake: asyncio.Event | None = None
         self._closed = False
         self.window = LocalWindow(cfg.local_window, cfg.local_window_max_s)
+        self.local_wanted = False
         self._window_timer: asyncio.TimerHandle | None = None
         self._published_at = time.monotonic()
         self.sync_s: dict[str, float] = {}

@@ -81,6 +81,13 @@ class Membership(ManagerState):
         self._worker_gone(record, f"left: {reason}", is_failure=False)
         return True
 
+    def want_local(self) -> None:
+        """Placement needs the local worker: sync it if it is behind (from now on)."""
+        self.local_wanted = True
+        local = self.local_record
+        if local is not None and local.state == "syncing":
+            self._call_sync_hooks(local, self.registry.latest_version)
+
     def publish_version(self, version: int) -> None:
         """The trainer has weights `version`: batches need it from now on by default."""
         if version < self.registry.latest_version:
@@ -160,8 +167,13 @@ class Membership(ManagerState):
         self.wake()
 
     def _call_sync_hooks(self, record: WorkerRecord, version: int) -> None:
-        """Once per (worker, version): a heartbeat during a long transfer starts no other."""
+        """Once per (worker, version): a heartbeat during a long transfer starts no other.
+        The local worker of a run with no local window syncs only once placement wants it
+        (`want_local`): it is only the fallback then, and a pull per step on the trainer's
+        host cost the 2-core main job's learner CPU it needed."""
         if record.sync_requested >= version:
+            return
+        if record.is_local and self.window.mode == "off" and not self.local_wanted:
             return
         record.sync_requested = version
         for hook in self.sync_hooks:

@@ -75,6 +75,8 @@ class Placement(ManagerState):
                 cap = max(1, cap // (1 + len(peers)))  # a peer: its share, not the whole batch
             if local.serves(version, now) and local.free_slots(cap) > 0:
                 return local, local.free_slots(cap)
+            if not self.local_wanted:
+                self.want_local()  # type: ignore[attr-defined]  # Membership's
         return None
 
     def _launch(self, unit: WorkUnit, worker: WorkerRecord) -> None:

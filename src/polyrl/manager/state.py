@@ -44,6 +44,8 @@ class ManagerState:
     _failed_before: dict[str, tuple[int, float]]
     """Worker id or URL -> (failures in a row, back-off end) of a worker that failed
     lately, for when it registers again."""
+    local_wanted: bool
+    """Placement has needed the local worker (no local window: it syncs only from then on)."""
     _ids: itertools.count[int]
     _wake: asyncio.Event | None
     _window_timer: asyncio.TimerHandle | None

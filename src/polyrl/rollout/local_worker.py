@@ -73,6 +73,11 @@ class LocalWorker:
         self.start()
         return True
 
+    def terminate(self) -> None:
+        """SIGTERM without waiting (`stop` waits), so that several processes stop at once."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()

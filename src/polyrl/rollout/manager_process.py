@@ -7,9 +7,12 @@ starts the same program a user runs standalone, `polyrl manager`, and talks to i
 through its authenticated HTTP API; the trainer receives finished groups, a few
 messages per group.
 
-If the child dies, `restart` starts it again on the same port: workers find it there
-and register again by themselves (a heartbeat answered 404), and the trainer resubmits
-what was unfinished (`rollout/remote.py`).
+The trainer binds the manager's socket itself and hands it to the child: the URL is
+known before the child has imported anything, so the workers start at the same time as
+the manager, and a restarted child serves on the same port with no rebind race. If the
+child dies, `restart` starts it again on that socket: workers find it there and register
+again by themselves (a heartbeat answered 404), and the trainer resubmits what was
+unfinished (`rollout/remote.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import IO
 
 from polyrl.config import ConfigError, ManagerConfig, ManagerRunConfig, save_config
 from polyrl.rollout.fleet import die_with_parent
+from polyrl.serving import bind, http_url
 
 log = logging.getLogger("polyrl.rollout")
 
@@ -39,29 +43,42 @@ class ManagerProcess:
     """`polyrl manager` started, watched and restarted by the trainer."""
 
     def __init__(self, cfg: ManagerConfig, token: str, run_dir: Path) -> None:
-        self.cfg = cfg.model_copy(update={"token": None, "url": None})  # the token goes by environment
+        """Binds the manager's address now: OSError if it is taken."""
+        self.sock = bind(cfg.host, cfg.port)
+        port = self.sock.getsockname()[1]
+        self.url = http_url(cfg.host, port)
+        # the token goes by environment; the port is the socket's, also for a restart
+        self.cfg = cfg.model_copy(update={"token": None, "url": None, "port": port})
         self.token, self.run_dir = token, run_dir
         self.proc: subprocess.Popen[bytes] | None = None
-        self.url = ""
         self.num_restarts = 0
         self._log: IO[bytes] | None = None
+        self._ready = self.run_dir / "manager.url"
 
     def start(self) -> str:
         """Start the child and wait until it serves; returns its URL."""
+        self.spawn()
+        return self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the child; it serves on our socket once its imports are done."""
         config = self.run_dir / "manager.toml"
         save_config(ManagerRunConfig(manager=self.cfg), config)
-        ready = self.run_dir / "manager.url"
-        ready.unlink(missing_ok=True)
+        self._ready.unlink(missing_ok=True)
         self._log = open(self.run_dir / "manager.log", "ab")  # noqa: SIM115 - closed in stop()
-        command = [sys.executable, "-m", "polyrl.cli", "manager", "--config", str(config), "--ready-file", str(ready)]
+        fd = self.sock.fileno()
+        command = [sys.executable, "-m", "polyrl.cli", "manager", "--config", str(config), "--ready-file",
+                   str(self._ready), "--listen-fd", str(fd)]  # fmt: skip
         self.proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(fd,),
             env=_env(self.token), start_new_session=True,  # a terminal's Ctrl-C is the trainer's to handle
             preexec_fn=die_with_parent,
         )  # fmt: skip
-        self.url = self._wait_ready(ready)
-        port = int(self.url.rsplit(":", 1)[1])
-        self.cfg = self.cfg.model_copy(update={"port": port})  # a restart serves where workers look
+
+    def wait_ready(self) -> str:
+        """Wait until the child serves; returns its URL."""
+        assert self.proc is not None
+        self._wait_ready(self._ready)
         log.info("rollout manager (pid %d) serving on %s; log: %s", self.proc.pid, self.url, self.run_dir / "manager.log")
         return self.url
 
@@ -94,6 +111,11 @@ class ManagerProcess:
         self.num_restarts += 1
         return self.start()
 
+    def terminate(self) -> None:
+        """SIGTERM without waiting (`stop` waits), so that several processes stop at once."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+
     def stop(self) -> None:
         """SIGTERM (the manager fails open batches and stops), then SIGKILL after 15 s."""
         if self.proc is not None and self.proc.poll() is None:
@@ -103,6 +125,7 @@ class ManagerProcess:
             except subprocess.TimeoutExpired:
                 self._kill()
         self._close_log()
+        self.sock.close()
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -104,24 +104,27 @@ class RemoteRollout:
         )  # fmt: skip
         self.manager: ManagerProcess | None = None
         if mcfg.url:
-            url = mcfg.url
-            log.info("using the rollout manager at %s", url)
+            self.url = mcfg.url
+            log.info("using the rollout manager at %s", self.url)
         else:
-            self.manager = ManagerProcess(mcfg, token, run_dir)
-            url = self.manager.start()
+            self.manager = ManagerProcess(mcfg, token, run_dir)  # binds its port now: the URL is known
+            self.url = self.manager.url
+            self.manager.spawn()
             self._stack.callback(self.manager.stop)
-        self.link = ManagerLink(url, token)
+        self.link = ManagerLink(self.url, token)
         self._stack.callback(self.link.close)
-        self.link.set_publisher(self.endpoint)
         self.local = LocalWorker(
-            init_path, url, token, cfg.engine, self.model.device, run_dir / "workers", cfg.fleet.worker_threads
+            init_path, self.url, token, cfg.engine, self.model.device, run_dir / "workers", cfg.fleet.worker_threads
         )
-        self.local.start()
+        self.local.start()  # it registers once the manager serves, as every worker does
         self._stack.callback(self.local.stop)
 
-    @property
-    def url(self) -> str:
-        return self.link.url
+    def connect(self) -> None:
+        """Wait for the manager to serve and tell it the publisher (workers may start
+        before: they retry their registration until it answers)."""
+        if self.manager is not None:
+            self.manager.wait_ready()
+        self.link.set_publisher(self.endpoint)
 
     @property
     def weight_version(self) -> int:

@@ -345,7 +345,9 @@ def start_remote(
     if cfg.fleet.num_workers:
         fleet = WorkerFleet(cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers")
         cleanup.callback(fleet.stop)
-    ids = fleet.start() if fleet is not None else []
+        cleanup.callback(rollout.local.terminate)  # runs first: the local worker drains while the fleet does
+    ids = fleet.start() if fleet is not None else []  # while the manager starts: they register once it serves
+    rollout.connect()
     wait_for_workers(rollout, fleet, ids, cfg.fleet.min_workers, cfg.fleet.ready_timeout_s)
     return rollout, fleet
 
