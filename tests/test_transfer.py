@@ -320,9 +320,10 @@ def test_delta_falls_back_to_raw_and_catches_a_wrong_base(publisher: WeightPubli
     assert got.codec == "raw"
     assert_same(unflatten(got.buffer, got.manifest), small_step(weights(), 0.02, seed=3))
     wrong = stale.clone()
-    wrong[100] ^= 1  # the receiver's copy of v2 is not exactly v2
-    with pytest.raises(TransferError, match="wrong chunk 0"):
-        pull(source(publisher, 3), 3, base=(2, wrong))
+    wrong[100] ^= 1  # the receiver's copy of v2 is not exactly v2 (e.g. a restarted trainer's v2)
+    got = pull(source(publisher, 3), 3, base=(2, wrong))
+    assert got.codec == "raw"  # the delta gave a wrong chunk 0: pulled whole instead
+    assert_same(unflatten(got.buffer, got.manifest), small_step(weights(), 0.02, seed=3))
 
 
 def test_zstd_pull_is_bit_exact_and_smaller_than_raw(publisher: WeightPublisher) -> None:

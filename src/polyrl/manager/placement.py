@@ -26,8 +26,8 @@ class Placement(ManagerState):
 
     def _place(self) -> None:
         now = time.monotonic()
-        if self.pending and not self._any_free_slot(now):
-            return  # the common case under load: every worker is full
+        if self.pending and not self._any_free_slot(now) and (self.local_wanted or self.local_record is None):
+            return  # the common case under load: every worker is full (a lazy local worker is asked below)
         waiting: deque[WorkUnit] = deque()
         no_worker: set[tuple[int, bool]] = set()  # (version, stalled) with nothing free right now
         while self.pending:

@@ -192,7 +192,11 @@ def _pull_stream(
 def _pull_delta(
     source: PullSource, info: TransferInfo, base: tuple[int, torch.Tensor], out: torch.Tensor, timeout_s: float
 ) -> Pulled | None:
-    """None when the publisher cannot make the delta (it no longer holds the base)."""
+    """None when the publisher cannot make the delta (it no longer holds the base), or when
+    the delta, whose own checksum held, does not give the version: our copy of the base is
+    not the publisher's (a trainer that restarted from a checkpoint publishes its version
+    numbers again with other weights, and workers that outlived it hold the old ones).
+    The caller then pulls the version whole."""
     payload = _pull_payload(source, info, OP_DELTA, timeout_s, base=base[0])
     if payload is None:
         return None
@@ -200,7 +204,11 @@ def _pull_delta(
         apply_delta(base[1].numpy(), payload, out.numpy())
     except ValueError as e:
         raise TransferError(f"v{info.manifest.version}: bad delta from v{base[0]}: {e}") from None
-    _verify(info, out, f"the delta from v{base[0]} (base not exact?)")
+    try:
+        _verify(info, out, f"the delta from v{base[0]}")
+    except TransferError as e:
+        log.warning("%s: our v%d is not the publisher's; pulling v%d whole", e, base[0], info.manifest.version)
+        return None
     return Pulled(out, info.manifest, 0.0, "delta", len(payload))
 
 
