@@ -82,3 +82,54 @@ def test_bad_path_fails_at_construction():
 def test_weights_length_mismatch():
     with pytest.raises(ValueError, match="weights"):
         RewardPool(["reward_fns:length_reward"], weights=[1.0, 2.0])
+
+
+def test_pool_workers_die_with_a_trainer_killed_with_sigkill(tmp_path):
+    """kill -9 of the process that owns the pool leaves no worker (nor multiprocessing's
+    resource tracker, which the worker kept alive) behind."""
+    import os
+    import signal
+    import subprocess
+
+    script = (
+        "import sys, time; sys.path.insert(0, sys.argv[1])\n"
+        "from polyrl.data.rewards import RewardPool\n"
+        "pool = RewardPool(['reward_fns:length_reward'], num_workers=1)\n"
+        "pool.score(['p'], ['c'], {})\n"
+        "print('ready', flush=True); time.sleep(600)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", script, str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True)
+    children: list[int] = []
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == "ready"
+        children = _children(owner.pid)
+        assert children, "the pool started no worker process"
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in children if _alive(pid)], "pool processes outlived their owner"
+    finally:
+        for pid in [owner.pid, *children]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

@@ -13,6 +13,7 @@ import importlib
 import logging
 import math
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from numbers import Real
 from typing import Any
+
+from polyrl.lifetime import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +56,11 @@ def load_callable(path: str) -> Callable[..., Any]:
 _WORKER_FNS: dict[str, RewardFn] = {}
 
 
-def _init_worker(paths: list[str]) -> None:
-    """Import every function once per worker, so the first batch does not pay for it."""
+def _init_worker(paths: list[str], parent_pid: int) -> None:
+    """Import every function once per worker, so the first batch does not pay for it; and
+    die with the trainer, even by kill -9 (an orphaned pool worker also kept
+    multiprocessing's resource tracker alive, holding its pipe)."""
+    exit_with_parent(parent_pid)
     for path in paths:
         _WORKER_FNS[path] = load_callable(path)
 
@@ -180,7 +186,7 @@ class RewardPool:
             max_workers=self.num_workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(self.functions,),
+            initargs=(self.functions, os.getpid()),
         )
         executor.submit(_ping)  # start workers now, overlapping their import time
         return executor

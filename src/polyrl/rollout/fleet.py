@@ -11,7 +11,6 @@ manager sees the connection drop and migrates the requests token for token.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -23,9 +22,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from polyrl.config import EngineConfig, FleetConfig
+from polyrl.lifetime import die_with_parent
 
 log = logging.getLogger("polyrl.fleet")
 
@@ -220,25 +220,3 @@ def churn_direction(count: int, growing: bool, max_workers: int, min_workers: in
     if not growing and count <= min_workers:
         return True
     return growing
-
-
-def _find_prctl() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-# Looked up once here, not in the child: between fork and exec a threaded parent's child
-# must not dlopen/dlsym (a lock held by another thread at fork time would deadlock it).
-_PRCTL = _find_prctl()
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the trainer dies, even by kill -9, so no
-    orphaned worker keeps heartbeating to a manager that is gone (Linux only)."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))

@@ -23,7 +23,8 @@ import torch
 
 from polyrl.config import EngineConfig
 from polyrl.manager.registry import LOCAL_WORKER_ID
-from polyrl.rollout.fleet import die_with_parent, worker_command, worker_env
+from polyrl.lifetime import die_with_parent
+from polyrl.rollout.fleet import worker_command, worker_env
 
 log = logging.getLogger("polyrl.rollout")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from polyrl.config import ConfigError, ManagerConfig, ManagerRunConfig, save_config
-from polyrl.rollout.fleet import die_with_parent
+from polyrl.lifetime import die_with_parent
 from polyrl.serving import bind, http_url
 
 log = logging.getLogger("polyrl.rollout")

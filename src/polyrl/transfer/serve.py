@@ -16,12 +16,10 @@ NCCL or trainer code, so it starts (and restarts) in a fraction of a second.
 
 from __future__ import annotations
 
-import ctypes
 import hmac
 import logging
 import mmap
 import os
-import signal
 import socket
 import socketserver
 import struct
@@ -35,6 +33,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 
 import numpy as np
 
+from polyrl.lifetime import exit_with_parent
 from polyrl.transfer.compress import encode_zstd
 from polyrl.transfer.delta import encode_delta
 from polyrl.transfer.schema import Manifest
@@ -361,21 +360,10 @@ def _token_ok(key: bytes, req: Request) -> bool:
 # ------------------------------------------------------------------------------ process entry
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the trainer's thread that started it ends, even by
-    kill -9 (Linux only); checked once more after, for a trainer that died before."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def main(control_fd: int, parent_pid: int) -> None:
     """The publisher process: its config, then the inherited listeners and stats page;
     serve until the trainer says stop or goes away."""
-    _die_with_parent(parent_pid)
+    exit_with_parent(parent_pid)
     conn = Connection(control_fd)
     cfg: ServeConfig = conn.recv()
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s[serve]: %(message)s")

@@ -1,0 +1,47 @@
+"""Children that die with the process that started them, even when it is killed with -9.
+
+Every process `polyrl train` starts (the manager, the publisher's data plane, the local
+and launched workers, the reward pool's workers) must not outlive it: an orphan keeps
+heartbeating to a manager that is gone, or holds a core and memory for nobody. Linux's
+PR_SET_PDEATHSIG signals the child when its parent thread ends; elsewhere this is a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+
+def _find_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up once at import, not in a forked child: between fork and exec a threaded
+# parent's child must not dlopen/dlsym (a lock held by another thread at fork time would
+# deadlock it).
+_PRCTL = _find_prctl()
+
+
+def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
+    """Have `sig` sent to this process when the thread that started it ends (usable as a
+    Popen `preexec_fn`)."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(sig))
+
+
+def exit_with_parent(parent_pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    """`die_with_parent`, then exit at once if the parent `parent_pid` already died before
+    this process could ask (a child started with exec, not fork: its parent passes its pid)."""
+    die_with_parent(sig)
+    if os.getppid() != parent_pid:
+        os._exit(1)
