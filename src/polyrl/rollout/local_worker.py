@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 from pathlib import Path
-from typing import IO
 
 import torch
 
 from polyrl.config import EngineConfig
 from polyrl.manager.registry import LOCAL_WORKER_ID
-from polyrl.lifetime import die_with_parent
+from polyrl.rollout.child import Child
 from polyrl.rollout.fleet import worker_command, worker_env
 
 log = logging.getLogger("polyrl.rollout")
 
 
-class LocalWorker:
+class LocalWorker(Child):
     def __init__(
         self, model_dir: Path, manager_url: str, token: str, engine: EngineConfig, device: torch.device,
         log_dir: Path, num_threads: int = 1,
@@ -37,20 +35,16 @@ class LocalWorker:
         self.model_dir, self.manager_url, self.token = model_dir, manager_url, token
         self.engine = engine.model_copy(update={"device": device.type})
         self.device, self.log_dir, self.num_threads = device, log_dir, num_threads
-        self.proc: subprocess.Popen[bytes] | None = None
         self.num_restarts = 0
-        self._log: IO[bytes] | None = None
+        super().__init__()
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_dir / "local.log", "ab")  # noqa: SIM115 - closed in stop()
         command = worker_command(self.model_dir, self.manager_url, LOCAL_WORKER_ID, self.engine, [
             "worker.local=true", "worker.drain_timeout_s=0",
         ])  # fmt: skip
-        self.proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self._env(), start_new_session=True, preexec_fn=die_with_parent,
-        )  # fmt: skip
+        self._spawn(command, self._env(), self.log_dir / "local.log")
+        assert self.proc is not None
         log.info("launched the local worker on %s (pid %d, log %s)", self.device, self.proc.pid, self.log_dir / "local.log")
 
     def _env(self) -> dict[str, str]:
@@ -61,35 +55,11 @@ class LocalWorker:
             env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
         return env
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def restart_if_dead(self) -> bool:
         """Start it again if it died (the manager migrated what it held); True if it did."""
         if self.proc is None or self.alive():
             return False
         log.warning("the local worker exited with code %s; starting it again", self.proc.returncode)
-        self._close_log()
         self.num_restarts += 1
         self.start()
         return True
-
-    def terminate(self) -> None:
-        """SIGTERM without waiting (`stop` waits), so that several processes stop at once."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._close_log()
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None

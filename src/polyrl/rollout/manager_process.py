@@ -18,14 +18,12 @@ unfinished (`rollout/remote.py`).
 from __future__ import annotations
 
 import logging
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO
 
 from polyrl.config import ConfigError, ManagerConfig, ManagerRunConfig, save_config
-from polyrl.lifetime import die_with_parent
+from polyrl.rollout.child import Child
 from polyrl.serving import bind, http_url
 
 log = logging.getLogger("polyrl.rollout")
@@ -39,7 +37,7 @@ class ManagerStartError(RuntimeError):
     pass
 
 
-class ManagerProcess:
+class ManagerProcess(Child):
     """`polyrl manager` started, watched and restarted by the trainer."""
 
     def __init__(self, cfg: ManagerConfig, token: str, run_dir: Path) -> None:
@@ -50,10 +48,9 @@ class ManagerProcess:
         # the token goes by environment; the port is the socket's, also for a restart
         self.cfg = cfg.model_copy(update={"token": None, "url": None, "port": port})
         self.token, self.run_dir = token, run_dir
-        self.proc: subprocess.Popen[bytes] | None = None
         self.num_restarts = 0
-        self._log: IO[bytes] | None = None
         self._ready = self.run_dir / "manager.url"
+        super().__init__()
 
     def start(self) -> str:
         """Start the child and wait until it serves; returns its URL."""
@@ -65,29 +62,24 @@ class ManagerProcess:
         config = self.run_dir / "manager.toml"
         save_config(ManagerRunConfig(manager=self.cfg), config)
         self._ready.unlink(missing_ok=True)
-        self._log = open(self.run_dir / "manager.log", "ab")  # noqa: SIM115 - closed in stop()
         fd = self.sock.fileno()
         command = [sys.executable, "-m", "polyrl.cli", "manager", "--config", str(config), "--ready-file",
                    str(self._ready), "--listen-fd", str(fd)]  # fmt: skip
-        self.proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(fd,),
-            env=_env(self.token), start_new_session=True,  # a terminal's Ctrl-C is the trainer's to handle
-            preexec_fn=die_with_parent,
-        )  # fmt: skip
+        self._spawn(command, _env(self.token), self.run_dir / "manager.log", pass_fds=(fd,))
 
     def wait_ready(self) -> str:
         """Wait until the child serves; returns its URL."""
         assert self.proc is not None
-        self._wait_ready(self._ready)
+        self._wait_ready()
         log.info("rollout manager (pid %d) serving on %s; log: %s", self.proc.pid, self.url, self.run_dir / "manager.log")
         return self.url
 
-    def _wait_ready(self, ready: Path) -> str:
+    def _wait_ready(self) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            if ready.exists():
-                return ready.read_text().strip()
+            if self._ready.exists():
+                return
             if self.proc.poll() == EXIT_CONFIG:  # e.g. its port is taken
                 raise ConfigError(_tail(self.run_dir / "manager.log", 1))
             if self.proc.poll() is not None:
@@ -96,47 +88,22 @@ class ManagerProcess:
                     f"(see {self.run_dir / 'manager.log'}): {_tail(self.run_dir / 'manager.log')}"
                 )
             time.sleep(0.05)
-        self._kill()
+        self.kill()
         raise ManagerStartError(f"the rollout manager did not serve within {START_TIMEOUT_S:.0f}s")
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def restart(self) -> str:
         """A new child on the same port, after the old one died (or is killed here)."""
         code = self.proc.poll() if self.proc is not None else None
         log.warning("rollout manager %s; starting it again on %s",
                     f"exited with code {code}" if code is not None else "unreachable", self.url)  # fmt: skip
-        self._kill()
+        self.kill()
         self.num_restarts += 1
         return self.start()
 
-    def terminate(self) -> None:
-        """SIGTERM without waiting (`stop` waits), so that several processes stop at once."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-
     def stop(self) -> None:
-        """SIGTERM (the manager fails open batches and stops), then SIGKILL after 15 s."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self._kill()
-        self._close_log()
+        """SIGTERM (the manager fails open batches and stops), then SIGKILL; the socket goes too."""
+        super().stop()
         self.sock.close()
-
-    def _kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._close_log()
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
 
 def _env(token: str) -> dict[str, str]:
