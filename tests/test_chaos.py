@@ -194,6 +194,7 @@ def test_standalone_manager_restart_workers_come_back(chaos_model: Path, tmp_pat
     assert max(row.recovery_s) < 5
 
 
+@pytest.mark.slow
 def test_trainers_manager_process_killed_mid_step_nothing_lost(chaos_model: Path, tmp_path: Path) -> None:
     """The trainer starts its manager again, tells it the publisher and the version, and
     resubmits what was unfinished: every step complete, each logged once."""
@@ -202,6 +203,7 @@ def test_trainers_manager_process_killed_mid_step_nothing_lost(chaos_model: Path
     assert row.samples > 0 and row.lost == 0
 
 
+@pytest.mark.slow
 def test_local_worker_killed_mid_window_nothing_lost(chaos_model: Path, tmp_path: Path) -> None:
     """Its samples move to the workers token for token; the trainer starts it again."""
     row = local_worker_killed(chaos_model, tmp_path, SCALE)
