@@ -40,9 +40,23 @@ class Sample:
     weight_versions: list[int]  # version of the weights that produced each token
     workers: list[str] = field(default_factory=list)
     gen_time_s: float = 0.0
+    has_logprobs: bool = True
+    """False when the producer sent no behaviour log-probs (an Atropos group without
+    `inference_logprobs`): `logprobs` are placeholders and the learner uses its own."""
+    prompt_ids: list[int] | None = None
+    """This sample's own context, when it differs from the group's prompt (Atropos groups
+    may hold a different context per sequence)."""
+    loss_mask: list[bool] | None = None
+    """Per completion token: trained on (None: every token). Atropos masks may leave
+    tokens inside the completion untrained, e.g. a tool's output between two turns."""
+    advantages: list[float] | None = None
+    """Per completion token, given by the producer (an Atropos environment's own
+    advantages); None: the learner's group advantage."""
 
     def __post_init__(self) -> None:
         assert len(self.completion_ids) == len(self.logprobs) == len(self.weight_versions)
+        for per_token in (self.loss_mask, self.advantages):
+            assert per_token is None or len(per_token) == len(self.completion_ids)
 
 
 @dataclass
@@ -52,6 +66,9 @@ class Group:
     prompt: Prompt
     samples: list[Sample]
     rewards: list[float] | None = None
+    """Filled in by the learner's scorer, or given with the group (Atropos scores)."""
+    zero_advantage: list[bool] | None = None
+    """Per sample: its advantage is forced to 0 (Atropos's `set_advantage_to_zero`)."""
 
 
 class Rollout(Protocol):

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from polyrl.rollout.types import Group
+from polyrl.rollout.types import Group, Sample
 
 
 @dataclass
@@ -21,27 +21,51 @@ class SeqItem:
     current: list[bool] | None = None
     """Per completion token: sampled by the weights the learner held when its step began
     (None: every token). Only those measure the engine/trainer mismatch."""
+    behav_known: bool = True
+    """False: no behaviour log-probs came with the sample; the learner takes its own (the
+    sample counts as on-policy for the weights the learner holds when it arrives)."""
+    loss_mask: list[bool] | None = None
+    """Per completion token: part of the loss (None: every token)."""
+    token_advantages: list[float] | None = None
+    """Per completion token; None: `advantage` for every token."""
 
     @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
     @property
+    def num_loss_tokens(self) -> int:
+        """The completion tokens the loss counts (its token-mean denominator)."""
+        return self.num_completion_tokens if self.loss_mask is None else sum(self.loss_mask)
+
+    @property
     def num_current_tokens(self) -> int:
-        return self.num_completion_tokens if self.current is None else sum(self.current)
+        if self.current is None and self.loss_mask is None:
+            return self.num_completion_tokens
+        current = self.current or [True] * self.num_completion_tokens
+        counted = self.loss_mask or [True] * self.num_completion_tokens
+        return sum(c and m for c, m in zip(current, counted, strict=True))
 
 
 def group_items(group: Group, advantages: list[float], version: int | None = None) -> list[SeqItem]:
     """version: the learner's weight version at the step's start (None: no token lags)."""
     return [
-        SeqItem(
-            group.prompt.prompt_ids + s.completion_ids, len(group.prompt.prompt_ids), s.logprobs, a,
-            None if version is None or all(v == version for v in s.weight_versions)
-            else [v == version for v in s.weight_versions],
-        )  # fmt: skip
+        sample_item(group.prompt.prompt_ids if s.prompt_ids is None else s.prompt_ids, s, a, version)
         for s, a in zip(group.samples, advantages, strict=True)
         if s.completion_ids  # an empty completion carries no token to learn from
     ]
+
+
+def sample_item(prompt_ids: list[int], s: Sample, advantage: float, version: int | None) -> SeqItem:
+    current = None
+    if not s.has_logprobs:  # no engine log-probs: nothing to measure the mismatch with
+        current = [False] * len(s.completion_ids)
+    elif version is not None and any(v != version for v in s.weight_versions):
+        current = [v == version for v in s.weight_versions]
+    return SeqItem(
+        prompt_ids + s.completion_ids, len(prompt_ids), s.logprobs, advantage, current, s.has_logprobs, s.loss_mask,
+        s.advantages,
+    )  # fmt: skip
 
 
 def pack_micro_batches(items: list[SeqItem], max_tokens: int) -> list[list[SeqItem]]:
@@ -70,8 +94,10 @@ class MicroBatch:
     target_ids: torch.Tensor  # [B, L-1] = input_ids[:, 1:]
     mask: torch.Tensor  # [B, L-1] 1.0 where the target is a completion token
     behav_logp: torch.Tensor  # [B, L-1] engine log-probs aligned with target_ids
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B], or [B, L-1] when some item has per-token advantages
     current_mask: torch.Tensor  # [B, L-1] 1.0 where the target was sampled by the step's starting weights
+    behav_known: torch.Tensor | None = None
+    """[B, L-1] 1.0 where behav_logp is the engine's; None: everywhere (the learner fills the rest)."""
     old_logp: torch.Tensor | None = None  # [B, L-1]
     ref_logp: torch.Tensor | None = None  # [B, L-1]
     packed: Any = None
@@ -89,14 +115,22 @@ def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
     mask = torch.zeros((rows, width - 1))
     behav = torch.zeros((rows, width - 1))
     current = torch.zeros((rows, width - 1))
+    is_per_token = any(it.token_advantages is not None for it in items)
+    advantages = torch.zeros((rows, width - 1)) if is_per_token else torch.tensor([it.advantage for it in items])
+    behav_known = None if all(it.behav_known for it in items) else torch.zeros((rows, width - 1))
     for i, it in enumerate(items):
         n = len(it.token_ids)
         input_ids[i, :n] = torch.tensor(it.token_ids)
         attention_mask[i, :n] = 1
         # Target column t predicts token t+1: completion tokens sit at prompt_len-1 .. n-2.
-        mask[i, it.prompt_len - 1 : n - 1] = 1.0
-        behav[i, it.prompt_len - 1 : n - 1] = torch.tensor(it.behav_logp)
-        current[i, it.prompt_len - 1 : n - 1] = 1.0 if it.current is None else torch.tensor(it.current, dtype=torch.float)
+        span = slice(it.prompt_len - 1, n - 1)
+        mask[i, span] = 1.0 if it.loss_mask is None else torch.tensor(it.loss_mask, dtype=torch.float)
+        behav[i, span] = torch.tensor(it.behav_logp)
+        current[i, span] = 1.0 if it.current is None else torch.tensor(it.current, dtype=torch.float)
+        if is_per_token:
+            advantages[i, span] = it.advantage if it.token_advantages is None else torch.tensor(it.token_advantages)
+        if behav_known is not None:
+            behav_known[i, span] = float(it.behav_known)
     position_ids = torch.arange(width).expand(rows, width).contiguous()
     return MicroBatch(
         input_ids=input_ids,
@@ -105,6 +139,7 @@ def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
         target_ids=input_ids[:, 1:],
         mask=mask,
         behav_logp=behav,
-        advantages=torch.tensor([it.advantage for it in items]),
+        advantages=advantages,
         current_mask=current,
+        behav_known=behav_known,
     )

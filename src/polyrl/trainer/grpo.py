@@ -164,7 +164,7 @@ class LossInputs:
     logp: torch.Tensor  # [B, T] current policy log-probs (requires grad)
     old_logp: torch.Tensor  # [B, T] proximal/old policy log-probs (no grad)
     behav_logp: torch.Tensor  # [B, T] behaviour log-probs from the rollout engine (no grad)
-    advantages: torch.Tensor  # [B] one advantage per sequence (broadcast over tokens)
+    advantages: torch.Tensor  # [B] one advantage per sequence (broadcast over tokens), or [B, T] per token
     mask: torch.Tensor  # [B, T] 1.0 on completion tokens that count, 0 on padding/prompt
     entropy: torch.Tensor | None = None  # [B, T]
     ref_logp: torch.Tensor | None = None  # [B, T] frozen reference policy
@@ -231,7 +231,8 @@ def policy_loss(
     "_num_tokens".
     """
     m = x.mask > 0  # [B, T] bool
-    adv = x.advantages.detach().to(x.logp.dtype).unsqueeze(-1)  # [B, 1]
+    adv = x.advantages.detach().to(x.logp.dtype)  # [B] or [B, T] (per-token advantages)
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # [B, 1] or [B, T]
     old_logp = x.old_logp.detach()  # [B, T]
 
     def agg(v: torch.Tensor) -> torch.Tensor:

@@ -223,6 +223,11 @@ class Learner:
         collate_fn = collate_packed if self.is_packed else collate
         mbs = [collate_fn(b, self.pad_id).to(device) for b in batches]
         for mb in mbs:
+            if mb.behav_known is not None:
+                # Samples that came without behaviour log-probs count as on-policy for the
+                # weights held now: the truncated importance weight is 1 on their tokens.
+                own = self.logprobs(self.work, mb, False)[0]
+                mb.behav_logp = torch.where(mb.behav_known > 0, mb.behav_logp, own)
             if not self.algo.recompute_old_logprobs:
                 mb.old_logp = mb.behav_logp
             elif not self._old_logp_from_training_pass:
@@ -244,7 +249,7 @@ class Learner:
 
     def _train(self, items: list[SeqItem], weights_as_sampled: bool) -> dict[str, float]:
         self.work.train()
-        num_tokens = sum(it.num_completion_tokens for it in items)  # the whole mini-batch's, on every rank
+        num_tokens = sum(it.num_loss_tokens for it in items)  # the whole mini-batch's, on every rank
         num_current = sum(it.num_current_tokens for it in items) if weights_as_sampled else 0
         pack = pack_by_tokens if self.is_packed else None
         mbs = self._prepare(self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id, pack))

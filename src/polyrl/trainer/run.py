@@ -36,6 +36,7 @@ from polyrl.models.precision import DTYPES
 from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.models.tiny import save_tiny_model
+from polyrl.rollout.atropos import AtroposRollout
 from polyrl.rollout.fleet import WorkerFleet
 from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.remote import RemoteRollout
@@ -182,6 +183,9 @@ class Run:
             # the local worker sizes its KV cache before the learner allocates.
             rollout, fleet = start_rollout(cfg, run_dir, model, compute_dtype, init_path, cleanup)
             rollout.publish(state.weight_version)
+            if cfg.data.source == "atropos":  # groups from the Atropos API; the fleet still gets every version
+                rollout = AtroposRollout.start(rollout, cfg, run_dir, model, state.step)
+                cleanup.callback(rollout.close)
             with dp.command("start", cfg, init_path, pad_id, ckpt):
                 learner = build_learner(cfg, model, init_path, pad_id, blob, dp)
             if blob:
@@ -211,9 +215,14 @@ class Run:
         last = min(step + self.cfg.rollout.max_staleness, self.cfg.trainer.total_steps)
         while step + len(self.ahead) <= last:
             cursor, rng = self.source.cursor, rng_state()
-            prompts = self.source.take(self.cfg.trainer.train_batch_size)
+            prompts = self.source.take(self.num_prompts_per_step)
             self.ahead.append(PendingBatch(self.rollout.generate(prompts, self.cfg.rollout.n, self.sampling), cursor, rng))
         return self.ahead.popleft().groups
+
+    @property
+    def num_prompts_per_step(self) -> int:
+        """None from the source when Atropos environments bring their own."""
+        return 0 if self.cfg.data.source == "atropos" else self.cfg.trainer.train_batch_size
 
     def end_step(self, step: int) -> None:
         """Record `step` as done. Batches in flight for later steps are not part of the

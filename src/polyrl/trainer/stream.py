@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,12 @@ class GroupScorer:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def submit(self, group: Group):
+        """Rewards for the group's samples; a group that came scored (an Atropos
+        environment's) keeps its own."""
+        if group.rewards is not None:
+            done: Future = Future()
+            done.set_result(group.rewards)
+            return done
         n = len(group.samples)
         completions = [self.decode(s) for s in group.samples]
         columns = {k: [v] * n for k, v in group.prompt.columns.items()}
@@ -115,5 +122,7 @@ def _items(batch: list[Group], algo: AlgoConfig, out: StreamResult) -> list[SeqI
             out.num_filtered_groups += 1  # no learning signal: every advantage would be 0
             continue
         advantages = group_advantages(rewards, algo.norm_adv_by_std)[0].tolist()
+        if group.zero_advantage is not None:
+            advantages = [0.0 if zero else a for a, zero in zip(advantages, group.zero_advantage, strict=True)]
         items += group_items(group, advantages, out.version)
     return items

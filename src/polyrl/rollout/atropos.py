@@ -1,0 +1,145 @@
+"""A rollout whose groups come from an Atropos API server (`data.source = "atropos"`).
+
+Atropos environments generate (through polyrl's manager or workers, which they call as
+an OpenAI or vLLM server) and score their groups themselves; the trainer only pulls
+finished batches. Weights still flow as in remote mode: every step's version is
+published to the fleet through the manager, so the environments' next requests are
+served by the new policy. Hence this wraps the fleet's rollout and takes over only
+`generate`.
+
+Atropos groups do not say which weights sampled them: their tokens are booked under the
+version the learner holds when the batch arrives, and the truncated importance weight
+on `inference_logprobs` (algo.tis_cap) corrects for any lag.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from polyrl.config import RunConfig
+from polyrl.data.atropos import Registration, ScoredGroup, check_group, to_group
+from polyrl.data.atropos_client import AtroposClient
+from polyrl.rollout.stats import RolloutStats
+from polyrl.rollout.types import Group, Prompt, Rollout
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+    from transformers import PreTrainedModel
+
+    from polyrl.manager.protocol import BatchSampling, WorkerInfo
+
+log = logging.getLogger("polyrl.atropos")
+
+
+def registration(cfg: RunConfig, run_dir: Path, max_token_len: int, steps_done: int) -> Registration:
+    """What the API is told: a step is `train_batch_size` groups of `rollout.n` sequences."""
+    a = cfg.data.atropos
+    return Registration(
+        wandb_group=a.wandb_group,
+        wandb_project=a.wandb_project,
+        batch_size=cfg.trainer.train_batch_size * cfg.rollout.n,
+        max_token_len=max_token_len,
+        checkpoint_dir=str(run_dir / "checkpoints"),
+        save_checkpoint_interval=cfg.trainer.save_every,
+        starting_step=steps_done,
+        num_steps=cfg.trainer.total_steps,
+    )
+
+
+class AtroposRollout:
+    """`generate` from the Atropos API; publishing, workers and the learner's start go to
+    the fleet's rollout (`inner`)."""
+
+    shares_weights = False
+
+    def __init__(self, inner: Rollout, client: AtroposClient, vocab_size: int, temperature: float,
+                 steps_done: int) -> None:  # fmt: skip
+        self.inner, self.client = inner, client
+        self.vocab_size, self.temperature = vocab_size, temperature
+        self.steps_done = steps_done
+        """Batches taken, the resumed run's too: the `starting_step` of a re-registration."""
+        self.stats = RolloutStats()
+        self.num_groups = 0
+        self.num_dropped = 0
+        self._warned_temperatures: set[float] = set()
+
+    @classmethod
+    def start(cls, inner: Rollout, cfg: RunConfig, run_dir: Path, model: PreTrainedModel, steps_done: int) -> AtroposRollout:
+        """Register with the API (it then waits for the trainer's first `/batch` call
+        before it lets environments register)."""
+        max_token_len = cfg.data.atropos.max_token_len or model.config.max_position_embeddings
+        client = AtroposClient(cfg.data.atropos, registration(cfg, run_dir, max_token_len, steps_done))
+        try:
+            client.register(steps_done)
+        except BaseException:
+            client.close()
+            raise
+        vocab_size = model.get_input_embeddings().num_embeddings
+        return cls(inner, client, vocab_size, cfg.rollout.temperature, steps_done)
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    @property
+    def num_instances(self) -> int:
+        return len(self.inner.workers())
+
+    def publish(self, version: int, weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.inner.publish(version, weights)
+
+    def generate(self, prompts: list[Prompt], n: int, sampling: BatchSampling) -> Iterator[Group]:
+        """The next batch's groups, polled for when first read; `prompts` must be empty
+        (the environments choose them)."""
+        assert not prompts, "Atropos environments choose the prompts"
+        return self._groups()
+
+    def _groups(self) -> Iterator[Group]:
+        t0 = time.perf_counter()
+        groups: list[Group] = []
+        while not groups:  # a batch of only dropped groups is no step: take the next one
+            groups = self._convert(self.client.next_batch(self.steps_done))
+            self.steps_done += 1
+        num_samples = sum(len(g.samples) for g in groups)
+        self.stats = RolloutStats(gen_s=time.perf_counter() - t0, num_requested=num_samples, num_received=num_samples)
+        yield from groups
+
+    def _convert(self, batch: list[ScoredGroup]) -> list[Group]:
+        max_token_len = self.client.registration.max_token_len
+        version = self.weight_version
+        groups: list[Group] = []
+        for scored in batch:
+            problem = check_group(scored, self.vocab_size, max_token_len)
+            if problem:
+                self.num_dropped += 1
+                log.warning("dropped an Atropos group (env %s): %s", scored.env_id, problem)
+                continue
+            self._check_temperature(scored.temperature)
+            groups.append(to_group(scored, self.num_groups, version))
+            self.num_groups += 1
+        return groups
+
+    def _check_temperature(self, temperature: float | None) -> None:
+        """The learner computes log-probs at rollout.temperature: an environment sampling at
+        another one makes the importance weights compare different distributions."""
+        if temperature is None or abs(temperature - self.temperature) < 1e-6:
+            return
+        if temperature not in self._warned_temperatures:
+            self._warned_temperatures.add(temperature)
+            log.warning("an Atropos environment samples at temperature %g, the learner computes log-probs at "
+                        "rollout.temperature=%g: set them equal", temperature, self.temperature)  # fmt: skip
+
+    def learner_started(self) -> None:
+        self.inner.learner_started()
+
+    def workers(self) -> list[WorkerInfo]:
+        return self.inner.workers()
+
+    def close(self) -> None:
+        """Only the client: the fleet's rollout is closed by whoever started it."""
+        self.client.close()
