@@ -128,3 +128,20 @@ def test_config_checks():
         load_config(None, ["data.source=elsewhere"])
     cfg = load_config(None, ["data.source=atropos", "data.atropos.url=http://127.0.0.1:8000"])
     assert cfg.data.atropos.url == "http://127.0.0.1:8000"
+
+
+def test_base_envs_empty_lists_mean_none_and_bad_groups_are_dropped_not_fatal():
+    from types import SimpleNamespace
+
+    from polyrl.rollout.atropos import AtroposRollout
+
+    good = {"tokens": [[5, 6, 7]], "masks": [[X, X, 7]], "scores": [1.0], "advantages": [], "overrides": [],
+            "inference_logprobs": [], "ref_logprobs": [], "messages": [], "group_overrides": {}}  # fmt: skip
+    misaligned = good | {"masks": [[X, 7]]}
+    too_long = good | {"tokens": [[5] * 70], "masks": [[X] * 69 + [5]]}
+    client = SimpleNamespace(registration=SimpleNamespace(max_token_len=64))
+    inner = SimpleNamespace(weight_version=4)
+    rollout = AtroposRollout(inner, client, vocab_size=64, temperature=1.0, steps_done=0)
+    groups = rollout._convert([misaligned, good, too_long])
+    assert len(groups) == 1 and rollout.num_dropped == 2
+    assert groups[0].samples[0].completion_ids == [7] and groups[0].samples[0].weight_versions == [4]

@@ -68,8 +68,8 @@ def test_register_then_poll_until_a_whole_batch_is_queued(api):
     t.join(10)
     assert not t.is_alive()
     batch = got[0]
-    assert sorted(g.scores[0] for g in batch) == [0.5, 1.0]
-    assert {tuple(g.tokens[0]) for g in batch} == {(5, 6, 7, 8)}
+    assert sorted(g["scores"][0] for g in batch) == [0.5, 1.0]
+    assert {tuple(g["tokens"][0]) for g in batch} == {(5, 6, 7, 8)}
     assert api.get("/status")["current_step"] == 1
     c.close()
 

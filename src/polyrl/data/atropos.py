@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from polyrl.rollout.types import Group, Prompt, Sample
 
@@ -64,6 +64,12 @@ class ScoredGroup(BaseModel):
     generation_params: dict[str, Any] | None = None
     env_id: int | None = None
 
+    @field_validator("advantages", "inference_logprobs", "overrides", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        """BaseEnv's default `collect_trajectories` sends [] for "none"."""
+        return None if value == [] else value
+
     @model_validator(mode="after")
     def _aligned(self) -> ScoredGroup:
         n = len(self.tokens)
@@ -93,7 +99,8 @@ class BatchReply(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    batch: list[ScoredGroup] | None = None
+    batch: list[dict[str, Any]] | None = None
+    """Groups, each parsed on its own (`ScoredGroup`): one malformed group is dropped, not the batch."""
     status: str | None = None
     message: str | None = None
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import httpx
 from pydantic import ValidationError
 
 from polyrl.config import AtroposConfig
-from polyrl.data.atropos import BatchReply, Registration, ScoredGroup
+from polyrl.data.atropos import BatchReply, Registration
 
 log = logging.getLogger("polyrl.atropos")
 
@@ -51,8 +52,9 @@ class AtroposClient:
         log.info("registered with the Atropos API at %s (batch_size=%d, starting_step=%d)",
                  self.url, self.registration.batch_size, steps_done)  # fmt: skip
 
-    def next_batch(self, steps_done: int) -> list[ScoredGroup]:
-        """The next batch: polls with back-off until the environments have queued one."""
+    def next_batch(self, steps_done: int) -> list[dict[str, Any]]:
+        """The next batch's groups, unparsed: polls with back-off until the environments
+        have queued a batch."""
         wait_s, t0 = self.cfg.poll_interval_s, time.monotonic()
         just_registered = False
         while True:

@@ -17,7 +17,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from polyrl.config import RunConfig
 from polyrl.data.atropos import Registration, ScoredGroup, check_group, to_group
@@ -109,15 +111,20 @@ class AtroposRollout:
         self.stats = RolloutStats(gen_s=time.perf_counter() - t0, num_requested=num_samples, num_received=num_samples)
         yield from groups
 
-    def _convert(self, batch: list[ScoredGroup]) -> list[Group]:
+    def _convert(self, batch: list[dict[str, Any]]) -> list[Group]:
         max_token_len = self.client.registration.max_token_len
         version = self.weight_version
         groups: list[Group] = []
-        for scored in batch:
-            problem = check_group(scored, self.vocab_size, max_token_len)
+        for raw in batch:
+            try:
+                scored = ScoredGroup.model_validate(raw)
+            except ValidationError as e:
+                problem = f"malformed: {e.errors()[0]['msg']}"
+            else:
+                problem = check_group(scored, self.vocab_size, max_token_len)
             if problem:
                 self.num_dropped += 1
-                log.warning("dropped an Atropos group (env %s): %s", scored.env_id, problem)
+                log.warning("dropped an Atropos group (env %s): %s", raw.get("env_id"), problem)
                 continue
             self._check_temperature(scored.temperature)
             groups.append(to_group(scored, self.num_groups, version))
