@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz+-*=|>?:, "
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}|{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+"""A chat template written in the alphabet (no newline token), so chat endpoints and
+clients that apply templates themselves (atroposlib's ManagedServer) work offline."""
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen3": Qwen3Config,
@@ -49,7 +55,7 @@ def build_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=PAD
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=PAD, chat_template=CHAT_TEMPLATE
     )
 
 

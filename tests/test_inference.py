@@ -1,0 +1,254 @@
+"""The OpenAI- and vLLM-compatible endpoints, on a worker and on the manager.
+
+Driven by the official `openai` client and by atroposlib's own server classes, against
+real servers on free 127.0.0.1 ports with the tiny offline model."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from test_worker import CONTEXT, InProcessWorker, _tiny
+
+from polyrl.engine.types import SampleDelta
+from polyrl.inference.render import Choice, chat_response, completion_response, vllm_response
+
+TOKEN = "inference-test-token"
+PROMPT = "1+2=3, 4+5="
+MESSAGES = [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny(tmp_path_factory.mktemp("inference_model"))
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir: Path) -> Iterator[InProcessWorker]:
+    with InProcessWorker(model_dir) as w:
+        w.state.token = TOKEN
+        yield w
+
+
+def client_for(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=TOKEN, timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def oai(worker: InProcessWorker) -> Iterator[openai.OpenAI]:
+    with client_for(worker.http.url) as client:
+        yield client
+
+
+def model_name(worker: InProcessWorker) -> str:
+    return str(worker.state.model_path)
+
+
+# ------------------------------------------------------------------ builders, no server
+
+
+class CharTokenizer:
+    """One character per token id (id = ord), enough for the builders."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def _delta(index: int, text: str, finish: str | None = None, matched: int | None = None) -> SampleDelta:
+    ids = [ord(ch) for ch in text]
+    return SampleDelta("r", index, ids, [-0.5] * len(ids), [0] * len(ids), finish, matched)
+
+
+def test_stop_string_cuts_text_and_tokens() -> None:
+    tok = CharTokenizer()
+    c = Choice(0, ["END", "xy"])
+    c.add(_delta(0, "abcE"), tok)
+    assert not c.done
+    assert c.release(tok) == ("a", range(0, 1))  # 3 characters held back (the longest stop)
+    c.add(_delta(0, "NDzzz"), tok)
+    assert c.done and c.finish_reason == "stop" and c.text == "abc"
+    assert c.token_ids == [ord(ch) for ch in "abcEND"]  # the shortest prefix holding the stop
+    assert c.release(tok) == ("bc", range(1, 6))
+
+
+def test_finish_by_stop_token_keeps_it_out_of_the_text() -> None:
+    tok = CharTokenizer()
+    c = Choice(0, [])
+    c.add(_delta(0, "hi!", finish="stop", matched=ord("!")), tok)
+    body = completion_response("id", "m", tok, 3, [c], logprobs=0)
+    choice = body["choices"][0]
+    assert choice["text"] == "hi" and choice["finish_reason"] == "stop"
+    assert choice["logprobs"]["tokens"] == ["h", "i"] and choice["logprobs"]["text_offset"] == [0, 1]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+def test_chat_and_vllm_shapes() -> None:
+    tok = CharTokenizer()
+    a, b = Choice(0, []), Choice(1, [])
+    a.add(_delta(0, "ok", finish="length"), tok)
+    b.add(_delta(1, "no!", finish="stop", matched=ord("!")), tok)
+    chat = chat_response("id", "m", tok, 5, [a, b], logprobs=True)
+    assert [c["message"]["content"] for c in chat["choices"]] == ["ok", "no"]
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": "o", "logprob": -0.5, "bytes": [ord("o")], "top_logprobs": []}
+    a2, b2 = Choice(0, []), Choice(1, [])
+    a2.add(_delta(0, "ok", finish="length"), tok)
+    b2.add(_delta(1, "no!", finish="stop", matched=ord("!")), tok)
+    vllm = vllm_response(tok, [1, 2], [a2, b2], with_logprobs=True)
+    assert vllm["finish_reasons"] == ["length", "stop"]
+    assert vllm["logprobs"][1] == [[{str(ord("n")): -0.5}], [{str(ord("o")): -0.5}], [{str(ord("!")): -0.5}]]
+    assert vllm["text"] == ["ok", "no"] and vllm["token_ids"][1] == [ord(ch) for ch in "no!"]
+
+
+# --------------------------------------------------------------------- a worker, openai client
+
+
+def test_models_lists_the_served_model_and_needs_the_token(worker: InProcessWorker, oai: openai.OpenAI) -> None:
+    assert [m.id for m in oai.models.list().data] == [model_name(worker)]
+    with client_for(worker.http.url) as other:
+        other.api_key = "wrong"
+        with pytest.raises(openai.AuthenticationError):
+            other.models.list()
+
+
+def test_completion_n_logprobs_usage(worker: InProcessWorker, oai: openai.OpenAI) -> None:
+    tok = worker.tokenizer
+    out = oai.completions.create(
+        model=model_name(worker), prompt=PROMPT, n=3, max_tokens=6, temperature=1.0, seed=7, logprobs=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert len(out.choices) == 3 and sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert out.usage.prompt_tokens == len(tok(PROMPT)["input_ids"])
+    assert out.usage.completion_tokens == 18
+    for c in out.choices:
+        assert c.finish_reason == "length"
+        lps = c.logprobs.token_logprobs
+        assert len(lps) == 6 and all(math.isfinite(lp) and lp <= 0 for lp in lps)
+        assert "".join(c.logprobs.tokens) == c.text
+        assert len(tok(c.text, add_special_tokens=False)["input_ids"]) == 6
+    again = oai.completions.create(
+        model=model_name(worker), prompt=PROMPT, n=3, max_tokens=6, temperature=1.0, seed=7, logprobs=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded: reproducible
+
+
+def test_chat_stream_equals_non_stream_with_usage(worker: InProcessWorker, oai: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(model=model_name(worker), messages=MESSAGES, max_tokens=8, temperature=0.0,
+                                  logprobs=True, extra_body={"ignore_eos": True})  # fmt: skip
+    whole = oai.chat.completions.create(**kwargs)
+    text, lps, finish, usage = "", [], None, None
+    for chunk in oai.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            lps += [entry.logprob for entry in (c.logprobs.content if c.logprobs else [])]
+            finish = c.finish_reason or finish
+    choice = whole.choices[0]
+    assert text == choice.message.content and finish == choice.finish_reason == "length"
+    assert lps == pytest.approx([e.logprob for e in choice.logprobs.content], abs=1e-5)
+    assert all(math.isfinite(lp) and lp <= 0 for lp in lps) and len(lps) == 8
+    prompt = worker.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert usage is not None and usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.prompt_tokens == len(worker.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert usage.completion_tokens == 8
+
+
+def test_completion_stream_n_and_stop(worker: InProcessWorker, oai: openai.OpenAI) -> None:
+    base = oai.completions.create(model=model_name(worker), prompt=PROMPT, max_tokens=12, temperature=0.0,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    full = base.choices[0].text
+    assert len(full) == 12
+    stop = full[5:7]
+    cut = full[: full.find(stop)]
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    stream = oai.completions.create(model=model_name(worker), prompt=PROMPT, max_tokens=12, temperature=0.0, n=2,
+                                    stop=[stop], stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {0: cut, 1: cut} and finishes == {0: "stop", 1: "stop"}
+
+
+def test_bad_requests_get_clear_4xx_and_the_worker_keeps_serving(worker: InProcessWorker, oai: openai.OpenAI) -> None:
+    name = model_name(worker)
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="at most"):
+        oai.completions.create(model=name, prompt=PROMPT, max_tokens=2, n=100_000)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        oai.completions.create(model=name, prompt=PROMPT, max_tokens=CONTEXT)
+    with pytest.raises(openai.UnprocessableEntityError, match="role"):
+        oai.chat.completions.create(model=name, messages=[{"content": "hi"}], max_tokens=2)  # type: ignore[list-item]
+    with pytest.raises(openai.UnprocessableEntityError, match="empty"):
+        oai.completions.create(model=name, prompt="", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        oai.completions.create(model=name, prompt=PROMPT, max_tokens=2, presence_penalty=1.0)
+    raw = httpx.post(f"{worker.http.url}/v1/completions", json={"model": name, "prompt": PROMPT}, timeout=30)
+    assert raw.status_code == 401 and raw.json()["error"]["type"] == "unauthorized"
+    assert oai.completions.create(model=name, prompt=PROMPT, max_tokens=2).choices[0].finish_reason
+
+
+# ------------------------------------------------------------------------ vLLM's /generate
+
+
+def test_vllm_generate_and_sglang_generate_share_the_path(worker: InProcessWorker) -> None:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    ids = list(worker.tokenizer(PROMPT)["input_ids"])
+    body = {"prompt": {"prompt_token_ids": ids}, "logprobs": 0, "n": 2, "max_tokens": 5, "temperature": 0.0,
+            "ignore_eos": True}  # fmt: skip
+    vllm = httpx.post(f"{worker.http.url}/generate", json=body, headers=headers, timeout=60).json()
+    assert vllm["finish_reasons"] == ["length", "length"]
+    tokens = [[int(next(iter(item[0]))) for item in sample] for sample in vllm["logprobs"]]
+    assert tokens == vllm["token_ids"] and len(tokens[0]) == 5
+    sglang = {"input_ids": ids, "return_logprob": True,
+              "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}}  # fmt: skip
+    sg = httpx.post(f"{worker.http.url}/generate", json=sglang, headers=headers, timeout=60).json()
+    assert sg["output_ids"] == tokens[0]
+    assert [lp for lp, _, _ in sg["meta_info"]["output_token_logprobs"]] == pytest.approx(
+        [next(iter(item[0].values())) for item in vllm["logprobs"][0]], abs=1e-5
+    )
+    neither = httpx.post(f"{worker.http.url}/generate", json={"max_tokens": 3}, headers=headers, timeout=30)
+    assert neither.status_code == 422 and "vLLM" in neither.json()["error"]["message"]
+
+
+def test_atroposlib_vllm_server_class_against_a_worker(worker: InProcessWorker, model_dir: Path) -> None:
+    tokens, logprobs, finishes = asyncio.run(_atropos_vllm_call(worker.http.url, str(model_dir)))
+    assert len(tokens) == 2 and all(len(t) == 4 for t in tokens)
+    assert all(math.isfinite(lp) and lp <= 0 for sample in logprobs for lp in sample)
+    assert finishes == ["length", "length"]
+
+
+async def _atropos_vllm_call(url: str, model_dir: str) -> tuple[list[list[int]], list[list[float]], list[Any]]:
+    from atroposlib.envs.server_handling.managed_server import ManagedServer
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+    from atroposlib.envs.server_handling.vllm_server import VLLMServer
+
+    config = APIServerConfig(server_type="vllm", base_url=f"{url}/v1", api_key=TOKEN, model_name=model_dir,
+                             tokenizer_name=model_dir, timeout=60)  # fmt: skip
+    server = VLLMServer(config)
+    managed = ManagedServer(server, tokenizer=server.tokenizer)
+    try:
+        await managed.chat_completion(messages=MESSAGES, n=2, max_tokens=4, temperature=1.0, ignore_eos=True)
+        nodes = managed.get_state()["nodes"]
+    finally:
+        if server.check_task is not None:
+            server.check_task.cancel()
+    assert len(nodes) == 2
+    _, out_tokens, out_logprobs, finishes = await server.tokens_and_logprobs_completion(
+        prompt=PROMPT, n=2, max_tokens=4, temperature=1.0, ignore_eos=True
+    )
+    if server.check_task is not None:
+        server.check_task.cancel()
+    return out_tokens, out_logprobs, finishes
