@@ -1,0 +1,161 @@
+"""A small Atropos environment that runs offline: polyrl's `copy` task (repeat a 2-4
+letter word) scored by its partial-credit reward, served by polyrl's manager or a worker.
+
+    python examples/atropos_env.py --api http://127.0.0.1:8000 \
+        --inference http://127.0.0.1:5000/v1 --model init_model --tokenizer RUN_DIR/init_model \
+        --token "$(python -c 'import json;print(json.load(open("RUN_DIR/manager.json"))["token"])')"
+
+It subclasses atroposlib's `BaseEnv` and talks to polyrl through atroposlib's own server
+classes: `--server-type vllm` (the default) goes through its ManagedServer to vLLM's
+`/generate`, which returns token ids and their log-probs, so the groups carry
+`inference_logprobs`; `--server-type openai` calls `/v1/completions` with the official
+client and tokenizes the returned text itself (no log-probs: the trainer then uses its
+own). atroposlib's `tokenize_for_trainer` is not used: with transformers 5 it returns
+wrong tokens.
+
+Two traps of atroposlib 0.4.0 are avoided here: `config_init` returns a list of server
+configs (a single one loses its `base_url`), and health checks are off (an unhealthy
+server would make the environment wait forever instead of failing its requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+
+from polyrl.data.tasks import char_match_reward, get_task, task_record
+
+TASK = get_task("copy")
+
+
+class CopyEnvConfig(BaseEnvConfig):
+    inference_url: str = "http://127.0.0.1:5000/v1"
+    model_name: str = "init_model"
+    api_key: str = ""
+    server_type: str = "vllm"
+    temperature: float = 1.0
+    max_new_tokens: int = 6
+    seed: int = 1
+
+
+class CopyEnv(BaseEnv):
+    name = "polyrl_copy"
+    env_config_cls = CopyEnvConfig
+
+    def __init__(self, config: CopyEnvConfig, server_configs: list[APIServerConfig], **kwargs: Any) -> None:
+        super().__init__(config, server_configs, **kwargs)
+        self.num_items = 0
+
+    @classmethod
+    def for_args(cls, args: argparse.Namespace) -> CopyEnv:
+        config = CopyEnvConfig(
+            tokenizer_name=args.tokenizer,
+            group_size=args.group_size,
+            use_wandb=False,
+            wandb_name="polyrl_copy",
+            rollout_server_url=args.api,
+            total_steps=-1,  # the trainer's num_steps, from the API
+            max_num_workers=args.max_num_workers,
+            max_batches_offpolicy=args.max_batches_offpolicy,
+            steps_per_eval=10**9,
+            max_token_length=args.max_token_length,
+            ensure_scores_are_not_same=False,
+            include_messages=False,
+            inference_url=args.inference,
+            model_name=args.model,
+            api_key=args.token,
+            server_type=args.server_type,
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+        )
+        server = APIServerConfig(model_name=args.model, tokenizer_name=args.tokenizer, base_url=args.inference, api_key=args.token,
+                                 server_type=args.server_type, health_check=False, timeout=120,
+                                 num_max_requests_at_once=64)  # fmt: skip
+        return cls(config, [server])  # a list: a single config would lose its base_url
+
+    async def setup(self) -> None:
+        pass
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    async def get_next_item(self) -> dict[str, str]:
+        record = task_record(TASK, self.config.seed, self.num_items)
+        self.num_items += 1
+        return record
+
+    async def collect_trajectories(self, item: dict[str, str]) -> tuple[ScoredDataGroup | None, list]:
+        if self.config.server_type == "openai":
+            sequences = await self._sample_by_text(item["prompt"])
+        else:
+            sequences = await self._sample_by_tokens(item["prompt"])
+        completions = [self._completion_text(tokens, masks, reason) for tokens, masks, _, reason in sequences]
+        reasons = [reason for *_, reason in sequences]
+        scores = char_match_reward([item["prompt"]] * len(sequences), completions,
+                                   [item["answer"]] * len(sequences), finish_reason=reasons)  # fmt: skip
+        group = ScoredDataGroup(tokens=[s[0] for s in sequences], masks=[s[1] for s in sequences], scores=scores)
+        if all(s[2] is not None for s in sequences):
+            group["inference_logprobs"] = [s[2] for s in sequences]
+        return group, []
+
+    def _sampling(self) -> dict[str, Any]:
+        return {"n": self.config.group_size, "max_tokens": self.config.max_new_tokens,
+                "temperature": self.config.temperature}  # fmt: skip
+
+    async def _sample_by_tokens(self, prompt: str) -> list[tuple[list[int], list[int], list[float] | None, str]]:
+        """ManagedServer over vLLM's /generate: token ids, masks and log-probs as sampled."""
+        async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
+            await managed.completion(prompt=prompt, **self._sampling())
+            nodes = managed.get_state()["nodes"]
+        return [(n.tokens, n.masked_tokens, n.logprobs, (n.metadata or {}).get("finish_reason", "length")) for n in nodes]
+
+    async def _sample_by_text(self, prompt: str) -> list[tuple[list[int], list[int], None, str]]:
+        """OpenAI's /v1/completions: text only, tokenized here (the stop token is put back
+        when the sample stopped, so the policy learns to end)."""
+        completion = await self.server.completion(prompt=prompt, **self._sampling())
+        prompt_ids = self.tokenizer(prompt).input_ids
+        out = []
+        for choice in completion.choices:
+            ids = self.tokenizer(choice.text, add_special_tokens=False).input_ids
+            if choice.finish_reason == "stop":
+                ids = ids + [self.tokenizer.eos_token_id]
+            out.append((prompt_ids + ids, [-100] * len(prompt_ids) + ids, None, choice.finish_reason))
+        return out
+
+    def _completion_text(self, tokens: list[int], masks: list[int], reason: str) -> str:
+        """As polyrl's own scorer decodes: the final stop token dropped, other special tokens kept visible."""
+        ids = [t for t, m in zip(tokens, masks) if m != -100]
+        if reason == "stop" and ids and ids[-1] == self.tokenizer.eos_token_id:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--api", required=True, help="the Atropos API server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--inference", required=True, help="polyrl's manager or worker, with /v1 (http://HOST:PORT/v1)")
+    p.add_argument("--model", default="init_model", help="the served model's name (its directory's name)")
+    p.add_argument("--tokenizer", required=True, help="the model's local directory")
+    p.add_argument("--token", default="", help="polyrl's bearer token (RUN_DIR/manager.json)")
+    p.add_argument("--server-type", choices=["vllm", "openai"], default="vllm")
+    p.add_argument("--group-size", type=int, default=8, help="= the trainer's rollout.n")
+    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--max-token-length", type=int, default=256, help="prompt + completion limit of a sequence")
+    p.add_argument("--temperature", type=float, default=1.0, help="= the trainer's rollout.temperature")
+    p.add_argument("--max-num-workers", type=int, default=8, help="groups in flight at once")
+    p.add_argument("--max-batches-offpolicy", type=int, default=1,
+                   help="batches queued ahead of the trainer (each one a weight version older)")
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("atroposlib.envs.base").setLevel(logging.WARNING)  # it logs its status ten times a second
+    asyncio.run(CopyEnv.for_args(args).env_manager())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""`polyrl train` learning from a real Atropos stack on CPU: the API server (`run-api`),
+the offline environment in examples/atropos_env.py (a `BaseEnv` on polyrl's copy task)
+calling polyrl through atroposlib's own server classes, and the trainer publishing
+every step's weights to the fleet that serves the environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("atroposlib")
+
+from atropos_api import AtroposAPI, free_port  # noqa: E402
+
+from polyrl.config import TinyModelConfig, load_config  # noqa: E402
+from polyrl.models.tiny import save_tiny_model  # noqa: E402
+from polyrl.trainer.loop import train  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV_SCRIPT = ROOT / "examples" / "atropos_env.py"
+TOKEN = "atropos-test-token"
+GROUP_SIZE = 16
+
+
+class Processes:
+    """Subprocesses of one test, each logging to its own file; all killed at the end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir, self.procs = log_dir, {}
+
+    def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        env = os.environ | {"POLYRL_TOKEN": "", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
+        log = open(self.log_dir / f"{name}.log", "wb")
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return self.procs[name]
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Processes]:
+    p = Processes(tmp_path)
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[AtroposAPI]:
+    server = AtroposAPI(tmp_path / "api.log").start()
+    yield server
+    server.stop()
+
+
+def start_env(procs: Processes, api_url: str, inference_url: str, model_dir: Path, server_type: str) -> None:
+    procs.start("env", [
+        sys.executable, str(ENV_SCRIPT), "--api", api_url, "--inference", inference_url, "--model", model_dir.name,
+        "--tokenizer", str(model_dir), "--token", TOKEN, "--server-type", server_type,
+        "--group-size", str(GROUP_SIZE), "--max-num-workers", "8",
+    ])  # fmt: skip
+
+
+def start_worker(procs: Processes, model_dir: Path, manager_url: str, port: int) -> None:
+    """A `polyrl worker` of its own that joins the trainer's manager (and pulls every
+    version from it), so that the environment can call it by its address."""
+    procs.start("worker", [
+        sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--port", str(port),
+        "--manager", manager_url, "--token", TOKEN, "--worker-id", "env-worker", "engine.max_num_seqs=64",
+    ])  # fmt: skip
+
+
+def trainer_config(api_url: str, model_dir: Path, manager_port: int, steps: int, *extra: str):
+    return load_config(None, [
+        "logging.console=false", "logging.tensorboard=false", "trainer.save_every=0",
+        f"trainer.total_steps={steps}", "trainer.train_batch_size=32", "trainer.ppo_mini_batch_size=16",
+        f"rollout.n={GROUP_SIZE}", "rollout.mode=remote",
+        "data.source=atropos", f"data.atropos.url={api_url}", "data.atropos.batch_timeout_s=180",
+        f"model.path={model_dir}", f"manager.port={manager_port}", f"manager.token={TOKEN}",
+        "fleet.num_workers=0", *extra,
+    ])  # fmt: skip
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return save_tiny_model(tmp_path / "tiny_model", TinyModelConfig())
+
+
+@pytest.mark.slow
+def test_train_learns_from_an_environment_served_by_a_worker(tmp_path, api, procs, model_dir) -> None:
+    """ManagedServer over vLLM's /generate on a worker that the trainer's manager keeps
+    at the newest version: groups carry inference log-probs; the reward rises."""
+    manager_port, worker_port = free_port(), free_port()
+    start_worker(procs, model_dir, f"http://127.0.0.1:{manager_port}", worker_port)
+    start_env(procs, api.url, f"http://127.0.0.1:{worker_port}/v1", model_dir, "vllm")
+    steps = 50
+    cfg = trainer_config(api.url, model_dir, manager_port, steps, "fleet.min_workers=1")
+    served: list[int] = []  # the worker's weight version after each step
+
+    def worker_version(step: int, _: dict) -> None:
+        served.append(httpx.get(f"http://127.0.0.1:{worker_port}/get_server_info", timeout=10).json()["weight_version"])
+
+    try:
+        train(cfg, tmp_path / "run", on_step_end=worker_version)
+    except BaseException:
+        print("worker:", procs.log("worker"), "env:", procs.log("env"), sep="\n")
+        raise
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["rollout/samples_received"] == 32 * GROUP_SIZE for r in rows)
+    assert rows[-1]["training/weight_version"] == steps
+    # the fleet follows the trainer: the environment's worker serves each new version
+    assert served == sorted(served) and served[-1] >= steps - 2 and len(set(served)) > steps // 2, served
+    # step 1's samples all come from version 0, which the learner still holds: the groups'
+    # inference_logprobs, aligned by the masks, equal the learner's own log-probs
+    assert rows[0]["rollout/logprob_diff"] < 1e-3
+    rewards = [r["critic/score/mean"] for r in rows]
+    print("rewards:", [round(r, 3) for r in rewards])
+    assert sum(rewards[-5:]) / 5 > rewards[0] + 0.15, rewards
