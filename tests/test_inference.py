@@ -363,3 +363,28 @@ def test_worker_killed_mid_request_the_client_sees_a_complete_answer(model_dir: 
         assert got.finish_reason == "length" and len(got.logprobs.token_logprobs) == budget
         assert got.text == want.text
         assert got.logprobs.token_logprobs == pytest.approx(want.logprobs.token_logprobs, abs=1e-4)
+
+
+def test_top_logprobs_on_a_worker(worker: InProcessWorker, oai: openai.OpenAI) -> None:
+    name = model_name(worker)
+    chat = oai.chat.completions.create(model=name, messages=MESSAGES, max_tokens=5, temperature=1.0, seed=1,
+                                       logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    for entry in chat.choices[0].logprobs.content:
+        alts = [a.logprob for a in entry.top_logprobs]
+        assert len(alts) == 3 and alts == sorted(alts, reverse=True) and all(lp <= 0 for lp in alts)
+        assert entry.logprob <= alts[0] + 1e-6  # nothing beats the most likely token
+    greedy = oai.completions.create(model=name, prompt=PROMPT, max_tokens=5, temperature=0.0, logprobs=2,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    lp = greedy.choices[0].logprobs
+    for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 2 <= len(top) <= 3 and max(top.values()) == pytest.approx(token_lp) and top[token] == token_lp
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"prompt": {"prompt_token_ids": [1, 5, 6]}, "logprobs": 2, "max_tokens": 3, "temperature": 0.0}
+    vllm = httpx.post(f"{worker.http.url}/generate", json=body, headers=headers, timeout=60).json()
+    assert all(len(item[0]) in (2, 3) for item in vllm["logprobs"][0])
+    assert [int(next(iter(item[0]))) for item in vllm["logprobs"][0]] == vllm["token_ids"][0]
+
+
+def test_top_logprobs_are_refused_by_the_manager_with_a_clear_400(fleet: ManagerThread, model_dir: Path) -> None:
+    with client_for(fleet.url) as oai, pytest.raises(openai.BadRequestError, match="at most 0"):
+        oai.chat.completions.create(model=str(model_dir), messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=2)

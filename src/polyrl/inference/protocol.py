@@ -89,6 +89,10 @@ class _Sampled(_Wire):
             raise ValueError(f"stop strings must be non-empty and at most {MAX_STOP_CHARS} characters")
         return value
 
+    @property
+    def num_top_logprobs(self) -> int:
+        return 0
+
     def to_sampling(self, max_new_tokens: int) -> EngineSampling:
         return EngineSampling(
             max_new_tokens=max_new_tokens,
@@ -99,6 +103,7 @@ class _Sampled(_Wire):
             ignore_eos=self.ignore_eos,
             n=self.n,
             seed=self.seed,
+            top_logprobs=self.num_top_logprobs,
         )
 
     @property
@@ -114,6 +119,10 @@ class CompletionRequest(_Sampled):
     """OpenAI's default is 16; None: the rest of the context."""
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """k: the sampled token's log-prob and the k most likely alternatives per token."""
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
 
     @field_validator("prompt")
     @classmethod
@@ -203,4 +212,9 @@ class VllmGenerateRequest(BaseModel):
         return EngineSampling(
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, n=self.n, seed=self.seed,
+            top_logprobs=self.num_top_logprobs,
         )  # fmt: skip
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0

@@ -53,7 +53,9 @@ class ManagerBackend:
             await asyncio.sleep(POLL_S)
         model_path, max_model_len = model
         tokenizer = await self._tokenizer(self.manager.cfg.tokenizer or model_path)
-        return Served(model_names(model_path), tokenizer, max_model_len, MAX_N)
+        # top_logprobs > 0 is a worker's alone for now: the fleet's stream carries the
+        # sampled tokens' log-probs only
+        return Served(model_names(model_path), tokenizer, max_model_len, MAX_N, max_top_logprobs=0)
 
     async def _tokenizer(self, path: str) -> Any | None:
         """Loaded once per path; None when the path is not a local directory (token ids
