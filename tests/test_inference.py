@@ -385,6 +385,14 @@ def test_top_logprobs_on_a_worker(worker: InProcessWorker, oai: openai.OpenAI) -
     assert [int(next(iter(item[0]))) for item in vllm["logprobs"][0]] == vllm["token_ids"][0]
 
 
-def test_top_logprobs_are_refused_by_the_manager_with_a_clear_400(fleet: ManagerThread, model_dir: Path) -> None:
-    with client_for(fleet.url) as oai, pytest.raises(openai.BadRequestError, match="at most 0"):
-        oai.chat.completions.create(model=str(model_dir), messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=2)
+def test_top_logprobs_through_the_manager_equal_the_workers(fleet: ManagerThread, model_dir: Path) -> None:
+    kwargs: dict[str, Any] = dict(model=str(model_dir), messages=MESSAGES, max_tokens=4, temperature=0.0, logprobs=True,
+                                  top_logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    with client_for(fleet.url) as oai:
+        content = oai.chat.completions.create(**kwargs).choices[0].logprobs.content
+        streamed = [e for chunk in oai.chat.completions.create(**kwargs, stream=True)
+                    for c in chunk.choices if c.logprobs for e in c.logprobs.content]  # fmt: skip
+    assert len(content) == 4 and all(len(e.top_logprobs) == 3 for e in content)
+    for entry in content:  # greedy: the sampled token is the most likely one
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]

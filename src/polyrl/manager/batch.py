@@ -70,8 +70,10 @@ class SampleState:
         self._seg_worker = worker_id
         self._seg_tokens, self._seg_logprobs, self._seg_versions = [], [], []
 
-    def extend(self, tokens: list[int], logprobs: list[float], versions: list[int], finish: str | None) -> None:
-        """New tokens of the running segment, and its finish reason once it has one."""
+    def extend(self, tokens: list[int], logprobs: list[float], versions: list[int], finish: str | None,
+               top_logprobs: list[list[tuple[int, float]]] | None = None) -> None:
+        """New tokens of the running segment, and its finish reason once it has one.
+        `top_logprobs` only go to `progress` (a batch's groups do not carry them)."""
         if len(self._seg_tokens) + len(tokens) > self.remaining:
             raise ValueError(f"worker sent {len(self._seg_tokens) + len(tokens)} tokens for a budget of {self.remaining}")
         self._seg_tokens += tokens
@@ -79,7 +81,8 @@ class SampleState:
         self._seg_versions += versions
         progress = self.group.batch.progress
         if progress is not None and tokens:  # what arrived is kept, even if the worker dies next
-            progress.put_nowait(SampleDelta(self.group.batch.batch_id, self.index, tokens, logprobs, versions))
+            progress.put_nowait(SampleDelta(self.group.batch.batch_id, self.index, tokens, logprobs, versions,
+                                            top_logprobs=top_logprobs or []))  # fmt: skip
         if finish is not None and finish != "abort":  # abort: handed back, it continues elsewhere
             self.end_segment()
             self.finish_reason = finish

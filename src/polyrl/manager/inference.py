@@ -18,7 +18,7 @@ from typing import Any
 
 from polyrl.engine.types import EngineSampling, SampleDelta
 from polyrl.httpapi import ApiError
-from polyrl.inference.protocol import MAX_N
+from polyrl.inference.protocol import MAX_N, MAX_TOP_LOGPROBS
 from polyrl.inference.routes import Served, model_names
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.protocol import BatchFailed, BatchPrompt, BatchRequest, BatchSampling
@@ -53,9 +53,7 @@ class ManagerBackend:
             await asyncio.sleep(POLL_S)
         model_path, max_model_len = model
         tokenizer = await self._tokenizer(self.manager.cfg.tokenizer or model_path)
-        # top_logprobs > 0 is a worker's alone for now: the fleet's stream carries the
-        # sampled tokens' log-probs only
-        return Served(model_names(model_path), tokenizer, max_model_len, MAX_N, max_top_logprobs=0)
+        return Served(model_names(model_path), tokenizer, max_model_len, MAX_N, MAX_TOP_LOGPROBS)
 
     async def _tokenizer(self, path: str) -> Any | None:
         """Loaded once per path; None when the path is not a local directory (token ids
@@ -81,6 +79,7 @@ class ManagerBackend:
             sampling=BatchSampling(
                 max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+                top_logprobs=sampling.top_logprobs,
             ),
         )  # fmt: skip
         try:
