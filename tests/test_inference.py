@@ -7,19 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import math
+import signal
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from test_worker import CONTEXT, InProcessWorker, _tiny
+from test_manager import fast_cfg, wait_active, workers_of
+from test_worker import CONTEXT, InProcessWorker, WorkerProcess, _tiny, _wait_until
 
 from polyrl.engine.types import SampleDelta
 from polyrl.inference.render import Choice, chat_response, completion_response, vllm_response
+from polyrl.manager.main import ManagerThread
 
 TOKEN = "inference-test-token"
+AUTH_T = {"Authorization": f"Bearer {TOKEN}"}
 PROMPT = "1+2=3, 4+5="
 MESSAGES = [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2"}]
 
@@ -252,3 +258,141 @@ async def _atropos_vllm_call(url: str, model_dir: str) -> tuple[list[list[int]],
     if server.check_task is not None:
         server.check_task.cancel()
     return out_tokens, out_logprobs, finishes
+
+
+# ------------------------------------------------------------------------ the manager
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir: Path) -> Iterator[ManagerThread]:
+    """A manager with one real worker process."""
+    with ManagerThread(fast_cfg(token=TOKEN, heartbeat_timeout_s=3.0, inference_wait_s=5.0)) as mt:
+        proc = _start_worker(model_dir, mt.url, "w1")
+        try:
+            proc.wait_ready()
+            wait_active(mt, "w1")
+            yield mt
+        finally:
+            proc.kill()
+
+
+def _start_worker(model_dir: Path, manager_url: str, worker_id: str) -> WorkerProcess:
+    return WorkerProcess(model_dir, "--manager", manager_url, "--token", TOKEN, "--worker-id", worker_id)
+
+
+def test_manager_serves_completions_and_chat_through_the_fleet(fleet: ManagerThread, model_dir: Path) -> None:
+    name = str(model_dir)
+    with client_for(fleet.url) as oai:
+        assert [m.id for m in oai.models.list().data] == [name]
+        out = oai.completions.create(model=name, prompt=PROMPT, n=6, max_tokens=5, logprobs=0, seed=3,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+        assert sorted(c.index for c in out.choices) == list(range(6))  # n=6 over a worker of 4 slots
+        assert out.usage.completion_tokens == 30
+        assert all(len(c.logprobs.token_logprobs) == 5 and max(c.logprobs.token_logprobs) <= 0 for c in out.choices)
+        text, usage = "", None
+        stream = oai.chat.completions.create(model=Path(name).name, messages=MESSAGES, max_tokens=7, temperature=0.0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})  # fmt: skip
+        for chunk in stream:
+            usage = chunk.usage or usage
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+        whole = oai.chat.completions.create(model=name, messages=MESSAGES, max_tokens=7, temperature=0.0,
+                                            extra_body={"ignore_eos": True})  # fmt: skip
+        assert text == whole.choices[0].message.content and usage is not None and usage.completion_tokens == 7
+        stop = text[2:4]
+        cut = oai.chat.completions.create(model=name, messages=MESSAGES, max_tokens=7, temperature=0.0, stop=stop,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+        assert cut.choices[0].message.content == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.NotFoundError):
+            oai.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="at most 128"):
+            oai.completions.create(model=name, prompt=PROMPT, max_tokens=2, n=129)
+        assert oai.completions.create(model=name, prompt=PROMPT, max_tokens=2).choices[0].text is not None
+    assert httpx.post(f"{fleet.url}/generate", json={"input_ids": [1, 2]}, headers=AUTH_T, timeout=30).status_code == 422
+
+
+def test_atroposlib_vllm_server_class_against_the_manager(fleet: ManagerThread, model_dir: Path) -> None:
+    tokens, logprobs, finishes = asyncio.run(_atropos_vllm_call(fleet.url, str(model_dir)))
+    assert len(tokens) == 2 and all(len(t) == 4 for t in tokens)
+    assert all(math.isfinite(lp) and lp <= 0 for sample in logprobs for lp in sample)
+    assert finishes == ["length", "length"]
+
+
+def test_manager_without_workers_answers_503_in_bounded_time() -> None:
+    with ManagerThread(fast_cfg(token=TOKEN, inference_wait_s=0.5)) as mt, client_for(mt.url) as oai:
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError, match="no rollout worker"):
+            oai.completions.create(model="m", prompt=PROMPT, max_tokens=2)
+        assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_request_the_client_sees_a_complete_answer(model_dir: Path) -> None:
+    """Two workers; the one serving an OpenAI request is killed with SIGKILL mid-way: the
+    client still gets every token, the same ones an uninterrupted run gives."""
+    budget = CONTEXT - 64
+    kwargs: dict[str, Any] = dict(prompt=PROMPT, n=2, max_tokens=budget, temperature=1.0, seed=11, logprobs=0,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    procs: list[WorkerProcess] = []
+    with ManagerThread(fast_cfg(token=TOKEN, heartbeat_timeout_s=3.0, stall_timeout_s=20)) as mt:
+        try:
+            procs = [_start_worker(model_dir, mt.url, f"w{i}") for i in (1, 2)]
+            for p in procs:
+                p.wait_ready()
+            wait_active(mt, "w1", "w2")
+            with client_for(mt.url) as oai, ThreadPoolExecutor(1) as pool:
+                future = pool.submit(oai.completions.create, model=str(model_dir), **kwargs)
+
+                def busy() -> str | None:
+                    return next((w for w, info in workers_of(mt).items() if info["num_inflight"] > 0), None)
+
+                _wait_until(lambda: busy() is not None, 30, "a worker busy")
+                victim = busy()
+                time.sleep(0.3)  # some tokens reach the manager first
+                assert not future.done(), "the request ended before the kill: raise the budget"
+                procs[int(victim[1]) - 1].proc.send_signal(signal.SIGKILL)
+                out = future.result(timeout=180)
+                migrated = mt.call(lambda: mt.manager.metrics.migrations.labels("failure")._value.get())
+                assert migrated >= 1 and victim not in workers_of(mt)
+                reference = oai.completions.create(model=str(model_dir), **kwargs)  # the survivor alone
+        finally:
+            for p in procs:
+                p.kill()
+    assert out.usage.completion_tokens == 2 * budget
+    for got, want in zip(sorted(out.choices, key=lambda c: c.index), sorted(reference.choices, key=lambda c: c.index)):
+        assert got.finish_reason == "length" and len(got.logprobs.token_logprobs) == budget
+        assert got.text == want.text
+        assert got.logprobs.token_logprobs == pytest.approx(want.logprobs.token_logprobs, abs=1e-4)
+
+
+def test_top_logprobs_on_a_worker(worker: InProcessWorker, oai: openai.OpenAI) -> None:
+    name = model_name(worker)
+    chat = oai.chat.completions.create(model=name, messages=MESSAGES, max_tokens=5, temperature=1.0, seed=1,
+                                       logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    for entry in chat.choices[0].logprobs.content:
+        alts = [a.logprob for a in entry.top_logprobs]
+        assert len(alts) == 3 and alts == sorted(alts, reverse=True) and all(lp <= 0 for lp in alts)
+        assert entry.logprob <= alts[0] + 1e-6  # nothing beats the most likely token
+    greedy = oai.completions.create(model=name, prompt=PROMPT, max_tokens=5, temperature=0.0, logprobs=2,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    lp = greedy.choices[0].logprobs
+    for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 2 <= len(top) <= 3 and max(top.values()) == pytest.approx(token_lp) and top[token] == token_lp
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"prompt": {"prompt_token_ids": [1, 5, 6]}, "logprobs": 2, "max_tokens": 3, "temperature": 0.0}
+    vllm = httpx.post(f"{worker.http.url}/generate", json=body, headers=headers, timeout=60).json()
+    assert all(len(item[0]) in (2, 3) for item in vllm["logprobs"][0])
+    assert [int(next(iter(item[0]))) for item in vllm["logprobs"][0]] == vllm["token_ids"][0]
+
+
+def test_top_logprobs_through_the_manager_equal_the_workers(fleet: ManagerThread, model_dir: Path) -> None:
+    kwargs: dict[str, Any] = dict(model=str(model_dir), messages=MESSAGES, max_tokens=4, temperature=0.0, logprobs=True,
+                                  top_logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    with client_for(fleet.url) as oai:
+        content = oai.chat.completions.create(**kwargs).choices[0].logprobs.content
+        streamed = [e for chunk in oai.chat.completions.create(**kwargs, stream=True)
+                    for c in chunk.choices if c.logprobs for e in c.logprobs.content]  # fmt: skip
+    assert len(content) == 4 and all(len(e.top_logprobs) == 3 for e in content)
+    for entry in content:  # greedy: the sampled token is the most likely one
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]

@@ -14,7 +14,7 @@ honour and cannot (a non-default penalty, `logit_bias`, `echo`, tools) are refus
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -28,6 +28,9 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 """OpenAI's own limit for chat's `top_logprobs` (completions allow 5)."""
+
+TokenId = Annotated[int, Field(ge=0, lt=2**63)]
+"""Whether an id is in the vocabulary is the engine's to say (400); beyond int64 is the wire's."""
 
 UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
 UNSUPPORTED_PRESENT = ("logit_bias", "tools", "functions", "tool_choice", "response_format", "suffix", "best_of")
@@ -75,7 +78,7 @@ class _Sampled(_Wire):
     """-1 or 0: off."""
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = Field([], max_length=MAX_STOP_STRINGS)
-    stop_token_ids: list[int] = Field([], max_length=64)
+    stop_token_ids: list[TokenId] = Field([], max_length=64)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -89,6 +92,10 @@ class _Sampled(_Wire):
             raise ValueError(f"stop strings must be non-empty and at most {MAX_STOP_CHARS} characters")
         return value
 
+    @property
+    def num_top_logprobs(self) -> int:
+        return 0
+
     def to_sampling(self, max_new_tokens: int) -> EngineSampling:
         return EngineSampling(
             max_new_tokens=max_new_tokens,
@@ -99,6 +106,7 @@ class _Sampled(_Wire):
             ignore_eos=self.ignore_eos,
             n=self.n,
             seed=self.seed,
+            top_logprobs=self.num_top_logprobs,
         )
 
     @property
@@ -109,11 +117,15 @@ class _Sampled(_Wire):
 class CompletionRequest(_Sampled):
     """`POST /v1/completions`: one prompt, as text or as token ids."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, lt=2**63)
     """OpenAI's default is 16; None: the rest of the context."""
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """k: the sampled token's log-prob and the k most likely alternatives per token."""
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
 
     @field_validator("prompt")
     @classmethod
@@ -168,7 +180,7 @@ class ChatCompletionRequest(_Sampled):
 
 class VllmPrompt(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    prompt_token_ids: list[int] = Field(min_length=1)
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
 
 
 class VllmGenerateRequest(BaseModel):
@@ -186,7 +198,7 @@ class VllmGenerateRequest(BaseModel):
     top_k: int = Field(-1, ge=-1, lt=2**63)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = Field([], max_length=MAX_STOP_STRINGS)
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """None: no log-probs in the answer; k: the sampled token's and k alternatives."""
@@ -203,4 +215,9 @@ class VllmGenerateRequest(BaseModel):
         return EngineSampling(
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, n=self.n, seed=self.seed,
+            top_logprobs=self.num_top_logprobs,
         )  # fmt: skip
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0

@@ -27,6 +27,8 @@ class Choice:
     stops: list[str]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per token, when asked for: the k most likely (token id, log-prob)."""
     finish_reason: FinishReason | None = None
     matched_stop_token: int | None = None
     """The stop token (EOS or a stop_token_id) that ended the sample: generated and
@@ -50,6 +52,7 @@ class Choice:
             return  # a sample cut at a stop string: the engine's further tokens are dropped
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
+        self.top_logprobs += delta.top_logprobs
         # the stop token that ends a sample is not text a stop string could match ("<eos>")
         ids = self.token_ids[:-1] if delta.matched_stop is not None else self.token_ids
         if self.stops and delta.token_ids and self._cut_at_stop(tokenizer, ids):
@@ -73,7 +76,7 @@ class Choice:
                 hi = mid
             else:
                 lo = mid + 1
-        del self.token_ids[lo:], self.logprobs[lo:]
+        del self.token_ids[lo:], self.logprobs[lo:], self.top_logprobs[lo:]
         self.finish_reason, self.matched_stop_token, self.text = "stop", None, text[:cut]
         return True
 
@@ -107,8 +110,15 @@ def _token_strings(tokenizer: Any, token_ids: list[int]) -> list[str]:
     return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
 
 
+def _alternatives(tokenizer: Any, choice: Choice, i: int) -> list[tuple[str, float]]:
+    if not choice.top_logprobs:
+        return []
+    return [(tokenizer.decode([t], skip_special_tokens=False), lp) for t, lp in choice.top_logprobs[i]]
+
+
 def completion_logprobs(tokenizer: Any, choice: Choice, tokens: range, text_start: int) -> dict[str, Any]:
-    """The legacy completions format: parallel lists, `text_offset` into the completion."""
+    """The legacy completions format: parallel lists, `text_offset` into the completion;
+    `top_logprobs` holds the k alternatives and the sampled token (as vLLM's)."""
     ids = [choice.token_ids[i] for i in tokens]
     strings = _token_strings(tokenizer, ids)
     lps = [choice.logprobs[i] for i in tokens]
@@ -116,19 +126,16 @@ def completion_logprobs(tokenizer: Any, choice: Choice, tokens: range, text_star
     for s in strings:
         offsets.append(at)
         at += len(s)
-    return {
-        "tokens": strings,
-        "token_logprobs": lps,
-        "top_logprobs": [{s: lp} for s, lp in zip(strings, lps, strict=True)],
-        "text_offset": offsets,
-    }
+    tops = [dict(_alternatives(tokenizer, choice, i)) | {s: lp} for i, s, lp in zip(tokens, strings, lps, strict=True)]
+    return {"tokens": strings, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def chat_logprobs(tokenizer: Any, choice: Choice, tokens: range) -> dict[str, Any]:
     content = []
     for i in tokens:
         s = tokenizer.decode([choice.token_ids[i]], skip_special_tokens=False)
-        content.append({"token": s, "logprob": choice.logprobs[i], "bytes": list(s.encode()), "top_logprobs": []})
+        top = [{"token": a, "logprob": lp, "bytes": list(a.encode())} for a, lp in _alternatives(tokenizer, choice, i)]
+        content.append({"token": s, "logprob": choice.logprobs[i], "bytes": list(s.encode()), "top_logprobs": top})
     return {"content": content}
 
 
@@ -209,7 +216,16 @@ def vllm_response(tokenizer: Any, prompt_ids: list[int], choices: list[Choice], 
         "finish_reasons": [c.finish_reason for c in choices],
     }
     if with_logprobs:
-        response["logprobs"] = [[[{str(t): lp}] for t, lp in zip(c.token_ids, c.logprobs, strict=True)] for c in choices]
+        response["logprobs"] = [[[_vllm_position(c, i)] for i in range(len(c.token_ids))] for c in choices]
         response["prompt_token_ids"] = prompt_ids
         response["token_ids"] = [c.token_ids for c in choices]
     return response
+
+
+def _vllm_position(choice: Choice, i: int) -> dict[str, float]:
+    """`{token_id: logprob}` of one position: the sampled token first (atroposlib reads
+    the first key as the token), then the alternatives."""
+    position = {str(choice.token_ids[i]): choice.logprobs[i]}
+    for t, lp in choice.top_logprobs[i] if choice.top_logprobs else ():
+        position.setdefault(str(t), lp)
+    return position

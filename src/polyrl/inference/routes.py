@@ -54,6 +54,8 @@ class Served:
     tokenizer: Any | None
     max_model_len: int
     max_n: int
+    max_top_logprobs: int
+    """Alternatives per token this backend can report (0: only the sampled token's)."""
 
     def check_model(self, model: str) -> str:
         if model not in self.model_names:
@@ -209,11 +211,15 @@ class InferenceRoutes:
         field = body.unsupported()
         if field is not None:
             raise ApiError(400, f"{field} is not supported by this server", BAD, field, "unsupported_parameter")
-        if body.n > served.max_n:
-            raise ApiError(400, f"n is {body.n}; this server allows at most {served.max_n}", BAD, "n", "n_too_large")
         return self._sampling(served, body, prompt_ids, budget)
 
     def _sampling(self, served: Served, body: Any, prompt_ids: list[int], budget: int | None) -> EngineSampling:
+        if body.n > served.max_n:
+            raise ApiError(400, f"n is {body.n}; this server allows at most {served.max_n}", BAD, "n", "n_too_large")
+        if body.num_top_logprobs > served.max_top_logprobs:
+            param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+            raise ApiError(400, f"{param} asks for {body.num_top_logprobs} alternatives per token; this server gives "
+                           f"at most {served.max_top_logprobs}", BAD, param, "unsupported_parameter")  # fmt: skip
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", BAD, "prompt", "empty_prompt")
         room = served.max_model_len - len(prompt_ids)
@@ -228,8 +234,6 @@ class InferenceRoutes:
         served = await self.backend.served()
         model = served.check_model(body.model)
         tokenizer = served.need_tokenizer()
-        if body.logprobs:
-            _refuse_top_logprobs("logprobs")
         prompt_ids = body.prompt if isinstance(body.prompt, list) else list(tokenizer(body.prompt)["input_ids"])
         sampling = self._checks(served, body, prompt_ids, body.max_tokens)  # type: ignore[arg-type]
         generation = await _started(self.backend, prompt_ids, sampling, tokenizer, body.stop)  # type: ignore[arg-type]
@@ -261,8 +265,6 @@ class InferenceRoutes:
         served = await self.backend.served()
         model = served.check_model(body.model)
         tokenizer = served.need_tokenizer()
-        if body.num_top_logprobs:
-            _refuse_top_logprobs("top_logprobs")
         prompt_ids = _chat_prompt_ids(tokenizer, body)
         sampling = self._checks(served, body, prompt_ids, body.token_budget)
         generation = await _started(self.backend, prompt_ids, sampling, tokenizer, body.stop)
@@ -300,10 +302,6 @@ class InferenceRoutes:
             prompt_ids = body.prompt.prompt_token_ids
         if body.stop and tokenizer is None:
             served.need_tokenizer()
-        if body.logprobs:
-            _refuse_top_logprobs("logprobs")
-        if body.n > served.max_n:
-            raise ApiError(400, f"n is {body.n}; this server allows at most {served.max_n}", BAD, "n", "n_too_large")
         sampling = self._sampling(served, body, prompt_ids, body.max_tokens)
         tokenizer = tokenizer if tokenizer is not None else _NoText()
         generation = await _started(self.backend, prompt_ids, sampling, tokenizer, body.stop)
@@ -330,12 +328,6 @@ async def _sse(generation: Generation, chunks: Any) -> AsyncIterator[bytes]:
         yield _event(error_body(f"{type(e).__name__}: {e}", "server_error"))
     finally:
         await generation.aclose()
-
-
-def _refuse_top_logprobs(param: str) -> None:
-    raise ApiError(400, f"{param} > 0 (alternatives per token) is not supported yet; ask for the sampled "
-                   "tokens' log-probs only (logprobs: 0, or chat's logprobs: true without top_logprobs)",
-                   BAD, param, "unsupported_parameter")  # fmt: skip
 
 
 def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:

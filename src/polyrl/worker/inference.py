@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from polyrl.engine.types import EngineRequest, EngineSampling, SampleDelta
-from polyrl.inference.protocol import MAX_N
+from polyrl.inference.protocol import MAX_N, MAX_TOP_LOGPROBS
 from polyrl.inference.render import new_id
 from polyrl.inference.routes import Served, model_names
 from polyrl.worker.server import WorkerState, coalesce
@@ -17,7 +17,8 @@ class WorkerBackend:
 
     async def served(self) -> Served:
         st = self.state
-        return Served(model_names(st.model_path), st.tokenizer, st.engine.engine.max_model_len, min(MAX_N, st.max_num_seqs))
+        max_n = min(MAX_N, st.max_num_seqs)
+        return Served(model_names(st.model_path), st.tokenizer, st.engine.engine.max_model_len, max_n, MAX_TOP_LOGPROBS)
 
     async def generate(self, prompt_ids: list[int], sampling: EngineSampling) -> AsyncIterator[list[SampleDelta]]:
         """The engine's deltas, merged while the reader is busy (as /generate's stream);
