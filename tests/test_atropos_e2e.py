@@ -102,34 +102,60 @@ def model_dir(tmp_path: Path) -> Path:
     return save_tiny_model(tmp_path / "tiny_model", TinyModelConfig())
 
 
-@pytest.mark.slow
-def test_train_learns_from_an_environment_served_by_a_worker(tmp_path, api, procs, model_dir) -> None:
-    """ManagedServer over vLLM's /generate on a worker that the trainer's manager keeps
-    at the newest version: groups carry inference log-probs; the reward rises."""
+def run_training(tmp_path: Path, api: AtroposAPI, procs: Processes, model_dir: Path, server_type: str,
+                 target: str, steps: int) -> tuple[list[dict], list[int]]:
+    """The environment calls `target`: a `polyrl worker` of its own that joined the
+    trainer's manager, or the manager itself (which routes to the worker the trainer
+    launched). Returns the metrics and the serving worker's weight version after each step."""
     manager_port, worker_port = free_port(), free_port()
-    start_worker(procs, model_dir, f"http://127.0.0.1:{manager_port}", worker_port)
-    start_env(procs, api.url, f"http://127.0.0.1:{worker_port}/v1", model_dir, "vllm")
-    steps = 50
-    cfg = trainer_config(api.url, model_dir, manager_port, steps, "fleet.min_workers=1")
-    served: list[int] = []  # the worker's weight version after each step
+    manager_url = f"http://127.0.0.1:{manager_port}"
+    if target == "worker":
+        start_worker(procs, model_dir, manager_url, worker_port)
+        inference_url, fleet = f"http://127.0.0.1:{worker_port}/v1", ["fleet.num_workers=0", "fleet.min_workers=1"]
+    else:
+        inference_url, fleet = f"{manager_url}/v1", ["fleet.num_workers=1", "engine.max_num_seqs=64"]
+    start_env(procs, api.url, inference_url, model_dir, server_type)
+    cfg = trainer_config(api.url, model_dir, manager_port, steps, *fleet)
+    served: list[int] = []
 
-    def worker_version(step: int, _: dict) -> None:
-        served.append(httpx.get(f"http://127.0.0.1:{worker_port}/get_server_info", timeout=10).json()["weight_version"])
+    def serving_version(step: int, _: dict) -> None:
+        with httpx.Client(base_url=manager_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10) as http:
+            workers = [w for w in http.get("/v1/workers").json()["workers"] if w["worker_id"] != "local"]
+        served.append(max(w["weight_version"] for w in workers))
 
     try:
-        train(cfg, tmp_path / "run", on_step_end=worker_version)
+        train(cfg, tmp_path / "run", on_step_end=serving_version)
     except BaseException:
-        print("worker:", procs.log("worker"), "env:", procs.log("env"), sep="\n")
+        print("env:", procs.log("env"), sep="\n")
         raise
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["rollout/samples_received"] == 32 * GROUP_SIZE for r in rows)
     assert rows[-1]["training/weight_version"] == steps
-    # the fleet follows the trainer: the environment's worker serves each new version
+    # the fleet follows the trainer: the environment is served by each new version
     assert served == sorted(served) and served[-1] >= steps - 2 and len(set(served)) > steps // 2, served
-    # step 1's samples all come from version 0, which the learner still holds: the groups'
-    # inference_logprobs, aligned by the masks, equal the learner's own log-probs
-    assert rows[0]["rollout/logprob_diff"] < 1e-3
+    return rows, served
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("server_type", "target"), [("vllm", "worker"), ("openai", "manager")])
+def test_train_learns_from_an_atropos_environment(tmp_path, api, procs, model_dir, server_type, target) -> None:
+    """vllm: atroposlib's ManagedServer over vLLM's /generate, groups with inference
+    log-probs; openai: /v1/completions, text re-tokenized by the environment, no log-probs
+    (the learner's own stand in). Either way the reward rises as the default job's does."""
+    rows, _ = run_training(tmp_path, api, procs, model_dir, server_type, target, steps=50)
+    if server_type == "vllm":
+        # step 1's samples all come from version 0, which the learner still holds: the
+        # groups' inference_logprobs, aligned by the masks, equal the learner's own
+        assert rows[0]["rollout/logprob_diff"] < 1e-3
     rewards = [r["critic/score/mean"] for r in rows]
-    print("rewards:", [round(r, 3) for r in rewards])
+    print(f"{server_type} via the {target}: rewards", [round(r, 3) for r in rewards])
     assert sum(rewards[-5:]) / 5 > rewards[0] + 0.15, rewards
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("server_type", "target"), [("openai", "worker"), ("vllm", "manager")])
+def test_the_other_server_class_on_each_target(tmp_path, api, procs, model_dir, server_type, target) -> None:
+    """The remaining pairs, a few steps each: every group arrives and trains."""
+    rows, _ = run_training(tmp_path, api, procs, model_dir, server_type, target, steps=4)
+    assert all(r["actor/grad_norm"] > 0 for r in rows)
