@@ -140,3 +140,12 @@ def test_a_client_error_is_not_retried(api):
     with pytest.raises(AtroposError, match="HTTP 422"):
         c.register(0)
     c.close()
+
+
+def test_an_api_fed_before_any_registration_is_reported_not_retried_forever(api):
+    api.post("/scored_data", group())  # atroposlib then skips the trainer's registration
+    c = client(api.url)
+    c.register(0)
+    with pytest.raises(AtroposError, match="reset_data"):
+        c.next_batch(0)
+    c.close()

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -159,3 +161,63 @@ def test_the_other_server_class_on_each_target(tmp_path, api, procs, model_dir, 
     """The remaining pairs, a few steps each: every group arrives and trains."""
     rows, _ = run_training(tmp_path, api, procs, model_dir, server_type, target, steps=4)
     assert all(r["actor/grad_norm"] > 0 for r in rows)
+
+
+class GroupPusher:
+    """An environment stand-in: keeps the API's queue stocked with scored groups of
+    random tokens (POST /scored_data, atroposlib's format) until stopped."""
+
+    def __init__(self, api: AtroposAPI, vocab_size: int, group_size: int = 4) -> None:
+        self.api, self.vocab_size, self.group_size = api, vocab_size, group_size
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.rng = random.Random(0)
+
+    def group(self) -> dict:
+        tokens = [[self.rng.randrange(3, self.vocab_size) for _ in range(7)] for _ in range(self.group_size)]
+        return {"tokens": tokens, "masks": [[-100] * 3 + t[3:] for t in tokens],
+                "scores": [self.rng.random() for _ in tokens],
+                "inference_logprobs": [[1.0] * 3 + [-self.rng.uniform(3, 5) for _ in range(4)] for _ in tokens]}  # fmt: skip
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                # data pushed before a trainer registered would leave the API half set up
+                registered = self.api.get("/info")["batch_size"] != -1
+                if registered and self.api.get("/status")["queue_size"] < 8:
+                    self.api.post("/scored_data", self.group())
+                    continue
+            except httpx.HTTPError:
+                pass  # the API restarts in the test
+            self.stopped.wait(0.05)
+
+    def __enter__(self) -> GroupPusher:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join(10)
+
+
+@pytest.mark.slow  # about 35 s: two trainer starts
+def test_resume_registers_with_the_resumed_step(tmp_path, api, model_dir) -> None:
+    """Two steps on pushed groups, then a fresh API (all its state is in memory) and a
+    resumed run of one more step: it registers with starting_step 2, so the API counts 3."""
+    overrides = ["trainer.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "rollout.n=4", "rollout.mode=remote",
+                 "data.source=atropos", f"data.atropos.url={api.url}", f"model.path={model_dir}", "manager.port=0",
+                 "fleet.num_workers=0", "logging.console=false", "logging.tensorboard=false",
+                 "data.atropos.batch_timeout_s=60"]  # fmt: skip
+    vocab_size = 40  # within the tiny tokenizer's alphabet
+    run_dir = tmp_path / "run"
+    with GroupPusher(api, vocab_size):
+        train(load_config(None, [*overrides, "trainer.total_steps=2"]), run_dir)
+        assert api.get("/status")["current_step"] == 2
+        api.stop()
+        api.start()
+        train(load_config(run_dir / "config.toml", ["trainer.total_steps=3"]), run_dir, resume=True)
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/samples_received"] == 8 for r in rows)
+    assert api.get("/status")["current_step"] == 3
+    assert api.get("/info")["batch_size"] == 8

@@ -69,11 +69,17 @@ class AtroposClient:
                 self.register(steps_done)
                 just_registered = True
                 continue
-            just_registered = False
             if reply.is_unregistered:
+                if just_registered:
+                    raise AtroposError(
+                        f"Atropos API at {self.url} ignores this trainer's registration (it took scored data before "
+                        f"any trainer registered, which leaves it half set up): call its /reset_data or restart it"
+                    )
                 log.warning("Atropos API at %s does not know this trainer (restarted?): registering again", self.url)
                 self.register(steps_done)
+                just_registered = True
                 continue
+            just_registered = False
             if reply.batch is not None:
                 return reply.batch
             if self.cfg.batch_timeout_s and time.monotonic() - t0 > self.cfg.batch_timeout_s:
