@@ -1218,6 +1218,7 @@ def test_manager_inference_endpoint_fuzz(endpoint: str, inference_manager: Manag
     model = mt.call(lambda: mt.manager.registry.get("w-fuzz").model_path)
 
     def idle() -> bool:
-        return mt.call(lambda: not mt.manager.batches and not mt.manager.pending and mt.manager.registry.get("w-fuzz").inflight == 0)
+        m = mt.manager
+        return mt.call(lambda: not m.batches and not m.pending and m.registry.get("w-fuzz").inflight == 0)
 
     _fuzz_inference(manager_client(mt), endpoint, model, AUTH, idle)

@@ -238,6 +238,7 @@ def test_atroposlib_vllm_server_class_against_a_worker(worker: InProcessWorker, 
 
 async def _atropos_vllm_call(url: str, model_dir: str) -> tuple[list[list[int]], list[list[float]], list[Any]]:
     from atroposlib.envs.server_handling.managed_server import ManagedServer
+    from atroposlib.envs.server_handling.openai_server import OpenAIServer
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
     from atroposlib.envs.server_handling.vllm_server import VLLMServer
 
@@ -257,6 +258,15 @@ async def _atropos_vllm_call(url: str, model_dir: str) -> tuple[list[list[int]],
     )
     if server.check_task is not None:
         server.check_task.cancel()
+    openai_server = OpenAIServer(config.model_copy(update={"server_type": "openai"}))
+    try:  # its health check is a 1-token chat call, made by the first request
+        chat = await openai_server.chat_completion(messages=MESSAGES, n=2, max_tokens=3)
+        completion = await openai_server.completion(prompt=PROMPT, n=2, max_tokens=3)
+    finally:
+        if openai_server.check_task is not None:
+            openai_server.check_task.cancel()
+    assert len(chat.choices) == 2 and len(completion.choices) == 2
+    assert all(c.finish_reason in ("stop", "length") for c in chat.choices + completion.choices)
     return out_tokens, out_logprobs, finishes
 
 
@@ -308,7 +318,8 @@ def test_manager_serves_completions_and_chat_through_the_fleet(fleet: ManagerThr
         with pytest.raises(openai.BadRequestError, match="at most 128"):
             oai.completions.create(model=name, prompt=PROMPT, max_tokens=2, n=129)
         assert oai.completions.create(model=name, prompt=PROMPT, max_tokens=2).choices[0].text is not None
-    assert httpx.post(f"{fleet.url}/generate", json={"input_ids": [1, 2]}, headers=AUTH_T, timeout=30).status_code == 422
+    sglang = httpx.post(f"{fleet.url}/generate", json={"input_ids": [1, 2]}, headers=AUTH_T, timeout=30)
+    assert sglang.status_code == 422 and "vLLM" in sglang.json()["error"]["message"]
 
 
 def test_atroposlib_vllm_server_class_against_the_manager(fleet: ManagerThread, model_dir: Path) -> None:
@@ -394,5 +405,6 @@ def test_top_logprobs_through_the_manager_equal_the_workers(fleet: ManagerThread
                     for c in chunk.choices if c.logprobs for e in c.logprobs.content]  # fmt: skip
     assert len(content) == 4 and all(len(e.top_logprobs) == 3 for e in content)
     for entry in content:  # greedy: the sampled token is the most likely one
-        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        best = entry.top_logprobs[0]
+        assert best.token == entry.token and best.logprob == pytest.approx(entry.logprob)
     assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]

@@ -64,7 +64,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampled(_Wire):
+class SampledRequest(_Wire):
     """The sampling fields OpenAI's two endpoints share (plus vLLM's `top_k`, `ignore_eos`
     and `stop_token_ids`, which vLLM's OpenAI server accepts too)."""
 
@@ -114,7 +114,7 @@ class _Sampled(_Wire):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_Sampled):
+class CompletionRequest(SampledRequest):
     """`POST /v1/completions`: one prompt, as text or as token ids."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
@@ -155,7 +155,7 @@ class ChatMessage(BaseModel):
         return value
 
 
-class ChatCompletionRequest(_Sampled):
+class ChatCompletionRequest(SampledRequest):
     """`POST /v1/chat/completions`: messages rendered by the tokenizer's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
