@@ -408,3 +408,15 @@ def test_top_logprobs_through_the_manager_equal_the_workers(fleet: ManagerThread
         best = entry.top_logprobs[0]
         assert best.token == entry.token and best.logprob == pytest.approx(entry.logprob)
     assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+
+
+def test_no_op_values_of_unsupported_fields_pass_and_others_are_refused(worker: InProcessWorker) -> None:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"prompt": {"prompt_token_ids": [1, 5, 6]}, "max_tokens": 2, "repetition_penalty": 1.0, "min_p": 0.0}
+    assert httpx.post(f"{worker.http.url}/generate", json=body, headers=headers, timeout=60).status_code == 200
+    refused = httpx.post(f"{worker.http.url}/generate", json=body | {"repetition_penalty": 1.1}, headers=headers,
+                         timeout=60)  # fmt: skip
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "repetition_penalty"
+    chat = {"model": model_name(worker), "messages": MESSAGES, "max_tokens": 2, "min_p": 0.05}
+    refused = httpx.post(f"{worker.http.url}/v1/chat/completions", json=chat, headers=headers, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_p"

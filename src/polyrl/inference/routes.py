@@ -34,8 +34,9 @@ from polyrl.inference import render
 from polyrl.inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    VllmGenerateRequest,
     SampledRequest,
+    VllmGenerateRequest,
+    unsupported_field,
 )
 from polyrl.inference.render import Choice
 
@@ -305,6 +306,9 @@ class InferenceRoutes:
             prompt_ids = body.prompt.prompt_token_ids
         if body.stop and tokenizer is None:
             served.need_tokenizer()
+        field = unsupported_field(body.model_dump(exclude_none=True))
+        if field is not None:
+            raise ApiError(400, f"{field} is not supported by this server", BAD, field, "unsupported_parameter")
         sampling = self._sampling(served, body, prompt_ids, body.max_tokens)
         tokenizer = tokenizer if tokenizer is not None else _NoText()
         generation = await _started(self.backend, prompt_ids, sampling, tokenizer, body.stop)
