@@ -420,3 +420,20 @@ def test_no_op_values_of_unsupported_fields_pass_and_others_are_refused(worker: 
     chat = {"model": model_name(worker), "messages": MESSAGES, "max_tokens": 2, "min_p": 0.05}
     refused = httpx.post(f"{worker.http.url}/v1/chat/completions", json=chat, headers=headers, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_p"
+
+
+def test_client_hanging_up_aborts_its_generation(worker: InProcessWorker) -> None:
+    """Streamed or not, a client that goes away stops its samples (on the manager the same
+    path closes the batch)."""
+    worker.wait_for(lambda i: i["num_running_reqs"] == 0 and i["num_queued_reqs"] == 0)
+    before = worker.info()["num_generated_tokens"]
+    body = {"model": model_name(worker), "prompt": PROMPT, "max_tokens": CONTEXT - 64, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.stream("POST", f"{worker.http.url}/v1/completions", json=body | {"stream": True}, headers=headers,
+                      timeout=30) as response:  # fmt: skip
+        next(response.iter_lines())  # running; now hang up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{worker.http.url}/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(5.0, read=1.0))
+    info = worker.wait_for(lambda i: i["num_running_reqs"] == 0 and i["num_queued_reqs"] == 0)
+    assert info["num_generated_tokens"] - before < CONTEXT - 64  # both stopped early
+    assert worker.state.num_open_generates == 0

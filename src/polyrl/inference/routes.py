@@ -19,7 +19,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -164,12 +163,12 @@ class Generation:
         finally:
             for task in (consumer, watcher):
                 task.cancel()
-            with suppress(asyncio.CancelledError):
-                await watcher
-        if consumer.cancelled() or not consumer.done():
-            await self.aclose()
+            # let a cancelled consumer finish closing the stream (the engine's abort, the
+            # batch's cancel) before anyone else touches it
+            await asyncio.wait({consumer, watcher})
+        if consumer.cancelled():
             return False
-        consumer.result()
+        consumer.result()  # re-raise a refusal or failure from the backend
         return True
 
     async def aclose(self) -> None:
