@@ -23,6 +23,7 @@ from test_worker import CONTEXT, InProcessWorker, WorkerProcess, _tiny, _wait_un
 from polyrl.engine.types import SampleDelta
 from polyrl.inference.render import Choice, chat_response, completion_response, vllm_response
 from polyrl.manager.main import ManagerThread
+from polyrl.models.tiny import add_chat_template
 
 TOKEN = "inference-test-token"
 AUTH_T = {"Authorization": f"Bearer {TOKEN}"}
@@ -32,7 +33,7 @@ MESSAGES = [{"role": "system", "content": "add"}, {"role": "user", "content": "2
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _tiny(tmp_path_factory.mktemp("inference_model"))
+    return add_chat_template(_tiny(tmp_path_factory.mktemp("inference_model")))
 
 
 @pytest.fixture(scope="module")
