@@ -51,6 +51,7 @@ from polyrl.manager.main import ManagerThread
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.protocol import BatchRequest, Heartbeat, PublishVersion, RegisterRequest, WorkerList
 from polyrl.manager.server import create_app as manager_app
+from polyrl.models.tiny import add_chat_template
 from polyrl.transfer.compress import decode_zstd, encode_zstd
 from polyrl.transfer.delta import apply_delta, encode_delta
 from polyrl.transfer.manifest import flatten, unflatten
@@ -599,7 +600,7 @@ def test_manager_refuses_non_finite_floats(ghost_manager: ManagerThread) -> None
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessWorker]:
-    with InProcessWorker(_tiny(tmp_path_factory.mktemp("hostile_model"))) as w:
+    with InProcessWorker(add_chat_template(_tiny(tmp_path_factory.mktemp("hostile_model")))) as w:
         yield w
 
 
@@ -1218,6 +1219,7 @@ def test_manager_inference_endpoint_fuzz(endpoint: str, inference_manager: Manag
     model = mt.call(lambda: mt.manager.registry.get("w-fuzz").model_path)
 
     def idle() -> bool:
-        return mt.call(lambda: not mt.manager.batches and not mt.manager.pending and mt.manager.registry.get("w-fuzz").inflight == 0)
+        m = mt.manager
+        return mt.call(lambda: not m.batches and not m.pending and m.registry.get("w-fuzz").inflight == 0)
 
     _fuzz_inference(manager_client(mt), endpoint, model, AUTH, idle)

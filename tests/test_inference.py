@@ -23,6 +23,7 @@ from test_worker import CONTEXT, InProcessWorker, WorkerProcess, _tiny, _wait_un
 from polyrl.engine.types import SampleDelta
 from polyrl.inference.render import Choice, chat_response, completion_response, vllm_response
 from polyrl.manager.main import ManagerThread
+from polyrl.models.tiny import add_chat_template
 
 TOKEN = "inference-test-token"
 AUTH_T = {"Authorization": f"Bearer {TOKEN}"}
@@ -32,7 +33,7 @@ MESSAGES = [{"role": "system", "content": "add"}, {"role": "user", "content": "2
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _tiny(tmp_path_factory.mktemp("inference_model"))
+    return add_chat_template(_tiny(tmp_path_factory.mktemp("inference_model")))
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +239,7 @@ def test_atroposlib_vllm_server_class_against_a_worker(worker: InProcessWorker, 
 
 async def _atropos_vllm_call(url: str, model_dir: str) -> tuple[list[list[int]], list[list[float]], list[Any]]:
     from atroposlib.envs.server_handling.managed_server import ManagedServer
+    from atroposlib.envs.server_handling.openai_server import OpenAIServer
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
     from atroposlib.envs.server_handling.vllm_server import VLLMServer
 
@@ -257,6 +259,15 @@ async def _atropos_vllm_call(url: str, model_dir: str) -> tuple[list[list[int]],
     )
     if server.check_task is not None:
         server.check_task.cancel()
+    openai_server = OpenAIServer(config.model_copy(update={"server_type": "openai"}))
+    try:  # its health check is a 1-token chat call, made by the first request
+        chat = await openai_server.chat_completion(messages=MESSAGES, n=2, max_tokens=3)
+        completion = await openai_server.completion(prompt=PROMPT, n=2, max_tokens=3)
+    finally:
+        if openai_server.check_task is not None:
+            openai_server.check_task.cancel()
+    assert len(chat.choices) == 2 and len(completion.choices) == 2
+    assert all(c.finish_reason in ("stop", "length") for c in chat.choices + completion.choices)
     return out_tokens, out_logprobs, finishes
 
 
@@ -308,7 +319,8 @@ def test_manager_serves_completions_and_chat_through_the_fleet(fleet: ManagerThr
         with pytest.raises(openai.BadRequestError, match="at most 128"):
             oai.completions.create(model=name, prompt=PROMPT, max_tokens=2, n=129)
         assert oai.completions.create(model=name, prompt=PROMPT, max_tokens=2).choices[0].text is not None
-    assert httpx.post(f"{fleet.url}/generate", json={"input_ids": [1, 2]}, headers=AUTH_T, timeout=30).status_code == 422
+    sglang = httpx.post(f"{fleet.url}/generate", json={"input_ids": [1, 2]}, headers=AUTH_T, timeout=30)
+    assert sglang.status_code == 422 and "vLLM" in sglang.json()["error"]["message"]
 
 
 def test_atroposlib_vllm_server_class_against_the_manager(fleet: ManagerThread, model_dir: Path) -> None:
@@ -394,5 +406,35 @@ def test_top_logprobs_through_the_manager_equal_the_workers(fleet: ManagerThread
                     for c in chunk.choices if c.logprobs for e in c.logprobs.content]  # fmt: skip
     assert len(content) == 4 and all(len(e.top_logprobs) == 3 for e in content)
     for entry in content:  # greedy: the sampled token is the most likely one
-        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        best = entry.top_logprobs[0]
+        assert best.token == entry.token and best.logprob == pytest.approx(entry.logprob)
     assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+
+
+def test_no_op_values_of_unsupported_fields_pass_and_others_are_refused(worker: InProcessWorker) -> None:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"prompt": {"prompt_token_ids": [1, 5, 6]}, "max_tokens": 2, "repetition_penalty": 1.0, "min_p": 0.0}
+    assert httpx.post(f"{worker.http.url}/generate", json=body, headers=headers, timeout=60).status_code == 200
+    refused = httpx.post(f"{worker.http.url}/generate", json=body | {"repetition_penalty": 1.1}, headers=headers,
+                         timeout=60)  # fmt: skip
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "repetition_penalty"
+    chat = {"model": model_name(worker), "messages": MESSAGES, "max_tokens": 2, "min_p": 0.05}
+    refused = httpx.post(f"{worker.http.url}/v1/chat/completions", json=chat, headers=headers, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_p"
+
+
+def test_client_hanging_up_aborts_its_generation(worker: InProcessWorker) -> None:
+    """Streamed or not, a client that goes away stops its samples (on the manager the same
+    path closes the batch)."""
+    worker.wait_for(lambda i: i["num_running_reqs"] == 0 and i["num_queued_reqs"] == 0)
+    before = worker.info()["num_generated_tokens"]
+    body = {"model": model_name(worker), "prompt": PROMPT, "max_tokens": CONTEXT - 64, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.stream("POST", f"{worker.http.url}/v1/completions", json=body | {"stream": True}, headers=headers,
+                      timeout=30) as response:  # fmt: skip
+        next(response.iter_lines())  # running; now hang up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{worker.http.url}/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(5.0, read=1.0))
+    info = worker.wait_for(lambda i: i["num_running_reqs"] == 0 and i["num_queued_reqs"] == 0)
+    assert info["num_generated_tokens"] - before < CONTEXT - 64  # both stopped early
+    assert worker.state.num_open_generates == 0

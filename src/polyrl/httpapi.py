@@ -43,7 +43,9 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 class ApiError(Exception):
     """An HTTP error with a client-facing message, rendered as the common error body."""
 
-    def __init__(self, status_code: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status_code: int, message: str, type_: str, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status_code, self.message, self.type = status_code, message, type_
         self.param, self.code = param, code

@@ -32,25 +32,29 @@ MAX_TOP_LOGPROBS = 20
 TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 """Whether an id is in the vocabulary is the engine's to say (400); beyond int64 is the wire's."""
 
-UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
-UNSUPPORTED_PRESENT = ("logit_bias", "tools", "functions", "tool_choice", "response_format", "suffix", "best_of")
+NO_OP_VALUES: dict[str, Any] = {
+    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
+    "best_of": 1, "echo": False, "logit_bias": {}, "tools": [], "functions": [], "tool_choice": "none",
+    "response_format": {"type": "text"}, "suffix": "", "prompt_logprobs": 0,
+}  # fmt: skip
+"""Fields we cannot honour, and the value (besides null) at which they change nothing:
+sent with any other value, the request is refused naming the field."""
+
+
+def unsupported_field(fields: dict[str, Any]) -> str | None:
+    """The first field in `fields` set to something this server cannot honour, or None."""
+    for name, no_op in NO_OP_VALUES.items():
+        value = fields.get(name)
+        if value is not None and value != no_op:
+            return name
+    return None
 
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     def unsupported(self) -> str | None:
-        """The first field this server cannot honour, or None."""
-        extra = self.model_extra or {}
-        for name in UNSUPPORTED_NONZERO:
-            if extra.get(name) not in (None, 0, 0.0):
-                return name
-        for name in UNSUPPORTED_PRESENT:
-            if extra.get(name) is not None and not (name == "best_of" and extra[name] in (1, None)):
-                return name
-        if extra.get("echo"):
-            return "echo"
-        return None
+        return unsupported_field(self.model_extra or {})
 
 
 def _stop_list(value: Any) -> Any:
@@ -64,7 +68,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampled(_Wire):
+class SampledRequest(_Wire):
     """The sampling fields OpenAI's two endpoints share (plus vLLM's `top_k`, `ignore_eos`
     and `stop_token_ids`, which vLLM's OpenAI server accepts too)."""
 
@@ -114,7 +118,7 @@ class _Sampled(_Wire):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_Sampled):
+class CompletionRequest(SampledRequest):
     """`POST /v1/completions`: one prompt, as text or as token ids."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
@@ -155,7 +159,7 @@ class ChatMessage(BaseModel):
         return value
 
 
-class ChatCompletionRequest(_Sampled):
+class ChatCompletionRequest(SampledRequest):
     """`POST /v1/chat/completions`: messages rendered by the tokenizer's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
@@ -208,6 +212,14 @@ class VllmGenerateRequest(BaseModel):
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     """Accepted for vLLM clients; the text is always decoded the same way."""
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    """Accepted at the values that change nothing (0, 1 for repetition_penalty, null);
+    any other value is refused (400) naming the field."""
 
     _stop = field_validator("stop", mode="before")(_stop_list)
 

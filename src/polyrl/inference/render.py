@@ -169,7 +169,9 @@ def chat_response(
     }  # fmt: skip
 
 
-def completion_chunk(rid: str, model: str, created: int, tokenizer: Any, c: Choice, logprobs: int | None) -> dict[str, Any] | None:
+def completion_chunk(
+    rid: str, model: str, created: int, tokenizer: Any, c: Choice, logprobs: int | None
+) -> dict[str, Any] | None:
     """The stream chunk for what `c` may release now; None if nothing is new."""
     start = c.sent_chars
     text, tokens = c.release(tokenizer)
@@ -199,9 +201,12 @@ def chat_role_chunk(rid: str, model: str, created: int, index: int) -> dict[str,
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(rid: str, obj: str, model: str, created: int, prompt_tokens: int, choices: list[Choice]) -> dict[str, Any]:
+def usage_chunk(
+    rid: str, obj: str, model: str, created: int, prompt_tokens: int, choices: list[Choice]
+) -> dict[str, Any]:
     """The last chunk with `stream_options.include_usage`: no choices, the usage."""
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(prompt_tokens, choices)}
+    counts = usage(prompt_tokens, choices)
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": counts}
 
 
 def vllm_response(tokenizer: Any, prompt_ids: list[int], choices: list[Choice], with_logprobs: bool) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,8 +33,9 @@ from polyrl.inference import render
 from polyrl.inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    SampledRequest,
     VllmGenerateRequest,
-    _Sampled,
+    unsupported_field,
 )
 from polyrl.inference.render import Choice
 
@@ -163,12 +163,12 @@ class Generation:
         finally:
             for task in (consumer, watcher):
                 task.cancel()
-            with suppress(asyncio.CancelledError):
-                await watcher
-        if consumer.cancelled() or not consumer.done():
-            await self.aclose()
+            # let a cancelled consumer finish closing the stream (the engine's abort, the
+            # batch's cancel) before anyone else touches it
+            await asyncio.wait({consumer, watcher})
+        if consumer.cancelled():
             return False
-        consumer.result()
+        consumer.result()  # re-raise a refusal or failure from the backend
         return True
 
     async def aclose(self) -> None:
@@ -207,7 +207,7 @@ class InferenceRoutes:
                 "max_model_len": served.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
-    def _checks(self, served: Served, body: _Sampled, prompt_ids: list[int], budget: int | None) -> EngineSampling:
+    def _checks(self, served: Served, body: SampledRequest, prompt_ids: list[int], budget: int | None) -> EngineSampling:
         field = body.unsupported()
         if field is not None:
             raise ApiError(400, f"{field} is not supported by this server", BAD, field, "unsupported_parameter")
@@ -243,7 +243,8 @@ class InferenceRoutes:
             return EventStream(events, headers={"Cache-Control": "no-cache"})
         if not await generation.run(request):
             return Response(status_code=499)
-        return JSONResponse(render.completion_response(rid, model, tokenizer, len(prompt_ids), generation.choices, body.logprobs))
+        response = render.completion_response(rid, model, tokenizer, len(prompt_ids), generation.choices, body.logprobs)
+        return JSONResponse(response)
 
     async def _completion_events(
         self, generation: Generation, rid: str, model: str, body: CompletionRequest, prompt_tokens: int
@@ -251,8 +252,8 @@ class InferenceRoutes:
         created = int(time.time())
 
         def chunks(indices: list[int]) -> bytes:
-            built = (render.completion_chunk(rid, model, created, generation.tokenizer, generation.choices[i], body.logprobs)
-                     for i in indices)  # fmt: skip
+            tokenizer, choices = generation.tokenizer, generation.choices
+            built = (render.completion_chunk(rid, model, created, tokenizer, choices[i], body.logprobs) for i in indices)
             return b"".join(_event(c) for c in built if c is not None)
 
         async for event in _sse(generation, chunks):
@@ -274,7 +275,8 @@ class InferenceRoutes:
             return EventStream(events, headers={"Cache-Control": "no-cache"})
         if not await generation.run(request):
             return Response(status_code=499)
-        return JSONResponse(render.chat_response(rid, model, tokenizer, len(prompt_ids), generation.choices, body.logprobs))
+        response = render.chat_response(rid, model, tokenizer, len(prompt_ids), generation.choices, body.logprobs)
+        return JSONResponse(response)
 
     async def _chat_events(
         self, generation: Generation, rid: str, model: str, body: ChatCompletionRequest, prompt_tokens: int
@@ -283,14 +285,15 @@ class InferenceRoutes:
         yield b"".join(_event(render.chat_role_chunk(rid, model, created, c.index)) for c in generation.choices)
 
         def chunks(indices: list[int]) -> bytes:
-            built = (render.chat_chunk(rid, model, created, generation.tokenizer, generation.choices[i], body.logprobs)
-                     for i in indices)  # fmt: skip
+            tokenizer, choices = generation.tokenizer, generation.choices
+            built = (render.chat_chunk(rid, model, created, tokenizer, choices[i], body.logprobs) for i in indices)
             return b"".join(_event(c) for c in built if c is not None)
 
         async for event in _sse(generation, chunks):
             yield event
         if body.include_usage:
-            yield _event(render.usage_chunk(rid, "chat.completion.chunk", model, created, prompt_tokens, generation.choices))
+            obj = "chat.completion.chunk"
+            yield _event(render.usage_chunk(rid, obj, model, created, prompt_tokens, generation.choices))
         yield SSE_DONE
 
     async def vllm_generate(self, body: VllmGenerateRequest, request: Request) -> Response:
@@ -302,6 +305,9 @@ class InferenceRoutes:
             prompt_ids = body.prompt.prompt_token_ids
         if body.stop and tokenizer is None:
             served.need_tokenizer()
+        field = unsupported_field(body.model_dump(exclude_none=True))
+        if field is not None:
+            raise ApiError(400, f"{field} is not supported by this server", BAD, field, "unsupported_parameter")
         sampling = self._sampling(served, body, prompt_ids, body.max_tokens)
         tokenizer = tokenizer if tokenizer is not None else _NoText()
         generation = await _started(self.backend, prompt_ids, sampling, tokenizer, body.stop)
@@ -335,11 +341,11 @@ def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
         raise ApiError(400, "the served tokenizer has no chat template: use /v1/completions", BAD, "messages",
                        "no_chat_template")  # fmt: skip
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    opens_turn = body.add_generation_prompt and not body.continue_final_message
     try:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            continue_final_message=body.continue_final_message,
-        )  # fmt: skip
+            messages, tokenize=False, add_generation_prompt=opens_turn, continue_final_message=body.continue_final_message
+        )
     except Exception as e:  # noqa: BLE001 - jinja's and the tokenizer's errors alike are the messages' fault
         raise ApiError(400, f"messages do not fit the chat template: {type(e).__name__}: {e}", BAD, "messages",
                        "invalid_messages") from None  # fmt: skip

@@ -116,7 +116,7 @@ def parse_chunk(payload: dict[str, Any], seen: dict[int, int], incremental: bool
         versions = meta.get("output_token_weight_versions")
         if versions is None:  # a plain SGLang server: one version for the whole response
             versions = [int(meta.get("weight_version") or 0)] * len(tokens)
-        top = [[(int(tok), float(lp)) for lp, tok, *_ in position] for position in meta.get("output_top_logprobs") or []]
+        top = [[(int(tok), float(lp)) for lp, tok, *_ in pos] for pos in meta.get("output_top_logprobs") or []]
         finish = meta.get("finish_reason")
         index, total = int(payload.get("index") or 0), int(meta.get("completion_tokens", -1))
     except (KeyError, TypeError, ValueError, IndexError) as e:

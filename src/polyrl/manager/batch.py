@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from polyrl.engine.types import SampleDelta
 from polyrl.manager.protocol import (
@@ -204,8 +205,8 @@ class Batch:
         group.num_done += 1
         if self.progress is not None:
             stop = sample.token_ids[-1] if sample.finish_reason == "stop" and sample.token_ids else None
-            self.progress.put_nowait(SampleDelta(self.batch_id, sample.index, finish_reason=sample.finish_reason,  # type: ignore[arg-type]
-                                                 matched_stop=stop))  # fmt: skip
+            finish: Any = sample.finish_reason  # "stop" or "length": it is done
+            self.progress.put_nowait(SampleDelta(self.batch_id, sample.index, finish_reason=finish, matched_stop=stop))
         if group.num_done == len(group.samples):
             result = group.result()  # before counting: it validates every sample
             self.num_groups_done += 1

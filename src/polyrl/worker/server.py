@@ -4,8 +4,8 @@ All state lives in one `WorkerState`, built by the caller and handed to `create_
 the handlers translate HTTP to engine calls and back through the pure builders in
 `protocol.py`. The OpenAI- and vLLM-compatible endpoints are `polyrl.inference`'s, over
 this worker's engine. Errors always come back as `{"error": {"message", "type", "param",
-"code"}}` with a real status: 422 invalid body, 413 body over MAX_BODY_BYTES, 400 refused by the engine, 429
-engine full, 503 draining (or the engine loop died).
+"code"}}` with a real status: 422 invalid body, 413 body over MAX_BODY_BYTES, 400 refused
+by the engine, 429 engine full, 503 draining (or the engine loop died).
 """
 
 from __future__ import annotations
@@ -284,10 +284,12 @@ class _Handlers:
         """`/generate` speaks two dialects, told apart by the body: vLLM's has `prompt`
         (`{"prompt_token_ids": [...]}`), SGLang's has `input_ids` or `text`."""
         raw = await request.body()
-        try:
-            parsed = json.loads(raw)
-        except ValueError:
-            parsed = None  # the SGLang model's parser names the JSON error
+        parsed = None  # the manager's SGLang calls, the hot path, are parsed once, below
+        if b'"prompt"' in raw or (b'"input_ids"' not in raw and b'"text"' not in raw):
+            try:
+                parsed = json.loads(raw)
+            except ValueError:
+                pass  # the SGLang model's parser names the JSON error
         try:
             if isinstance(parsed, dict) and "prompt" in parsed:
                 return await self.inference.vllm_generate(VllmGenerateRequest.model_validate(parsed), request)
