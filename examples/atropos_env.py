@@ -73,9 +73,10 @@ class CopyEnv(BaseEnv):
             max_new_tokens=args.max_new_tokens,
             seed=args.seed,
         )
-        server = APIServerConfig(model_name=args.model, tokenizer_name=args.tokenizer, base_url=args.inference, api_key=args.token,
-                                 server_type=args.server_type, health_check=False, timeout=120,
-                                 num_max_requests_at_once=64)  # fmt: skip
+        server = APIServerConfig(
+            model_name=args.model, tokenizer_name=args.tokenizer, base_url=args.inference, api_key=args.token,
+            server_type=args.server_type, health_check=False, timeout=120, num_max_requests_at_once=64,
+        )  # fmt: skip
         return cls(config, [server])  # a list: a single config would lose its base_url
 
     async def setup(self) -> None:
@@ -112,7 +113,9 @@ class CopyEnv(BaseEnv):
         async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
             await managed.completion(prompt=prompt, **self._sampling())
             nodes = managed.get_state()["nodes"]
-        return [(n.tokens, n.masked_tokens, n.logprobs, (n.metadata or {}).get("finish_reason", "length")) for n in nodes]
+        return [
+            (n.tokens, n.masked_tokens, n.logprobs, (n.metadata or {}).get("finish_reason", "length")) for n in nodes
+        ]
 
     async def _sample_by_text(self, prompt: str) -> list[tuple[list[int], list[int], None, str]]:
         """OpenAI's /v1/completions: text only, tokenized here (the stop token is put back

@@ -145,3 +145,48 @@ def test_base_envs_empty_lists_mean_none_and_bad_groups_are_dropped_not_fatal():
     groups = rollout._convert([misaligned, good, too_long])
     assert len(groups) == 1 and rollout.num_dropped == 2
     assert groups[0].samples[0].completion_ids == [7] and groups[0].samples[0].weight_versions == [4]
+
+
+@pytest.mark.parametrize("impl", ["padded", "packed"])
+def test_learner_uses_its_own_logprobs_where_none_came(tiny_model_dir, impl):
+    """Without inference_logprobs the importance weight is exactly 1 (the learner's own
+    log-probs stand in); with them it compares against the given ones."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.config import TrainerConfig
+    from polyrl.trainer.learner import Learner, build_optimizer
+
+    def learner() -> Learner:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        cfg = TrainerConfig(train_batch_size=2, ppo_mini_batch_size=2, warmup_steps=0, learner_impl=impl)
+        opt, sched = build_optimizer(model, cfg, total_updates=4)
+        return Learner(model, None, opt, sched, AlgoConfig(tis_cap=2.0), cfg, temperature=1.0, pad_id=0)
+
+    without = group_items(to_group(scored(), 0, 0), [1.0, -1.0], version=0)
+    metrics = learner().train_mini_batch(without, weights_as_sampled=True)
+    assert metrics["actor/tis_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert "rollout/logprob_diff" not in metrics  # nothing to compare the learner with
+    lp = [[1.0, 1.0, -9.0, -9.0, -9.0], [1.0, 1.0, -9.0, -9.0]]  # far less likely than the model says
+    given = group_items(to_group(scored(inference_logprobs=lp), 0, 0), [1.0, -1.0], version=0)
+    metrics = learner().train_mini_batch(given, weights_as_sampled=True)
+    assert metrics["actor/tis_weight_mean"] == pytest.approx(2.0)  # exp(old - (-9)) capped at tis_cap
+    assert metrics["rollout/logprob_diff"] > 4
+
+
+def test_polyrl_train_stops_with_one_line_when_the_api_is_unreachable(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
+    cmd = [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(tmp_path / "run"), "data.source=atropos",
+           f"data.atropos.url={url}", "data.atropos.unreachable_timeout_s=1", "manager.port=0", "fleet.num_workers=0",
+           "logging.console=false", "logging.tensorboard=false"]  # fmt: skip
+    env = os.environ | {"COLUMNS": "400", "POLYRL_TOKEN": ""}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if f"Atropos API at {url} unreachable for 1s" in line]
+    assert len(lines) == 1 and "--resume" in lines[0], proc.stderr[-3000:]

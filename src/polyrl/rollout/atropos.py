@@ -71,7 +71,9 @@ class AtroposRollout:
         self._warned_temperatures: set[float] = set()
 
     @classmethod
-    def start(cls, inner: Rollout, cfg: RunConfig, run_dir: Path, model: PreTrainedModel, steps_done: int) -> AtroposRollout:
+    def start(
+        cls, inner: Rollout, cfg: RunConfig, run_dir: Path, model: PreTrainedModel, steps_done: int
+    ) -> AtroposRollout:
         """Register with the API (it then waits for the trainer's first `/batch` call
         before it lets environments register)."""
         max_token_len = cfg.data.atropos.max_token_len or model.config.max_position_embeddings

@@ -217,17 +217,21 @@ class Learner:
         return self.algo.recompute_old_logprobs and self.algo.ppo_epochs == 1
 
     @torch.no_grad()
-    def _prepare(self, batches: list[list[SeqItem]]) -> list[MicroBatch]:
-        """Collate, and attach old (proximal) and reference log-probs before any update."""
+    def _prepare(self, batches: list[list[SeqItem]], fill_behav: bool) -> list[MicroBatch]:
+        """Collate, and attach old (proximal) and reference log-probs before any update.
+        fill_behav: some of the mini-batch's samples came without behaviour log-probs (an
+        Atropos group without inference_logprobs); the same on every rank, so that every
+        rank runs the same forward passes."""
         device = self.model.device
         collate_fn = collate_packed if self.is_packed else collate
         mbs = [collate_fn(b, self.pad_id).to(device) for b in batches]
         for mb in mbs:
-            if mb.behav_known is not None:
-                # Samples that came without behaviour log-probs count as on-policy for the
-                # weights held now: the truncated importance weight is 1 on their tokens.
+            if fill_behav:
+                # Such samples count as on-policy for the weights held now: the truncated
+                # importance weight is 1 on their tokens.
                 own = self.logprobs(self.work, mb, False)[0]
-                mb.behav_logp = torch.where(mb.behav_known > 0, mb.behav_logp, own)
+                if mb.behav_known is not None:
+                    mb.behav_logp = torch.where(mb.behav_known > 0, mb.behav_logp, own)
             if not self.algo.recompute_old_logprobs:
                 mb.old_logp = mb.behav_logp
             elif not self._old_logp_from_training_pass:
@@ -252,7 +256,8 @@ class Learner:
         num_tokens = sum(it.num_loss_tokens for it in items)  # the whole mini-batch's, on every rank
         num_current = sum(it.num_current_tokens for it in items) if weights_as_sampled else 0
         pack = pack_by_tokens if self.is_packed else None
-        mbs = self._prepare(self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id, pack))
+        fill_behav = not all(it.behav_known for it in items)
+        mbs = self._prepare(self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id, pack), fill_behav)
         sums: dict[str, float] = defaultdict(float)  # this rank's part of each metric
         grad_norm_mean, lr = 0.0, 0.0
         for epoch in range(self.algo.ppo_epochs):
