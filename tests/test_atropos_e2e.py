@@ -222,3 +222,22 @@ def test_resume_registers_with_the_resumed_step(tmp_path, api, model_dir) -> Non
     assert all(r["rollout/samples_received"] == 8 for r in rows)
     assert api.get("/status")["current_step"] == 3
     assert api.get("/info")["batch_size"] == 8
+
+
+def test_training_goes_on_through_an_api_restart(tmp_path, api, model_dir) -> None:
+    """The API is killed after step 2 and back 1.5 s later with no state: the trainer
+    retries, registers again with starting_step 2, and finishes its 5 steps."""
+    overrides = ["trainer.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "rollout.n=4", "rollout.mode=remote",
+                 "data.source=atropos", f"data.atropos.url={api.url}", f"model.path={model_dir}", "manager.port=0",
+                 "fleet.num_workers=0", "logging.console=false", "logging.tensorboard=false",
+                 "data.atropos.batch_timeout_s=60", "trainer.total_steps=5"]  # fmt: skip
+
+    def restart_after_step_2(step: int, _: dict) -> None:
+        if step == 2:
+            api.stop()
+            threading.Timer(1.5, api.start).start()
+
+    with GroupPusher(api, vocab_size=40):
+        train(load_config(None, overrides), tmp_path / "run", on_step_end=restart_after_step_2)
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]
+    assert api.get("/status")["current_step"] == 5  # registered again at 2, then 3 more batches
