@@ -97,6 +97,25 @@ def test_logprobs_equal_the_trainers_full_forward(model, temperature, top_p, top
         assert torch.allclose(ref[0], torch.tensor(r.logprobs), atol=1e-4), (ref[0] - torch.tensor(r.logprobs)).abs().max()
 
 
+def test_top_logprobs_equal_a_full_forwards_and_only_where_asked(model):
+    """Top log-probs are the k best of log softmax(logits / T) at each position (the
+    sampled token's definition), for the request that asks; its neighbour in the same
+    batch gets none, and its tokens are as if nobody had asked."""
+    asked = EngineSampling(max_new_tokens=6, temperature=0.7, n=2, seed=3, ignore_eos=True, top_logprobs=4)
+    plain = dataclasses.replace(asked, top_logprobs=0)
+    results = run(Engine(model, SMALL), [EngineRequest("a", PROMPTS[0], asked), EngineRequest("b", PROMPTS[1], plain)])
+    alone = run(Engine(model, SMALL), [EngineRequest("b", PROMPTS[1], plain)])
+    for i in range(2):
+        assert results[("b", i)].top_logprobs == [] and results[("b", i)].token_ids == alone[("b", i)].token_ids
+        r = results[("a", i)]
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPTS[0] + r.token_ids])).logits[0, len(PROMPTS[0]) - 1 : -1]
+        ref_values, ref_ids = (logits / 0.7).log_softmax(-1).topk(4)
+        assert len(r.top_logprobs) == 6
+        assert [[t for t, _ in pos] for pos in r.top_logprobs] == ref_ids.tolist()
+        assert torch.allclose(torch.tensor([[lp for _, lp in pos] for pos in r.top_logprobs]), ref_values, atol=1e-4)
+
+
 def test_sampling_respects_top_k_and_top_p(model):
     s = EngineSampling(max_new_tokens=8, temperature=1.0, top_k=1, n=4, seed=3, ignore_eos=True)
     results = run(Engine(model, SMALL), [EngineRequest("k", PROMPTS[0], s)])

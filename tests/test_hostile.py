@@ -38,18 +38,20 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
-from test_manager import AUTH, TOKEN, fast_cfg
+from pydantic import BaseModel, ValidationError
+from test_manager import AUTH, TOKEN, fast_cfg, wait_active
 from test_transfer import CHUNK, assert_same, source, weights
 from test_worker import CONTEXT, InProcessWorker, _tiny, _wait_until, greedy
 
 from polyrl.chaos.harness import free_port
 from polyrl.engine.types import SampleResult
 from polyrl.httpapi import ErrorDetail
+from polyrl.inference.protocol import ChatCompletionRequest, CompletionRequest, VllmGenerateRequest
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.protocol import BatchRequest, Heartbeat, PublishVersion, RegisterRequest, WorkerList
 from polyrl.manager.server import create_app as manager_app
+from polyrl.models.tiny import add_chat_template
 from polyrl.transfer.compress import decode_zstd, encode_zstd
 from polyrl.transfer.delta import apply_delta, encode_delta
 from polyrl.transfer.manifest import flatten, unflatten
@@ -598,7 +600,7 @@ def test_manager_refuses_non_finite_floats(ghost_manager: ManagerThread) -> None
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessWorker]:
-    with InProcessWorker(_tiny(tmp_path_factory.mktemp("hostile_model"))) as w:
+    with InProcessWorker(add_chat_template(_tiny(tmp_path_factory.mktemp("hostile_model")))) as w:
         yield w
 
 
@@ -1129,3 +1131,95 @@ def test_dripping_clients_do_not_hold_up_the_worker(worker: InProcessWorker) -> 
         for d in drips:
             d.stop()
     assert worker_state(worker)[2:] == (0, 0)
+
+
+# ------------------------------------------------- OpenAI- and vLLM-compatible endpoints
+
+
+def inference_posts(model: str) -> dict[str, tuple[str, dict[str, Any], type[BaseModel]]]:
+    """Valid bodies of the OpenAI/vLLM endpoints, every field they take set."""
+    completion = {"model": model, "prompt": "1+2=", "max_tokens": 4, "n": 2, "temperature": 0.7, "top_p": 0.9,
+                  "top_k": 5, "seed": 3, "stop": ["="], "logprobs": 1, "stream": True,
+                  "stream_options": {"include_usage": True}, "ignore_eos": False}  # fmt: skip
+    chat = {"model": model, "messages": [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2"}],
+            "max_completion_tokens": 4, "n": 2, "temperature": 0.7, "logprobs": True, "top_logprobs": 2,
+            "stop": "x", "seed": 1, "stream": False}  # fmt: skip
+    vllm = {"prompt": {"prompt_token_ids": [1, 5, 6]}, "logprobs": 0, "n": 2, "max_tokens": 4, "temperature": 0.7,
+            "top_p": 0.9, "seed": 5, "stop": ["1"]}  # fmt: skip
+    return {
+        "completions": ("/v1/completions", completion, CompletionRequest),
+        "chat": ("/v1/chat/completions", chat, ChatCompletionRequest),
+        "vllm_generate": ("/generate", vllm, VllmGenerateRequest),
+    }
+
+
+def _tame_inference(model_type: type[BaseModel]) -> Callable[[Any], Any]:
+    """A body that would be served gets at most MAX_FUZZ_TOKENS new tokens (a missing
+    budget means the rest of the context: ~2000 tokens)."""
+
+    def tame(body: Any) -> Any:
+        try:
+            model_type.model_validate(body)
+        except ValidationError:
+            return body
+        budget = body.get("max_completion_tokens", body.get("max_tokens"))
+        if not isinstance(budget, int) or MAX_FUZZ_TOKENS < budget < CONTEXT:
+            body = {k: v for k, v in body.items() if k != "max_completion_tokens"} | {"max_tokens": MAX_FUZZ_TOKENS}
+        return body
+
+    return tame
+
+
+def _fuzz_inference(client: AsgiClient, endpoint: str, model: str, headers: dict[str, str],
+                    idle: Callable[[], bool]) -> None:  # fmt: skip
+    path, valid, model_type = inference_posts(model)[endpoint]
+    tame = _tame_inference(model_type)
+
+    def check(body: bytes, content_type: str) -> None:
+        response = client.post(path, content=body, headers=headers | {"content-type": content_type})
+        assert_clear(response)
+        if response.status_code == 200 and b"text/event-stream" in response.headers.get("content-type", "").encode():
+            assert response.text.endswith("data: [DONE]\n\n") and '"error"' not in response.text, response.text[-500:]
+        assert idle()
+
+    for edge in edge_sweep(valid):
+        check(json.dumps(tame(edge)).encode(), "application/json")
+    FUZZ(given(body=bodies(valid, tame), content_type=CONTENT_TYPES)(check))()
+    ok = client.post(path, json=tame(valid), headers=headers)
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "vllm_generate"])
+def test_worker_inference_endpoint_fuzz(endpoint: str, worker: InProcessWorker, worker_client: AsgiClient) -> None:
+    """Every body gets 2xx or a clear 4xx (a stream ends with [DONE], no error in it);
+    nothing is left running; a valid request is served afterwards."""
+    before = worker_state(worker)
+    _fuzz_inference(worker_client, endpoint, worker.state.model_path, {}, lambda: worker_state(worker) == before)
+
+
+@pytest.fixture(scope="module")
+def inference_manager(worker: InProcessWorker) -> Iterator[ManagerThread]:
+    """A manager whose one worker is the module's in-process worker, registered by hand
+    (no heartbeats: the timeout is long)."""
+    with hostile_manager(heartbeat_timeout_s=3600.0, batch_deadline_s=60, inference_wait_s=2.0) as mt:
+        info = worker.info()
+        registration = RegisterRequest(worker_id="w-fuzz", url=worker.http.url, model_path=worker.state.model_path,
+                                       weight_version=0, max_num_seqs=info["max_num_seqs"],
+                                       max_model_len=info["max_model_len"])  # fmt: skip
+        response = manager_client(mt).post("/v1/workers/register", json=registration.model_dump(), headers=AUTH)
+        assert response.status_code == 200, response.text
+        wait_active(mt, "w-fuzz")
+        yield mt
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "vllm_generate"])
+def test_manager_inference_endpoint_fuzz(endpoint: str, inference_manager: ManagerThread) -> None:
+    """The same through the manager: no 5xx, no batch or placement left behind."""
+    mt = inference_manager
+    model = mt.call(lambda: mt.manager.registry.get("w-fuzz").model_path)
+
+    def idle() -> bool:
+        m = mt.manager
+        return mt.call(lambda: not m.batches and not m.pending and m.registry.get("w-fuzz").inflight == 0)
+
+    _fuzz_inference(manager_client(mt), endpoint, model, AUTH, idle)

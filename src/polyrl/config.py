@@ -401,6 +401,13 @@ class ManagerConfig(_Section):
     the learner starts, then finishes what it holds. `polyrl train` sets it from
     `rollout.mode` and `rollout.hybrid_local_until`."""
     local_window_max_s: float = Field(30.0, gt=0)
+    tokenizer: str | None = None
+    """A local tokenizer directory for the OpenAI- and vLLM-compatible endpoints (chat
+    templates, text in and out). Default: the model path the workers registered with, when
+    that directory exists on the manager's machine too."""
+    inference_wait_s: float = Field(30.0, gt=0)
+    """An OpenAI/vLLM request that arrives while no worker serves waits this long for one,
+    then gets a 503."""
     url: str | None = None
     """`polyrl train` only: use the manager already serving at this URL (a standalone
     `polyrl manager`, with `token`) instead of starting one."""

@@ -1,8 +1,9 @@
 """What the worker's and the manager's HTTP APIs share: one error body, readable 422s,
 bearer-token checks and request-body limits.
 
-Every error leaves as `{"error": {"message", "type"}}` with a real status code, so a
-client needs one parser for both services.
+Every error leaves as OpenAI's `{"error": {"message", "type", "param", "code"}}` with a
+real status code, so a client needs one parser for both services, and the `openai`
+client reads the OpenAI-compatible endpoints' errors as it reads OpenAI's own.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ class ErrorDetail(BaseModel):
     model_config = ConfigDict(extra="forbid")
     message: str
     type: str
+    param: str | None = None
+    """The request field at fault, when one is (OpenAI's field)."""
+    code: str | None = None
+    """A machine-readable reason, e.g. `model_not_found` (OpenAI's field)."""
 
 
 class ErrorBody(BaseModel):
@@ -31,16 +36,19 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-def error_body(message: str, type_: str) -> dict[str, Any]:
-    return ErrorBody(error=ErrorDetail(message=message, type=type_)).model_dump()
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return ErrorBody(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()
 
 
 class ApiError(Exception):
     """An HTTP error with a client-facing message, rendered as the common error body."""
 
-    def __init__(self, status_code: int, message: str, type_: str) -> None:
+    def __init__(
+        self, status_code: int, message: str, type_: str, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status_code, self.message, self.type = status_code, message, type_
+        self.param, self.code = param, code
 
 
 def validation_message(err: RequestValidationError) -> str:
@@ -69,7 +77,7 @@ def error_handlers(extra: dict[type[Exception], tuple[int, str]] | None = None) 
         return handle
 
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.type), status_code=exc.status_code)
+        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status_code)
 
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # 404, 405, ...
         return JSONResponse(error_body(str(exc.detail), "http_error"), status_code=exc.status_code)

@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from polyrl.config import EngineConfig
 from polyrl.engine.block_manager import BlockManager, cdiv
 from polyrl.engine.model_runner import ModelRunner, num_kv_blocks_for
-from polyrl.engine.sampler import SamplingBatch, sample
+from polyrl.engine.sampler import SamplingBatch, sample, top_logprobs
 from polyrl.engine.scheduler import ScheduledSeq, Scheduler
 from polyrl.engine.sequence import SeqStatus, Sequence
 from polyrl.engine.types import EngineRequest, EngineStats, RequestError, SampleDelta
@@ -45,6 +45,8 @@ from polyrl.engine.types import EngineRequest, EngineStats, RequestError, Sample
 log = logging.getLogger(__name__)
 
 MAX_SEED = 2**63
+MAX_TOP_LOGPROBS = 20
+"""OpenAI's own limit on alternatives per token."""
 MAX_TOP_K = 2**63
 """top_k travels to the sampler in an int64 tensor; a larger value would overflow it
 inside the engine loop (and stop the loop) instead of being refused here."""
@@ -64,6 +66,7 @@ class InFlightStep:
     host: torch.Tensor  # [2, S] float64 token ids and log-probs, copied asynchronously
     done: torch.cuda.Event | None  # None on CPU, where the copy was synchronous
     sampling: SamplingBatch
+    top: tuple[list[list[float]], list[list[int]]] | None = None  # [S, k] alternatives, on the host
 
 
 def freeze_gc_heap() -> None:
@@ -194,6 +197,8 @@ class Engine:
             raise RequestError(f"n must be in [1, {self.cfg.max_num_seqs}] (got {s.n})")
         if s.seed is not None and not 0 <= s.seed < MAX_SEED:
             raise RequestError("seed must be in [0, 2**63)")
+        if not 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if cdiv(len(ids) + s.max_new_tokens, self.cfg.block_size) + s.n - 1 > self.blocks.num_blocks:
             raise RequestError("the request needs more KV cache than this engine has")
 
@@ -245,7 +250,7 @@ class Engine:
             logits = logits[rows]
         params = self._sampling_batch(seqs)
         token_ids, logprobs = sample(logits, params)
-        self._in_flight = self._read_back(seqs, token_ids, logprobs, params)
+        self._in_flight = self._read_back(seqs, token_ids, logprobs, params, logits)
         if self.overlap and len(seqs) == len(batch) and all(item.num_new_tokens == 1 for item in batch):
             return deltas  # a pure decode: the next step chains onto it
         return deltas + self._settle()
@@ -279,20 +284,25 @@ class Engine:
             s.num_computed_tokens += 1
         params = prev.sampling
         params = replace(params, positions=params.positions + 1) if same else self._sampling_batch(seqs)
-        return self._read_back(seqs, *sample(logits, params), params)
+        return self._read_back(seqs, *sample(logits, params), params, logits)
 
     def _read_back(self, seqs: list[Sequence], token_ids: torch.Tensor, logprobs: torch.Tensor,
-                   params: SamplingBatch) -> InFlightStep:
+                   params: SamplingBatch, logits: torch.Tensor) -> InFlightStep:
         """Start copying a step's tokens and log-probs to the host (one copy; token ids are
-        exact in float64)."""
+        exact in float64). Top log-probs, when asked for, are copied synchronously: the
+        rare request that wants them gives up the step's overlap."""
+        top = None
+        if params.num_top_logprobs:
+            values, ids = top_logprobs(logits, params)
+            top = (values.tolist(), ids.tolist())
         both = torch.stack([token_ids.double(), logprobs.double()])
         if not both.is_cuda:
-            return InFlightStep(seqs, token_ids, both, None, params)
+            return InFlightStep(seqs, token_ids, both, None, params, top)
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
         host.copy_(both, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return InFlightStep(seqs, token_ids, host, done, params)
+        return InFlightStep(seqs, token_ids, host, done, params, top)
 
     def _settle(self) -> list[SampleDelta]:
         """Wait for the step in flight, if any, and turn its tokens into deltas (skipping
@@ -304,8 +314,9 @@ class Engine:
             step.done.synchronize()
         token_ids, logprobs = step.host.tolist()
         live = [i for i, s in enumerate(step.seqs) if s.status is SeqStatus.RUNNING]
+        tops = None if step.top is None else [list(zip(step.top[1][i], step.top[0][i], strict=True)) for i in live]
         return self._postprocess([step.seqs[i] for i in live], [int(token_ids[i]) for i in live],
-                                 [logprobs[i] for i in live])
+                                 [logprobs[i] for i in live], tops)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         dev = self.device
@@ -325,13 +336,17 @@ class Engine:
             positions=ints[2],
             needs_truncation=any(p < 1 for p in top_p) or any(k > 0 for k in top_k),
             all_greedy=not any(temperatures),
+            num_top_logprobs=max(p.top_logprobs for p in params),
         )
 
-    def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float]) -> list[SampleDelta]:
+    def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float],
+                     tops: list[list[tuple[int, float]]] | None = None) -> list[SampleDelta]:
         version, deltas = self.weight_version, []
-        for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
+        for row, (seq, token_id, logprob) in enumerate(zip(seqs, token_ids, logprobs)):
             seq.append(token_id, logprob, version)
             delta = SampleDelta(seq.rid, seq.index, [token_id], [logprob], [version])
+            if seq.sampling.top_logprobs and tops is not None:
+                delta.top_logprobs = [tops[row][: seq.sampling.top_logprobs]]
             if seq.finish_reason is not None:
                 delta.finish_reason, delta.matched_stop = seq.finish_reason, seq.matched_stop
                 self._finish(seq)

@@ -75,6 +75,7 @@ class SamplingBatch:
     positions: torch.Tensor  # [S] int64 absolute position of the token being sampled
     needs_truncation: bool
     all_greedy: bool
+    num_top_logprobs: int = 0  # the most any row asks for (0: none does)
 
 
 def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,3 +95,12 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
             scores = scores.masked_fill(~truncation_mask(scaled, params.top_k, params.top_p), float("-inf"))
         token_ids = torch.where(greedy, token_ids, scores.argmax(dim=-1))
     return token_ids, logprobs.gather(-1, token_ids[:, None])[:, 0]
+
+
+def top_logprobs(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `params.num_top_logprobs` most likely tokens per row: (log-probs [S, k] float32,
+    token ids [S, k]), in the same definition as the sampled token's (before truncation).
+    A second pass over the logits, run only for steps where some request asked for it."""
+    temperature = torch.where(params.temperature == 0, torch.ones_like(params.temperature), params.temperature)
+    logprobs = (logits.float() / temperature[:, None]).log_softmax(dim=-1)
+    return logprobs.topk(min(params.num_top_logprobs, logits.shape[-1]), dim=-1)

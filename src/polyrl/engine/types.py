@@ -38,6 +38,7 @@ class EngineSampling:
     ignore_eos: bool = False  # True: the model's EOS ids do not stop generation
     n: int = 1
     seed: int | None = None  # None: a fresh random seed per request
+    top_logprobs: int = 0  # > 0: also report this many most likely tokens per position (OpenAI's top_logprobs)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class SampleDelta:
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop: int | None = None  # the stop token that ended the sample, if any
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """With `top_logprobs` k > 0: per token, the k most likely (token id, log-prob), best first."""
 
     @property
     def finished(self) -> bool:
@@ -80,11 +83,13 @@ class SampleResult:
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop: int | None = None
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     def add(self, delta: SampleDelta) -> None:
         assert delta.rid == self.rid and delta.index == self.index
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
+        self.top_logprobs += delta.top_logprobs
         self.weight_versions += delta.weight_versions
         if delta.finish_reason is not None:
             self.finish_reason, self.matched_stop = delta.finish_reason, delta.matched_stop

@@ -68,6 +68,8 @@ class Delta(NamedTuple):
     logprobs: list[float]
     weight_versions: list[int]
     finish_reason: str | None
+    top_logprobs: list[list[tuple[int, float]]] = []
+    """Per token, when asked for: the most likely (token id, log-prob)."""
 
 
 # ------------------------------------------------------------------------------ remote (HTTP)
@@ -91,6 +93,8 @@ def generate_body(call: GenerationCall, incremental: bool, stream_interval_s: fl
             "sampling_seed": call.seed,
         },
     }
+    if s.top_logprobs:  # SGLang's own field
+        body["top_logprobs_num"] = s.top_logprobs
     if incremental:  # polyrl's extensions (a plain SGLang server refuses unknown fields)
         body["incremental_stream"] = True
         if stream_interval_s:
@@ -112,12 +116,14 @@ def parse_chunk(payload: dict[str, Any], seen: dict[int, int], incremental: bool
         versions = meta.get("output_token_weight_versions")
         if versions is None:  # a plain SGLang server: one version for the whole response
             versions = [int(meta.get("weight_version") or 0)] * len(tokens)
+        top = [[(int(tok), float(lp)) for lp, tok, *_ in pos] for pos in meta.get("output_top_logprobs") or []]
         finish = meta.get("finish_reason")
         index, total = int(payload.get("index") or 0), int(meta.get("completion_tokens", -1))
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise WorkerFailed(f"unreadable stream chunk ({type(e).__name__}: {e})") from None
-    if not len(tokens) == len(logprobs) == len(versions):
-        raise WorkerFailed(f"chunk has {len(tokens)} tokens, {len(logprobs)} log-probs, {len(versions)} versions")
+    if not len(tokens) == len(logprobs) == len(versions) or (top and len(top) != len(tokens)):
+        raise WorkerFailed(f"chunk has {len(tokens)} tokens, {len(logprobs)} log-probs, {len(versions)} versions, "
+                           f"{len(top)} top log-probs")  # fmt: skip
     finish_type = finish["type"] if finish else None
     if finish_type not in (None, "stop", "length", "abort"):
         raise WorkerFailed(f"unknown finish reason {finish_type!r}")
@@ -125,11 +131,11 @@ def parse_chunk(payload: dict[str, Any], seen: dict[int, int], incremental: bool
     if not incremental:
         if len(tokens) < before:
             raise WorkerFailed(f"snapshot of sample {index} shrank from {before} to {len(tokens)} tokens")
-        tokens, logprobs, versions = tokens[before:], logprobs[before:], versions[before:]
+        tokens, logprobs, versions, top = tokens[before:], logprobs[before:], versions[before:], top[before:]
     elif total != before + len(tokens):
         raise WorkerFailed(f"sample {index}: chunk of {len(tokens)} tokens after {before} claims a total of {total}")
     seen[index] = before + len(tokens)
-    return Delta(index, tokens, logprobs, [int(v) for v in versions], finish_type)
+    return Delta(index, tokens, logprobs, [int(v) for v in versions], finish_type, top)
 
 
 def _error_message(response: httpx.Response, body: bytes) -> str:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from polyrl.engine.types import SampleDelta
 from polyrl.manager.protocol import (
     BatchFailed,
     BatchPrompt,
@@ -69,13 +71,19 @@ class SampleState:
         self._seg_worker = worker_id
         self._seg_tokens, self._seg_logprobs, self._seg_versions = [], [], []
 
-    def extend(self, tokens: list[int], logprobs: list[float], versions: list[int], finish: str | None) -> None:
-        """New tokens of the running segment, and its finish reason once it has one."""
+    def extend(self, tokens: list[int], logprobs: list[float], versions: list[int], finish: str | None,
+               top_logprobs: list[list[tuple[int, float]]] | None = None) -> None:
+        """New tokens of the running segment, and its finish reason once it has one.
+        `top_logprobs` only go to `progress` (a batch's groups do not carry them)."""
         if len(self._seg_tokens) + len(tokens) > self.remaining:
             raise ValueError(f"worker sent {len(self._seg_tokens) + len(tokens)} tokens for a budget of {self.remaining}")
         self._seg_tokens += tokens
         self._seg_logprobs += logprobs
         self._seg_versions += versions
+        progress = self.group.batch.progress
+        if progress is not None and tokens:  # what arrived is kept, even if the worker dies next
+            progress.put_nowait(SampleDelta(self.group.batch.batch_id, self.index, tokens, logprobs, versions,
+                                            top_logprobs=top_logprobs or []))  # fmt: skip
         if finish is not None and finish != "abort":  # abort: handed back, it continues elsewhere
             self.end_segment()
             self.finish_reason = finish
@@ -168,6 +176,9 @@ class Batch:
     num_groups_done: int = 0
     num_migrated: int = 0
     failed: BatchFailed | None = None
+    progress: asyncio.Queue[SampleDelta | BatchFailed] | None = None
+    """When set (the OpenAI/vLLM endpoints' one-prompt batches): every sample's tokens as
+    they arrive, its finish, and the batch's failure, for a client that streams."""
 
     def __repr__(self) -> str:
         return f"<Batch {self.batch_id}: {self.num_groups_done}/{len(self.groups)} groups>"
@@ -192,6 +203,10 @@ class Batch:
         """Count a finished sample; emit its group when it was the last one."""
         group = sample.group
         group.num_done += 1
+        if self.progress is not None:
+            stop = sample.token_ids[-1] if sample.finish_reason == "stop" and sample.token_ids else None
+            finish: Any = sample.finish_reason  # "stop" or "length": it is done
+            self.progress.put_nowait(SampleDelta(self.batch_id, sample.index, finish_reason=finish, matched_stop=stop))
         if group.num_done == len(group.samples):
             result = group.result()  # before counting: it validates every sample
             self.num_groups_done += 1
@@ -201,6 +216,8 @@ class Batch:
         if self.failed is None:
             self.failed = failure
             self.results.put_nowait(failure)
+            if self.progress is not None:
+                self.progress.put_nowait(failure)
 
     def unfinished_samples(self) -> int:
         return sum(len(g.samples) - g.num_done for g in self.groups)

@@ -117,7 +117,9 @@ class RolloutManager(Membership, Placement, Settlement):
 
     # ------------------------------------------------------------------------------- batches
 
-    def submit(self, request: BatchRequest) -> Batch:
+    def submit(self, request: BatchRequest, watch: bool = False) -> Batch:
+        """Queue a batch. `watch`: also report each sample's tokens as they arrive
+        (`Batch.progress`)."""
         if self._closed:
             raise RuntimeError("the rollout manager is shut down")
         required = request.min_weight_version
@@ -126,6 +128,8 @@ class RolloutManager(Membership, Placement, Settlement):
         deadline = time.monotonic() + (request.deadline_s or self.cfg.batch_deadline_s)
         seeds = [p.seed if p.seed is not None else self._rng.getrandbits(62) for p in request.prompts]
         batch = Batch.build(f"b{next(self._ids)}", request, required, deadline, seeds)
+        if watch:
+            batch.progress = asyncio.Queue()
         self.batches[batch.batch_id] = batch
         self.pending.extend(batch.fresh_units())
         log.debug("batch %s: %d prompts x %d, weights >= v%d", batch.batch_id, len(request.prompts), request.n, required)

@@ -119,6 +119,9 @@ class BatchSampling(_Message):
     """0: off (SGLang's -1 is accepted and read as 0)."""
     stop_token_ids: list[Int64] = []
     ignore_eos: bool = False
+    top_logprobs: int = Field(0, ge=0, le=20)
+    """> 0: workers also report this many most likely tokens per position (the OpenAI
+    endpoints' `top_logprobs`; groups of `/v1/batches` do not carry them)."""
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -130,6 +133,7 @@ class BatchSampling(_Message):
         return EngineSampling(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos, n=n, seed=seed,
+            top_logprobs=self.top_logprobs,
         )  # fmt: skip
 
 

@@ -13,20 +13,27 @@ malformed request gets a 4xx naming the reason and changes nothing.
     POST /v1/weights/version             PublishVersion
     POST /v1/learner_started             the trainer's learner started on the step: the local window closes
     GET  /health, GET /metrics
+    GET  /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /generate (vLLM's form):
+                                         OpenAI/vLLM-compatible, served by the fleet (`inference.py`)
 """
 
 from __future__ import annotations
 
 import ipaddress
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from polyrl.httpapi import ApiError, BodyLimit, check_bearer, error_handlers
+from polyrl.inference.protocol import VllmGenerateRequest
+from polyrl.inference.routes import InferenceRoutes
+from polyrl.manager.inference import ManagerBackend
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.metrics import CONTENT_TYPE
 from polyrl.manager.weight_sync import EndpointPublisher, PublisherSync
@@ -44,6 +51,10 @@ from polyrl.manager.protocol import (
 )
 
 CONTROL_BODY_LIMIT = 64 * 1024
+NOT_VLLM = (
+    'the manager\'s /generate takes vLLM\'s form (prompt: {"prompt_token_ids": [...]}, n, max_tokens, '
+    "temperature, logprobs); SGLang's form goes to a worker, and batches of prompts to /v1/batches"
+)
 
 
 def _line(model: Any) -> bytes:
@@ -150,10 +161,26 @@ class _Handlers:
         return Response(self.manager.metrics.render(), media_type=CONTENT_TYPE)
 
 
+def _vllm_generate(inference: InferenceRoutes) -> Callable[[Request], Awaitable[Response]]:
+    async def generate(request: Request) -> Response:
+        """vLLM's /generate only: SGLang's form is a worker's (the fleet's is /v1/batches)."""
+        raw = await request.body()
+        try:
+            body = VllmGenerateRequest.model_validate_json(raw)
+        except ValidationError as e:
+            if b'"prompt"' not in raw:
+                raise ApiError(422, NOT_VLLM, "invalid_request") from None
+            raise RequestValidationError(e.errors()) from None
+        return await inference.vllm_generate(body, request)
+
+    return generate
+
+
 def create_app(manager: RolloutManager) -> FastAPI:
     cfg = manager.cfg
     allowed = [ipaddress.ip_network(c, strict=False) for c in cfg.allowed_worker_cidrs]
     h = _Handlers(manager, allowed)
+    inference = InferenceRoutes(ManagerBackend(manager))
     app = FastAPI(title="polyrl manager", exception_handlers=error_handlers())
 
     # a dependency: checked before the body is validated. async: FastAPI runs a plain
@@ -172,6 +199,10 @@ def create_app(manager: RolloutManager) -> FastAPI:
     app.post("/v1/learner_started", dependencies=auth)(h.learner_started)
     app.get("/health")(h.health)
     app.get("/metrics")(h.metrics)
+    app.get("/v1/models", dependencies=auth)(inference.models)
+    app.post("/v1/completions", dependencies=auth)(inference.completions)
+    app.post("/v1/chat/completions", dependencies=auth)(inference.chat)
+    app.post("/generate", dependencies=auth)(_vllm_generate(inference))
 
     def limit_for(path: str) -> int:
         control = ("/v1/workers", "/v1/weights", "/v1/publisher", "/v1/learner_started")

@@ -73,7 +73,7 @@ class Settlement(ManagerState):
         if sample.done:
             raise WorkerFailed(f"worker sent more for finished sample {d.index}")
         try:
-            sample.extend(d.token_ids, d.logprobs, d.weight_versions, d.finish_reason)
+            sample.extend(d.token_ids, d.logprobs, d.weight_versions, d.finish_reason, d.top_logprobs)
         except ValueError as e:
             raise WorkerFailed(str(e)) from None
         self.metrics.tokens.inc(len(d.token_ids))

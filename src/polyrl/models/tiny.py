@@ -30,6 +30,14 @@ log = logging.getLogger(__name__)
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz+-*=|>?:, "
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}|{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+"""A chat template written in the alphabet (no newline token), for chat endpoints and
+clients that apply templates themselves (atroposlib's ManagedServer). Opt-in
+(`add_chat_template`): with a template, `data.apply_chat_template`'s automatic mode would
+wrap the synthetic tasks' prompts in it."""
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen3": Qwen3Config,
@@ -89,3 +97,13 @@ def save_tiny_model(out_dir: str | Path, cfg: TinyModelConfig = TinyModelConfig(
     num_params = sum(p.numel() for p in model.parameters())
     log.info("built tiny %s model (%d parameters) in %s", cfg.arch, num_params, out)
     return out
+
+
+def add_chat_template(model_dir: str | Path) -> Path:
+    """Give a saved tiny model's tokenizer the `CHAT_TEMPLATE` (for chat serving offline)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    return Path(model_dir)

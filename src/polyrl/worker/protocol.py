@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -90,6 +91,9 @@ class GenerateRequest(_Wire):
     """Default: a fresh uuid4 hex. `/abort_request` takes this id."""
     sampling_params: SamplingParams = SamplingParams()
     return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    """With `return_logprob`: also the this-many most likely tokens per position
+    (`meta_info.output_top_logprobs`, as SGLang's)."""
     stream: bool = False
     incremental_stream: bool = False
     """polyrl extension: each stream chunk carries only what is new since the sample's
@@ -117,7 +121,10 @@ class GenerateRequest(_Wire):
 
     def to_engine(self, input_ids: list[int]) -> EngineRequest:
         rid = self.rid if self.rid is not None else uuid.uuid4().hex
-        return EngineRequest(rid=rid, input_ids=input_ids, sampling=self.sampling_params.to_engine())
+        sampling = self.sampling_params.to_engine()
+        if self.return_logprob and self.top_logprobs_num:
+            sampling = replace(sampling, top_logprobs=self.top_logprobs_num)
+        return EngineRequest(rid=rid, input_ids=input_ids, sampling=sampling)
 
 
 class AbortRequest(_Wire):
@@ -184,6 +191,8 @@ class MetaInfo(_Wire):
     output_token_weight_versions: list[int]
     output_token_logprobs: list[tuple[float, int, None]] | None = None
     """[logprob, token_id, null] per output token; only with `return_logprob`."""
+    output_top_logprobs: list[list[tuple[float, int, None]]] | None = None
+    """Per output token, the `top_logprobs_num` most likely [logprob, token_id, null]."""
 
 
 class GenerateResponse(_Wire):
@@ -249,9 +258,11 @@ def sample_response(
     if result.finish_reason is not None:
         finish = FinishReasonInfo(type=result.finish_reason, matched=result.matched_stop)
     token_ids, versions = result.token_ids[start:], result.weight_versions[start:]
-    logprobs = None
+    logprobs = top = None
     if return_logprob:
         logprobs = [(lp, tok, None) for lp, tok in zip(result.logprobs[start:], token_ids, strict=True)]
+        if result.top_logprobs:
+            top = [[(lp, tok, None) for tok, lp in position] for position in result.top_logprobs[start:]]
     meta = MetaInfo(
         id=result.rid,
         finish_reason=finish,
@@ -260,6 +271,7 @@ def sample_response(
         weight_version=result.weight_versions[-1] if result.weight_versions else current_version,
         output_token_weight_versions=versions,
         output_token_logprobs=logprobs,
+        output_top_logprobs=top,
     )
     index = result.index if with_index else None
     response = GenerateResponse(text=text, output_ids=token_ids, meta_info=meta, index=index)
@@ -267,7 +279,9 @@ def sample_response(
     if not with_index:
         exclude["index"] = True
     if not return_logprob:
-        exclude["meta_info"] = {"output_token_logprobs"}
+        exclude["meta_info"] = {"output_token_logprobs", "output_top_logprobs"}
+    elif top is None:
+        exclude["meta_info"] = {"output_top_logprobs"}
     return response.model_dump(mode="json", exclude=exclude)
 
 

@@ -2,14 +2,16 @@
 
 All state lives in one `WorkerState`, built by the caller and handed to `create_app`;
 the handlers translate HTTP to engine calls and back through the pure builders in
-`protocol.py`. Errors always come back as `{"error": {"message", "type"}}` with a real
-status: 422 invalid body, 413 body over MAX_BODY_BYTES, 400 refused by the engine, 429
-engine full, 503 draining (or the engine loop died).
+`protocol.py`. The OpenAI- and vLLM-compatible endpoints are `polyrl.inference`'s, over
+this worker's engine. Errors always come back as `{"error": {"message", "type", "param",
+"code"}}` with a real status: 422 invalid body, 413 body over MAX_BODY_BYTES, 400 refused
+by the engine, 429 engine full, 503 draining (or the engine loop died).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +21,9 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from starlette.types import Receive, Scope, Send
@@ -34,6 +38,8 @@ from polyrl.engine.types import (
     SampleResult,
 )
 from polyrl.httpapi import ApiError, BodyLimit, ChecksumGuard, check_bearer, error_body, error_handlers
+from polyrl.inference.protocol import VllmGenerateRequest
+from polyrl.inference.routes import InferenceRoutes
 from polyrl.transfer.receiver import PullSource
 from polyrl.transfer.wire import TransferError
 from polyrl.worker.protocol import (
@@ -56,6 +62,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 LifecycleState = Literal["active", "draining"]
+
+NEITHER_DIALECT = (
+    "a /generate body has either SGLang's form (input_ids or text, sampling_params) or vLLM's "
+    '(prompt: {"prompt_token_ids": [...]}, n, max_tokens, temperature, logprobs)'
+)
 
 MAX_BODY_BYTES = 16 * 2**20
 """Largest request body (413 above it, before it is read): a prompt of a million tokens
@@ -266,8 +277,28 @@ def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
 class _Handlers:
     """The endpoints, as methods over one WorkerState (registered by `create_app`)."""
 
-    def __init__(self, state: WorkerState) -> None:
-        self.state = state
+    def __init__(self, state: WorkerState, inference: InferenceRoutes) -> None:
+        self.state, self.inference = state, inference
+
+    async def dispatch_generate(self, request: Request) -> Response:
+        """`/generate` speaks two dialects, told apart by the body: vLLM's has `prompt`
+        (`{"prompt_token_ids": [...]}`), SGLang's has `input_ids` or `text`."""
+        raw = await request.body()
+        parsed = None  # the manager's SGLang calls, the hot path, are parsed once, below
+        if b'"prompt"' in raw or (b'"input_ids"' not in raw and b'"text"' not in raw):
+            try:
+                parsed = json.loads(raw)
+            except ValueError:
+                pass  # the SGLang model's parser names the JSON error
+        try:
+            if isinstance(parsed, dict) and "prompt" in parsed:
+                return await self.inference.vllm_generate(VllmGenerateRequest.model_validate(parsed), request)
+            if isinstance(parsed, dict) and not {"input_ids", "text"} & parsed.keys():
+                raise ApiError(422, NEITHER_DIALECT, "invalid_request")
+            body = GenerateRequest.model_validate_json(raw)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        return await self.generate(body, request)
 
     async def generate(self, body: GenerateRequest, request: Request) -> Response:
         st = self.state
@@ -464,13 +495,19 @@ def create_app(state: WorkerState, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
         {RequestError: (400, "invalid_request"), EngineFullError: (429, "engine_full"), EngineDeadError: (503, "engine_dead")}
     )
     app = FastAPI(title="polyrl worker", exception_handlers=handlers)
-    h = _Handlers(state)
+    from polyrl.worker.inference import WorkerBackend  # it builds on this module's stream plumbing
+
+    inference = InferenceRoutes(WorkerBackend(state))
+    h = _Handlers(state, inference)
 
     async def authorized(request: Request) -> None:  # async: a plain def would wait for a thread-pool slot
         check_bearer(request, state.token)
 
     auth = [Depends(authorized)]
-    app.post("/generate", dependencies=auth)(h.generate)
+    app.post("/generate", dependencies=auth)(h.dispatch_generate)
+    app.get("/v1/models", dependencies=auth)(inference.models)
+    app.post("/v1/completions", dependencies=auth)(inference.completions)
+    app.post("/v1/chat/completions", dependencies=auth)(inference.chat)
     app.get("/health")(h.health)
     app.get("/health_generate")(h.health_generate)
     app.post("/abort_request", dependencies=auth)(h.abort_request)

@@ -1,0 +1,1 @@
+"""OpenAI- and vLLM-compatible inference endpoints, shared by workers and the manager."""
