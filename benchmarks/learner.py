@@ -26,8 +26,12 @@ Variants: padded-16k / padded-8k are today's path (trainer.learner_impl=padded) 
 16k / 8k-token micro-batches; packed* use trainer.learner_impl=packed with 16k tokens per
 micro-batch, "+copy" trainer.working_copy, "+compile" trainer.compile_layers, "-flex"
 trainer.packed_attention=flex, "-32k" 32k-token micro-batches, "+ckpt" activation
-checkpointing. Every row sets working_copy and compile_layers to true or false itself, never
-"auto" (the trainer's default, which picks packed+copy+compile on one GPU in bf16).
+checkpointing. The packed+...+compile rows run the compiled path as first measured
+(attention a graph break around each layer's graph, inductor's head tail); "fast" is the
+default now: the varlen attention traced into the layers' graphs and the head's softmax
+tail as Triton kernels in 4x larger chunks ("fast+attn": the first only; "-c1" / "-c2":
+head chunks 1x / 2x). Every row sets working_copy and compile_layers to true or false
+itself, never "auto" (the trainer's default, which picks "fast" on one GPU in bf16).
 
 --profile [BATCH:]VARIANT (batch eq unless named) runs one more step of that row, after its
 timed ones, under torch.profiler, and prints the 25 ops / kernels with the most self device
@@ -58,6 +62,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
 from polyrl.config import AlgoConfig, TrainerConfig
 from polyrl.trainer.batching import SeqItem
+import polyrl.trainer.learner as learner_mod
+from polyrl.trainer import lm_head
 from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing
 
 QWEN3_06B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
@@ -77,6 +83,13 @@ class Variant:
     working_copy: bool = False
     compile_layers: bool = False
     checkpointing: bool = False
+    traced_attention: bool = True  # the varlen op inside the compiled layers' graphs
+    triton_head: bool = True  # the head's softmax tail as Triton kernels (else inductor's)
+    head_chunk_factor: int = 4  # the fused head's chunk size over the unfused one's
+
+
+FIRST_SESSION = {"traced_attention": False, "triton_head": False, "head_chunk_factor": 1}
+"""The compiled path as it was first measured: attention as a graph break, inductor's head."""
 
 
 VARIANTS = {
@@ -87,19 +100,25 @@ VARIANTS = {
         Variant("packed"),
         Variant("packed+copy", working_copy=True),
         Variant("packed-flex+copy", attention="flex", working_copy=True),
-        Variant("packed+copy+compile", working_copy=True, compile_layers=True),
-        Variant("packed+compile", compile_layers=True),
-        Variant("packed+copy+compile-32k", max_tokens=32768, working_copy=True, compile_layers=True),
-        Variant("packed+copy+compile+ckpt", working_copy=True, compile_layers=True, checkpointing=True),
+        Variant("packed+copy+compile", working_copy=True, compile_layers=True, **FIRST_SESSION),
+        Variant("packed+compile", compile_layers=True, **FIRST_SESSION),
+        Variant("packed+copy+compile-32k", max_tokens=32768, working_copy=True, compile_layers=True, **FIRST_SESSION),
+        Variant("fast+ckpt", working_copy=True, compile_layers=True, checkpointing=True),
+        Variant("fast+attn", working_copy=True, compile_layers=True, traced_attention=True, triton_head=False,
+                head_chunk_factor=1),
+        Variant("fast", working_copy=True, compile_layers=True),
+        Variant("fast-24k", max_tokens=24576, working_copy=True, compile_layers=True),
+        Variant("fast-32k", max_tokens=32768, working_copy=True, compile_layers=True),
+        Variant("fast-32k-c2", max_tokens=32768, working_copy=True, compile_layers=True, head_chunk_factor=2),
+        Variant("fast-32k-c1", max_tokens=32768, working_copy=True, compile_layers=True, head_chunk_factor=1),
     ]
 }
-PLAN = ["eq:padded-16k", "eq:padded-8k", "eq:packed", "eq:packed+copy", "eq:packed+copy+compile",
-        "tail:padded-16k", "tail:packed+copy", "tail:packed+copy+compile", "numerics",
-        "eq:packed-flex+copy", "eq:packed+compile", "eq:packed+copy+compile+ckpt", "eq:packed+copy+compile-32k",
-        "tail:packed"]  # fmt: skip
+PLAN = ["eq:padded-16k", "eq:padded-8k", "eq:packed", "eq:packed+copy", "eq:packed+copy+compile", "eq:fast",
+        "tail:padded-16k", "tail:packed+copy", "tail:fast", "numerics", "eq:fast-32k-c1", "eq:fast-32k",
+        "eq:packed-flex+copy", "eq:packed+compile", "eq:fast+ckpt", "tail:packed"]  # fmt: skip
 """The rows that decide first (today's path, the packed variants, on both batches, and the
 numerics check), then the alternatives, which --budget-s may cut."""
-NUMERICS = ["padded-16k", "packed", "packed+copy", "packed+copy+compile"]
+NUMERICS = ["padded-16k", "packed", "packed+copy", "packed+copy+compile", "fast"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,6 +188,8 @@ def build_learner(v: Variant, args: argparse.Namespace, total_steps: int) -> Lea
                         micro_batch_max_tokens=max_tokens, learner_impl=v.impl, packed_attention=v.attention,
                         working_copy=v.working_copy, compile_layers=v.compile_layers)  # fmt: skip
     optimizer, scheduler = build_optimizer(model, cfg, total_steps)
+    learner_mod.TRACE_ATTENTION = v.traced_attention
+    lm_head.USE_TRITON, lm_head.FUSED_CHUNK_FACTOR = v.triton_head, v.head_chunk_factor
     return Learner(model, None, optimizer, scheduler, AlgoConfig(), cfg, 1.0, 0, args.dtype)
 
 
@@ -274,8 +295,58 @@ def profile_step(learner: Learner, items: list[SeqItem], title: str, args: argpa
     split = ", ".join(f"{k} {by_kind[k]:.3f} s ({100 * by_kind[k] / max(busy_s, 1e-12):.0f}%)"
                       for k in ("matmul", "attention", "other"))  # fmt: skip
     what = "kernels" if is_cuda else "ops (self CPU time)"
-    return (f"profile {title}: step {step_s:.3f} s under the profiler; {what} {busy_s:.3f} s: {split}\n"
+    host = _host_side(prof) if is_cuda else ""
+    return (f"profile {title}: step {step_s:.3f} s under the profiler; {what} {busy_s:.3f} s: {split}\n{host}"
             + events.table(sort_by=sort_by, row_limit=25))  # fmt: skip
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+def _host_side(prof) -> str:
+    """How long the GPU sat idle inside the step (gaps between kernels), how many kernels the
+    host launched and how often it waited for the device: a launch-bound step shows idle gaps
+    and launch counts, a sync-bound one shows waits."""
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if _is_kernel(e))
+    idle, gaps, end = 0.0, [], None
+    for start, stop in kernels:
+        if end is not None and start > end:
+            idle += start - end
+            gaps.append(start - end)
+        end = stop if end is None else max(end, stop)
+    runtime = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.name.startswith(("cuda", "cu")) and e.device_type == DeviceType.CPU:
+            runtime[e.name][0] += 1
+            runtime[e.name][1] += e.cpu_time_total
+    launches = sum(runtime[n][0] for n in LAUNCH_CALLS)
+    waits = {n: c for n, c in runtime.items() if n.startswith(SYNC_CALLS)}
+    big = sorted(gaps, reverse=True)[:5]
+    where = _gap_context(prof, kernels, big)
+    calls = ", ".join(f"{n} x{c} {t / 1e3:.1f} ms" for n, (c, t) in sorted(runtime.items(), key=lambda x: -x[1][1])[:8])
+    return (f"host: GPU idle {idle / 1e3:.1f} ms in {len(gaps)} gaps (largest {', '.join(f'{g / 1e3:.2f}' for g in big)} ms); "
+            f"{launches} kernel launches; waits {dict(waits)}\nruntime calls: {calls}\n{where}")
+
+
+def _gap_context(prof, kernels: list[tuple[float, float]], sizes: list[float]) -> str:
+    """For each of the largest idle gaps: when in the step it fell, and the longest CPU ops
+    running during it (what the host was busy with while the GPU waited)."""
+    if not kernels:
+        return ""
+    t0, lines, end = kernels[0][0], [], None
+    spans = []
+    for start, stop in kernels:
+        if end is not None and start - end in sizes:
+            spans.append((end, start))
+        end = stop if end is None else max(end, stop)
+    cpu = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+    for g0, g1 in spans:
+        inside = sorted((e for e in cpu if e.time_range.start < g1 and e.time_range.end > g0),
+                        key=lambda e: -(min(e.time_range.end, g1) - max(e.time_range.start, g0)))[:6]  # fmt: skip
+        ops = "; ".join(f"{e.name[:60]} {(min(e.time_range.end, g1) - max(e.time_range.start, g0)) / 1e3:.1f}" for e in inside)
+        lines.append(f"  gap {(g1 - g0) / 1e3:.2f} ms at +{(g0 - t0) / 1e3:.1f} ms: {ops}")
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from polyrl.rollout.types import Group, Sample
@@ -104,33 +105,50 @@ class MicroBatch:
     """The same sequences as one padding-free row (packing.PackedRow), when trained packed."""
 
     def to(self, device: torch.device) -> MicroBatch:
-        moved = {k: (v if v is None or isinstance(v, int | float) else v.to(device)) for k, v in vars(self).items()}
+        moved = {k: (v if v is None or isinstance(v, int | float) else to_device(v, device)) for k, v in vars(self).items()}
         return MicroBatch(**moved)
 
 
+def to_device(value: Any, device: torch.device) -> Any:
+    """A CPU tensor copied to `device` without waiting: to CUDA through pinned memory (a
+    pageable copy makes the host wait for the device, once per tensor: ~70 waits per
+    mini-batch on the learner's hot path); anything else through its own `.to`."""
+    if isinstance(value, torch.Tensor) and device.type == "cuda" and value.device.type == "cpu":
+        return value.pin_memory().to(device, non_blocking=True)
+    return value.to(device)
+
+
 def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
+    """Filled in numpy (a row assignment from a list is ~10x cheaper there than through
+    torch.tensor), handed to torch without a copy."""
     rows, width = len(items), max(len(it.token_ids) for it in items)
-    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, width), dtype=torch.long)
-    mask = torch.zeros((rows, width - 1))
-    behav = torch.zeros((rows, width - 1))
-    current = torch.zeros((rows, width - 1))
+    input_ids = np.full((rows, width), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((rows, width), dtype=np.int64)
+    mask = np.zeros((rows, width - 1), dtype=np.float32)
+    behav = np.zeros((rows, width - 1), dtype=np.float32)
+    current = np.zeros((rows, width - 1), dtype=np.float32)
     is_per_token = any(it.token_advantages is not None for it in items)
-    advantages = torch.zeros((rows, width - 1)) if is_per_token else torch.tensor([it.advantage for it in items])
-    behav_known = None if all(it.behav_known for it in items) else torch.zeros((rows, width - 1))
+    advantages = np.zeros((rows, width - 1), dtype=np.float32) if is_per_token else None
+    behav_known = None if all(it.behav_known for it in items) else np.zeros((rows, width - 1), dtype=np.float32)
     for i, it in enumerate(items):
         n = len(it.token_ids)
-        input_ids[i, :n] = torch.tensor(it.token_ids)
+        input_ids[i, :n] = it.token_ids
         attention_mask[i, :n] = 1
         # Target column t predicts token t+1: completion tokens sit at prompt_len-1 .. n-2.
         span = slice(it.prompt_len - 1, n - 1)
-        mask[i, span] = 1.0 if it.loss_mask is None else torch.tensor(it.loss_mask, dtype=torch.float)
-        behav[i, span] = torch.tensor(it.behav_logp)
-        current[i, span] = 1.0 if it.current is None else torch.tensor(it.current, dtype=torch.float)
-        if is_per_token:
-            advantages[i, span] = it.advantage if it.token_advantages is None else torch.tensor(it.token_advantages)
+        mask[i, span] = 1.0 if it.loss_mask is None else it.loss_mask
+        behav[i, span] = it.behav_logp
+        current[i, span] = 1.0 if it.current is None else it.current
+        if advantages is not None:
+            advantages[i, span] = it.advantage if it.token_advantages is None else it.token_advantages
         if behav_known is not None:
             behav_known[i, span] = float(it.behav_known)
+    input_ids, attention_mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
+    mask, behav, current = torch.from_numpy(mask), torch.from_numpy(behav), torch.from_numpy(current)
+    if advantages is None:  # one per sequence: [B]
+        advantages = np.array([it.advantage for it in items], dtype=np.float32)
+    advantages = torch.from_numpy(advantages)
+    behav_known = None if behav_known is None else torch.from_numpy(behav_known)
     position_ids = torch.arange(width).expand(rows, width).contiguous()
     return MicroBatch(
         input_ids=input_ids,

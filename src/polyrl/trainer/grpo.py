@@ -222,11 +222,21 @@ def _kl(
 def policy_loss(
     x: LossInputs, cfg: AlgoConfig, num_tokens: int, num_seqs: int
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """`policy_loss_on_device` with its metrics read back as floats (one device sync)."""
+    loss, stats = policy_loss_on_device(x, cfg, num_tokens, num_seqs)
+    values = torch.stack(list(stats.values())).tolist()
+    return loss, dict(zip(stats.keys(), values))
+
+
+def policy_loss_on_device(
+    x: LossInputs, cfg: AlgoConfig, num_tokens: int, num_seqs: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch, scaled so that micro-batch losses sum to the mini-batch loss.
 
     num_tokens / num_seqs: masked tokens / sequences in the whole MINI-batch.
     loss = pg + kl_coef * kl - entropy_coef * entropy, each aggregated by cfg.loss_agg_mode.
-    Metrics: "actor/pg_loss" and "actor/kl_loss" are the aggregated terms (sum them over
+    Metrics (0-d tensors, left on the device so that a learner reads them once per step):
+    "actor/pg_loss" and "actor/kl_loss" are the aggregated terms (sum them over
     micro-batches); the rest are token means over this micro-batch, to be averaged by weight
     "_num_tokens".
     """
@@ -279,6 +289,4 @@ def policy_loss(
             "actor/tis_weight_mean": zero + 1.0 if w is None else tmean(w),
             "_num_tokens": n.to(pg_loss.dtype),
         }
-        # One device sync for all metrics instead of one per .item().
-        values = torch.stack(list(stats.values())).tolist()
-    return loss, dict(zip(stats.keys(), values))
+    return loss, stats

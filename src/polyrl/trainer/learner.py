@@ -17,13 +17,14 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 from transformers import PreTrainedModel
 
 from polyrl.config import AlgoConfig, TrainerConfig
 from polyrl.models.precision import autocast
 from polyrl.trainer.batching import MicroBatch, SeqItem, collate
 from polyrl.trainer.distributed import DataParallel, is_sharded
-from polyrl.trainer.grpo import LossInputs, policy_loss, token_logprobs
+from polyrl.trainer.grpo import LossInputs, policy_loss_on_device, token_logprobs
 from polyrl.trainer.lm_head import head_logprobs
 from polyrl.trainer.packing import collate_packed, default_backend, make_docs, pack_by_tokens, use_packed_attention
 
@@ -71,6 +72,11 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.disable_input_require_grads()
 
 
+TRACE_ATTENTION = True
+"""Compiled layers trace the varlen attention op into their graph instead of breaking around
+it: one graph per layer forward and one backward, 12% faster on the H100 (BENCHMARKS.md)."""
+
+
 def compile_layers(model: PreTrainedModel) -> None:
     """torch.compile every decoder layer's forward (not its __call__: checkpointing and FSDP
     hooks stay outside the compiled graph). All layers share one graph, compiled per shape."""
@@ -83,8 +89,8 @@ def compile_layers(model: PreTrainedModel) -> None:
 
 def is_fast_path_default(device: torch.device, compute_dtype: torch.dtype, is_packed: bool, world_size: int) -> bool:
     """What "auto" means for trainer.working_copy and trainer.compile_layers: on where both
-    were measured to pay (the packed learner, one CUDA device, 16-bit compute: 2.35x the
-    padded path's tokens/s on equal lengths, 4.9x on a long tail, 33 GiB peak against 55,
+    were measured to pay (the packed learner, one CUDA device, 16-bit compute: 3.05x the
+    padded path's tokens/s on equal lengths, 5.8x on a long tail, 37 GiB peak against 55,
     within bf16's tolerance of it). CPU keeps exact float32 and skips compile time."""
     is_16bit = compute_dtype in (torch.bfloat16, torch.float16)
     return is_packed and device.type == "cuda" and is_16bit and world_size == 1
@@ -107,6 +113,14 @@ def _on_grid(values: torch.Tensor, grid_index: torch.Tensor, like: torch.Tensor)
     """values [N] at flat positions grid_index of a zero [B, L-1] grid shaped like `like`."""
     flat = values.new_zeros(like.numel()).index_put((grid_index,), values)  # [B * (L-1)]
     return flat.view(like.shape)
+
+
+def _read_back(sums: dict[str, torch.Tensor | float], device: torch.device) -> dict[str, float]:
+    """The step's metrics, summed on the device, read back with one copy."""
+    if not sums:
+        return {}
+    values = [torch.as_tensor(v, dtype=torch.float32, device=device) for v in sums.values()]
+    return dict(zip(sums, torch.stack(values).tolist()))
 
 
 class Learner:
@@ -147,6 +161,7 @@ class Learner:
         self.is_compiled = _resolve(cfg.compile_layers, fast and has_triton)
         if self.is_compiled:
             compile_layers(self.work)
+        self.trace_attention = self.is_compiled and TRACE_ATTENTION
         attention = self.attn_backend if self.is_packed else "-"
         is_copy = self.work is not self.model
         log.info("learner: %s, attention %s, working copy %s, compiled layers %s",
@@ -174,7 +189,7 @@ class Learner:
         call), so FSDP's root hooks gather and reduce its weight as they do for the logits; in
         one process the head is left alone, as the engine may be calling it meanwhile."""
         row = mb.packed
-        docs = make_docs(row.lengths, self.attn_backend, row.input_ids.device)
+        docs = make_docs(row.lengths, self.attn_backend, row.input_ids.device, self.trace_attention)
         head = model.get_output_embeddings()
         autocast_dtype = self._autocast_dtype(model)
         cd = autocast_dtype if autocast_dtype != torch.float32 else head.weight.dtype  # bf16 copy: bf16
@@ -257,18 +272,21 @@ class Learner:
         num_current = sum(it.num_current_tokens for it in items) if weights_as_sampled else 0
         pack = pack_by_tokens if self.is_packed else None
         fill_behav = not all(it.behav_known for it in items)
-        mbs = self._prepare(self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id, pack), fill_behav)
-        sums: dict[str, float] = defaultdict(float)  # this rank's part of each metric
-        grad_norm_mean, lr = 0.0, 0.0
+        with record_function("learner.prepare"):
+            batches = self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id, pack)
+            mbs = self._prepare(batches, fill_behav)
+        sums: dict[str, torch.Tensor | float] = defaultdict(float)  # this rank's part of each metric, on the device
+        grad_norms, lr = [], 0.0
         for epoch in range(self.algo.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for mb in mbs:
                 with_entropy = True  # cheap next to the forward pass, and always logged
-                logp, entropy = self.logprobs(self.work, mb, with_entropy)
+                with record_function("learner.forward"):
+                    logp, entropy = self.logprobs(self.work, mb, with_entropy)
                 if mb.old_logp is None:
                     mb.old_logp = logp.detach()
                 if epoch == 0 and num_current and self.algo.recompute_old_logprobs:
-                    diff = ((mb.old_logp - mb.behav_logp).abs() * mb.mask * mb.current_mask).sum().item()
+                    diff = ((mb.old_logp - mb.behav_logp).abs() * mb.mask * mb.current_mask).sum()
                     sums["rollout/logprob_diff"] += diff / num_current
                 inputs = LossInputs(
                     logp=logp,
@@ -279,25 +297,30 @@ class Learner:
                     entropy=entropy,
                     ref_logp=mb.ref_logp,
                 )
-                loss, metrics = policy_loss(inputs, self.algo, num_tokens, len(items))
-                loss.backward()
+                loss, metrics = policy_loss_on_device(inputs, self.algo, num_tokens, len(items))
+                with record_function("learner.backward"):
+                    loss.backward()
                 weight = metrics.pop("_num_tokens") / max(num_tokens, 1) / self.algo.ppo_epochs
                 for key, value in metrics.items():
                     # Loss terms already carry mini-batch denominators: sum them; others are
                     # token means per micro-batch: weight them by tokens.
                     is_loss = key in ("actor/pg_loss", "actor/kl_loss")
                     sums[key] += value / self.algo.ppo_epochs if is_loss else value * weight
-            self._grads_to_master()
+            with record_function("learner.grads_to_master"):
+                self._grads_to_master()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             if isinstance(grad_norm, DTensor):  # sharded: the global norm, replicated on every rank
                 grad_norm = grad_norm.full_tensor()
-            grad_norm_mean += grad_norm.item() / self.algo.ppo_epochs
+            grad_norms.append(grad_norm.item())  # the step's one wait for the device
             lr = self.scheduler.get_last_lr()[0]
-            if torch.isfinite(grad_norm):
-                self.optimizer.step()
-                self._refresh_work()
+            if math.isfinite(grad_norms[-1]):
+                with record_function("learner.optimizer"):
+                    self.optimizer.step()
+                    self._refresh_work()
             self.scheduler.step()
         self.work.eval()
+        sums = _read_back(sums, self.model.device)
+        grad_norm_mean = sum(grad_norms) / len(grad_norms)
         out = self.dp.sum_over_ranks(sums)
         out["actor/grad_norm"], out["actor/lr"] = grad_norm_mean, lr
         return out

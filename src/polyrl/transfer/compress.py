@@ -38,8 +38,14 @@ def decode_zstd(payload: bytes | memoryview, out: np.ndarray) -> None:
     magic, word_bytes, size = _HEADER.unpack_from(payload)
     if magic != _MAGIC or word_bytes not in (1, 2, 4, 8) or size != out.size or size % word_bytes:
         raise ValueError(f"zstd payload does not fit: {size} bytes in words of {word_bytes} for a {out.size}-byte buffer")
+    frame = memoryview(payload)[_HEADER.size :]
     try:
-        planes = zstandard.ZstdDecompressor().decompress(memoryview(payload)[_HEADER.size :], max_output_size=size)
+        # A size written in the frame sizes zstd's output buffer, max_output_size or not: a
+        # forged one must be refused before it is allocated.
+        declared = zstandard.frame_content_size(frame)
+        if declared not in (-1, size):
+            raise ValueError(f"zstd frame declares {declared} bytes, not {size}")
+        planes = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
     except zstandard.ZstdError as e:
         raise ValueError(f"corrupt zstd payload: {e}") from None
     if len(planes) != size:
