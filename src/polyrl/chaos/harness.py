@@ -37,6 +37,7 @@ from polyrl.transfer.publisher import WeightPublisher
 log = logging.getLogger("polyrl.chaos")
 
 TOKEN = "chaos-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def chaos_manager_config(**overrides: object) -> ManagerConfig:
