@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ from rich.console import Console
 
 from polyrl.chaos.harness import TOKEN, chaos_manager_config, free_port, make_batch, spawn_worker, wait_for
 from polyrl.cli import main as cli_main
+from polyrl.config import load_config
 from polyrl.manager.fleet import FleetStatus, fleet_status
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import BatchError, RegisterRequest
@@ -164,6 +166,25 @@ def test_report_draws_what_a_run_has_and_names_a_bad_run_dir(tmp_path: Path, cap
             report([tmp_path / bad], tmp_path / "x")
         assert cli_main(["report", str(tmp_path / bad), "--out", str(tmp_path / "x")]) == 2
         assert why in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_report_on_a_short_run_of_the_main_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The default main job (remote mode, two launched workers), three steps: its run
+    directory is reported on as it is; the job logged the operator page's URL."""
+    from polyrl.trainer.loop import train
+
+    cfg = load_config(None, ["logging.console=false", "logging.tensorboard=false", "manager.port=0",
+                             "trainer.save_every=0", "fleet.ready_timeout_s=120", "trainer.total_steps=3"])  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="polyrl"):
+        train(cfg, tmp_path / "run")
+    pages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("operator page: http://127.0.0.1:")]
+    assert len(pages) == 1 and "manager.json" in pages[0] and "polyrl status" in pages[0]
+    assert cli_main(["report", str(tmp_path / "run")]) == 0
+    out = tmp_path / "run" / "report"
+    for name in ("reward", "throughput", "time_split", "workers", "cost", "tokens_per_usd", "logprob_diff", "report"):
+        path = out / (f"{name}.html" if name == "report" else f"{name}.png")
+        assert path.stat().st_size > 5000, path
 
 
 # ------------------------------------------------------------------------------ the live page
