@@ -378,7 +378,8 @@ def test_any_path_and_method_gets_a_clear_answer(target: str, request: pytest.Fi
     clear 4xx, and nothing changes (POST /shutdown, the one unauthenticated call that
     drains the worker, is left out)."""
     known = {
-        "manager": ["/", "/v1/fleet", "/v1/workers", "/health", "/metrics", "/v1/batches", "/v1/workers/register", "/v1/weights/version"],
+        "manager": ["/", "/v1/fleet", "/v1/workers", "/health", "/metrics", "/v1/batches", "/v1/workers/register",
+                    "/v1/weights/version"],
         "worker": ["/health", "/health_generate", "/get_server_info", "/get_model_info", "/generate", "/shutdown"],
     }[target]
     printable = st.characters(min_codepoint=33, max_codepoint=0x2FF, exclude_characters="\x7f")  # no controls: httpx

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ from polyrl.status import status
 RUNS = Path(__file__).parent / "data" / "runs"
 DOCS_SCREENSHOT = Path(__file__).parent.parent / "docs" / "operator-page.png"
 PNG = b"\x89PNG\r\n\x1a\n"
+Worker = subprocess.Popen[bytes]
 
 
 def chromium() -> str:
@@ -150,7 +152,9 @@ def test_report_draws_two_real_runs_side_by_side(tmp_path: Path) -> None:
     assert "<td>remote</td><td>40</td>" in page and "<td>colocated</td><td>40</td>" in page
 
 
-def test_report_draws_what_a_run_has_and_names_a_bad_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_draws_what_a_run_has_and_names_a_bad_run_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "partial"
     run.mkdir()
     rows = [json.loads(line) for line in (RUNS / "colocated" / "metrics.jsonl").read_text().splitlines()[:5]]
@@ -206,7 +210,7 @@ def test_page_renders_a_fleet_in_a_browser() -> None:
 
 
 @pytest.fixture
-def fleet_of_two(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[ManagerThread, dict[str, object]]]:
+def fleet_of_two(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[ManagerThread, dict[str, Worker]]]:
     cfg = chaos_manager_config(heartbeat_timeout_s=2.0)
     procs = {}
     with ManagerThread(cfg) as mt:
@@ -237,7 +241,9 @@ def _traffic(mt: ManagerThread, stop: threading.Event) -> None:
 
 
 @pytest.mark.slow
-def test_page_shows_two_real_workers_then_one_gone_after_kill_9(fleet_of_two, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_page_shows_two_real_workers_then_one_gone_after_kill_9(
+    fleet_of_two: tuple[ManagerThread, dict[str, Worker]], tmp_path: Path
+) -> None:
     """Two `polyrl worker` processes under load; one is killed with -9 mid-traffic (its
     samples migrate). The page lists both with their version and price, then only the
     survivor, with the kill on the timeline. The screenshot is README's
@@ -256,7 +262,7 @@ def test_page_shows_two_real_workers_then_one_gone_after_kill_9(fleet_of_two, tm
             assert row and 'data-state="active"' in row and 'data-version="0"' in row and ">v0<" in row, row
             assert f">{price}<" in row
 
-        procs["spot-b"].kill()  # type: ignore[attr-defined]  # kill -9, no notice
+        procs["spot-b"].kill()  # kill -9, no notice
         wait_for(lambda: "spot-b" not in {w.worker_id for w in mt.worker_list().workers}, 30, "the manager noticing")
         time.sleep(2.5)  # a history point after the kill
         dom = dump_dom(binary, url)

@@ -120,7 +120,8 @@ def draw_time_split(runs: list[Run]) -> Figure | None:
         steps = [r["step"] for r in rows]
         layers = {k.removeprefix("timing_s/"): [r.get(k, 0.0) if _is_number(r.get(k)) else 0.0 for r in rows]
                   for k in PHASES if run.has(k)}  # fmt: skip
-        layers["other"] = [max(0.0, r["perf/time_per_step"] - sum(v[i] for v in layers.values())) for i, r in enumerate(rows)]
+        phases = list(layers.values())
+        layers["other"] = [max(0.0, r["perf/time_per_step"] - sum(v[i] for v in phases)) for i, r in enumerate(rows)]
         ax.stackplot(steps, *layers.values(), labels=list(layers), alpha=0.85)
         # the phases overlap where generation runs beside the learner: the wall time shows it
         ax.plot(steps, [r["perf/time_per_step"] for r in rows], color="black", linewidth=1.2, label="step (wall)")
@@ -153,7 +154,8 @@ def draw(panel: Panel, runs: list[Run]) -> Figure | None:
             steps, values = run.series(key)
             if steps:
                 label = run.name if len(keys) == 1 else f"{run.name}: {key}"
-                ax.plot(steps, values, color=color, linestyle=LINESTYLES[j % len(LINESTYLES)], label=label, linewidth=1.4)
+                style = LINESTYLES[j % len(LINESTYLES)]
+                ax.plot(steps, values, color=color, linestyle=style, label=label, linewidth=1.4)
     ax.set_title(panel.title, fontsize=11)
     ax.set_xlabel("step")
     ax.set_ylabel(panel.ylabel)

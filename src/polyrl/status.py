@@ -17,7 +17,11 @@ from rich.text import Text
 
 from polyrl.manager.fleet import FleetStatus
 
-STATE_STYLE = {"registering": "magenta", "syncing": "yellow", "active": "green", "draining": "dark_orange", "gone": "red"}
+STATE_STYLE = {
+    "registering": "magenta", "syncing": "yellow", "active": "green", "draining": "dark_orange", "gone": "red",
+}
+COLUMNS = ("worker", "state", "version", "host", "device", "tokens/s", "$/h", "uptime", "in flight", "failures")
+NUMERIC = {"version", "tokens/s", "$/h", "in flight", "failures"}
 
 
 class StatusError(Exception):
@@ -42,32 +46,40 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-def render(fleet: FleetStatus, url: str) -> Group:
+def _summary(fleet: FleetStatus, url: str) -> Text:
     serving = [w for w in fleet.workers if w.state in ("active", "draining")]
     tokens_per_s = sum(w.tokens_per_s for w in serving)
     prices = [w.usd_per_hour for w in serving if w.usd_per_hour is not None]
+    usd = f"${sum(prices):,.2f}/h" if prices else "$-/h"
     per_usd = f"{tokens_per_s * 3600 / sum(prices):,.0f}" if prices and sum(prices) > 0 else "-"
-    summary = Text.assemble(
-        (f"{url}", "bold"), f"  step/version v{fleet.latest_weight_version}",
-        f"  batches {fleet.num_open_batches}",
+    lost_style = "red" if fleet.num_lost_samples else ""
+    return Text.assemble(
+        (url, "bold"), f"  step/version v{fleet.latest_weight_version}  batches {fleet.num_open_batches}",
         f"  samples in flight {fleet.num_inflight_samples} (waiting {fleet.num_waiting_samples})",
-        f"  migrated {fleet.num_migrations}", ("  lost ", ""), (str(fleet.num_lost_samples), "red" if fleet.num_lost_samples else ""),
-        f"\n{tokens_per_s:,.0f} tokens/s", f"  ${sum(prices):,.2f}/h" if prices else "  $-/h", f"  {per_usd} tokens/$",
-        f"  {fleet.num_generated_tokens:,} tokens generated",
-    )  # fmt: skip
-    table = Table(title=f"{len(fleet.workers)} workers", title_justify="left")
-    for column in ("worker", "state", "version", "host", "device", "tokens/s", "$/h", "uptime", "in flight", "failures"):
-        table.add_column(column, justify="right" if column in ("version", "tokens/s", "$/h", "in flight", "failures") else "left")
+        f"  migrated {fleet.num_migrations}  lost ", (str(fleet.num_lost_samples), lost_style),
+        f"\n{tokens_per_s:,.0f} tokens/s  {usd}  {per_usd} tokens/$  {fleet.num_generated_tokens:,} tokens generated",
+    )
+
+
+def render(fleet: FleetStatus, url: str) -> Group:
+    count = len(fleet.workers)
+    table = Table(title=f"{count} worker{'' if count == 1 else 's'}", title_justify="left")
+    for column in COLUMNS:
+        table.add_column(column, justify="right" if column in NUMERIC else "left")
     for w in fleet.workers:
+        price = "-" if w.usd_per_hour is None else f"{w.usd_per_hour:.2f}"
         table.add_row(
-            w.worker_id + (" (local)" if w.is_local else ""), Text(w.state, STATE_STYLE[w.state]), f"v{w.weight_version}",
-            w.host, w.device or "-", f"{w.tokens_per_s:,.0f}", "-" if w.usd_per_hour is None else f"{w.usd_per_hour:.2f}",
-            _duration(w.uptime_s), str(w.num_inflight), str(w.num_failures),
+            w.worker_id + (" (local)" if w.is_local else ""), Text(w.state, STATE_STYLE[w.state]),
+            f"v{w.weight_version}", w.host, w.device or "-", f"{w.tokens_per_s:,.0f}", price, _duration(w.uptime_s),
+            str(w.num_inflight), str(w.num_failures),
         )  # fmt: skip
-    return Group(summary, table)
+    return Group(_summary(fleet, url), table)
 
 
-def status(url: str, token: str | None, watch: bool = False, interval_s: float = 2.0, console: Console | None = None) -> int:
+def status(
+    url: str, token: str | None, watch: bool = False, interval_s: float = 2.0, console: Console | None = None
+) -> int:
+    """Print the fleet once (or until interrupted, with `watch`); 1 if it cannot be read."""
     console = console or Console()
     try:
         if not watch:

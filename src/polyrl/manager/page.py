@@ -28,6 +28,7 @@ HEADERS = {
     "connect-src 'self'; img-src data:; frame-ancestors 'none'",
 }
 
+LOGIN_HEADERS = HEADERS | {"Content-Security-Policy": "default-src 'none'"}
 LOGIN = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>polyrl fleet: token</title></head>
 <body style="font:15px system-ui,sans-serif;margin:40px">
 <h1 style="font-size:18px">polyrl fleet</h1>
@@ -72,5 +73,5 @@ class Readers:
         if not self.allows(bearer(request) or request.query_params.get("token")):
             if "text/html" not in request.headers.get("accept", ""):
                 raise ApiError(401, "missing or wrong token (bearer header or ?token=)", "unauthorized")
-            return HTMLResponse(LOGIN, status_code=401, headers=HEADERS | {"Content-Security-Policy": "default-src 'none'"})
+            return HTMLResponse(LOGIN, status_code=401, headers=LOGIN_HEADERS)
         return HTMLResponse(page_html(), headers=HEADERS)
