@@ -77,10 +77,10 @@ class Phase:
 
 
 class Manager:
-    """The trainer's manager, read through its public worker list."""
+    """The trainer's manager, read through its worker list (with the run's token)."""
 
     def __init__(self, url: str) -> None:
-        self.client = httpx.Client(base_url=url, timeout=5.0)
+        self.client = httpx.Client(base_url=url, timeout=5.0, headers={"Authorization": f"Bearer {TOKEN}"})
 
     def workers(self) -> dict[str, dict]:
         try:

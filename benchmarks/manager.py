@@ -262,7 +262,7 @@ async def measure(args: argparse.Namespace, fakes: list[str], manager_url: str, 
     async with httpx.AsyncClient() as c:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            workers = (await c.get(f"{manager_url}/v1/workers")).json()["workers"]
+            workers = (await c.get(f"{manager_url}/v1/workers", headers=AUTH)).json()["workers"]
             if sum(w["state"] == "active" for w in workers) == len(fakes):
                 break
             await asyncio.sleep(0.1)

@@ -29,3 +29,12 @@ EOF
   .venv/bin/pip install -q --disable-pip-version-check -c "$constraints" -e '.[test,atropos]'
   echo "$want" > "$stamp"
 fi
+# The operator page's browser test (tests/test_operator_view.py) needs a Chromium: Debian's,
+# where we may install it; elsewhere the test skips (or set POLYRL_CHROMIUM to a binary).
+has_chromium() { [ -n "${POLYRL_CHROMIUM:-}" ] || command -v chromium || command -v chromium-browser || command -v google-chrome; }
+if ! has_chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing chromium (apt-get) for the operator page's browser test..." >&2
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; } \
+    || echo "could not install chromium: the browser tests will skip" >&2
+fi

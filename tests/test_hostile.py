@@ -47,6 +47,7 @@ from polyrl.chaos.harness import free_port
 from polyrl.engine.types import SampleResult
 from polyrl.httpapi import ErrorDetail
 from polyrl.inference.protocol import ChatCompletionRequest, CompletionRequest, VllmGenerateRequest
+from polyrl.manager.fleet import FleetStatus
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.protocol import BatchRequest, Heartbeat, PublishVersion, RegisterRequest, WorkerList
@@ -290,9 +291,10 @@ def reset_ghost(m: RolloutManager) -> None:
 
 
 def assert_manager_serves(client: AsgiClient) -> None:
-    metrics, workers = client.get("/metrics"), client.get("/v1/workers")
+    metrics, workers = client.get("/metrics", headers=AUTH), client.get("/v1/workers", headers=AUTH)
     assert metrics.status_code == 200, metrics.text[:300]
     WorkerList.model_validate_json(workers.content)  # also: what it says can be read back
+    FleetStatus.model_validate_json(client.get("/v1/fleet", headers=AUTH).content)
 
 
 def _tame_batch(body: Any) -> Any:
@@ -376,7 +378,8 @@ def test_any_path_and_method_gets_a_clear_answer(target: str, request: pytest.Fi
     clear 4xx, and nothing changes (POST /shutdown, the one unauthenticated call that
     drains the worker, is left out)."""
     known = {
-        "manager": ["/v1/workers", "/health", "/metrics", "/v1/batches", "/v1/workers/register", "/v1/weights/version"],
+        "manager": ["/", "/v1/fleet", "/v1/workers", "/health", "/metrics", "/v1/batches", "/v1/workers/register",
+                    "/v1/weights/version"],
         "worker": ["/health", "/health_generate", "/get_server_info", "/get_model_info", "/generate", "/shutdown"],
     }[target]
     printable = st.characters(min_codepoint=33, max_codepoint=0x2FF, exclude_characters="\x7f")  # no controls: httpx
@@ -462,6 +465,51 @@ def test_the_token_opens_every_mutating_endpoint() -> None:
             response = client.post(path, json=body, headers={"Authorization": f"{scheme} {TOKEN}"})
             assert response.status_code == 200, (path, response.text)
         assert mt.call(lambda: mt.manager.registry.latest_version) == 3
+
+
+READS = ["/", "/v1/fleet", "/v1/workers", "/metrics"]
+"""What shows the fleet (worker URLs, load): a reader's token only (issue 26)."""
+
+
+@pytest.mark.parametrize("auth", BAD_AUTH)
+@pytest.mark.parametrize("path", READS)
+def test_reading_the_fleet_needs_a_token(ghost_manager: ManagerThread, path: str, auth: dict[str, str]) -> None:
+    mt = ghost_manager
+    mt.call(reset_ghost, mt.manager)
+    response = manager_client(mt).get(path, headers=auth)
+    assert response.status_code == 401, response.text
+    assert response.json()["error"]["type"] == "unauthorized"
+    assert GHOST.url not in response.text
+
+
+def test_the_page_asks_a_browser_for_the_token(ghost_manager: ManagerThread) -> None:
+    """A browser (Accept: text/html) without the token gets a form, not the page; a wrong
+    `?token=` is refused as a wrong header is; the right one, either way, opens it."""
+    mt = ghost_manager
+    mt.call(reset_ghost, mt.manager)
+    client, html = manager_client(mt), {"Accept": "text/html"}
+    for query in ["", "?token=", "?token=wrong", f"?token={TOKEN[:-1]}", f"?token={TOKEN}x", f"?tok={TOKEN}"]:
+        response = client.get(f"/{query}", headers=html)
+        assert response.status_code == 401, query
+        assert "<form" in response.text and "/v1/fleet" not in response.text and GHOST.url not in response.text
+    for response in (client.get(f"/?token={TOKEN}", headers=html), client.get("/", headers=AUTH | html)):
+        assert response.status_code == 200 and "v1/fleet" in response.text
+        assert "default-src 'none'" in response.headers["content-security-policy"]  # no external assets
+    assert client.get("/v1/fleet", params={"token": TOKEN}).status_code == 401  # the data: bearer header only
+
+
+def test_the_read_token_reads_but_cannot_act() -> None:
+    with hostile_manager(read_token="reader-token", heartbeat_timeout_s=3600.0) as mt:
+        mt.call(reset_ghost, mt.manager)
+        client, reader = manager_client(mt), {"Authorization": "Bearer reader-token"}
+        for path in READS:
+            assert client.get(path, headers=reader).status_code == 200, path
+            assert client.get(path, headers=AUTH).status_code == 200, path
+        assert "ghost" in client.get("/v1/fleet", headers=reader).text
+        before = manager_state(mt)
+        for path, body in MUTATING:
+            assert client.post(path, json=body, headers=reader).status_code == 401, path
+        assert manager_state(mt) == before
 
 
 @pytest.mark.parametrize(

@@ -248,7 +248,7 @@ def test_batch_streams_exact_groups_over_http_and_in_process(manager: ManagerThr
         assert all(s.num_failures == 0 and len(s.segments) == 1 for g in groups for s in g.samples)
     used = {seg.worker for g in over_http for s in g.samples for seg in s.segments}
     assert used == {"a", "b"}  # load spread over both
-    metrics = httpx.get(f"{manager.url}/metrics").text
+    metrics = httpx.get(f"{manager.url}/metrics", headers=AUTH).text
     assert 'polyrl_manager_batches_total{outcome="ok"} 2.0' in metrics
     assert "polyrl_manager_samples_total 48.0" in metrics
     assert 'polyrl_manager_workers{state="active"} 2.0' in metrics
@@ -433,7 +433,7 @@ def test_refusals_change_nothing() -> None:
         assert mt.manager.registry.latest_version == 0
         assert httpx.post(f"{url}/v1/weights/version", json={"version": 2}, headers=AUTH).status_code == 200
         assert httpx.post(f"{url}/v1/weights/version", json={"version": 1}, headers=AUTH).status_code == 409
-        assert httpx.get(f"{url}/v1/workers").json()["latest_weight_version"] == 2
+        assert httpx.get(f"{url}/v1/workers", headers=AUTH).json()["latest_weight_version"] == 2
 
 
 def test_client_sees_refusal_and_error_lines(manager: ManagerThread) -> None:

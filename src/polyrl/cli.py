@@ -1,4 +1,4 @@
-"""`polyrl` command line: `train`, `worker`, `manager`, `tiny-model`."""
+"""`polyrl` command line: `train`, `worker`, `manager`, `tiny-model`, `report`, `status`."""
 
 from __future__ import annotations
 
@@ -147,6 +147,26 @@ def cmd_manager(args: argparse.Namespace) -> int:
     return run_manager(manager_config(args).manager, args.ready_file, args.listen_fd)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from polyrl.report import ReportError, report
+
+    run_dirs = [Path(d) for d in args.run_dirs]
+    out = Path(args.out) if args.out else run_dirs[0] / "report"
+    try:
+        paths = report(run_dirs, out)
+    except ReportError as e:
+        print(f"polyrl report: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"{len(paths) - 1} plots and {paths[-1]}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from polyrl.status import status
+
+    return status(args.url, args.token or os.environ.get("POLYRL_TOKEN"), args.watch, args.interval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="polyrl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -184,6 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen-fd", type=int, help="serve on this inherited, bound socket (for a parent process)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. manager.retry_budget=3")
     p.set_defaults(func=cmd_manager)
+
+    p = sub.add_parser("report", help="plots of one or more runs (metrics.jsonl) as PNGs and one HTML file")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, drawn on the same axes")
+    p.add_argument("--out", metavar="DIR", help="where to write them (default: RUN_DIR/report of the first run)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("status", help="the fleet of a running manager as a table")
+    p.add_argument("url", metavar="URL", help="the manager, e.g. http://127.0.0.1:5000")
+    p.add_argument("--token", help="the manager's token or read token (default: $POLYRL_TOKEN)")
+    p.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
+    p.set_defaults(func=cmd_status)
     return parser
 
 

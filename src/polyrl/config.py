@@ -399,6 +399,9 @@ class ManagerConfig(_Section):
     token: str | None = None
     """Shared secret for every mutating endpoint (default: the POLYRL_TOKEN environment
     variable). Required when `host` is not a loopback address."""
+    read_token: str | None = None
+    """A second token that may only read the fleet (`GET /`, `/v1/fleet`, `/v1/workers`,
+    `/metrics`): for dashboards and Prometheus. Those also accept `token`."""
     allowed_worker_cidrs: list[str] = ["0.0.0.0/0", "::/0"]
     """Address ranges a worker may register from (the seeds' `allowed_sender_ips`)."""
     heartbeat_interval_s: float = Field(2.0, gt=0)

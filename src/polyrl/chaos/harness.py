@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -37,6 +37,7 @@ from polyrl.transfer.publisher import WeightPublisher
 log = logging.getLogger("polyrl.chaos")
 
 TOKEN = "chaos-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def chaos_manager_config(**overrides: object) -> ManagerConfig:
@@ -75,13 +76,15 @@ def spawn_worker(
     log_file: IO[bytes],
     advertise_url: str | None = None,
     engine_overrides: Mapping[str, object] | None = None,
+    extra: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
-    """`polyrl worker` registering with `manager_url` (token: TOKEN), one CPU thread."""
+    """`polyrl worker` registering with `manager_url` (token: TOKEN), one CPU thread;
+    `extra`: more dotted overrides (e.g. worker.usd_per_hour=0.5)."""
     engine = [f"engine.{k}={v}" for k, v in (engine_overrides or {"max_num_seqs": 16}).items()]
     advertise = [f"worker.advertise_url={json.dumps(advertise_url)}"] if advertise_url else []
     cmd = [
         sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--port", str(port),
-        "--manager", manager_url, "--worker-id", worker_id, *advertise, "worker.drain_timeout_s=2", *engine,
+        "--manager", manager_url, "--worker-id", worker_id, *advertise, "worker.drain_timeout_s=2", *engine, *extra,
     ]  # fmt: skip
     return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env())
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from polyrl.chaos.harness import TOKEN, check_groups, child_env, free_port, make_batch, spawn_worker, wait_for
+from polyrl.chaos.harness import AUTH, TOKEN, check_groups, child_env, free_port, make_batch, spawn_worker, wait_for
 from polyrl.chaos.scenarios import FaultRow, Scale
 from polyrl.manager.client import BatchClient
 from polyrl.trainer.checkpoint import latest_checkpoint
@@ -52,7 +52,7 @@ def _serving(url: str) -> bool:
 
 def _active_workers(url: str) -> int:
     try:
-        workers = httpx.get(f"{url}/v1/workers", timeout=2).json()["workers"]
+        workers = httpx.get(f"{url}/v1/workers", headers=AUTH, timeout=2).json()["workers"]
     except (httpx.HTTPError, ValueError, KeyError):
         return 0
     return sum(w["state"] == "active" for w in workers)

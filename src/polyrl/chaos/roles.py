@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from polyrl.chaos.harness import free_port, wait_for
+from polyrl.chaos.harness import AUTH, free_port, wait_for
 from polyrl.chaos.restarts import CONTROL, _active_workers, _check_run, _cli, _serving, _start_workers, _stop
 from polyrl.chaos.scenarios import FaultRow, Scale
 
@@ -47,7 +47,7 @@ def pids_with(*needles: str) -> list[int]:
 
 def _workers(url: str) -> list[dict]:
     try:
-        response = httpx.get(f"{url}/v1/workers", timeout=2)
+        response = httpx.get(f"{url}/v1/workers", headers=AUTH, timeout=2)
         return response.json()["workers"] if response.status_code == 200 else []
     except (httpx.HTTPError, ValueError, KeyError):
         return []

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Awaitable
 from polyrl.config import ManagerConfig
 from polyrl.manager.backends import RemoteBackend
 from polyrl.manager.batch import Batch, WorkUnit
+from polyrl.manager.fleet import History
 from polyrl.manager.membership import Membership
 from polyrl.manager.metrics import ManagerMetrics
 from polyrl.manager.placement import Placement
@@ -51,7 +52,10 @@ class RolloutManager(Membership, Placement, Settlement):
 
     def __init__(self, cfg: ManagerConfig, seed: int | None = None) -> None:
         self.cfg = cfg
+        self.started_at = time.time()
         self.registry = Registry()
+        self.history = History()
+        """Fleet throughput and price over time, for the operator page."""
         self.metrics = ManagerMetrics(self)
         self.remote = RemoteBackend(cfg.connect_timeout_s, cfg.stall_timeout_s, cfg.token, cfg.stream_interval_s)
         self.pending: deque[WorkUnit] = deque()
@@ -169,6 +173,7 @@ class RolloutManager(Membership, Placement, Settlement):
         batch.fail(BatchFailed(batch_id=batch.batch_id, kind=kind, message=message))
         self.metrics.batches.labels(kind).inc()
         if kind != "cancelled":
+            self.metrics.lost_samples.inc(batch.unfinished_samples())
             log.warning("batch %s failed: %s", batch.batch_id, message)
         for task in list(batch.tasks):
             task.cancel()  # no _Cancel reason: nothing is requeued
@@ -196,6 +201,7 @@ class RolloutManager(Membership, Placement, Settlement):
                 self._fail(batch, "deadline", self._deadline_message(batch))
         if self.pending:
             self.wake()  # busy back-offs expire without an event
+        self.history.maybe_sample(list(self.registry))
 
     def _deadline_message(self, batch: Batch) -> str:
         counts = self.registry.counts()

@@ -55,6 +55,9 @@ class ManagerMetrics:
         self.migrations = Counter(
             "polyrl_manager_migrations", "Samples moved to another worker, by cause", ["cause"], registry=r
         )
+        self.lost_samples = Counter(
+            "polyrl_manager_lost_samples", "Unfinished samples of failed batches (deadline, retry budget)", registry=r
+        )
         self.worker_events = Counter("polyrl_manager_worker_events", "Worker registrations, failures, leaves", ["event"], registry=r)
         r.register(_StateCollector(manager))
 

@@ -51,6 +51,9 @@ class RegisterRequest(_Message):
     """Extensions beyond SGLang's API the worker speaks: "incremental_stream"."""
     usd_per_hour: Finite | None = Field(None, ge=0)
     """What the worker costs, for the trainer's cost accounting (None: the trainer's default)."""
+    device: str | None = Field(None, max_length=256)
+    """What the worker generates on, e.g. "cuda:0 NVIDIA H100 80GB HBM3" or "cpu" (shown
+    to operators; optional, so workers that predate it still register)."""
     local: bool = False
     """The trainer's own engine (`polyrl worker --local`, on the trainer's device): the
     manager registers it as `local` and uses it only in the local window, when no other

@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from polyrl.manager.fleet import EventLog
 from polyrl.manager.protocol import Heartbeat, RegisterRequest, WorkerInfo, WorkerState
 
 log = logging.getLogger("polyrl.manager")
@@ -52,6 +53,7 @@ class WorkerRecord:
     incremental_stream: bool = False
     """Speaks polyrl's incremental stream chunks (else: SGLang's cumulative snapshots)."""
     usd_per_hour: float | None = None
+    device: str | None = None
 
     def __repr__(self) -> str:  # short: task reprs include it (see batch.SampleState)
         return f"<WorkerRecord {self.worker_id} {self.state} v{self.weight_version}>"
@@ -84,11 +86,13 @@ class WorkerRecord:
 
 
 class Registry:
-    """Records by id and the transitions between states."""
+    """Records by id and the transitions between states (each also goes to `events`,
+    the operator page's timeline)."""
 
     def __init__(self) -> None:
         self.workers: dict[str, WorkerRecord] = {}
         self.latest_version = 0
+        self.events = EventLog()
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(list(self.workers.values()))
@@ -106,9 +110,11 @@ class Registry:
             weight_version=request.weight_version,
             incremental_stream="incremental_stream" in request.capabilities,
             usd_per_hour=request.usd_per_hour,
+            device=request.device,
             is_local=request.local,
         )
         self.workers[worker_id] = record
+        self.events.add(worker_id, "registering", f"v{record.weight_version}")
         log.info("worker %s registered from %s (weights v%d)", worker_id, record.url, record.weight_version)
         return record
 
@@ -125,6 +131,7 @@ class Registry:
         if beat.state == "draining" and record.state != "draining":
             log.info("worker %s draining (%d of our samples in flight)", record.worker_id, record.inflight)
             record.state = "draining"
+            self.events.add(record.worker_id, "draining")
         # only forward: a beat sent before a swap may arrive after the transfer layer's
         # mark_synced; a worker that really lost its weights restarts and registers again
         self.set_version(record, max(record.weight_version, beat.weight_version))
@@ -143,6 +150,7 @@ class Registry:
             if record.state in ("active", "syncing") and record.weight_version < version:
                 if record.state == "active":
                     record.state = "syncing"
+                    self.events.add(record.worker_id, "syncing", f"v{record.weight_version} -> v{version}")
                 stale.append(record)
         log.debug("weights v%d published; %d workers to sync", version, len(stale))
         return stale
@@ -156,8 +164,10 @@ class Registry:
             else:
                 log.info("worker %s active", record.worker_id)
             record.state = "active"
+            self.events.add(record.worker_id, "active", f"v{record.weight_version}")
         elif not current and record.state != "syncing":
             record.state = "syncing"
+            self.events.add(record.worker_id, "syncing", f"v{record.weight_version} -> v{self.latest_version}")
             log.info(
                 "worker %s syncing (has v%d, latest v%d)", record.worker_id, record.weight_version, self.latest_version
             )
@@ -168,6 +178,7 @@ class Registry:
             del self.workers[record.worker_id]
         if record.state != "gone":
             record.state = "gone"
+            self.events.add(record.worker_id, "gone", why)
             log.info("worker %s gone (%s)", record.worker_id, why)
 
     def counts(self) -> dict[str, int]:

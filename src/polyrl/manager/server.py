@@ -1,6 +1,7 @@
 """The manager's HTTP API over one RolloutManager.
 
-Mutating endpoints need the bearer token; registrations must come from an allowed
+Mutating endpoints need the bearer token; reading the fleet needs it too, or the
+read-only `manager.read_token` (page.py); registrations must come from an allowed
 address range; bodies are size-limited (control messages to 64 KiB). A refused or
 malformed request gets a 4xx naming the reason and changes nothing.
 
@@ -8,11 +9,13 @@ malformed request gets a 4xx naming the reason and changes nothing.
     POST /v1/workers/{id}/heartbeat      Heartbeat (404: unknown, register again)
     POST /v1/workers/{id}/leave          LeaveRequest
     GET  /v1/workers                     WorkerList (with the latest local window and sync times)
+    GET  /v1/fleet                       FleetStatus: workers, counters, event timeline, throughput history
+    GET  /                               the operator page (HTML; bearer header or ?token=)
     POST /v1/batches                     BatchRequest -> NDJSON GroupResult lines + BatchEnd
     POST /v1/publisher                   PublisherEndpoint: where workers pull weights from
     POST /v1/weights/version             PublishVersion
     POST /v1/learner_started             the trainer's learner started on the step: the local window closes
-    GET  /health, GET /metrics
+    GET  /health (open), GET /metrics (reader's token)
     GET  /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /generate (vLLM's form):
                                          OpenAI/vLLM-compatible, served by the fleet (`inference.py`)
 """
@@ -26,16 +29,18 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from polyrl.httpapi import ApiError, BodyLimit, check_bearer, error_handlers
 from polyrl.inference.protocol import VllmGenerateRequest
 from polyrl.inference.routes import InferenceRoutes
+from polyrl.manager.fleet import FleetStatus, fleet_status
 from polyrl.manager.inference import ManagerBackend
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.metrics import CONTENT_TYPE
+from polyrl.manager.page import Readers
 from polyrl.manager.weight_sync import EndpointPublisher, PublisherSync
 from polyrl.manager.protocol import (
     BatchEnd,
@@ -111,6 +116,9 @@ class _Handlers:
 
     async def workers(self) -> WorkerList:
         return self.manager.worker_list()
+
+    async def fleet(self) -> FleetStatus:
+        return fleet_status(self.manager)
 
     async def publish(self, body: PublishVersion) -> dict[str, Any]:
         if self.publisher is not None:
@@ -188,17 +196,27 @@ def create_app(manager: RolloutManager) -> FastAPI:
     async def authorized(request: Request) -> None:
         check_bearer(request, cfg.token)
 
-    auth = [Depends(authorized)]
+    readers = Readers(cfg)
+
+    async def may_read(request: Request) -> None:
+        readers.check(request)
+
+    async def page(request: Request) -> HTMLResponse:
+        return readers.page(request)
+
+    auth, read = [Depends(authorized)], [Depends(may_read)]
+    app.get("/", include_in_schema=False)(page)
+    app.get("/v1/fleet", dependencies=read)(h.fleet)
     app.post("/v1/workers/register", dependencies=auth)(h.register)
     app.post("/v1/workers/{worker_id}/heartbeat", dependencies=auth)(h.heartbeat)
     app.post("/v1/workers/{worker_id}/leave", dependencies=auth)(h.leave)
-    app.get("/v1/workers")(h.workers)
+    app.get("/v1/workers", dependencies=read)(h.workers)
     app.post("/v1/batches", dependencies=auth)(h.batches)
     app.post("/v1/weights/version", dependencies=auth)(h.publish)
     app.post("/v1/publisher", dependencies=auth)(h.set_publisher)
     app.post("/v1/learner_started", dependencies=auth)(h.learner_started)
     app.get("/health")(h.health)
-    app.get("/metrics")(h.metrics)
+    app.get("/metrics", dependencies=read)(h.metrics)
     app.get("/v1/models", dependencies=auth)(inference.models)
     app.post("/v1/completions", dependencies=auth)(inference.completions)
     app.post("/v1/chat/completions", dependencies=auth)(inference.chat)

@@ -350,6 +350,8 @@ def start_remote(
     os.chmod(info, 0o600)
     log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token <token in %s>",
              rollout.url, init_path, rollout.url, info)  # fmt: skip
+    log.info("operator page: %s/?token=<token in %s> (terminal: polyrl status %s --token <token>)",
+             rollout.url, info, rollout.url)  # fmt: skip
     fleet = None
     if cfg.fleet.num_workers:
         fleet = WorkerFleet(cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers")

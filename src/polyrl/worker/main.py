@@ -19,6 +19,7 @@ import signal
 import socket
 from typing import Any
 
+import torch
 import uvicorn
 
 from polyrl.config import WorkerRunConfig
@@ -120,6 +121,7 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
             max_model_len=state.engine.engine.max_model_len,
             capabilities=["incremental_stream"],
             usd_per_hour=cfg.worker.usd_per_hour,
+            device=device_name(state.engine.engine.device),
             local=cfg.worker.local,
         )
 
@@ -129,6 +131,14 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
     return ManagerSession(
         client, registration, lambda: _heartbeat(state), w.heartbeat_interval_s, on_registered=on_registered
     )
+
+
+def device_name(device: torch.device) -> str:
+    """'cuda:0 NVIDIA H100 80GB HBM3' or 'cpu': what the operator page shows."""
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} {torch.cuda.get_device_name(index)}"
 
 
 def _heartbeat(state: WorkerState) -> Heartbeat:

@@ -1,0 +1,281 @@
+"""The operator view (issue 26): the live page in a real headless browser with real
+workers (one killed with -9), `GET /v1/fleet`'s event log and counters, `polyrl status`,
+and `polyrl report` on real run directories.
+
+The report fixtures in tests/data/runs are the first 40 steps of two real runs of the
+main job on CPU (`polyrl train`, defaults: remote mode with two launched workers; and
+`rollout.mode=local`), with their config.toml.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from browser import dump_dom, find_chromium, screenshot
+from rich.console import Console
+
+from polyrl.chaos.harness import TOKEN, chaos_manager_config, free_port, make_batch, spawn_worker, wait_for
+from polyrl.cli import main as cli_main
+from polyrl.config import load_config
+from polyrl.manager.fleet import FleetStatus, fleet_status
+from polyrl.manager.main import ManagerThread
+from polyrl.manager.protocol import BatchError, RegisterRequest
+from polyrl.report import PANELS, ReportError, report
+from polyrl.status import status
+
+RUNS = Path(__file__).parent / "data" / "runs"
+DOCS_SCREENSHOT = Path(__file__).parent.parent / "docs" / "operator-page.png"
+PNG = b"\x89PNG\r\n\x1a\n"
+Worker = subprocess.Popen[bytes]
+
+
+def chromium() -> str:
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("no chromium binary (scripts/setup.sh installs Debian's as root; or set POLYRL_CHROMIUM)")
+    return binary
+
+
+def active_ids(mt: ManagerThread) -> set[str]:
+    return {w.worker_id for w in mt.worker_list().workers if w.state == "active"}
+
+
+def worker_row(dom: str, worker_id: str) -> str | None:
+    match = re.search(rf'<tr id="worker-{worker_id}"[^>]*>.*?</tr>', dom, re.S)
+    return match.group(0) if match else None
+
+
+def register_fake(mt: ManagerThread, worker_id: str, usd_per_hour: float | None = None) -> None:
+    """A worker record that serves nothing (no batch dials it): fast tests of the views."""
+    request = RegisterRequest(worker_id=worker_id, url=f"http://127.0.0.1:{free_port()}", model_path="m",
+                              weight_version=0, max_num_seqs=4, max_model_len=64, usd_per_hour=usd_per_hour,
+                              device="cpu")  # fmt: skip
+
+    def add() -> None:
+        registry = mt.manager.registry
+        registry.ready(registry.add(request, worker_id))
+
+    mt.call(add)
+
+
+# --------------------------------------------------------------------------- the fleet's JSON
+
+
+def test_fleet_keeps_the_lifecycle_and_bounds_its_logs() -> None:
+    with ManagerThread(chaos_manager_config(heartbeat_timeout_s=3600.0)) as mt:
+        register_fake(mt, "a", usd_per_hour=0.5)
+        register_fake(mt, "b")
+        mt.publish_version(1)  # both go syncing: nobody delivers weights here
+        mt.call(lambda: mt.manager.registry.heartbeat(mt.manager.registry.get("a"), _beat(1, 900.0)))
+        mt.call(mt.manager.leave, "b", "spot notice")
+        fleet = mt.call(fleet_status, mt.manager)
+    assert [(e.worker_id, e.state) for e in fleet.events] == [
+        ("a", "registering"), ("a", "active"), ("b", "registering"), ("b", "active"),
+        ("a", "syncing"), ("b", "syncing"), ("a", "active"), ("b", "gone"),
+    ]  # fmt: skip
+    assert "spot notice" in fleet.events[-1].detail
+    assert [(w.worker_id, w.state, w.weight_version, w.device) for w in fleet.workers] == [("a", "active", 1, "cpu")]
+    assert fleet.workers[0].tokens_per_s == 900.0 and fleet.workers[0].usd_per_hour == 0.5
+    assert fleet.latest_weight_version == 1 and fleet.num_lost_samples == 0
+    FleetStatus.model_validate_json(fleet.model_dump_json())  # what it says can be read back
+    from polyrl.manager.fleet import EventLog, History
+
+    log, history = EventLog(maxlen=3), History(interval_s=0.0, maxlen=2)
+    for i in range(5):
+        log.add(f"w{i}", "active")
+        history.maybe_sample([])
+    assert [e.worker_id for e in log.events] == ["w2", "w3", "w4"] and len(history.points) == 2
+
+
+def _beat(version: int, tokens_per_s: float):  # type: ignore[no-untyped-def]
+    from polyrl.manager.protocol import Heartbeat
+
+    return Heartbeat(state="active", weight_version=version, num_running=0, num_waiting=0, gen_throughput=tokens_per_s)
+
+
+def test_a_failed_batch_counts_its_lost_samples() -> None:
+    with ManagerThread(chaos_manager_config()) as mt:  # no worker: the batch misses its deadline
+        request = make_batch(2, 3, 4).model_copy(update={"deadline_s": 0.3})
+        with pytest.raises(BatchError):
+            list(mt.generate(request))
+        assert mt.call(fleet_status, mt.manager).num_lost_samples == 6
+
+
+# ------------------------------------------------------------------------------ polyrl status
+
+
+def test_status_prints_the_workers_and_refuses_a_wrong_token() -> None:
+    with ManagerThread(chaos_manager_config(heartbeat_timeout_s=3600.0)) as mt:
+        register_fake(mt, "spot-a", usd_per_hour=0.42)
+        register_fake(mt, "spot-b")
+        out = io.StringIO()
+        assert status(mt.url, TOKEN, console=Console(file=out, width=160)) == 0
+        text = out.getvalue()
+        for needle in ("spot-a", "spot-b", "active", "v0", "0.42", "127.0.0.1", "cpu", "2 workers", "lost 0"):
+            assert needle in text, (needle, text)
+        out = io.StringIO()
+        assert status(mt.url, "wrong", console=Console(file=out, width=160)) == 1
+        assert "refused the token" in out.getvalue() and "spot-a" not in out.getvalue()
+        os.environ["POLYRL_TOKEN"] = TOKEN
+        try:  # the command line: the token from the environment
+            assert cli_main(["status", mt.url]) == 0
+        finally:
+            del os.environ["POLYRL_TOKEN"]
+
+
+# ------------------------------------------------------------------------------ polyrl report
+
+
+def test_report_draws_two_real_runs_side_by_side(tmp_path: Path) -> None:
+    paths = report([RUNS / "remote", RUNS / "colocated"], tmp_path / "out")
+    names = {p.name for p in paths}
+    expected = {f"{p.name}.png" for p in PANELS}
+    assert names == expected | {"report.html"}  # these runs have every panel's keys
+    for path in paths:
+        data = path.read_bytes()
+        assert len(data) > 5000, path
+        if path.suffix == ".png":
+            assert data.startswith(PNG)
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == len(PANELS) and "src=\"http" not in page
+    assert "<td>remote</td><td>40</td>" in page and "<td>colocated</td><td>40</td>" in page
+
+
+def test_report_draws_what_a_run_has_and_names_a_bad_run_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "partial"
+    run.mkdir()
+    rows = [json.loads(line) for line in (RUNS / "colocated" / "metrics.jsonl").read_text().splitlines()[:5]]
+    lines = [json.dumps({k: v for k, v in row.items() if not k.startswith("cost/")}) for row in rows]  # no prices
+    (run / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 6, "critic/sc')  # torn last line
+    paths = report([run], tmp_path / "out")
+    assert "cost.png" not in {p.name for p in paths} and "reward.png" in {p.name for p in paths}
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "metrics.jsonl").write_text("")
+    for bad, why in [("missing", "not a directory"), ("empty", "no metrics.jsonl"), ("blank", "no steps")]:
+        with pytest.raises(ReportError, match=why):
+            report([tmp_path / bad], tmp_path / "x")
+        assert cli_main(["report", str(tmp_path / bad), "--out", str(tmp_path / "x")]) == 2
+        assert why in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_report_on_a_short_run_of_the_main_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The default main job (remote mode, two launched workers), three steps: its run
+    directory is reported on as it is; the job logged the operator page's URL."""
+    from polyrl.trainer.loop import train
+
+    cfg = load_config(None, ["logging.console=false", "logging.tensorboard=false", "manager.port=0",
+                             "trainer.save_every=0", "fleet.ready_timeout_s=120", "trainer.total_steps=3"])  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="polyrl"):
+        train(cfg, tmp_path / "run")
+    pages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("operator page: http://127.0.0.1:")]
+    assert len(pages) == 1 and "manager.json" in pages[0] and "polyrl status" in pages[0]
+    assert cli_main(["report", str(tmp_path / "run")]) == 0
+    out = tmp_path / "run" / "report"
+    for name in ("reward", "throughput", "time_split", "workers", "cost", "tokens_per_usd", "logprob_diff", "report"):
+        path = out / (f"{name}.html" if name == "report" else f"{name}.png")
+        assert path.stat().st_size > 5000, path
+
+
+# ------------------------------------------------------------------------------ the live page
+
+
+def test_page_renders_a_fleet_in_a_browser() -> None:
+    """Fast: the page's script against a manager with two registered records."""
+    binary = chromium()
+    with ManagerThread(chaos_manager_config(heartbeat_timeout_s=3600.0)) as mt:
+        register_fake(mt, "a", usd_per_hour=0.5)
+        register_fake(mt, "b")
+        dom = dump_dom(binary, f"{mt.url}/?token={TOKEN}")
+        refused = dump_dom(binary, f"{mt.url}/?token=wrong")
+    row_a, row_b = worker_row(dom, "a"), worker_row(dom, "b")
+    assert row_a and 'data-state="active"' in row_a and "v0" in row_a and "0.50" in row_a
+    assert row_b and "<td class=\"num\">-</td>" in row_b  # no price: "-"
+    assert 'data-worker="a" data-state="registering"' in dom
+    assert "updated" in dom and "worker-a" not in refused and "<form" in refused
+
+
+@pytest.fixture
+def fleet_of_two(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[ManagerThread, dict[str, Worker]]]:
+    cfg = chaos_manager_config(heartbeat_timeout_s=2.0)
+    procs = {}
+    with ManagerThread(cfg) as mt:
+        try:
+            for worker_id, price in [("spot-a", 0.35), ("spot-b", 0.42)]:
+                log_file = open(tmp_path / f"{worker_id}.log", "wb")  # noqa: SIM115 - closed below
+                procs[worker_id] = (spawn_worker(tiny_model_dir, mt.url, worker_id, free_port(), log_file,
+                                                 extra=[f"worker.usd_per_hour={price}"]), log_file)  # fmt: skip
+            wait_for(lambda: active_ids(mt) == {"spot-a", "spot-b"}, 120, "two active workers")
+            yield mt, {k: p for k, (p, _) in procs.items()}
+        finally:
+            for proc, log_file in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait(timeout=30)
+                log_file.close()
+
+
+def _traffic(mt: ManagerThread, stop: threading.Event) -> None:
+    """Batches until `stop`, so the workers report tokens/s (and the chart has a curve)."""
+    i = 0
+    while not stop.is_set():
+        try:
+            list(mt.generate(make_batch(4, 4, 48, tag=f"t{i}-")))
+        except BatchError:
+            return
+        i += 1
+
+
+@pytest.mark.slow
+def test_page_shows_two_real_workers_then_one_gone_after_kill_9(
+    fleet_of_two: tuple[ManagerThread, dict[str, Worker]], tmp_path: Path
+) -> None:
+    """Two `polyrl worker` processes under load; one is killed with -9 mid-traffic (its
+    samples migrate). The page lists both with their version and price, then only the
+    survivor, with the kill on the timeline. The screenshot is README's
+    (POLYRL_UPDATE_DOCS=1 refreshes docs/operator-page.png)."""
+    binary = chromium()
+    mt, procs = fleet_of_two
+    url = f"{mt.url}/?token={TOKEN}"
+    stop = threading.Event()
+    traffic = threading.Thread(target=_traffic, args=(mt, stop), daemon=True)
+    traffic.start()
+    try:
+        wait_for(lambda: all(w.gen_throughput > 0 for w in mt.worker_list().workers), 30, "workers reporting tokens/s")
+        dom = dump_dom(binary, url)
+        for worker_id, price in (("spot-a", "0.35"), ("spot-b", "0.42")):
+            row = worker_row(dom, worker_id)
+            assert row and 'data-state="active"' in row and 'data-version="0"' in row and ">v0<" in row, row
+            assert f">{price}<" in row
+
+        procs["spot-b"].kill()  # kill -9, no notice
+        wait_for(lambda: "spot-b" not in {w.worker_id for w in mt.worker_list().workers}, 30, "the manager noticing")
+        time.sleep(2.5)  # a history point after the kill
+        dom = dump_dom(binary, url)
+        shot = tmp_path / "operator-page.png"
+        screenshot(binary, url, shot, size=(1400, 900))
+    finally:
+        stop.set()
+        traffic.join(timeout=60)
+    assert worker_row(dom, "spot-b") is None, "a dead worker is still listed"
+    assert worker_row(dom, "spot-a") is not None
+    assert re.search(r"<li data-worker=\"spot-b\" data-state=\"gone\">[^<]*<b>spot-b</b> gone", dom), dom[-3000:]
+    assert "<polyline" in dom  # the throughput chart has a curve
+    assert shot.read_bytes().startswith(PNG) and shot.stat().st_size > 20_000
+    if os.environ.get("POLYRL_UPDATE_DOCS"):
+        DOCS_SCREENSHOT.parent.mkdir(exist_ok=True)
+        shutil.copyfile(shot, DOCS_SCREENSHOT)
