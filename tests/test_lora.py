@@ -1,0 +1,241 @@
+"""LoRA (`model.lora`): adapters trained with PEFT, checkpointed and resumed exactly,
+shipped as adapter versions, merged by engines to the learner's log-probs, and loaded
+from disk by workers the way vLLM and SGLang do."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from test_worker import WorkerProcess
+from transformers import AutoModelForCausalLM
+
+from polyrl.config import ConfigError, EngineConfig, LoraConfig, load_config
+from polyrl.engine.engine import Engine
+from polyrl.engine.lora import META_KEY, AdapterError, AdapterMerger, LoraSpec, base_fingerprint, unpack
+from polyrl.engine.types import EngineRequest, EngineSampling
+from polyrl.trainer.checkpoint import latest_checkpoint
+from polyrl.trainer.grpo import token_logprobs
+from polyrl.trainer.loop import train
+from polyrl.trainer.lora import adapter_version, apply_lora
+
+ON_POLICY = 1e-4
+"""fp32 on CPU: the engine's log-probs equal the learner's within this after every sync."""
+
+SMALL = [
+    "trainer.total_steps=4",
+    "trainer.train_batch_size=8",
+    "trainer.ppo_mini_batch_size=4",
+    "trainer.save_every=2",
+    "rollout.n=4",
+    "rollout.max_new_tokens=4",
+    "model.tiny.hidden_size=32",
+    "model.tiny.intermediate_size=64",
+    "algo.kl_coef=0.01",  # the reference: the same model with its adapters off
+    "logging.console=false",
+    "logging.tensorboard=false",
+    "rollout.mode=local",
+    "model.lora.enabled=true",
+    "model.lora.rank=4",
+    "model.lora.save_merged=true",
+]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _load(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _perturb(peft_model: torch.nn.Module, seed: int) -> None:
+    """A new adapter "version": every A and B drawn again (B nonzero, unlike at init)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("model.lora.rank=0", "model.lora.rank"), ("model.lora.target_modules=[]", "model.lora"),
+     ('model.lora.target_modules=["q-proj"]', "model.lora"), ("model.lora.dropout=1.0", "model.lora.dropout"),
+     ("model.lora.ranks=4", "model.lora.ranks")],
+)  # fmt: skip
+def test_config_errors_name_the_key(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=f"config error: {key}"):
+        load_config(None, [override])
+    assert load_config(None, ['model.lora.target_modules=["q_proj","v_proj"]']).model.lora.target_modules == ["q_proj", "v_proj"]
+
+
+# --------------------------------------------------------------------------- engine side
+
+
+def test_merged_versions_match_peft_and_mismatches_change_nothing(tiny_model_dir: Path) -> None:
+    """Three versions in a row, each merged from the kept base (not from the previous merge),
+    give PEFT's unmerged logits; a wrong rank, target set or base is refused untouched."""
+    trained, served = _load(tiny_model_dir), _load(tiny_model_dir)
+    peft = apply_lora(trained, LoraConfig(rank=4, alpha=8))
+    merger = AdapterMerger(served, base_fingerprint(served.config))
+    ids = torch.randint(0, served.config.vocab_size, (2, 10))
+    for seed in range(3):
+        _perturb(trained, seed)
+        merger.apply(*unpack(adapter_version(peft)))
+        with torch.no_grad():
+            assert (trained(ids).logits - served(ids).logits).abs().max() < 1e-5
+    before = {k: v.clone() for k, v in served.state_dict().items()}
+    spec, pairs = unpack(adapter_version(peft))
+    wrong_rank = {m: (a[:2], b[:, :2]) for m, (a, b) in pairs.items()}
+    with pytest.raises(AdapterError, match="rank 2 does not match the served adapter's rank 4"):
+        merger.apply(spec.model_copy(update={"rank": 2}), wrong_rank)
+    only_q = {m: ab for m, ab in pairs.items() if m.endswith("q_proj")}
+    with pytest.raises(AdapterError, match="target modules"):
+        merger.apply(spec.model_copy(update={"target_modules": ("q_proj",)}), only_q)
+    with pytest.raises(AdapterError, match="base model"):
+        merger.apply(spec.model_copy(update={"base_model": "0123456789abcdef"}), pairs)
+    assert all(torch.equal(before[k], v) for k, v in served.state_dict().items())
+
+
+def _generate(engine: Engine, prompt: list[int], seed: int) -> tuple[list[int], list[float]]:
+    sampling = EngineSampling(n=1, max_new_tokens=8, temperature=1.0, seed=seed, ignore_eos=True)
+    engine.add_request(EngineRequest(f"r{seed}", prompt, sampling))
+    ids, logps = [], []
+    while engine.has_work:
+        for d in engine.step():
+            ids += d.token_ids
+            logps += d.logprobs
+    return ids, logps
+
+
+def test_engine_logprobs_equal_the_learners_after_every_sync(tiny_model_dir: Path) -> None:
+    trained = _load(tiny_model_dir)
+    peft = apply_lora(trained, LoraConfig(rank=8, alpha=16))
+    engine = Engine(_load(tiny_model_dir), EngineConfig(num_kv_blocks=64, max_num_seqs=4))
+    prompt = [5, 6, 7, 8, 9]
+    for version in range(1, 4):
+        _perturb(trained, version)
+        engine.update_weights(adapter_version(peft), version)
+        completion, engine_logp = _generate(engine, prompt, version)
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = trained(ids).logits[:, len(prompt) - 1 : -1]  # [1, C, V]
+        learner_logp, _ = token_logprobs(logits, ids[:, len(prompt) :], 1.0)
+        diff = (learner_logp[0] - torch.tensor(engine_logp)).abs().max().item()
+        assert diff < ON_POLICY, (version, diff)
+    assert engine.adapters is not None and engine.adapters.spec.rank == 8
+
+
+# --------------------------------------------------------------------------- trainer side
+
+
+def test_lora_run_checkpoints_adapters_and_resumes_exactly(tmp_path: Path) -> None:
+    """Checkpoints hold the adapter (PEFT's format) and its optimizer state only; a run that
+    crashes after step 3 and resumes from step 2 ends where the uninterrupted one does."""
+    cfg = load_config(None, SMALL)
+    train(cfg, tmp_path / "straight")
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_3(step: int, metrics: dict) -> None:
+        if step == 3:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(cfg, tmp_path / "resumed", on_step_end=crash_after_3)
+    ckpt = latest_checkpoint(tmp_path / "resumed")
+    assert ckpt.name == "step_000002" and sorted(p.name for p in ckpt.iterdir()) == ["adapter", "trainer_state.pt"]
+    train(load_config(tmp_path / "resumed" / "config.toml"), tmp_path / "resumed", resume=True)
+
+    straight, resumed = _metrics(tmp_path / "straight"), _metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed):
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"):
+            assert a[key] == b[key], (a["step"], key)
+        assert a["rollout/logprob_diff"] < ON_POLICY
+    assert straight[-1]["actor/kl_loss"] > 0  # adapters on vs off differ once trained
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    fa = load_file(tmp_path / "straight" / "final_model" / "adapter_model.safetensors")
+    fb = load_file(tmp_path / "resumed" / "final_model" / "adapter_model.safetensors")
+    assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+    assert any(k.endswith("lora_B.weight") and fa[k].abs().sum() > 0 for k in fa)  # trained, not the zero init
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    assert sum(s["exp_avg"].numel() for s in state["optimizer"]["state"].values()) == sum(t.numel() for t in fa.values())
+
+    run = tmp_path / "straight"
+    adapted = PeftModel.from_pretrained(_load(run / "init_model"), run / "final_model").eval()
+    merged = _load(run / "final_model_merged")
+    ids = torch.randint(0, merged.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        assert (adapted(ids).logits - merged(ids).logits).abs().max() < 1e-5
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _write_adapter(base_dir: Path, out: Path, rank: int, targets: list[str] | str, seed: int) -> torch.nn.Module:
+    """A PEFT adapter directory, as an external trainer would write it; returns the model."""
+    model = _load(base_dir)
+    peft = apply_lora(model, LoraConfig(rank=rank, alpha=2 * rank, target_modules=targets))
+    _perturb(model, seed)
+    peft.save_pretrained(out)
+    return model
+
+
+def test_worker_loads_a_peft_adapter_from_disk_and_refuses_mismatches(tmp_path: Path, tiny_model_dir: Path) -> None:
+    reference = _write_adapter(tiny_model_dir, tmp_path / "a1", 4, "all-linear", seed=1)
+    _write_adapter(tiny_model_dir, tmp_path / "rank8", 8, "all-linear", seed=2)
+    _write_adapter(tiny_model_dir, tmp_path / "only_qv", 4, ["q_proj", "v_proj"], seed=3)
+    other_base = tmp_path / "other_base"
+    from polyrl.config import TinyModelConfig
+    from polyrl.models.tiny import save_tiny_model
+
+    save_tiny_model(other_base, TinyModelConfig(hidden_size=32, intermediate_size=64))
+    _write_adapter(other_base, tmp_path / "other", 4, "all-linear", seed=4)
+
+    prompt = [5, 6, 7, 8]
+    w = WorkerProcess(tiny_model_dir, "--token", "secret")
+    try:
+        url = w.wait_ready()
+        headers = {"Authorization": "Bearer secret"}
+        body = {"lora_name": "a1", "lora_path": str(tmp_path / "a1")}
+        assert httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=30).status_code == 401
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json=body, headers=headers, timeout=30)
+        assert r.status_code == 200 and r.json()["weight_version"] == 1, r.text
+        gen = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "seed": 7}, "return_logprob": True}
+        out = httpx.post(f"{url}/generate", json=gen, headers=headers, timeout=30).json()
+        completion = out["output_ids"]
+        engine_logp = [lp[0] for lp in out["meta_info"]["output_token_logprobs"]]
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = reference(ids).logits[:, len(prompt) - 1 : -1]
+        learner_logp, _ = token_logprobs(logits, ids[:, len(prompt) :], 1.0)
+        assert (learner_logp[0] - torch.tensor(engine_logp)).abs().max() < ON_POLICY
+
+        for name, why in (("rank8", "rank 8"), ("only_qv", "target modules"), ("other", "base model")):
+            body = {"lora_name": name, "lora_path": str(tmp_path / name)}
+            r = httpx.post(f"{url}/load_lora_adapter", json=body, headers=headers, timeout=30)
+            assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+        missing = {"lora_name": "x", "lora_path": str(tmp_path / "nowhere")}
+        r = httpx.post(f"{url}/load_lora_adapter", json=missing, headers=headers, timeout=30)
+        assert r.status_code == 400 and "not a PEFT LoRA adapter directory" in r.text
+        info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+        assert info["weight_version"] == 1  # still serving a1
+        again = httpx.post(f"{url}/generate", json=gen, headers=headers, timeout=30).json()
+        assert again["meta_info"]["output_token_logprobs"] == out["meta_info"]["output_token_logprobs"]
+        completion = {"model": "a1", "prompt": prompt, "max_tokens": 2}  # vLLM clients name the adapter
+        assert httpx.post(f"{url}/v1/completions", json=completion, headers=headers, timeout=30).status_code == 200
+    finally:
+        w.kill()
