@@ -4,8 +4,10 @@ from disk by workers the way vLLM and SGLang do."""
 
 from __future__ import annotations
 
-import copy
 import json
+import os
+import signal
+import threading
 from pathlib import Path
 
 import httpx
@@ -22,6 +24,7 @@ from polyrl.trainer.checkpoint import latest_checkpoint
 from polyrl.trainer.grpo import token_logprobs
 from polyrl.trainer.loop import train
 from polyrl.trainer.lora import adapter_version, apply_lora
+from polyrl.transfer.manifest import layout
 
 ON_POLICY = 1e-4
 """fp32 on CPU: the engine's log-probs equal the learner's within this after every sync."""
@@ -92,6 +95,10 @@ def test_merged_versions_match_peft_and_mismatches_change_nothing(tiny_model_dir
         merger.apply(*unpack(adapter_version(peft)))
         with torch.no_grad():
             assert (trained(ids).logits - served(ids).logits).abs().max() < 1e-5
+    version = adapter_version(peft)
+    assert all(k == META_KEY or ".lora_" in k for k in version)  # only the adapters ship
+    full = {k: p for k, p in served.named_parameters()}
+    assert layout(version, 1).total_bytes < 0.2 * layout(full, 1).total_bytes
     before = {k: v.clone() for k, v in served.state_dict().items()}
     spec, pairs = unpack(adapter_version(peft))
     wrong_rank = {m: (a[:2], b[:, :2]) for m, (a, b) in pairs.items()}
@@ -239,3 +246,53 @@ def test_worker_loads_a_peft_adapter_from_disk_and_refuses_mismatches(tmp_path: 
         assert httpx.post(f"{url}/v1/completions", json=completion, headers=headers, timeout=30).status_code == 200
     finally:
         w.kill()
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def _child_pid(worker_id: str) -> int:
+    """The pid of this process's launched `polyrl worker --worker-id worker_id`."""
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = stat.read_text().rsplit(")", 1)[1].split()[1]
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if ppid == me and b"--worker-id" in argv and argv[argv.index(b"--worker-id") + 1] == worker_id.encode():
+            return int(stat.parent.name)
+    raise AssertionError(f"no worker {worker_id} among this process's children")
+
+
+@pytest.mark.slow
+def test_adapter_versions_reach_two_workers_and_survive_a_kill(tmp_path: Path) -> None:
+    """Remote mode with LoRA: every version ships as adapters only, over the publisher's TCP
+    path, to 2 launched workers that merge it into their own base; one is killed (kill -9)
+    while step 4 generates. Every step gets every sample, and every sync leaves the
+    engines on the learner's log-probs."""
+    overrides = [
+        "logging.console=false", "logging.tensorboard=false", "manager.port=0", "trainer.save_every=0",
+        "trainer.total_steps=7", "trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=8", "rollout.n=8",
+        "fleet.num_workers=2", "fleet.ready_timeout_s=120", "model.lora.enabled=true", "model.lora.rank=8",
+        "algo.kl_coef=0.01",
+    ]  # fmt: skip
+    run_dir = tmp_path / "run"
+    killed: list[int] = []
+
+    def kill_w0_during_step_4(step: int, metrics: dict) -> None:
+        if step == 3:
+            pid = _child_pid("w0")
+            threading.Timer(0.3, lambda: (os.kill(pid, signal.SIGKILL), killed.append(pid))).start()
+
+    train(load_config(None, overrides), run_dir, on_step_end=kill_w0_during_step_4)
+    rows = _metrics(run_dir)
+    assert killed and [r["step"] for r in rows] == list(range(1, 8))
+    for r in rows:
+        assert r["rollout/samples_received"] == r["rollout/samples_requested"] > 0 and r["rollout/samples_lost"] == 0
+        assert r["rollout/logprob_diff"] < ON_POLICY, (r["step"], r["rollout/logprob_diff"])
+    assert all(r["rollout/local_samples"] == 0 for r in rows[:3])  # the workers served, not the trainer's engine
+    assert max(r["training/num_rollout_instances"] for r in rows[:3]) == 2
+    assert rows[-1]["training/num_workers"] == 1
+    logs = {w: (run_dir / "workers" / f"{w}.log").read_text() for w in ("w0", "w1")}
+    assert "pulled v3" in logs["w0"] and "pulled v6" in logs["w1"], logs  # adapter versions over TCP, to both
