@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from polyrl.config import ConfigError, EngineConfig, LoraConfig, load_config
 from polyrl.engine.engine import Engine
-from polyrl.engine.lora import META_KEY, AdapterError, AdapterMerger, LoraSpec, base_fingerprint, unpack
+from polyrl.engine.lora import META_KEY, AdapterError, AdapterMerger, base_fingerprint, expected_spec, unpack
 from polyrl.engine.types import EngineRequest, EngineSampling
 from polyrl.trainer.checkpoint import latest_checkpoint
 from polyrl.trainer.grpo import token_logprobs
@@ -112,6 +112,16 @@ def test_merged_versions_match_peft_and_mismatches_change_nothing(tiny_model_dir
     assert all(torch.equal(before[k], v) for k, v in served.state_dict().items())
 
 
+def test_a_worker_configured_for_lora_expects_its_rank_and_resolves_all_linear_as_peft(tiny_model_dir: Path) -> None:
+    trained, served = _load(tiny_model_dir), _load(tiny_model_dir)
+    peft = apply_lora(trained, LoraConfig(rank=4))
+    spec = expected_spec(served, 4, 8.0, "all-linear")
+    assert spec.target_modules == unpack(adapter_version(peft))[0].target_modules
+    merger = AdapterMerger(served, spec.base_model, expected=expected_spec(served, 8, 16.0, "all-linear"))
+    with pytest.raises(AdapterError, match="rank 4 does not match the served adapter's rank 8"):
+        merger.apply(*unpack(adapter_version(peft)))
+
+
 def _generate(engine: Engine, prompt: list[int], seed: int) -> tuple[list[int], list[float]]:
     sampling = EngineSampling(n=1, max_new_tokens=8, temperature=1.0, seed=seed, ignore_eos=True)
     engine.add_request(EngineRequest(f"r{seed}", prompt, sampling))
@@ -187,6 +197,22 @@ def test_lora_run_checkpoints_adapters_and_resumes_exactly(tmp_path: Path) -> No
     ids = torch.randint(0, merged.config.vocab_size, (2, 8))
     with torch.no_grad():
         assert (adapted(ids).logits - merged(ids).logits).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_lora_learns_reverse_on_a_model_trained_on_copy(tmp_path: Path) -> None:
+    """The issue's set-up: a from-scratch tiny model learns the task format by full
+    fine-tuning on `copy` (40 steps, the default job of test_train.py); then LoRA alone,
+    the base frozen, trains it on `reverse`. Measured on CPU: the reward went from 0.19 to
+    0.39 (mean of the last 5 steps) in 40 LoRA steps at lr 3e-3 (at 1e-2 it dipped first
+    and ended at 0.27); the first 25 are run here."""
+    quick = ["logging.console=false", "logging.tensorboard=false", "rollout.mode=local", "trainer.save_every=0"]
+    train(load_config(None, [*quick, "trainer.total_steps=40"]), tmp_path / "copy")
+    lora = ["trainer.total_steps=25", "data.task=reverse", "model.lora.enabled=true", "trainer.lr=3e-3",
+            f"model.path={tmp_path / 'copy' / 'final_model'}"]  # fmt: skip
+    train(load_config(None, [*quick, *lora]), tmp_path / "reverse")
+    rewards = [r["critic/score/mean"] for r in _metrics(tmp_path / "reverse")]
+    assert sum(rewards[-5:]) / 5 > rewards[0] + 0.1, rewards
 
 
 # --------------------------------------------------------------------------- workers

@@ -418,7 +418,8 @@ class Engine:
         if is_adapter_version(weights):
             self._load_adapter(weights)
             return
-        self.adapters = None  # a new base: adapters merge into it from now on
+        if self.adapters is not None:  # a new base: adapters merge into it, with the same constraints
+            self.adapters = AdapterMerger(self.model, self.adapters.fingerprint, self.adapters.spec)
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names alias one tensor
         unknown = [k for k in weights if k not in params]
         if unknown:

@@ -183,6 +183,17 @@ def spec_of_dir(config: dict[str, Any], pairs: Mapping[str, tuple[torch.Tensor, 
 # ------------------------------------------------------------------------ engine side
 
 
+def expected_spec(model: torch.nn.Module, rank: int, alpha: float, target_modules: str | list[str]) -> LoraSpec:
+    """The spec a worker configured with `model.lora` accepts: "all-linear" means every
+    linear layer of the decoder, as PEFT resolves it (the LM head excluded)."""
+    if target_modules == "all-linear":
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        targets = target_names([n for n, m in decoder.named_modules() if isinstance(m, torch.nn.Linear)])
+    else:
+        targets = target_names(target_modules)
+    return LoraSpec(base_model=base_fingerprint(model.config), rank=rank, alpha=alpha, target_modules=targets)
+
+
 class AdapterMerger:
     """Applies adapter versions to an engine's model in place (merged; see the module
     docstring). It owns exact copies of the target modules' base weights, taken when it
