@@ -65,11 +65,12 @@ def full_fits(shape: dict, device: torch.device) -> bool:
     return num_params(shape) * 16 < 0.9 * torch.cuda.get_device_properties(device).total_memory
 
 
-def build(shape: dict, rank: int | None, args: argparse.Namespace) -> tuple[Learner, object]:
+def build(shape: dict, rank: int | None, args: argparse.Namespace, compiled: bool) -> tuple[Learner, object]:
     model = build_model(shape, args.device)
     peft = apply_lora(model, LoraConfig(rank=rank, alpha=2 * rank)) if rank else None
     cfg = TrainerConfig(lr=1e-5, warmup_steps=0, train_batch_size=64, ppo_mini_batch_size=64,
-                        micro_batch_max_tokens=args.micro_batch_tokens)  # fmt: skip
+                        micro_batch_max_tokens=args.micro_batch_tokens,
+                        compile_layers="auto" if compiled else False)  # fmt: skip
     optimizer, scheduler = build_optimizer(model, cfg, args.warmup + args.steps)
     off = (lambda: adapters_off(peft)) if peft is not None else None
     learner = Learner(model, None, optimizer, scheduler, AlgoConfig(), cfg, 1.0, 0, args.dtype, adapters_off=off)
@@ -81,8 +82,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def learner_row(name: str, shape: dict, rank: int | None, args: argparse.Namespace) -> dict:
-    learner, peft = build(shape, rank, args)
+def learner_row(name: str, shape: dict, rank: int | None, args: argparse.Namespace, compiled: bool = True) -> dict:
+    """The trainer's defaults (on one GPU in bf16: packed, compiled layers; the bf16 working
+    copy for full fine-tuning only); `compiled=False` is the retry when compiling fails."""
+    learner, peft = build(shape, rank, args, compiled)
     items = make_items([args.seq_len] * args.seqs, min(64, args.seq_len // 2), shape["vocab_size"], seed=0)
     if args.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)
@@ -102,6 +105,7 @@ def learner_row(name: str, shape: dict, rank: int | None, args: argparse.Namespa
         "tokens_per_s": args.seqs * args.seq_len / step_s,
         "peak_gib": torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.type == "cuda" else None,
         "trainable": sum(p.numel() for p in learner.model.parameters() if p.requires_grad),
+        "compiled": learner.is_compiled, "working_copy": learner.work is not learner.model,
     }  # fmt: skip
     if peft is not None:
         version = {k: t.to(wire_dtype) if t.is_floating_point() else t for k, t in adapter_version(peft).items()}
@@ -168,6 +172,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--versions", type=int, default=5)
     p.add_argument("--only", choices=["learner", "serve"], help="run one part")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="never compile layers (default: the trainer's auto, retried uncompiled on failure)")
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args()
     args.device = torch.device(args.device)
@@ -187,12 +193,19 @@ def main() -> None:
                     print(f"{name:11s} full      skipped: {num_params(shape) * 16 / 2**30:.0f} GiB of weights, "
                           "gradients and Adam state do not fit", flush=True)  # fmt: skip
                     continue
-                try:
-                    r = learner_row(name, shape, rank, args)
-                except Exception as e:  # noqa: BLE001 - an OOM row is a result; the next row runs
-                    traceback.print_exc()
-                    failures.append({"shape": name, "rank": rank, "error": f"{type(e).__name__}: {e}"[:500]})
-                    free(args.device)
+                r = None
+                for compiled in (True, False) if args.compile else (False,):
+                    try:
+                        r = learner_row(name, shape, rank, args, compiled)
+                        break
+                    except Exception as e:  # noqa: BLE001 - a failed row is a result; the next one runs
+                        traceback.print_exc()
+                        failures.append({"shape": name, "rank": rank, "compiled": compiled,
+                                         "error": f"{type(e).__name__}: {e}"[:500]})  # fmt: skip
+                        free(args.device)
+                        if isinstance(e, torch.OutOfMemoryError):
+                            break  # compiling does not change what fits
+                if r is None:
                     continue
                 rows.append(r)
                 peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
