@@ -7,7 +7,8 @@ from "adapter version published" to "worker serving it".
 1. Learner (per shape: Qwen3-0.6B and Qwen3-8B on CUDA, a tiny Qwen3 on CPU; random
    weights from seed 0, float32 masters, bf16 compute on CUDA): one real `Learner` per row,
    full fine-tuning and LoRA at r = 1, 16, 64 on all linear layers, the same mini-batch
-   (`--seqs` sequences of `--seq-len` tokens), warm-up steps then timed steps; tokens/s
+   (`--seqs` sequences of `--seq-len` tokens; activation checkpointing for the 8B shape),
+   warm-up steps then timed steps; tokens/s
    (every token of the mini-batch) and torch's peak allocated memory. Full fine-tuning is
    skipped where its float32 weights, gradients and Adam state (16 bytes a parameter)
    cannot fit the device; any row that fails (OOM) prints and the next one runs.
@@ -39,7 +40,7 @@ from publish_to_serve import state, wait  # noqa: E402
 from polyrl.config import AlgoConfig, LoraConfig, ManagerConfig, TrainerConfig  # noqa: E402
 from polyrl.manager.main import ManagerThread  # noqa: E402
 from polyrl.manager.weight_sync import PublisherSync  # noqa: E402
-from polyrl.trainer.learner import Learner, build_optimizer  # noqa: E402
+from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing  # noqa: E402
 from polyrl.trainer.lora import adapter_version, adapters_off, apply_lora  # noqa: E402
 from polyrl.transfer.manifest import layout  # noqa: E402
 from polyrl.transfer.publisher import WeightPublisher  # noqa: E402
@@ -65,8 +66,16 @@ def full_fits(shape: dict, device: torch.device) -> bool:
     return num_params(shape) * 16 < 0.9 * torch.cuda.get_device_properties(device).total_memory
 
 
+def uses_checkpointing(shape: dict, args: argparse.Namespace) -> bool:
+    """auto: on for the 8B shape, whose activations at 16k tokens a micro-batch would not fit
+    80 GB beside its float32 weights (32 GiB) without it."""
+    return args.checkpointing == "on" or (args.checkpointing == "auto" and shape["hidden_size"] >= 4096)
+
+
 def build(shape: dict, rank: int | None, args: argparse.Namespace, compiled: bool) -> tuple[Learner, object]:
     model = build_model(shape, args.device)
+    if uses_checkpointing(shape, args):
+        enable_gradient_checkpointing(model)
     peft = apply_lora(model, LoraConfig(rank=rank, alpha=2 * rank)) if rank else None
     cfg = TrainerConfig(lr=1e-5, warmup_steps=0, train_batch_size=64, ppo_mini_batch_size=64,
                         micro_batch_max_tokens=args.micro_batch_tokens,
@@ -105,7 +114,7 @@ def learner_row(name: str, shape: dict, rank: int | None, args: argparse.Namespa
         "tokens_per_s": args.seqs * args.seq_len / step_s,
         "peak_gib": torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.type == "cuda" else None,
         "trainable": sum(p.numel() for p in learner.model.parameters() if p.requires_grad),
-        "compiled": learner.is_compiled, "working_copy": learner.work is not learner.model,
+        "compiled": learner.is_compiled, "checkpointing": uses_checkpointing(shape, args), "working_copy": learner.work is not learner.model,
     }  # fmt: skip
     if peft is not None:
         version = {k: t.to(wire_dtype) if t.is_floating_point() else t for k, t in adapter_version(peft).items()}
@@ -172,6 +181,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--versions", type=int, default=5)
     p.add_argument("--only", choices=["learner", "serve"], help="run one part")
+    p.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
+                   help="activation checkpointing in the learner (auto: on for the 8B shape)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="never compile layers (default: the trainer's auto, retried uncompiled on failure)")
     p.add_argument("--json", help="write the numbers here")
