@@ -322,3 +322,32 @@ def test_adapter_versions_reach_two_workers_and_survive_a_kill(tmp_path: Path) -
     assert rows[-1]["training/num_workers"] == 1
     logs = {w: (run_dir / "workers" / f"{w}.log").read_text() for w in ("w0", "w1")}
     assert "pulled v3" in logs["w0"] and "pulled v6" in logs["w1"], logs  # adapter versions over TCP, to both
+
+
+@pytest.mark.slow
+def test_remote_resume_sends_the_restored_adapter_to_a_fresh_worker(tmp_path: Path) -> None:
+    """The trainer dies after step 4 (checkpoint at 3); the resumed run's new worker starts
+    from the base model and merges the restored adapter: on policy from the first step."""
+    overrides = [
+        "logging.console=false", "logging.tensorboard=false", "manager.port=0", "trainer.total_steps=5",
+        "trainer.save_every=3", "trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=8", "rollout.n=8",
+        "fleet.num_workers=1", "fleet.ready_timeout_s=120", "model.lora.enabled=true", "model.lora.rank=8",
+    ]  # fmt: skip
+    run_dir = tmp_path / "run"
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_4(step: int, metrics: dict) -> None:
+        if step == 4:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(load_config(None, overrides), run_dir, on_step_end=crash_after_4)
+    train(load_config(run_dir / "config.toml"), run_dir, resume=True)
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    for r in rows:
+        assert r["rollout/samples_received"] == r["rollout/samples_requested"] and r["rollout/samples_lost"] == 0
+        assert r["rollout/logprob_diff"] < ON_POLICY, (r["step"], r["rollout/logprob_diff"])
+    assert all(r["rollout/local_samples"] == 0 for r in rows[3:])  # the fresh worker, from the restored v3 on

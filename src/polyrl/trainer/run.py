@@ -230,8 +230,9 @@ class Run:
         self.state = TrainState(step, cursor, self.version)
 
     def publish_weights(self) -> None:
-        """Colocated: a version bump (the engine runs on the trainer's model); remote: a
-        snapshot the workers pull (of the whole weights, gathered from every rank's shard)."""
+        """Colocated: a version bump (the engine runs on the trainer's model, adapters
+        included); remote: a snapshot the workers pull (of the whole weights, gathered from
+        every rank's shard; with LoRA, of the adapters only)."""
         self.version += 1
         if self.peft is not None and not self.rollout.shares_weights:
             self.rollout.publish(self.version, adapter_version(self.peft))  # megabytes, not the model
