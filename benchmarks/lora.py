@@ -14,9 +14,10 @@ from "adapter version published" to "worker serving it".
    cannot fit the device; any row that fails (OOM) prints and the next one runs.
 2. Wire bytes: an adapter version (bf16 on CUDA, as `RemoteRollout.publish` sends it;
    float32 on CPU) against the whole model's version in the same dtype.
-3. Published -> serving, over loopback TCP through the real path (WeightPublisher ->
-   manager -> PublisherSync -> a `polyrl worker` that pulls and merges), for the first
-   shape at r = 16: `--versions` adapter versions, each a fresh random adapter.
+3. Published -> serving through the real path (WeightPublisher -> manager -> PublisherSync
+   -> a `polyrl worker` that pulls and merges), for the first shape at r = 16, over
+   loopback TCP and (CUDA) on the same GPU: `--versions` adapter versions, each a fresh
+   random adapter.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from polyrl.manager.main import ManagerThread  # noqa: E402
 from polyrl.manager.weight_sync import PublisherSync  # noqa: E402
 from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing  # noqa: E402
 from polyrl.trainer.lora import adapter_version, adapters_off, apply_lora  # noqa: E402
+from polyrl.transfer.device import DeviceVersions  # noqa: E402
 from polyrl.transfer.manifest import layout  # noqa: E402
 from polyrl.transfer.publisher import WeightPublisher  # noqa: E402
 
@@ -134,8 +136,11 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def publish_to_serving(name: str, shape: dict, rank: int, args: argparse.Namespace) -> list[dict]:
-    """Adapter versions through the real path into one `polyrl worker` on this host."""
+def publish_to_serving(name: str, shape: dict, rank: int, args: argparse.Namespace, same_gpu: bool = False) -> list[dict]:
+    """Adapter versions through the real path into one `polyrl worker` on this host: over
+    loopback TCP, or (`same_gpu`) with the versions also held on this GPU, which the
+    manager then tells the worker, on the same GPU, to copy over CUDA IPC (from its second
+    version on: the first reply tells the manager where the worker's engine is)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(shape, torch.device("cpu"))
@@ -143,7 +148,10 @@ def publish_to_serving(name: str, shape: dict, rank: int, args: argparse.Namespa
         peft = apply_lora(model, LoraConfig(rank=rank, alpha=2 * rank))
         cfg = ManagerConfig(port=0, token="bench", heartbeat_interval_s=0.5)
         with ManagerThread(cfg) as mt, WeightPublisher() as pub:
-            mt.add_sync_hook(PublisherSync(mt.manager, pub, pull_timeout_s=600, codec="raw"))
+            if same_gpu:
+                pub.device = DeviceVersions(args.device, timeout_s=60)
+            sync = PublisherSync(mt.manager, pub, pull_timeout_s=600, codec="raw")
+            mt.add_sync_hook(sync)
             cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", tmp, "--manager", mt.url, "--token", "bench",
                    "--port", "0", "--worker-id", "w", "engine.max_num_seqs=8", f'engine.device="{args.device.type}"']  # fmt: skip
             worker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -158,13 +166,16 @@ def publish_to_serving(name: str, shape: dict, rank: int, args: argparse.Namespa
                     weights = {k: t.to(model.dtype) if t.is_floating_point() else t for k, t in adapter_version(peft).items()}
                     t0 = time.perf_counter()
                     info = pub.publish(weights, version)
+                    if pub.device is not None:
+                        pub.device.publish({k: t.to(args.device) for k, t in weights.items()}, version)
                     mt.publish_version(version)
                     wait(lambda v=version: state(mt) == ("active", v), 600, worker)
                     serve_s = time.perf_counter() - t0
-                    rows.append({"shape": name, "rank": rank, "version": version, "bytes": info.manifest.total_bytes,
-                                 "published_to_serving_s": serve_s})  # fmt: skip
-                    print(f"  v{version}: {info.manifest.total_bytes / 1e6:.2f} MB, published -> serving {1e3 * serve_s:.1f} ms",
-                          flush=True)  # fmt: skip
+                    said = sync.last_message.get("w", "")
+                    rows.append({"shape": name, "rank": rank, "same_gpu": same_gpu, "version": version,
+                                 "bytes": info.manifest.total_bytes, "published_to_serving_s": serve_s, "worker_said": said})  # fmt: skip
+                    print(f"  v{version}: {info.manifest.total_bytes / 1e6:.2f} MB, published -> serving {1e3 * serve_s:.1f} ms "
+                          f"({said})", flush=True)  # fmt: skip
             finally:
                 worker.terminate()
                 worker.wait(timeout=60)
@@ -225,10 +236,17 @@ def main() -> None:
                 free(args.device)
     if args.only != "learner":
         name, shape = next(iter(shapes(args.device).items()))
-        print(f"published -> serving over loopback TCP, {name}, LoRA r=16:", flush=True)
-        serve_rows = publish_to_serving(name, shape, 16, args)
-        later = sorted(r["published_to_serving_s"] for r in serve_rows[1:]) or [serve_rows[0]["published_to_serving_s"]]
-        print(f"  median of the later versions: {1e3 * later[len(later) // 2]:.1f} ms", flush=True)
+        for same_gpu in (False, True) if cuda else (False,):
+            print(f"published -> serving, {name}, LoRA r=16, {'same GPU' if same_gpu else 'loopback TCP'}:", flush=True)
+            try:
+                part = publish_to_serving(name, shape, 16, args, same_gpu)
+            except Exception as e:  # noqa: BLE001 - the TCP rows stay
+                traceback.print_exc()
+                failures.append({"part": f"publish_to_serving same_gpu={same_gpu}", "error": f"{type(e).__name__}: {e}"[:500]})
+                continue
+            serve_rows += part
+            later = sorted(r["published_to_serving_s"] for r in part[1:]) or [part[0]["published_to_serving_s"]]
+            print(f"  median of the later versions: {1e3 * later[len(later) // 2]:.1f} ms", flush=True)
     if args.json:
         out = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(args.device),
                "learner": rows, "publish_to_serving": serve_rows, "failures": failures}  # fmt: skip
