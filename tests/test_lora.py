@@ -322,6 +322,7 @@ def test_adapter_versions_reach_two_workers_and_survive_a_kill(tmp_path: Path) -
     assert rows[-1]["training/num_workers"] == 1
     logs = {w: (run_dir / "workers" / f"{w}.log").read_text() for w in ("w0", "w1")}
     assert "pulled v3" in logs["w0"] and "pulled v6" in logs["w1"], logs  # adapter versions over TCP, to both
+    assert all("accepting LoRA adapters of rank 8" in text for text in logs.values())  # the run's model.lora
 
 
 @pytest.mark.slow

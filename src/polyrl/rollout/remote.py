@@ -114,7 +114,8 @@ class RemoteRollout:
         self.link = ManagerLink(self.url, token)
         self._stack.callback(self.link.close)
         self.local = LocalWorker(
-            init_path, self.url, token, cfg.engine, self.model.device, run_dir / "workers", cfg.fleet.worker_threads
+            init_path, self.url, token, cfg.engine, self.model.device, run_dir / "workers", cfg.fleet.worker_threads,
+            cfg.model.lora,
         )
         self.local.start()  # it registers once the manager serves, as every worker does
         self._stack.callback(self.local.stop)

@@ -378,7 +378,7 @@ def start_remote(
              rollout.url, init_path, rollout.url, info)  # fmt: skip
     fleet = None
     if cfg.fleet.num_workers:
-        fleet = WorkerFleet(cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers")
+        fleet = WorkerFleet(cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers", cfg.model.lora)
         cleanup.callback(fleet.stop)
         cleanup.callback(rollout.local.terminate)  # runs first: the local worker drains while the fleet does
     ids = fleet.start() if fleet is not None else []  # while the manager starts: they register once it serves
