@@ -78,6 +78,8 @@ def test_config_errors_name_the_key(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=f"config error: {key}"):
         load_config(None, [override])
     assert load_config(None, ['model.lora.target_modules=["q_proj","v_proj"]']).model.lora.target_modules == ["q_proj", "v_proj"]
+    with pytest.raises(ConfigError, match="trainer.working_copy needs full fine-tuning"):
+        load_config(None, ["model.lora.enabled=true", "trainer.working_copy=true"])
 
 
 # --------------------------------------------------------------------------- engine side

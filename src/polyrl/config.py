@@ -482,6 +482,8 @@ class RunConfig(_Section):
             raise ValueError("fleet.churn_min_workers must not exceed fleet.num_workers")
         if self.fleet.min_workers and self.rollout.mode == "local":
             raise ValueError(f"fleet.min_workers ({self.fleet.min_workers}) needs rollout.mode remote or hybrid")
+        if self.model.lora.enabled and self.trainer.working_copy is True:
+            raise ValueError("trainer.working_copy needs full fine-tuning: with model.lora the adapters train on the model itself")
         return self
 
 
