@@ -37,12 +37,42 @@ class TinyModelConfig(_Section):
     seed: int = 0
 
 
+class LoraConfig(_Section):
+    """Train LoRA adapters instead of every weight (PEFT), and ship only them to workers
+    (`polyrl.engine.lora`, README "LoRA")."""
+
+    enabled: bool = False
+    rank: int = Field(16, ge=1, le=4096)
+    alpha: float = Field(32.0, gt=0)
+    """The update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training. Keep 0 for RL: with dropout the
+    training forward is not the policy the engine samples from."""
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    """all-linear: every linear layer of the decoder (not the LM head); or module names'
+    last parts, e.g. ["q_proj", "v_proj"]."""
+    save_merged: bool = False
+    """Also write the base with the final adapter merged in, as a plain HF model
+    (RUN_DIR/final_model_merged); the final adapter is always RUN_DIR/final_model."""
+
+    @model_validator(mode="after")
+    def _names(self) -> LoraConfig:
+        if isinstance(self.target_modules, list):
+            if not self.target_modules:
+                raise ValueError("target_modules is empty: name modules or use \"all-linear\"")
+            bad = [m for m in self.target_modules if not m.replace("_", "a").isalnum()]
+            if bad:
+                raise ValueError(f"target_modules: {bad[0]!r} is not a module name (e.g. \"q_proj\")")
+        return self
+
+
 class ModelConfig(_Section):
     path: str | None = None
     """A local HF model directory. When empty, a tiny model for the task is built offline."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype (autocast). Master weights and optimizer state stay float32."""
     tiny: TinyModelConfig = TinyModelConfig()
+    lora: LoraConfig = LoraConfig()
 
 
 class AtroposConfig(_Section):
@@ -508,6 +538,8 @@ class RunConfig(_Section):
             raise ValueError("fleet.churn_min_workers must not exceed fleet.num_workers")
         if self.fleet.min_workers and self.rollout.mode == "local":
             raise ValueError(f"fleet.min_workers ({self.fleet.min_workers}) needs rollout.mode remote or hybrid")
+        if self.model.lora.enabled and self.trainer.working_copy is True:
+            raise ValueError("trainer.working_copy needs full fine-tuning: with model.lora the adapters train on the model itself")
         return self
 
 

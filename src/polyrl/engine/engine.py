@@ -38,6 +38,7 @@ from polyrl.config import EngineConfig
 from polyrl.engine.block_manager import BlockManager, cdiv
 from polyrl.engine.model_runner import ModelRunner, num_kv_blocks_for
 from polyrl.engine.sampler import SamplingBatch, sample, top_logprobs
+from polyrl.engine.lora import AdapterMerger, base_fingerprint, is_adapter_version, unpack
 from polyrl.engine.scheduler import ScheduledSeq, Scheduler
 from polyrl.engine.sequence import SeqStatus, Sequence
 from polyrl.engine.types import EngineRequest, EngineStats, RequestError, SampleDelta
@@ -105,6 +106,9 @@ class Engine:
         self.vocab_size: int = model.config.vocab_size
         self.eos_token_ids = model_eos_ids(model)
         self.weight_version = 0
+        self.adapters: AdapterMerger | None = None
+        """Set by the first adapter version (or by the worker, with the adapter it expects):
+        it keeps the target modules' base weights (see `polyrl.lora`)."""
         self._requests: dict[str, list[Sequence]] = {}  # rid -> its unfinished sequences
         self._seq_ids = itertools.count()
         self._rng = random.Random()
@@ -411,6 +415,11 @@ class Engine:
         return deltas
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        if is_adapter_version(weights):
+            self._load_adapter(weights)
+            return
+        if self.adapters is not None:  # a new base: adapters merge into it, with the same constraints
+            self.adapters = AdapterMerger(self.model, self.adapters.fingerprint, self.adapters.spec)
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names alias one tensor
         unknown = [k for k in weights if k not in params]
         if unknown:
@@ -426,6 +435,14 @@ class Engine:
         with torch.no_grad():
             for name, tensor in weights.items():
                 params[name].copy_(tensor)
+
+    def _load_adapter(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Merge an adapter version into the base weights (checked first: a refused one
+        changes nothing)."""
+        spec, pairs = unpack(weights)
+        if self.adapters is None:
+            self.adapters = AdapterMerger(self.model, base_fingerprint(self.model.config))
+        self.adapters.apply(spec, pairs)
 
     # ---- stats ---------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from polyrl.config import EngineConfig, FleetConfig
+from polyrl.config import EngineConfig, FleetConfig, LoraConfig
 from polyrl.lifetime import die_with_parent
 
 log = logging.getLogger("polyrl.fleet")
@@ -47,9 +47,11 @@ class FleetEvents:
 
 class WorkerFleet:
     def __init__(
-        self, cfg: FleetConfig, engine: EngineConfig, model_dir: Path, manager_url: str, token: str, log_dir: Path
-    ) -> None:
+        self, cfg: FleetConfig, engine: EngineConfig, model_dir: Path, manager_url: str, token: str, log_dir: Path,
+        lora: LoraConfig | None = None,
+    ) -> None:  # fmt: skip
         self.cfg, self.engine, self.model_dir = cfg, engine, model_dir
+        self.lora = lora
         self.manager_url, self.token, self.log_dir = manager_url, token, log_dir
         self.workers: list[LaunchedWorker] = []  # oldest first
         self.events = FleetEvents()
@@ -90,6 +92,7 @@ class WorkerFleet:
     def command(self, worker_id: str) -> list[str]:
         return worker_command(self.model_dir, self.manager_url, worker_id, self.engine, [
             f"worker.usd_per_hour={self.cfg.usd_per_hour}", f"worker.drain_timeout_s={self.cfg.drain_timeout_s}",
+            *lora_overrides(self.lora),
         ])  # fmt: skip
 
     def _env(self) -> dict[str, str]:
@@ -203,6 +206,14 @@ def worker_command(
         sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--port", "0",
         "--manager", manager_url, "--worker-id", worker_id, *settings, *overrides,
     ]  # fmt: skip
+
+
+def lora_overrides(lora: LoraConfig | None) -> list[str]:
+    """A LoRA run's workers declare the adapters they accept (`polyrl.engine.lora`)."""
+    if lora is None or not lora.enabled:
+        return []
+    keys = {"enabled", "rank", "alpha", "target_modules"}
+    return [f"model.lora.{k}={json.dumps(v)}" for k, v in lora.model_dump(mode="json", include=keys).items()]
 
 
 def worker_env(token: str, threads: int) -> dict[str, str]:

@@ -114,7 +114,8 @@ class RemoteRollout:
         self.link = ManagerLink(self.url, token)
         self._stack.callback(self.link.close)
         self.local = LocalWorker(
-            init_path, self.url, token, cfg.engine, self.model.device, run_dir / "workers", cfg.fleet.worker_threads
+            init_path, self.url, token, cfg.engine, self.model.device, run_dir / "workers", cfg.fleet.worker_threads,
+            cfg.model.lora,
         )
         self.local.start()  # it registers once the manager serves, as every worker does
         self._stack.callback(self.local.stop)
@@ -154,7 +155,8 @@ class RemoteRollout:
         with, and half the bytes of the master weights."""
         if weights is None:
             weights = learner_weights(self.model)
-        weights = {k: t.detach().to(self.publish_dtype) for k, t in weights.items()}
+        # floating tensors in the engines' dtype; a LoRA version's spec (uint8) as it is
+        weights = {k: t.detach().to(self.publish_dtype) if t.is_floating_point() else t for k, t in weights.items()}
         self.publisher.publish(weights, version)
         if self.publisher.device is not None:
             self.publisher.device.publish(weights, version)

@@ -1,6 +1,7 @@
 """Checkpoints: the model in HF format plus everything needed to continue bit-for-bit.
 
-Layout: `RUN_DIR/checkpoints/step_000050/{model/, trainer_state.pt}`. A checkpoint is
+Layout: `RUN_DIR/checkpoints/step_000050/{model/, trainer_state.pt}`; with LoRA, `adapter/`
+(PEFT's format, adapters only) instead of `model/`, and only the adapters' optimizer state. A checkpoint is
 written into a temporary directory and renamed into place, so a crash mid-save never
 leaves a half checkpoint that resume would pick. The layout does not depend on the number
 of ranks that trained (distributed.py gathers whole states), so a run resumes on any.
@@ -17,11 +18,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
+MODEL_DIR, ADAPTER_DIR = "model", "adapter"
 
 
 @dataclass
@@ -47,12 +50,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_hf(
-    model: PreTrainedModel,
+    model: PreTrainedModel | PeftModel,
     tokenizer: PreTrainedTokenizerBase,
     out: Path,
     model_state: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """model_state: the whole weights of a sharded model (None: the model's own)."""
+    """model_state: the whole weights of a sharded model (None: the model's own). A
+    PeftModel saves its adapters only."""
     model.save_pretrained(out, state_dict=model_state, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
@@ -60,7 +64,7 @@ def save_hf(
 def save_checkpoint(
     run_dir: Path,
     state: TrainState,
-    model: PreTrainedModel,
+    model: PreTrainedModel | PeftModel,
     tokenizer: PreTrainedTokenizerBase,
     optimizer_state: dict[str, Any],
     scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -71,7 +75,7 @@ def save_checkpoint(
     final = run_dir / "checkpoints" / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_hf(model, tokenizer, tmp / "model", model_state)
+    save_hf(model, tokenizer, tmp / (ADAPTER_DIR if isinstance(model, PeftModel) else MODEL_DIR), model_state)
     torch.save(
         {
             "state": vars(state),

@@ -47,8 +47,9 @@ def lr_lambda(cfg: TrainerConfig, total_updates: int):
 
 
 def build_optimizer(model: PreTrainedModel, cfg: TrainerConfig, total_updates: int):
+    """AdamW over the trainable parameters: all of them, or only the adapters with LoRA."""
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],
         lr=cfg.lr,
         betas=cfg.betas,
         weight_decay=cfg.weight_decay,
@@ -136,8 +137,12 @@ class Learner:
         pad_id: int,
         compute_dtype: torch.dtype = torch.float32,
         dp: DataParallel | None = None,
+        adapters_off: Callable[[], contextlib.AbstractContextManager] | None = None,
     ) -> None:
+        """`adapters_off` (LoRA): a context in which `model` is its base model, which is then
+        the KL reference instead of `ref_model` (no second copy of the weights)."""
         self.model, self.ref_model = model, ref_model
+        self.adapters_off = adapters_off
         self.optimizer, self.scheduler = optimizer, scheduler
         self.algo, self.cfg = algo, cfg
         self.temperature, self.pad_id = temperature, pad_id
@@ -155,7 +160,10 @@ class Learner:
         fast = is_fast_path_default(model.device, compute_dtype, self.is_packed, self.dp.world_size)
         self.work = self.model
         """The weights forward and backward run on: the model itself, or its bf16 copy."""
-        if _resolve(cfg.working_copy, fast) and compute_dtype != torch.float32 and self.dp.world_size == 1:
+        # LoRA: no copy, its adapters would be the copy's (`adapters_off` switches the model's),
+        # and the frozen base is the bulk of the weights it would refresh every step
+        is_lora = adapters_off is not None
+        if _resolve(cfg.working_copy, fast) and compute_dtype != torch.float32 and self.dp.world_size == 1 and not is_lora:
             self.work = copy.deepcopy(model).to(compute_dtype)
         has_triton = importlib.util.find_spec("triton") is not None  # inductor's CUDA kernels need it
         self.is_compiled = _resolve(cfg.compile_layers, fast and has_triton)
@@ -251,9 +259,15 @@ class Learner:
                 mb.old_logp = mb.behav_logp
             elif not self._old_logp_from_training_pass:
                 mb.old_logp = self.logprobs(self.work, mb, False)[0]
-            if self.ref_model is not None and self.algo.kl_coef > 0:
-                mb.ref_logp = self.logprobs(self.ref_model, mb, False)[0]
+            if self.algo.kl_coef > 0:
+                mb.ref_logp = self._ref_logprobs(mb)
         return mbs
+
+    def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
+        if self.adapters_off is not None:
+            with self.adapters_off():
+                return self.logprobs(self.work, mb, False)[0]
+        return None if self.ref_model is None else self.logprobs(self.ref_model, mb, False)[0]
 
     def train_mini_batch(self, items: list[SeqItem], weights_as_sampled: bool) -> dict[str, float]:
         """ppo_epochs optimizer steps on one mini-batch; returns its metrics.

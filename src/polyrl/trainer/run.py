@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.config import ConfigError, RunConfig, TrainerConfig, save_config
@@ -42,6 +43,8 @@ from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.remote import RemoteRollout
 from polyrl.rollout.types import Group, Rollout
 from polyrl.trainer.checkpoint import (
+    ADAPTER_DIR,
+    MODEL_DIR,
     TrainState,
     latest_checkpoint,
     read_trainer_state,
@@ -51,6 +54,7 @@ from polyrl.trainer.checkpoint import (
 )
 from polyrl.trainer.distributed import DataParallel, gather_state, gather_weights, load_optimizer_state, shard_model
 from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing
+from polyrl.trainer.lora import adapter_version, adapters_off, apply_lora, load_adapter, save_merged
 from polyrl.trainer.stream import GroupScorer, StreamResult
 
 log = logging.getLogger(__name__)
@@ -136,6 +140,8 @@ class Run:
     state: TrainState
     dp: DataParallel
     fleet: WorkerFleet | None = None
+    peft: PeftModel | None = None
+    """With LoRA: the PEFT wrapper of `model` (whose layers it injected in place)."""
     ahead: deque[PendingBatch] = field(default_factory=deque)
     """Submitted batches of the steps to come (rollout.max_staleness of them), oldest first."""
     cleanup: ExitStack = field(default_factory=ExitStack)
@@ -152,6 +158,8 @@ class Run:
                 f"config error: rollout.mode: local runs the engine on the trainer's own weights, which are "
                 f"sharded over {dp.world_size} ranks here; use remote or hybrid (or one process)"
             )
+        if dp.world_size > 1 and cfg.model.lora.enabled:
+            raise ConfigError("config error: model.lora: LoRA trains on one process (FSDP with adapters is not supported yet)")
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.toml")
         prepare_process(tcfg)
@@ -165,7 +173,7 @@ class Run:
                 device = pick_device(tcfg.device)
                 if not cfg.model.path and not (init_path / "config.json").exists():
                     save_tiny_model(init_path, cfg.model.tiny)
-                model = load_model(ckpt / "model" if ckpt else init_path, device)
+                model, peft = load_policy(cfg, init_path, ckpt, device)
                 tokenizer = AutoTokenizer.from_pretrained(init_path)
                 source = PromptSource(cfg.data, tokenizer, tcfg.seed)
                 fit_prompts_to_context(source, model, cfg.rollout.max_new_tokens)
@@ -182,12 +190,12 @@ class Run:
             # The rollout first: its engine shares the model (colocated) before sharding, and
             # the local worker sizes its KV cache before the learner allocates.
             rollout, fleet = start_rollout(cfg, run_dir, model, compute_dtype, init_path, cleanup)
-            rollout.publish(state.weight_version)
+            rollout.publish(state.weight_version, adapter_version(peft) if peft and not rollout.shares_weights else None)
             if cfg.data.source == "atropos":  # groups from the Atropos API; the fleet still gets every version
                 rollout = AtroposRollout.start(rollout, cfg, run_dir, model, state.step)
                 cleanup.callback(rollout.close)
             with dp.command("start", cfg, init_path, pad_id, ckpt):
-                learner = build_learner(cfg, model, init_path, pad_id, blob, dp)
+                learner = build_learner(cfg, model, init_path, pad_id, blob, dp, peft)
             if blob:
                 set_rng_state(blob["rng"])
             sampling = BatchSampling(
@@ -206,7 +214,7 @@ class Run:
                 log.info("resumed from %s at step %d", ckpt, state.step)
             return cls(
                 cfg, run_dir, model, tokenizer, source, rollout, GroupScorer(pool, tokenizer), learner, tracker,
-                sampling, state, dp, fleet, cleanup=cleanup.pop_all(), version=state.weight_version,
+                sampling, state, dp, fleet, peft, cleanup=cleanup.pop_all(), version=state.weight_version,
             )  # fmt: skip
 
     def next_batch(self, step: int) -> Iterator[Group]:
@@ -231,9 +239,13 @@ class Run:
         self.state = TrainState(step, cursor, self.version)
 
     def publish_weights(self) -> None:
-        """Colocated: a version bump (the engine runs on the trainer's model); remote: a
-        snapshot the workers pull (of the whole weights, gathered from every rank's shard)."""
+        """Colocated: a version bump (the engine runs on the trainer's model, adapters
+        included); remote: a snapshot the workers pull (of the whole weights, gathered from
+        every rank's shard; with LoRA, of the adapters only)."""
         self.version += 1
+        if self.peft is not None and not self.rollout.shares_weights:
+            self.rollout.publish(self.version, adapter_version(self.peft))  # megabytes, not the model
+            return
         self.rollout.publish(self.version, gather_weights(self.model, self.dp))
 
     def step_metrics(self, groups: list[Group], result: StreamResult, timings: dict[str, float]) -> dict[str, float]:
@@ -270,30 +282,52 @@ class Run:
         model_state, optimizer_state = gather_state(self.model, self.learner.optimizer, self.dp)
         rng = self.ahead[0].rng if self.ahead else None  # as before the batches in flight (see end_step)
         return save_checkpoint(
-            self.run_dir, self.state, self.model, self.tokenizer, optimizer_state, self.learner.scheduler, model_state,
-            rng,
+            self.run_dir, self.state, self.peft or self.model, self.tokenizer, optimizer_state, self.learner.scheduler,
+            model_state, rng,
         )  # fmt: skip
 
     def save_final(self, ckpt: Path) -> Path:
-        """The final checkpoint's model (an HF directory with the tokenizer), as final_model/."""
+        """The final checkpoint's model (an HF directory with the tokenizer), as final_model/;
+        with LoRA, its adapter (PEFT's format), and the merged model if `save_merged`."""
         out = self.run_dir / "final_model"
         shutil.rmtree(out, ignore_errors=True)
-        shutil.copytree(ckpt / "model", out)
+        shutil.copytree(ckpt / (ADAPTER_DIR if self.peft is not None else MODEL_DIR), out)
+        if self.peft is not None and self.cfg.model.lora.save_merged:
+            merged = self.run_dir / "final_model_merged"
+            shutil.rmtree(merged, ignore_errors=True)
+            save_merged(self.peft, self.tokenizer, merged)
+            log.info("merged model in %s", merged)
         return out
 
     def close(self) -> None:
         self.cleanup.close()
 
 
+def load_policy(
+    cfg: RunConfig, init_path: Path, ckpt: Path | None, device: torch.device
+) -> tuple[PreTrainedModel, PeftModel | None]:
+    """The model to train, from the initial model or a checkpoint. With LoRA: the base
+    (always the initial model) with adapters injected, the checkpoint's adapters loaded."""
+    if not cfg.model.lora.enabled:
+        return load_model(ckpt / MODEL_DIR if ckpt else init_path, device), None
+    model = load_model(init_path, device)
+    peft = apply_lora(model, cfg.model.lora)
+    if ckpt:
+        load_adapter(peft, ckpt / ADAPTER_DIR)
+    return model, peft
+
+
 def build_learner(
-    cfg: RunConfig, model: PreTrainedModel, init_path: Path, pad_id: int, blob: dict | None, dp: DataParallel
-) -> Learner:
+    cfg: RunConfig, model: PreTrainedModel, init_path: Path, pad_id: int, blob: dict | None, dp: DataParallel,
+    peft: PeftModel | None = None,
+) -> Learner:  # fmt: skip
     """The same on every rank: the model (sharded over the ranks when there are several), the
-    reference model, optimizer and scheduler, their state from a checkpoint's `blob`."""
+    reference model, optimizer and scheduler, their state from a checkpoint's `blob`. With
+    LoRA (`peft`), the reference is the model with its adapters off: no second copy."""
     tcfg = cfg.trainer
     compute_dtype = DTYPES[cfg.model.dtype]
     ref_model = None
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.kl_coef > 0 and peft is None:
         ref_model = load_model(init_path, model.device).requires_grad_(False)
     if tcfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -309,7 +343,8 @@ def build_learner(
         load_optimizer_state(model, optimizer, blob["optimizer"])
         scheduler.load_state_dict(blob["scheduler"])
     return Learner(
-        model, ref_model, optimizer, scheduler, cfg.algo, tcfg, cfg.rollout.temperature, pad_id, compute_dtype, dp
+        model, ref_model, optimizer, scheduler, cfg.algo, tcfg, cfg.rollout.temperature, pad_id, compute_dtype, dp,
+        (lambda: adapters_off(peft)) if peft is not None else None,
     )
 
 
@@ -317,7 +352,7 @@ def load_learner(dp: DataParallel, cfg: RunConfig, init_path: Path, pad_id: int,
     """The learner from the initial model or a checkpoint: what a rank > 0 builds from rank
     0's "start" command (rank 0 loads its model earlier, for the rollout)."""
     prepare_process(cfg.trainer)
-    model = load_model(ckpt / "model" if ckpt else init_path, pick_device(cfg.trainer.device))
+    model = load_model(ckpt / MODEL_DIR if ckpt else init_path, pick_device(cfg.trainer.device))
     return build_learner(cfg, model, init_path, pad_id, read_trainer_state(ckpt) if ckpt else None, dp)
 
 
@@ -354,7 +389,7 @@ def start_remote(
              rollout.url, info, rollout.url)  # fmt: skip
     fleet = None
     if cfg.fleet.num_workers:
-        fleet = WorkerFleet(cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers")
+        fleet = WorkerFleet(cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers", cfg.model.lora)
         cleanup.callback(fleet.stop)
         cleanup.callback(rollout.local.terminate)  # runs first: the local worker drains while the fleet does
     ids = fleet.start() if fleet is not None else []  # while the manager starts: they register once it serves

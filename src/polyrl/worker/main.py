@@ -22,9 +22,10 @@ from typing import Any
 import torch
 import uvicorn
 
-from polyrl.config import WorkerRunConfig
+from polyrl.config import LoraConfig, WorkerRunConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
+from polyrl.engine.lora import AdapterMerger, expected_spec
 from polyrl.manager.protocol import Heartbeat, RegisterRequest, RegisterResponse
 from polyrl.serving import QuietServer, bind, http_url, wait_started
 from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession
@@ -40,6 +41,8 @@ def run_worker(cfg: WorkerRunConfig) -> int:
     """Serve until a signal or POST /shutdown, drain, leave; returns the exit code."""
     assert cfg.model.path, "the CLI checks that a model path is given"
     engine = AsyncEngine(Engine.from_pretrained(cfg.model.path, cfg.engine))
+    if cfg.model.lora.enabled:  # refuse adapters of another rank or targets from the first one on
+        expect_adapters(engine.engine, cfg.model.lora)
     tokenizer = _load_tokenizer(cfg.model.path)
     sock = bind(cfg.worker.host, cfg.worker.port)
     engine.start()
@@ -48,6 +51,13 @@ def run_worker(cfg: WorkerRunConfig) -> int:
     finally:
         engine.shutdown()
         sock.close()
+
+
+def expect_adapters(engine: Engine, lora: LoraConfig) -> None:
+    model = engine.model
+    spec = expected_spec(model, lora.rank, lora.alpha, lora.target_modules)
+    engine.adapters = AdapterMerger(model, spec.base_model, expected=spec)
+    log.info("accepting LoRA adapters of rank %d on %s", spec.rank, ",".join(spec.target_modules))
 
 
 def _load_tokenizer(path: str) -> Any | None:

@@ -148,6 +148,19 @@ class UpdateWeightsFromDiskRequest(_Wire):
     """Abort in-flight requests (they return partial tokens) before the swap."""
 
 
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's `POST /v1/load_lora_adapter` and SGLang's `POST /load_lora_adapter`: a PEFT
+    adapter directory on the worker's disk, served merged into the base as the next
+    weight version (one adapter at a time). Unknown fields (vLLM's `load_inplace`) are
+    ignored: a new adapter always replaces the served one."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+    weight_version: int | None = Field(None, ge=0)
+    """polyrl extension; default: the current version + 1."""
+
+
 class UpdateWeightsFromPublisherRequest(_Wire):
     """polyrl extension: pull `weight_version` from the trainer's weight publisher
     (`polyrl.transfer`), as a delta against the current version when it can."""

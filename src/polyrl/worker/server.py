@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from starlette.types import Receive, Scope, Send
 
 from polyrl.engine.async_engine import AsyncEngine, EngineDeadError
+from polyrl.engine.lora import base_fingerprint, pack, read_adapter_dir, spec_of_dir
 from polyrl.engine.types import (
     EngineFullError,
     EngineRequest,
@@ -49,6 +50,7 @@ from polyrl.worker.protocol import (
     GenerateRequest,
     ModelInfo,
     ServerInfo,
+    LoadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromPublisherRequest,
     UpdateWeightsResponse,
@@ -109,6 +111,9 @@ class WorkerState:
         self.num_open_generates = 0
         """/generate responses not yet fully sent; the drain waits for them to flush."""
         self.weight_receiver = WeightReceiver(engine)
+        self.lora_name: str | None = None
+        """The adapter loaded by name (`/v1/load_lora_adapter`), served merged; requests may
+        name it as their model."""
 
     @property
     def weight_version(self) -> int:
@@ -426,6 +431,25 @@ class _Handlers:
         ok = UpdateWeightsResponse(success=True, message=message, weight_version=version)
         return JSONResponse(ok.model_dump())
 
+    async def load_lora_adapter(self, body: LoadLoraAdapterRequest) -> Response:
+        """Read a PEFT adapter directory and serve it merged as the next version. An adapter
+        for another base, rank or target modules is refused (400) and nothing changes."""
+        st = self.state
+        version = body.weight_version if body.weight_version is not None else st.weight_version + 1
+        try:
+            config, pairs = await asyncio.to_thread(read_adapter_dir, body.lora_path)
+            spec = spec_of_dir(config, pairs, base_fingerprint(st.engine.engine.model.config), st.model_path)
+            await st.engine.update_weights(pack(spec, pairs), version)
+        except RequestError as e:  # AdapterError included
+            message = f"adapter {body.lora_name!r} not loaded: {e}"
+            log.warning("%s (still serving v%d)", message, st.weight_version)
+            content = UpdateWeightsResponse(success=False, message=message).model_dump()
+            return JSONResponse(content | error_body(message, "invalid_request"), status_code=400)
+        st.lora_name = body.lora_name
+        log.info("LoRA adapter %r (r=%d) from %s serving as v%d", body.lora_name, spec.rank, body.lora_path, version)
+        message = f"Success: LoRA adapter {body.lora_name!r} added successfully ({len(pairs)} modules, r={spec.rank})"
+        return JSONResponse(UpdateWeightsResponse(success=True, message=message, weight_version=version).model_dump())
+
     async def update_weights_from_publisher(self, body: UpdateWeightsFromPublisherRequest) -> Response:
         source = PullSource(body.host, body.port, body.worker_id, body.token)
         receiver = self.state.weight_receiver
@@ -515,6 +539,8 @@ def create_app(state: WorkerState, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     app.get("/get_model_info")(h.get_model_info)
     app.post("/update_weights_from_disk", dependencies=auth)(h.update_weights_from_disk)
     app.post("/update_weights_from_publisher", dependencies=auth)(h.update_weights_from_publisher)
+    app.post("/v1/load_lora_adapter", dependencies=auth)(h.load_lora_adapter)  # vLLM's path
+    app.post("/load_lora_adapter", dependencies=auth)(h.load_lora_adapter)  # SGLang's
     app.post("/shutdown", dependencies=auth)(h.shutdown)
     app.add_middleware(ChecksumGuard)
     app.add_middleware(BodyLimit, limit_for=lambda path: max_body_bytes)  # added last: runs first

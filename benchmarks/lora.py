@@ -1,0 +1,257 @@
+"""LoRA against full fine-tuning: learner speed and memory, bytes per version, and the time
+from "adapter version published" to "worker serving it".
+
+    PYTHONPATH=src python benchmarks/lora.py --device cuda --json "$OUT/lora.json"
+    PYTHONPATH=src python benchmarks/lora.py --device cpu     # a tiny shape, proves the script
+
+1. Learner (per shape: Qwen3-0.6B and Qwen3-8B on CUDA, a tiny Qwen3 on CPU; random
+   weights from seed 0, float32 masters, bf16 compute on CUDA): one real `Learner` per row,
+   full fine-tuning and LoRA at r = 1, 16, 64 on all linear layers, the same mini-batch
+   (`--seqs` sequences of `--seq-len` tokens; activation checkpointing for the 8B shape),
+   warm-up steps then timed steps; tokens/s
+   (every token of the mini-batch) and torch's peak allocated memory. Full fine-tuning is
+   skipped where its float32 weights, gradients and Adam state (16 bytes a parameter)
+   cannot fit the device; any row that fails (OOM) prints and the next one runs.
+2. Wire bytes: an adapter version (bf16 on CUDA, as `RemoteRollout.publish` sends it;
+   float32 on CPU) against the whole model's version in the same dtype.
+3. Published -> serving through the real path (WeightPublisher -> manager -> PublisherSync
+   -> a `polyrl worker` that pulls and merges), for the first shape at r = 16, over
+   loopback TCP and (CUDA) on the same GPU: `--versions` adapter versions, each a fresh
+   random adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from learner import QWEN3_06B, TINY, build_model, machine, make_items  # noqa: E402  (benchmarks/learner.py)
+from publish_to_serve import state, wait  # noqa: E402
+
+from polyrl.config import AlgoConfig, LoraConfig, ManagerConfig, TrainerConfig  # noqa: E402
+from polyrl.manager.main import ManagerThread  # noqa: E402
+from polyrl.manager.weight_sync import PublisherSync  # noqa: E402
+from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing  # noqa: E402
+from polyrl.trainer.lora import adapter_version, adapters_off, apply_lora  # noqa: E402
+from polyrl.transfer.device import DeviceVersions  # noqa: E402
+from polyrl.transfer.manifest import layout  # noqa: E402
+from polyrl.transfer.publisher import WeightPublisher  # noqa: E402
+
+QWEN3_8B = {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936}  # fmt: skip
+RANKS = (1, 16, 64)
+
+
+def shapes(device: torch.device) -> dict[str, dict]:
+    return {"qwen3-0.6b": QWEN3_06B, "qwen3-8b": QWEN3_8B} if device.type == "cuda" else {"tiny": TINY}
+
+
+def num_params(shape: dict) -> int:
+    h, i, d, layers = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"], shape["num_hidden_layers"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    return layers * (2 * h * q + 2 * h * kv + 3 * h * i) + shape["vocab_size"] * h  # tied embeddings
+
+
+def full_fits(shape: dict, device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True
+    return num_params(shape) * 16 < 0.9 * torch.cuda.get_device_properties(device).total_memory
+
+
+def uses_checkpointing(shape: dict, args: argparse.Namespace) -> bool:
+    """auto: on for the 8B shape, whose activations at 16k tokens a micro-batch would not fit
+    80 GB beside its float32 weights (32 GiB) without it."""
+    return args.checkpointing == "on" or (args.checkpointing == "auto" and shape["hidden_size"] >= 4096)
+
+
+def build(shape: dict, rank: int | None, args: argparse.Namespace, compiled: bool) -> tuple[Learner, object]:
+    model = build_model(shape, args.device)
+    if uses_checkpointing(shape, args):
+        enable_gradient_checkpointing(model)
+    peft = apply_lora(model, LoraConfig(rank=rank, alpha=2 * rank)) if rank else None
+    cfg = TrainerConfig(lr=1e-5, warmup_steps=0, train_batch_size=64, ppo_mini_batch_size=64,
+                        micro_batch_max_tokens=args.micro_batch_tokens,
+                        compile_layers="auto" if compiled else False)  # fmt: skip
+    optimizer, scheduler = build_optimizer(model, cfg, args.warmup + args.steps)
+    off = (lambda: adapters_off(peft)) if peft is not None else None
+    learner = Learner(model, None, optimizer, scheduler, AlgoConfig(), cfg, 1.0, 0, args.dtype, adapters_off=off)
+    return learner, peft
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def learner_row(name: str, shape: dict, rank: int | None, args: argparse.Namespace, compiled: bool = True) -> dict:
+    """The trainer's defaults (on one GPU in bf16: packed, compiled layers; the bf16 working
+    copy for full fine-tuning only); `compiled=False` is the retry when compiling fails."""
+    learner, peft = build(shape, rank, args, compiled)
+    items = make_items([args.seq_len] * args.seqs, min(64, args.seq_len // 2), shape["vocab_size"], seed=0)
+    if args.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(args.device)
+    times = []
+    for i in range(args.warmup + args.steps):
+        sync(args.device)
+        t0 = time.perf_counter()
+        learner.train_mini_batch(items, weights_as_sampled=True)
+        sync(args.device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = sorted(times)[len(times) // 2]
+    wire_dtype = args.dtype if args.device.type == "cuda" else torch.float32
+    full_bytes = sum(p.numel() for p in learner.model.parameters()) * wire_dtype.itemsize
+    row = {
+        "shape": name, "mode": f"lora-r{rank}" if rank else "full", "tokens": args.seqs * args.seq_len, "step_s": step_s,
+        "tokens_per_s": args.seqs * args.seq_len / step_s,
+        "peak_gib": torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.type == "cuda" else None,
+        "trainable": sum(p.numel() for p in learner.model.parameters() if p.requires_grad),
+        "compiled": learner.is_compiled, "checkpointing": uses_checkpointing(shape, args), "working_copy": learner.work is not learner.model,
+    }  # fmt: skip
+    if peft is not None:
+        version = {k: t.to(wire_dtype) if t.is_floating_point() else t for k, t in adapter_version(peft).items()}
+        base = sum(p.numel() for n, p in learner.model.named_parameters() if ".lora_" not in n) * wire_dtype.itemsize
+        row["wire_bytes"] = layout(version, 1).total_bytes
+        row["full_version_bytes"] = base
+        row["wire_fraction"] = row["wire_bytes"] / base
+    else:
+        row["wire_bytes"] = row["full_version_bytes"] = full_bytes
+        row["wire_fraction"] = 1.0
+    return row
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def publish_to_serving(name: str, shape: dict, rank: int, args: argparse.Namespace, same_gpu: bool = False) -> list[dict]:
+    """Adapter versions through the real path into one `polyrl worker` on this host: over
+    loopback TCP, or (`same_gpu`) with the versions also held on this GPU, which the
+    manager then tells the worker, on the same GPU, to copy over CUDA IPC (from its second
+    version on: the first reply tells the manager where the worker's engine is)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(shape, torch.device("cpu"))
+        model.to(torch.bfloat16 if args.device.type == "cuda" else torch.float32).save_pretrained(tmp)
+        peft = apply_lora(model, LoraConfig(rank=rank, alpha=2 * rank))
+        cfg = ManagerConfig(port=0, token="bench", heartbeat_interval_s=0.5)
+        with ManagerThread(cfg) as mt, WeightPublisher() as pub:
+            if same_gpu:
+                pub.device = DeviceVersions(args.device, timeout_s=60)
+            sync = PublisherSync(mt.manager, pub, pull_timeout_s=600, codec="raw")
+            mt.add_sync_hook(sync)
+            cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", tmp, "--manager", mt.url, "--token", "bench",
+                   "--port", "0", "--worker-id", "w", "engine.max_num_seqs=8", f'engine.device="{args.device.type}"']  # fmt: skip
+            worker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait(lambda: state(mt) == ("active", 0), 600, worker)
+                g = torch.Generator().manual_seed(0)
+                for version in range(1, args.versions + 1):
+                    with torch.no_grad():
+                        for n, p in model.named_parameters():
+                            if ".lora_" in n:
+                                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+                    weights = {k: t.to(model.dtype) if t.is_floating_point() else t for k, t in adapter_version(peft).items()}
+                    t0 = time.perf_counter()
+                    info = pub.publish(weights, version)
+                    if pub.device is not None:
+                        pub.device.publish({k: t.to(args.device) for k, t in weights.items()}, version)
+                    mt.publish_version(version)
+                    wait(lambda v=version: state(mt) == ("active", v), 600, worker)
+                    serve_s = time.perf_counter() - t0
+                    said = sync.last_message.get("w", "")
+                    rows.append({"shape": name, "rank": rank, "same_gpu": same_gpu, "version": version,
+                                 "bytes": info.manifest.total_bytes, "published_to_serving_s": serve_s, "worker_said": said})  # fmt: skip
+                    print(f"  v{version}: {info.manifest.total_bytes / 1e6:.2f} MB, published -> serving {1e3 * serve_s:.1f} ms "
+                          f"({said})", flush=True)  # fmt: skip
+            finally:
+                worker.terminate()
+                worker.wait(timeout=60)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seqs", type=int, default=None, help="sequences per mini-batch (default 16 CUDA, 4 CPU)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 1024 CUDA, 64 CPU)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="default 16384 CUDA, 256 CPU")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--versions", type=int, default=5)
+    p.add_argument("--only", choices=["learner", "serve"], help="run one part")
+    p.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
+                   help="activation checkpointing in the learner (auto: on for the 8B shape)")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="never compile layers (default: the trainer's auto, retried uncompiled on failure)")
+    p.add_argument("--json", help="write the numbers here")
+    args = p.parse_args()
+    args.device = torch.device(args.device)
+    cuda = args.device.type == "cuda"
+    args.dtype = torch.bfloat16 if cuda else torch.float32
+    args.seqs = args.seqs or (16 if cuda else 4)
+    args.seq_len = args.seq_len or (1024 if cuda else 64)
+    args.micro_batch_tokens = args.micro_batch_tokens or (16384 if cuda else 256)
+
+    rows, serve_rows, failures = [], [], []
+    if args.only != "serve":
+        print(f"{'shape':11s} {'mode':9s} {'tokens/s':>9s} {'peak GiB':>8s} {'step s':>7s} {'trainable':>12s} "
+              f"{'wire MB':>9s} {'of full':>8s}")  # fmt: skip
+        for name, shape in shapes(args.device).items():
+            for rank in (None, *RANKS):
+                if rank is None and not full_fits(shape, args.device):
+                    print(f"{name:11s} full      skipped: {num_params(shape) * 16 / 2**30:.0f} GiB of weights, "
+                          "gradients and Adam state do not fit", flush=True)  # fmt: skip
+                    continue
+                r = None
+                for compiled in (True, False) if args.compile else (False,):
+                    try:
+                        r = learner_row(name, shape, rank, args, compiled)
+                        break
+                    except Exception as e:  # noqa: BLE001 - a failed row is a result; the next one runs
+                        traceback.print_exc()
+                        failures.append({"shape": name, "rank": rank, "compiled": compiled,
+                                         "error": f"{type(e).__name__}: {e}"[:500]})  # fmt: skip
+                        free(args.device)
+                        if isinstance(e, torch.OutOfMemoryError):
+                            break  # compiling does not change what fits
+                if r is None:
+                    continue
+                rows.append(r)
+                peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+                print(f"{name:11s} {r['mode']:9s} {r['tokens_per_s']:9.0f} {peak:>8s} {r['step_s']:7.3f} "
+                      f"{r['trainable']:12d} {r['wire_bytes'] / 1e6:9.3f} {100 * r['wire_fraction']:7.3f}%", flush=True)  # fmt: skip
+                free(args.device)
+    if args.only != "learner":
+        name, shape = next(iter(shapes(args.device).items()))
+        for same_gpu in (False, True) if cuda else (False,):
+            print(f"published -> serving, {name}, LoRA r=16, {'same GPU' if same_gpu else 'loopback TCP'}:", flush=True)
+            try:
+                part = publish_to_serving(name, shape, 16, args, same_gpu)
+            except Exception as e:  # noqa: BLE001 - the TCP rows stay
+                traceback.print_exc()
+                failures.append({"part": f"publish_to_serving same_gpu={same_gpu}", "error": f"{type(e).__name__}: {e}"[:500]})
+                continue
+            serve_rows += part
+            later = sorted(r["published_to_serving_s"] for r in part[1:]) or [part[0]["published_to_serving_s"]]
+            print(f"  median of the later versions: {1e3 * later[len(later) // 2]:.1f} ms", flush=True)
+    if args.json:
+        out = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(args.device),
+               "learner": rows, "publish_to_serving": serve_rows, "failures": failures}  # fmt: skip
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
