@@ -36,6 +36,15 @@ def encode_delta(base: np.ndarray, new: np.ndarray, level: int = 3) -> bytes:
     return header + packed_gaps + packed_values
 
 
+def _bounded(decompressor: zstandard.ZstdDecompressor, frame: bytes | memoryview, size: int) -> bytes:
+    """Decompress a frame expected to hold `size` bytes. A size written in the frame sizes
+    zstd's output buffer whatever max_output_size says: a forged one is refused first."""
+    declared = zstandard.frame_content_size(frame)
+    if declared not in (-1, size):
+        raise ValueError(f"delta frame declares {declared} bytes, not {size}")
+    return decompressor.decompress(frame, max_output_size=size)
+
+
 def apply_delta(base: np.ndarray, payload: bytes | memoryview, out: np.ndarray) -> int:
     """Write `base` + delta into `out` (same size as base; may not be `base`, which must
     stay intact until the result is verified). Returns the number of words changed.
@@ -52,8 +61,8 @@ def apply_delta(base: np.ndarray, payload: bytes | memoryview, out: np.ndarray) 
     decompressor = zstandard.ZstdDecompressor()
     start = _HEADER.size
     try:
-        gaps = np.frombuffer(decompressor.decompress(payload[start : start + len_gaps], max_output_size=num_changed * 4), np.uint32)
-        values = np.frombuffer(decompressor.decompress(payload[start + len_gaps :], max_output_size=num_changed * 2), np.uint16)
+        gaps = np.frombuffer(_bounded(decompressor, payload[start : start + len_gaps], num_changed * 4), np.uint32)
+        values = np.frombuffer(_bounded(decompressor, payload[start + len_gaps :], num_changed * 2), np.uint16)
     except zstandard.ZstdError as e:
         raise ValueError(f"corrupt delta payload: {e}") from None
     if gaps.size != num_changed or values.size != num_changed:
