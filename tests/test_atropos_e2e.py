@@ -140,27 +140,26 @@ def run_training(tmp_path: Path, api: AtroposAPI, procs: Processes, model_dir: P
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("server_type", "target"), [("vllm", "worker"), ("openai", "manager")])
-def test_train_learns_from_an_atropos_environment(tmp_path, api, procs, model_dir, server_type, target) -> None:
-    """vllm: atroposlib's ManagedServer over vLLM's /generate, groups with inference
-    log-probs; openai: /v1/completions, text re-tokenized by the environment, no log-probs
-    (the learner's own stand in). Either way the reward rises as the default job's does."""
-    rows, _ = run_training(tmp_path, api, procs, model_dir, server_type, target, steps=50)
-    if server_type == "vllm":
-        # step 1's samples all come from version 0, which the learner still holds: the
-        # groups' inference_logprobs, aligned by the masks, equal the learner's own
-        assert rows[0]["rollout/logprob_diff"] < 1e-3
+def test_train_learns_from_an_atropos_environment(tmp_path, api, procs, model_dir) -> None:
+    """atroposlib's ManagedServer over vLLM's /generate on a worker, groups with inference
+    log-probs: the reward rises as the default job's does. (The openai class through the
+    manager learned alike, 0.01 -> 0.24-0.30 over 50 steps; CI runs it for a few steps.)"""
+    rows, _ = run_training(tmp_path, api, procs, model_dir, "vllm", "worker", steps=50)
+    # step 1's samples all come from version 0, which the learner still holds: the groups'
+    # inference_logprobs, aligned by the masks, equal the learner's own
+    assert rows[0]["rollout/logprob_diff"] < 1e-3
     rewards = [r["critic/score/mean"] for r in rows]
-    print(f"{server_type} via the {target}: rewards", [round(r, 3) for r in rewards])
+    print("vllm via the worker: rewards", [round(r, 3) for r in rewards])
     assert sum(rewards[-5:]) / 5 > rewards[0] + 0.15, rewards
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("server_type", "target"), [("openai", "worker"), ("vllm", "manager")])
-def test_the_other_server_class_on_each_target(tmp_path, api, procs, model_dir, server_type, target) -> None:
-    """The remaining pairs, a few steps each: every group arrives and trains."""
-    rows, _ = run_training(tmp_path, api, procs, model_dir, server_type, target, steps=4)
-    assert all(r["actor/grad_norm"] > 0 for r in rows)
+def test_openai_class_through_the_manager_trains(tmp_path, api, procs, model_dir) -> None:
+    """/v1/completions on the manager (the fleet), text re-tokenized by the environment, no
+    log-probs (the learner's own stand in): every group arrives and trains. The other two
+    pairs of class and target are covered request by request in tests/test_inference.py."""
+    rows, _ = run_training(tmp_path, api, procs, model_dir, "openai", "manager", steps=4)
+    assert len(rows) == 4 and all(r["actor/grad_norm"] > 0 for r in rows)
 
 
 class GroupPusher:
