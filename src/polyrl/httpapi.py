@@ -15,7 +15,7 @@ from typing import Any
 import xxhash
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -208,3 +208,18 @@ class ChecksumGuard:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose generator is always closed when the response ends, so a
+    client hanging up mid-stream aborts its request at once, not at garbage collection.
+    The worker's SGLang stream and the OpenAI endpoints both answer with it."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+

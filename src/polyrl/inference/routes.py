@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from polyrl.engine.types import EngineSampling, SampleDelta
-from polyrl.httpapi import ApiError, error_body
+from polyrl.httpapi import ApiError, EventStream, error_body
 from polyrl.inference import render
 from polyrl.inference.protocol import (
     ChatCompletionRequest,
@@ -94,19 +93,6 @@ class _NoText:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return ""
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events whose generator is closed when the response ends, so a client
-    hanging up mid-stream aborts its generation at once."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 def _event(payload: Any) -> bytes:

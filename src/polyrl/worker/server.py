@@ -22,11 +22,10 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from starlette.types import Receive, Scope, Send
 
 from polyrl.engine.async_engine import AsyncEngine, EngineDeadError
 from polyrl.engine.lora import base_fingerprint, pack, read_adapter_dir, spec_of_dir
@@ -38,7 +37,7 @@ from polyrl.engine.types import (
     SampleDelta,
     SampleResult,
 )
-from polyrl.httpapi import ApiError, BodyLimit, ChecksumGuard, check_bearer, error_body, error_handlers
+from polyrl.httpapi import ApiError, BodyLimit, ChecksumGuard, EventStream, check_bearer, error_body, error_handlers
 from polyrl.inference.protocol import VllmGenerateRequest
 from polyrl.inference.routes import InferenceRoutes
 from polyrl.transfer.receiver import PullSource
@@ -249,19 +248,6 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-class _EventStream(StreamingResponse):
-    """Server-sent events whose generator is always closed when the response ends, so a
-    client hanging up mid-stream aborts its request at once, not at garbage collection."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
 def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
     """All tensors of the `*.safetensors` files in `path` (HF sharded or single-file layout)."""
     root = Path(path)
@@ -321,7 +307,7 @@ class _Handlers:
             if body.stream:
                 events = self._events(body, results, first, stream)
                 is_streaming = True
-                return _EventStream(events, headers={"Cache-Control": "no-cache"})
+                return EventStream(events, headers={"Cache-Control": "no-cache"})
             _apply(results, first)
             if not await _consume_unless_disconnected(request, stream, results):
                 return Response(status_code=499)  # nobody is listening; the request was aborted
