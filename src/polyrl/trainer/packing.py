@@ -205,17 +205,17 @@ def _varlen(query, key, value, docs: PackedDocs, scaling) -> torch.Tensor:
 def _eager_attention(query, key, value, attention_mask, scaling, docs: PackedDocs | None):
     """Outside compiled layers (a graph break): the varlen op (untraced) and compiled flex
     run as they are, and per-micro-batch lengths never become guards of the layer's graph."""
+    if docs is not None and docs.backend == "varlen":
+        return _varlen(query, key, value, docs, scaling), None
     groups = query.shape[1] // key.shape[1]
-    if docs is not None and docs.backend != "sdpa":
-        query, key, value = _same_dtype(query, key, value, is_flash=docs.backend == "varlen")
+    if docs is not None and docs.backend == "flex":
+        query, key, value = _same_dtype(query, key, value, is_flash=False)
     if docs is None:
         k, v = _repeat_kv(key, groups, 1), _repeat_kv(value, groups, 1)
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=attention_mask, scale=scaling,
                                              is_causal=attention_mask is None)  # fmt: skip
     elif docs.backend == "flex":
         out = _compiled_flex()(query, key, value, block_mask=docs.block_mask, scale=scaling, enable_gqa=True)
-    elif docs.backend == "varlen":
-        return _varlen(query, key, value, docs, scaling), None
     else:
         k, v = _repeat_kv(key, groups, 1), _repeat_kv(value, groups, 1)
         parts, start = [], 0
