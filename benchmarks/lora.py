@@ -11,13 +11,18 @@ from "adapter version published" to "worker serving it".
    warm-up steps then timed steps; tokens/s
    (every token of the mini-batch) and torch's peak allocated memory. Full fine-tuning is
    skipped where its float32 weights, gradients and Adam state (16 bytes a parameter)
-   cannot fit the device; any row that fails (OOM) prints and the next one runs.
+   cannot fit the device; any row that fails (OOM) prints and the next one runs. LoRA rows
+   run the trainer's default on one GPU: the frozen base in bf16 (`trainer.working_copy`).
 2. Wire bytes: an adapter version (bf16 on CUDA, as `RemoteRollout.publish` sends it;
-   float32 on CPU) against the whole model's version in the same dtype.
+   float32 on CPU) against the whole model's version in the same dtype; and "delta": what
+   the lossless delta codec (`transfer.codec = delta`, or auto on a slow link) sends for
+   each step's version against the one before, median over the row's steps (lr 1e-5).
 3. Published -> serving through the real path (WeightPublisher -> manager -> PublisherSync
    -> a `polyrl worker` that pulls and merges), for the first shape at r = 16, over
    loopback TCP and (CUDA) on the same GPU: `--versions` adapter versions, each a fresh
    random adapter.
+4. (CUDA) "fit": the last shape's LoRA r = 16 training step, adapter merge and a batch of
+   generation in turn on the one GPU (`fit_together`), with the device memory they take.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,7 +50,8 @@ from polyrl.manager.weight_sync import PublisherSync  # noqa: E402
 from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing  # noqa: E402
 from polyrl.trainer.lora import adapter_version, adapters_off, apply_lora  # noqa: E402
 from polyrl.transfer.device import DeviceVersions  # noqa: E402
-from polyrl.transfer.manifest import layout  # noqa: E402
+from polyrl.transfer.delta import encode_delta  # noqa: E402
+from polyrl.transfer.manifest import flatten, layout  # noqa: E402
 from polyrl.transfer.publisher import WeightPublisher  # noqa: E402
 
 QWEN3_8B = {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -100,7 +107,8 @@ def learner_row(name: str, shape: dict, rank: int | None, args: argparse.Namespa
     items = make_items([args.seq_len] * args.seqs, min(64, args.seq_len // 2), shape["vocab_size"], seed=0)
     if args.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)
-    times = []
+    wire_dtype = args.dtype if args.device.type == "cuda" else torch.float32
+    times, deltas, previous = [], [], None
     for i in range(args.warmup + args.steps):
         sync(args.device)
         t0 = time.perf_counter()
@@ -108,8 +116,12 @@ def learner_row(name: str, shape: dict, rank: int | None, args: argparse.Namespa
         sync(args.device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+        if peft is not None:  # each step is one version: what the delta codec would send for it
+            current = wire_buffer(adapter_version(peft), wire_dtype)
+            if previous is not None:
+                deltas.append(len(encode_delta(previous, current)))
+            previous = current
     step_s = sorted(times)[len(times) // 2]
-    wire_dtype = args.dtype if args.device.type == "cuda" else torch.float32
     full_bytes = sum(p.numel() for p in learner.model.parameters()) * wire_dtype.itemsize
     row = {
         "shape": name, "mode": f"lora-r{rank}" if rank else "full", "tokens": args.seqs * args.seq_len, "step_s": step_s,
@@ -124,10 +136,18 @@ def learner_row(name: str, shape: dict, rank: int | None, args: argparse.Namespa
         row["wire_bytes"] = layout(version, 1).total_bytes
         row["full_version_bytes"] = base
         row["wire_fraction"] = row["wire_bytes"] / base
+        row["delta_bytes"] = sorted(deltas)[len(deltas) // 2]  # median over the steps after the first
+        row["delta_fraction"] = row["delta_bytes"] / base
     else:
         row["wire_bytes"] = row["full_version_bytes"] = full_bytes
         row["wire_fraction"] = 1.0
     return row
+
+
+def wire_buffer(version: dict[str, torch.Tensor], dtype: torch.dtype) -> np.ndarray:
+    """A version's bytes as the publisher lays them out (floating tensors in `dtype`)."""
+    cast = {k: t.to(dtype) if t.is_floating_point() else t for k, t in version.items()}
+    return flatten({k: t.cpu() for k, t in cast.items()}, 1)[0].numpy()
 
 
 def free(device: torch.device) -> None:
@@ -168,18 +188,76 @@ def publish_to_serving(name: str, shape: dict, rank: int, args: argparse.Namespa
                     info = pub.publish(weights, version)
                     if pub.device is not None:
                         pub.device.publish({k: t.to(args.device) for k, t in weights.items()}, version)
+                    publish_s = time.perf_counter() - t0
                     mt.publish_version(version)
                     wait(lambda v=version: state(mt) == ("active", v), 600, worker)
                     serve_s = time.perf_counter() - t0
                     said = sync.last_message.get("w", "")
                     rows.append({"shape": name, "rank": rank, "same_gpu": same_gpu, "version": version,
-                                 "bytes": info.manifest.total_bytes, "published_to_serving_s": serve_s, "worker_said": said})  # fmt: skip
+                                 "bytes": info.manifest.total_bytes, "published_to_serving_s": serve_s,
+                                 "publish_call_s": publish_s, "worker_said": said})  # fmt: skip
                     print(f"  v{version}: {info.manifest.total_bytes / 1e6:.2f} MB, published -> serving {1e3 * serve_s:.1f} ms "
-                          f"({said})", flush=True)  # fmt: skip
+                          f"(of which the publish call {1e3 * publish_s:.1f} ms; worker: {said})", flush=True)  # fmt: skip
             finally:
                 worker.terminate()
                 worker.wait(timeout=60)
     return rows
+
+
+def fit_together(name: str, shape: dict, rank: int, args: argparse.Namespace) -> dict:
+    """A LoRA training step and generation on one GPU, in turn, as a hybrid run has them:
+    the learner (16-bit frozen base, float32 adapters and their Adam state, activation
+    checkpointing by `--checkpointing`) and an engine with its own bf16 weights, the exact
+    base copy its merges start from, and a KV cache for `--gen-seqs` sequences of
+    `--gen-prompt` + `--gen-new` tokens. Each round: one optimizer step, the new adapter
+    merged into the engine, one batch generated. Both live in this process (the trainer
+    and its local worker are two processes, which adds a CUDA context, ~0.5 GiB)."""
+    from engine import engine_generate  # benchmarks/engine.py
+
+    from polyrl.config import EngineConfig
+    from polyrl.engine.engine import Engine
+
+    device = args.device
+    free(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    engine_model = build_model(shape, device).to(torch.bfloat16)  # float32 first, for the same weights as the learner's
+    free(device)
+    learner, peft = build(shape, rank, args, compiled=args.compile)
+    seq_tokens = args.gen_prompt + args.gen_new
+    blocks = args.gen_seqs * -(-seq_tokens // 16)
+    engine = Engine(engine_model, EngineConfig(max_num_seqs=args.gen_seqs, max_model_len=seq_tokens, num_kv_blocks=blocks,
+                                               max_num_batched_tokens=4096))  # fmt: skip
+    items = make_items([args.seq_len] * args.seqs, min(64, args.seq_len // 2), shape["vocab_size"], seed=0)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, shape["vocab_size"], (args.gen_seqs, args.gen_prompt), generator=g).tolist()
+    rounds = []
+    for i in range(args.fit_rounds):
+        times = {}
+        for part, fn in (
+            ("train_s", lambda: learner.train_mini_batch(items, weights_as_sampled=True)),
+            ("merge_s", lambda v=i + 1: engine.update_weights(
+                {k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in adapter_version(peft).items()}, v)),
+            ("generate_s", lambda: engine_generate(engine, prompts, args.gen_new, 1, True)),
+        ):  # fmt: skip
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[part] = time.perf_counter() - t0
+        rounds.append(times)
+        print(f"  round {i + 1}: train {times['train_s']:.2f} s, merge {1e3 * times['merge_s']:.0f} ms, "
+              f"generate {times['generate_s']:.2f} s ({args.gen_seqs * args.gen_new / times['generate_s']:.0f} tokens/s)",
+              flush=True)  # fmt: skip
+    free_b, total_b = torch.cuda.mem_get_info(device)
+    row = {
+        "shape": name, "rank": rank, "rounds": rounds, "train_tokens": args.seqs * args.seq_len,
+        "generated_tokens": args.gen_seqs * args.gen_new, "kv_blocks": blocks,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+        "device_used_gib": (total_b - free_b) / 2**30, "device_total_gib": total_b / 2**30,
+        "base_16bit": learner.is_base_16bit, "compiled": learner.is_compiled,
+    }  # fmt: skip
+    return row  # the caller frees the device once these locals are gone
 
 
 def main() -> None:
@@ -191,7 +269,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--versions", type=int, default=5)
-    p.add_argument("--only", choices=["learner", "serve"], help="run one part")
+    p.add_argument("--only", choices=["learner", "serve", "fit"], help="run one part")
+    p.add_argument("--fit-rounds", type=int, default=3, help="fit: train / merge / generate rounds (CUDA only)")
+    p.add_argument("--gen-seqs", type=int, default=64, help="fit: sequences generated per round")
+    p.add_argument("--gen-prompt", type=int, default=128, help="fit: prompt tokens per sequence")
+    p.add_argument("--gen-new", type=int, default=512, help="fit: generated tokens per sequence")
     p.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
                    help="activation checkpointing in the learner (auto: on for the 8B shape)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
@@ -206,9 +288,9 @@ def main() -> None:
     args.micro_batch_tokens = args.micro_batch_tokens or (16384 if cuda else 256)
 
     rows, serve_rows, failures = [], [], []
-    if args.only != "serve":
+    if args.only in (None, "learner"):
         print(f"{'shape':11s} {'mode':9s} {'tokens/s':>9s} {'peak GiB':>8s} {'step s':>7s} {'trainable':>12s} "
-              f"{'wire MB':>9s} {'of full':>8s}")  # fmt: skip
+              f"{'wire MB':>9s} {'of full':>8s} {'delta MB':>9s} {'of full':>8s}")  # fmt: skip
         for name, shape in shapes(args.device).items():
             for rank in (None, *RANKS):
                 if rank is None and not full_fits(shape, args.device):
@@ -232,9 +314,11 @@ def main() -> None:
                 rows.append(r)
                 peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
                 print(f"{name:11s} {r['mode']:9s} {r['tokens_per_s']:9.0f} {peak:>8s} {r['step_s']:7.3f} "
-                      f"{r['trainable']:12d} {r['wire_bytes'] / 1e6:9.3f} {100 * r['wire_fraction']:7.3f}%", flush=True)  # fmt: skip
+                      f"{r['trainable']:12d} {r['wire_bytes'] / 1e6:9.3f} {100 * r['wire_fraction']:7.3f}%"
+                      + (f" {r['delta_bytes'] / 1e6:9.3f} {100 * r['delta_fraction']:7.3f}%" if "delta_bytes" in r else ""),
+                      flush=True)  # fmt: skip
                 free(args.device)
-    if args.only != "learner":
+    if args.only in (None, "serve"):
         name, shape = next(iter(shapes(args.device).items()))
         for same_gpu in (False, True) if cuda else (False,):
             print(f"published -> serving, {name}, LoRA r=16, {'same GPU' if same_gpu else 'loopback TCP'}:", flush=True)
@@ -247,9 +331,21 @@ def main() -> None:
             serve_rows += part
             later = sorted(r["published_to_serving_s"] for r in part[1:]) or [part[0]["published_to_serving_s"]]
             print(f"  median of the later versions: {1e3 * later[len(later) // 2]:.1f} ms", flush=True)
+    fit = None
+    if cuda and args.only in (None, "fit"):
+        name, shape = list(shapes(args.device).items())[-1]
+        print(f"training and generation together on one GPU, {name}, LoRA r=16:", flush=True)
+        try:
+            fit = fit_together(name, shape, 16, args)
+            free(args.device)
+            print(f"  peak allocated {fit['peak_allocated_gib']:.1f} GiB, reserved {fit['peak_reserved_gib']:.1f} GiB, "
+                  f"device in use at the end {fit['device_used_gib']:.1f} of {fit['device_total_gib']:.1f} GiB", flush=True)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - not fitting is the result
+            traceback.print_exc()
+            failures.append({"part": "fit", "error": f"{type(e).__name__}: {e}"[:500]})
     if args.json:
         out = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(args.device),
-               "learner": rows, "publish_to_serving": serve_rows, "failures": failures}  # fmt: skip
+               "learner": rows, "publish_to_serving": serve_rows, "fit": fit, "failures": failures}  # fmt: skip
         Path(args.json).write_text(json.dumps(out, indent=2))
 
 

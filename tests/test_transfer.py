@@ -301,6 +301,28 @@ def test_delta_codec_round_trip_and_refuses_garbage() -> None:
         apply_delta(old[:-64].numpy(), payload, out[:-64].numpy())
 
 
+def test_delta_codec_reads_format_1() -> None:
+    """Format 1 (new values as they are) from an older publisher still applies exactly."""
+    import struct
+
+    import numpy as np
+    import zstandard
+
+    from polyrl.transfer.delta import apply_delta
+    from polyrl.transfer.manifest import flatten
+
+    old, _ = flatten(weights(), 1)
+    new, _ = flatten(small_step(weights(), 0.05), 2)
+    b16, n16 = old.numpy().view(np.uint16), new.numpy().view(np.uint16)
+    positions = np.flatnonzero(b16 != n16)
+    gaps = zstandard.ZstdCompressor().compress(np.diff(positions, prepend=0).astype(np.uint32).tobytes())
+    values = zstandard.ZstdCompressor().compress(n16[positions].tobytes())
+    payload = struct.pack("!4sQQQQ", b"PRD1", b16.size, positions.size, len(gaps), len(values)) + gaps + values
+    out = torch.empty_like(new)
+    assert apply_delta(old.numpy(), payload, out.numpy()) == positions.size
+    assert torch.equal(out, new)
+
+
 def test_delta_pull_is_bit_exact_and_small(publisher: WeightPublisher) -> None:
     v1, v2 = weights(), small_step(weights(), 0.02)
     publisher.publish(v1, 1)

@@ -279,7 +279,9 @@ class TrainerConfig(_Section):
     auto: on for the packed learner on one CUDA device with 16-bit compute, where it was
     measured (Qwen3-0.6B's shape, one 64k-token mini-batch on an H100: 2.09 s a step against
     2.31, 47 GiB peak against 53; pg loss within 3e-4 and grad norm within 7e-4, relative, of
-    the padded path over 3 steps); off on CPU, which stays exact float32."""
+    the padded path over 3 steps); off on CPU, which stays exact float32. With LoRA
+    (`model.lora`) there is no copy: the frozen base itself is stored in 16 bits, the
+    adapters stay float32 masters."""
     compile_layers: Literal["auto"] | bool = "auto"
     """torch.compile each decoder layer's forward and, packed, the LM head's per-chunk softmax
     math: the float32 elementwise tails and norms (RMSNorm, RoPE, SwiGLU, the head's

@@ -227,18 +227,25 @@ class AdapterMerger:
 
     @torch.no_grad()
     def apply(self, spec: LoraSpec, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """W = W_base + scale * B @ A for each target module (others back to their base),
-        computed in float32, then cast to the weight's dtype."""
+        """W = W_base + scale * B @ A for each target module (others back to their base), as
+        one GEMM per module writing straight into the weight: the product accumulates in
+        float32 and the sum is rounded to the weight's dtype once (cuBLAS and CPU BLAS
+        apply alpha and beta = 1 in float32), so no float32 temporaries the size of the
+        weights. The adapter's matrices are copied to the device first, all of them
+        queued at once (non-blocking from pinned memory)."""
         self.check(spec, pairs)
         for name in pairs:
             if name not in self._base:
                 self._base[name] = self._modules[name].weight.detach().clone()
+        on_device = {}
+        for name, (a, b) in pairs.items():
+            weight = self._modules[name].weight
+            on_device[name] = tuple(t.to(weight.device, weight.dtype, non_blocking=True) for t in (a, b))
         for name, base in self._base.items():
             weight = self._modules[name].weight
-            if name not in pairs:
+            if name not in on_device:
                 weight.copy_(base)
                 continue
-            a, b = (t.to(weight.device, torch.float32) for t in pairs[name])
-            delta = (b @ a).mul_(spec.scale)  # [out, in], a new tensor
-            weight.copy_(delta.add_(base.to(torch.float32)))  # never in place on the kept base
+            a, b = on_device[name]
+            torch.addmm(base, b, a, alpha=spec.scale, out=weight)  # never in place on the kept base
         self.spec = spec

@@ -44,6 +44,10 @@ slower than this (about 2 Gbit/s): encoding and decoding cost CPU time per GB
 (BENCHMARKS.md), which only a slow link repays."""
 
 
+STAGE_ON_DEVICE_BYTES = 256 * 2**20
+"""Versions up to this size are copied to a CUDA engine's device in one piece (`_staged`)."""
+
+
 class WeightReceiver:
     def __init__(self, engine: AsyncEngine, pin_memory: bool | None = None, receive_processes: int | None = None) -> None:
         """`pin_memory`: land TCP pulls in pinned host buffers (default: when the engine is on CUDA).
@@ -147,7 +151,8 @@ class WeightReceiver:
         )  # fmt: skip
         if pulled.codec == "raw":
             self._raw_bytes_per_s = pulled.bytes_per_s
-        await self.engine.update_weights(unflatten(pulled.buffer, pulled.manifest), version)
+        staged = self._staged(pulled.buffer, pulled.manifest.total_bytes)
+        await self.engine.update_weights(unflatten(staged, pulled.manifest), version)
         if pulled.lossy:  # the exact base stays; this buffer is only the next pull's landing place
             log.warning("serving v%d as a LOSSY int8 copy (transfer.codec = int8)", version)
             self._spare = pulled.buffer
@@ -158,6 +163,16 @@ class WeightReceiver:
             self._spare = base[1]  # the old base is free now: the next pull lands there
         self._base = (version, pulled.buffer)
         return pulled
+
+    def _staged(self, buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """A small version (a LoRA adapter: hundreds of small tensors) goes to a CUDA
+        engine's device in one copy, so the engine reads views of it there instead of
+        copying each tensor itself: measured 0.4 ms for the one copy of a 20 MB r = 16
+        adapter (Qwen3-0.6B shape, H100), against 3-5 ms for its 392 copies. Large
+        versions stay on the host: a second device copy of a whole model would not fit."""
+        if self.device.type != "cuda" or nbytes > STAGE_ON_DEVICE_BYTES:
+            return buffer
+        return buffer[:nbytes].to(self.device)  # synchronous: the host buffer is the next delta's base
 
     def _landing(self, source: PullSource, version: int, num_streams: int, timeout_s: float) -> torch.Tensor | None:
         """A buffer the size of `version` (made once per buffer: pinning is slow): shared
