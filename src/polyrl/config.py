@@ -6,6 +6,7 @@ the CLI can print one line and exit 2 instead of a traceback.
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -575,12 +576,33 @@ def _set_dotted(tree: dict[str, Any], parts: list[str], value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _format_error(err: ValidationError) -> str:
+def _section_fields(schema: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    """The field names of the section that `loc` (a key path) sits in."""
+    section: Any = schema
+    for part in loc[:-1]:
+        field = section.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        section = field.annotation
+    return list(section.model_fields)
+
+
+def _did_you_mean(schema: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """The message for an unknown key: with the closest real key of its section, if one
+    is close enough (difflib), since most unknown keys are typos."""
+    name = str(loc[-1])
+    close = difflib.get_close_matches(name, _section_fields(schema, loc), n=1, cutoff=0.6)
+    if not close:
+        return "unknown key"
+    return f"unknown key; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?"
+
+
+def _format_error(err: ValidationError, schema: type[BaseModel]) -> str:
     first = err.errors()[0]
     key = ".".join(str(p) for p in first["loc"]) or "<root>"
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
-        msg = "unknown key"
+        msg = _did_you_mean(schema, first["loc"])
     elif "input" in first and first["type"] not in ("missing",):
         msg = f"{msg} (got {first['input']!r})"
     more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
@@ -607,7 +629,7 @@ def load_config(
     try:
         return schema.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_format_error(e)) from None
+        raise ConfigError(_format_error(e, schema)) from None
 
 
 def save_config(cfg: BaseModel, path: str | Path) -> None:

@@ -37,14 +37,16 @@ FLUSH_TIMEOUT_S = 5.0
 """After the drain, how long the handlers get to send the (partial) results out."""
 
 
-def run_worker(cfg: WorkerRunConfig) -> int:
-    """Serve until a signal or POST /shutdown, drain, leave; returns the exit code."""
+def run_worker(cfg: WorkerRunConfig, sock: socket.socket | None = None) -> int:
+    """Serve until a signal or POST /shutdown, drain, leave; returns the exit code.
+    `sock`: the listening address, bound already (the CLI binds it before loading anything,
+    so that a taken port fails at once)."""
     assert cfg.model.path, "the CLI checks that a model path is given"
+    sock = sock or bind(cfg.worker.host, cfg.worker.port)
     engine = AsyncEngine(Engine.from_pretrained(cfg.model.path, cfg.engine))
     if cfg.model.lora.enabled:  # refuse adapters of another rank or targets from the first one on
         expect_adapters(engine.engine, cfg.model.lora)
     tokenizer = _load_tokenizer(cfg.model.path)
-    sock = bind(cfg.worker.host, cfg.worker.port)
     engine.start()
     try:
         return asyncio.run(_serve(cfg, engine, tokenizer, sock))
