@@ -361,8 +361,14 @@ class WorkerConfig(_Section):
     advertise_url: str | None = None
     """The URL the manager should call; default http://<host>:<port>."""
     heartbeat_interval_s: float = Field(2.0, gt=0)
-    manager_timeout_s: float = Field(10.0, gt=0)
-    """Timeout of each call to the manager."""
+    manager_request_timeout_s: float = Field(10.0, gt=0)
+    """Timeout of each call to the manager (before this key existed, `manager_timeout_s`
+    meant this)."""
+    manager_timeout_s: float | None = Field(None, ge=0)
+    """Give up (exit 1, one line) when the manager stays unreachable this long, at start or
+    later. None or 0: retry forever, so that a restarting manager finds its workers again.
+    Either way, "cannot reach the manager at URL: <reason>; retrying" is logged when an
+    outage starts and every 15 s while it lasts."""
     stream_interval_s: float = Field(0.0, ge=0, le=5)
     """A streamed generation sends at most one chunk per request this often, a finished
     sample at once (0: one per engine step). The manager asks for its own interval with
