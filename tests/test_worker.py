@@ -642,7 +642,7 @@ class WorkerProcess:
         # argparse wants the dotted overrides after every flag: callers pass them last.
         cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--port", "0", *args,
                "engine.max_num_seqs=4"]  # fmt: skip
-        env = os.environ | {"COLUMNS": "300", "POLYRL_TOKEN": ""}
+        env = os.environ | {"POLYRL_TOKEN": ""}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
