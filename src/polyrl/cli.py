@@ -105,12 +105,12 @@ def _train_main(cfg: RunConfig, run_dir: Path, resume: bool, dp: DataParallel) -
     from polyrl.trainer.loop import train
 
     log.info("run directory: %s", run_dir)
-    existed = run_dir.exists()
+    before = set(os.listdir(run_dir)) if run_dir.is_dir() else None
     try:
         train(cfg, run_dir, resume=resume, dp=dp)
     except ConfigError:
         if not resume:
-            _discard_unstarted_run(run_dir, existed)
+            _discard_unstarted_run(run_dir, before)
         raise
     except AtroposError as e:  # the API is gone or refuses: one line, and how to go on
         log.error("%s; continue with: polyrl train --resume %s", e, run_dir)
@@ -121,17 +121,23 @@ def _train_main(cfg: RunConfig, run_dir: Path, resume: bool, dp: DataParallel) -
     return 0
 
 
-def _discard_unstarted_run(run_dir: Path, existed: bool) -> None:
+def _discard_unstarted_run(run_dir: Path, before: set[str] | None) -> None:
     """A config error that only loading could find (a tokenizer without a chat template, a
-    model too short for the prompts): remove what the start wrote, so the corrected command
-    may use the same --run-dir. A run that logged a step is never touched."""
+    model too short for the prompts): remove what the start wrote (all of `run_dir` if it
+    did not exist, else the entries not in `before`), so the corrected command may use the
+    same --run-dir. A run that logged a step is never touched."""
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
         return
-    if not existed:
+    if before is None:
         shutil.rmtree(run_dir, ignore_errors=True)
         return
-    shutil.rmtree(run_dir / "init_model", ignore_errors=True)
-    (run_dir / "config.toml").unlink(missing_ok=True)
+    for path in run_dir.iterdir():
+        if path.name in before:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
