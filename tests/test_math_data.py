@@ -135,3 +135,31 @@ def test_polyrl_keeps_datasets_progress_bars_out_of_its_logs(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == str(len(GSM8K_ROWS)), proc.stderr
     assert "examples" not in proc.stderr and "%|" not in proc.stderr, proc.stderr
+
+
+def test_the_quick_file_check_reads_what_datasets_reads(tmp_path):
+    """`polyrl.data.files.peek` (before torch and `datasets` are imported) against the full
+    load: the same columns and the same detected format, for every file type."""
+    import csv
+
+    from polyrl.data.files import detect_format, peek
+    from polyrl.data.math import _detect_format, _read_file
+
+    plain = [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": 4}]
+    for name, rows in (("gsm8k", GSM8K_ROWS), ("openr1", OPENR1_ROWS), ("plain", plain)):
+        files = [_jsonl(tmp_path / f"{name}.jsonl", rows), _parquet(tmp_path / f"{name}.parquet", rows)]
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(rows, indent=1))
+        files.append(tmp_path / f"{name}.csv")
+        with files[-1].open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        for file in files:
+            columns, first_rows = peek(file)
+            ds = _read_file(str(file))
+            assert columns == ds.column_names, file
+            assert detect_format(columns, first_rows) == _detect_format(ds) == name, file
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(ValueError, match="holds no rows"):
+        peek(tmp_path / "empty.json")

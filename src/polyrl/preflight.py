@@ -68,7 +68,7 @@ def check_model_dir(path: str | None) -> None:
         raise ValueError(f"model.path: {path} does not exist (a local model directory is expected)")
     if not model_dir.is_dir():
         raise ValueError(f"model.path: {path} is not a directory")
-    if not (model_dir / "config.json").is_file():
+    if not any((model_dir / name).is_file() for name in ("config.json", "adapter_config.json")):
         raise ValueError(f"model.path: {path} has no config.json: not a Hugging Face model directory")
 
 

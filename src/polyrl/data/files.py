@@ -122,9 +122,12 @@ def _peek_json(file: Path) -> tuple[list[str], list[dict[str, Any]]] | None:
                 break  # cut at the peek limit: the rows so far will do
             rows.append(row)
     else:
-        lines = [line for line in text.splitlines() if line.strip()][:SNIFF_ROWS]
-        if len(lines) == 1 and len(head) == _PEEK_BYTES:
-            return None  # one long line: not worth reading further here
+        lines = [line for line in text.splitlines() if line.strip()]
+        if len(head) == _PEEK_BYTES:
+            lines = lines[:-1]  # the last one may be cut at the peek limit
+            if not lines:
+                return None  # one long line: not worth reading further here
+        lines = lines[:SNIFF_ROWS]
         try:
             rows = [json.loads(line) for line in lines]
         except json.JSONDecodeError:
