@@ -8,8 +8,12 @@ the corrected command may reuse the same `--run-dir`. Each check repeats, cheapl
 the run makes later anyway (which stays the last word, e.g. for a port taken between
 this check and the real bind).
 
-Only the standard library, pydantic and the light parts of polyrl are imported here;
-`polyrl train` asserts in its tests that torch is not.
+`polyrl worker` and `polyrl manager` use the same checks for their own keys (model
+directory, token, port) before they load anything.
+
+Nothing heavy is imported here: the standard library, pydantic, uvicorn (0.1 s, through
+`polyrl.serving`) and polyrl's light modules, plus whatever the user's reward modules
+import. tests/test_config.py asserts that torch, transformers and `datasets` are not.
 """
 
 from __future__ import annotations
