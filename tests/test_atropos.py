@@ -185,8 +185,14 @@ def test_polyrl_train_stops_with_one_line_when_the_api_is_unreachable(tmp_path):
     cmd = [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(tmp_path / "run"), "data.source=atropos",
            f"data.atropos.url={url}", "data.atropos.unreachable_timeout_s=1", "manager.port=0", "fleet.num_workers=0",
            "logging.console=false", "logging.tensorboard=false"]  # fmt: skip
-    env = os.environ | {"COLUMNS": "400", "POLYRL_TOKEN": ""}
+    env = os.environ | {"POLYRL_TOKEN": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if f"Atropos API at {url} unreachable for 1s" in line]
     assert len(lines) == 1 and "--resume" in lines[0], proc.stderr[-3000:]
+    # Logs to a pipe or file are plain lines, not rich's 80 columns padded with spaces.
+    manager_log = (tmp_path / "run" / "manager.log").read_text().splitlines()
+    for text in (proc.stdout.splitlines(), manager_log):
+        assert text and not [line for line in text if line != line.rstrip()], text
+    [add_worker] = [line for line in proc.stdout.splitlines() if "add a worker: polyrl worker" in line]
+    assert add_worker.endswith("/manager.json>") and " INFO polyrl.trainer.run: rollout manager on " in add_worker

@@ -115,3 +115,51 @@ def test_math_reward_in_pool():
         completions = [c for c, _, _ in CASES[:n]]
         scores = pool.score([""] * n, completions, {"answer": [a for _, a, _ in CASES[:n]]})
     assert scores == [1.0] * n
+
+
+def test_polyrl_keeps_datasets_progress_bars_out_of_its_logs(tmp_path):
+    """`datasets` draws a bar per split and per map on stderr; a run's log is no place for
+    them. The CLI's logging set-up turns them off for its process and its children."""
+    import os
+    import subprocess
+    import sys
+
+    path = _jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    code = (
+        "import sys; from polyrl.cli import _setup_logging; _setup_logging(False)\n"
+        "from polyrl.config import DataConfig; from polyrl.data.math import load_prompt_dataset\n"
+        "print(len(load_prompt_dataset(DataConfig(path=sys.argv[1]))))"
+    )
+    env = {k: v for k, v in os.environ.items() if "PROGRESS_BARS" not in k}
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "cache")  # nothing cached: every bar would be drawn
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == str(len(GSM8K_ROWS)), proc.stderr
+    assert "examples" not in proc.stderr and "%|" not in proc.stderr, proc.stderr
+
+
+def test_the_quick_file_check_reads_what_datasets_reads(tmp_path):
+    """`polyrl.data.files.peek` (before torch and `datasets` are imported) against the full
+    load: the same columns and the same detected format, for every file type."""
+    import csv
+
+    from polyrl.data.files import detect_format, peek
+    from polyrl.data.math import _detect_format, _read_file
+
+    plain = [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": 4}]
+    for name, rows in (("gsm8k", GSM8K_ROWS), ("openr1", OPENR1_ROWS), ("plain", plain)):
+        files = [_jsonl(tmp_path / f"{name}.jsonl", rows), _parquet(tmp_path / f"{name}.parquet", rows)]
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(rows, indent=1))
+        files.append(tmp_path / f"{name}.csv")
+        with files[-1].open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        for file in files:
+            columns, first_rows = peek(file)
+            ds = _read_file(str(file))
+            assert columns == ds.column_names, file
+            assert detect_format(columns, first_rows) == _detect_format(ds) == name, file
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(ValueError, match="holds no rows"):
+        peek(tmp_path / "empty.json")

@@ -143,6 +143,21 @@ def test_cli_refuses_to_overwrite_a_run(tmp_path):
     assert proc.returncode == 2 and "--resume" in proc.stderr
 
 
+def test_a_config_error_found_while_loading_leaves_no_run_behind(tmp_path):
+    """Most config errors come before anything is written (tests/test_config.py); one that
+    only the loaded tokenizer can reveal removes what the start wrote (config.toml,
+    init_model/), so the corrected command may use the same --run-dir."""
+    from polyrl.cli import _train_main
+    from polyrl.config import ConfigError
+    from polyrl.trainer.distributed import DataParallel
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [*SMALL, "data.apply_chat_template=true"])  # the tiny tokenizer has none
+    with pytest.raises(ConfigError, match="data.apply_chat_template"):
+        _train_main(cfg, run_dir, resume=False, dp=DataParallel())
+    assert not run_dir.exists()
+
+
 def test_grpo_learns_the_copy_task(tmp_path):
     """A sign or masking error in the learner shows up here: 40 steps must raise the reward."""
     cfg = load_config(None, ["trainer.total_steps=40", "logging.console=false", "logging.tensorboard=false",

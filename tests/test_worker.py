@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -34,7 +35,8 @@ from polyrl.engine.types import EngineRequest, EngineSampling, SampleDelta, Samp
 from polyrl.httpapi import checksum
 from polyrl.manager.protocol import Heartbeat, RegisterRequest
 from polyrl.models.tiny import save_tiny_model
-from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession
+from polyrl.worker import manager_client
+from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession, ManagerUnreachable
 from polyrl.worker.protocol import GenerateRequest, sample_response, sse_event, text_token_ids
 from polyrl.worker.server import Coalesced, WorkerState, create_app
 
@@ -577,8 +579,30 @@ def test_manager_heartbeat_404_reregisters_and_outage_logs_once(caplog: pytest.L
         asyncio.run(main())
     assert paths.count("/v1/workers/register") == 2  # once at start, once after the 404
     assert paths.count("/v1/workers/w1/heartbeat") == 7
-    assert sum("unreachable" in m for m in caplog.messages) == 1
+    assert sum("cannot reach the manager at http://manager" in m for m in caplog.messages) == 1
     assert sum("reachable again" in m for m in caplog.messages) == 1
+
+
+def test_manager_outage_is_logged_periodically_then_given_up(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(manager_client, "RETRY_LOG_INTERVAL_S", 0.1)
+    calls: list[httpx.Request] = []
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    session = _session(refuse)
+    session.give_up_after_s = 0.5
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="polyrl.worker.manager_client"), pytest.raises(ManagerUnreachable) as err:
+        asyncio.run(session.register())
+    assert 0.5 <= time.monotonic() - t0 < 2
+    assert "http://manager was unreachable for" in str(err.value) and "Connection refused" in str(err.value)
+    said = [m for m in caplog.messages if "cannot reach the manager at http://manager" in m]
+    assert said[0].endswith("Connection refused; retrying (giving up after 0.5s)")
+    assert 3 <= len(said) <= 7 < len(calls)  # every 0.1 s, not on every one of the tries
 
 
 # ------------------------------------------------------------------- subprocess lifecycle
@@ -618,7 +642,7 @@ class WorkerProcess:
         # argparse wants the dotted overrides after every flag: callers pass them last.
         cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--port", "0", *args,
                "engine.max_num_seqs=4"]  # fmt: skip
-        env = os.environ | {"COLUMNS": "300", "POLYRL_TOKEN": ""}
+        env = os.environ | {"POLYRL_TOKEN": ""}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
@@ -759,9 +783,35 @@ def test_worker_survives_the_manager_going_away(model_dir: Path) -> None:
         assert worker.proc.poll() is None, worker.text
         auth = {"Authorization": "Bearer t"}
         assert httpx.post(f"{url}/generate", json=greedy(3), headers=auth, timeout=HTTP_TIMEOUT_S).status_code == 200
-        assert worker.text.count("unreachable") == 1, worker.text  # one line per outage, not per beat
+        assert worker.text.count("cannot reach the manager") == 1, worker.text  # one line per outage, not per beat
         worker.proc.send_signal(signal.SIGTERM)
         assert worker.wait_exit(timeout_s=30) == 0, worker.text
     finally:
         worker.kill()
         manager.http.__exit__()
+
+
+def test_wrong_manager_url_is_said_and_given_up_on(model_dir: Path) -> None:
+    """A worker pointed at nothing says so at once, and with worker.manager_timeout_s gives
+    up with one line and a nonzero exit. Its output goes to a pipe, as a launched worker's
+    goes to RUN_DIR/workers/<id>.log: one plain line per event, nothing wrapped or padded."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"  # bound, not listening: refused
+        worker = WorkerProcess(model_dir, "--manager", url, "--token", "t", "worker.manager_timeout_s=2")
+        try:
+            worker.wait_ready()
+            ready = time.monotonic()
+            exit_code = worker.wait_exit(timeout_s=60)
+            gave_up_s = time.monotonic() - ready
+        finally:
+            worker.kill()
+    assert exit_code == 1, worker.text
+    assert gave_up_s < 10, worker.text  # 2 s of retries, then the drain of an idle engine
+    lines = worker.text.splitlines()
+    [said] = [line for line in lines if f"cannot reach the manager at {url}: " in line]
+    assert "retrying (giving up after 2s)" in said
+    [gave_up] = [line for line in lines if "gave up" in line]
+    assert re.search(rf"the manager at {url} was unreachable for [2-9]s \(worker.manager_timeout_s=2\)", gave_up)
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ERROR polyrl\.worker\.main: gave up", gave_up)
+    assert not [line for line in lines if line != line.rstrip()], "padded lines"

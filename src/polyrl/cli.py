@@ -6,12 +6,14 @@ import argparse
 import json
 import logging
 import os
+import shutil
+import socket
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from polyrl.config import ConfigError, ManagerRunConfig, WorkerRunConfig, load_config
+from polyrl.config import ConfigError, ManagerRunConfig, RunConfig, WorkerRunConfig, load_config
 
 if TYPE_CHECKING:
     from polyrl.trainer.distributed import DataParallel
@@ -21,22 +23,35 @@ log = logging.getLogger("polyrl")
 EXIT_CONFIG = 2
 
 
-def _setup_logging(verbose: bool) -> None:
-    from rich.logging import RichHandler
+LIBRARY_QUIET_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""Hugging Face advisories and progress bars (`datasets`' per-map bars leaked into run
+logs) are not for operators. Set as environment, not by calling the libraries: they read
+it when imported, which stays after the config checks (importing them costs seconds), and
+every process the run starts inherits it. A value the user set wins."""
 
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(name)s: %(message)s",
-        handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
-    )
+
+def _setup_logging(verbose: bool) -> None:
+    """rich for a terminal; one plain line per event for a file (a launched worker's log,
+    `polyrl train > train.log`): rich wraps at 80 columns there and pads lines with spaces."""
+    if sys.stdout.isatty():
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(show_path=False, rich_tracebacks=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stdout)  # where rich's console writes too
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
     # Third-party chatter (per-shard progress bars, HTTP client lines) is not for operators.
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name, value in LIBRARY_QUIET_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def _default_run_dir(task: str) -> Path:
@@ -45,7 +60,13 @@ def _default_run_dir(task: str) -> Path:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """One process, or every rank under `torchrun --nproc_per_node N -m polyrl.cli train ...`:
-    rank 0 runs everything below; the others follow it (README, "Training on several GPUs")."""
+    rank 0 runs everything below; the others follow it (README, "Training on several GPUs").
+
+    Rank 0 checks the config, its files, modules and ports (`polyrl.preflight`) before
+    torch is imported and before the run directory exists: a config error takes a fraction
+    of a second and leaves nothing to clean up."""
+    is_main = os.environ.get("RANK", "0") == "0"
+    cfg, run_dir = train_config(args) if is_main else (None, None)
     from polyrl.trainer.distributed import data_parallel
     from polyrl.trainer.loop import follow
 
@@ -53,12 +74,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not dp.is_main:
             follow(dp)
             return 0
-        return _train_main(args, dp)
+        assert cfg is not None and run_dir is not None
+        return _train_main(cfg, run_dir, bool(args.resume), dp)
 
 
-def _train_main(args: argparse.Namespace, dp: DataParallel) -> int:
-    from polyrl.data.atropos_client import AtroposError
-    from polyrl.trainer.loop import train
+def train_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
+    """The run's config and directory, checked against this machine; writes nothing.
+    Raises ConfigError."""
+    from polyrl.preflight import check_world_size, preflight
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -72,9 +95,23 @@ def _train_main(args: argparse.Namespace, dp: DataParallel) -> int:
         run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(cfg.data.task)
         if any((run_dir / name).exists() for name in ("checkpoints", "metrics.jsonl", "init_model")):
             raise ConfigError(f"config error: --run-dir {run_dir} already holds a run; use --resume {run_dir}")
+    check_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    preflight(cfg)
+    return cfg, run_dir
+
+
+def _train_main(cfg: RunConfig, run_dir: Path, resume: bool, dp: DataParallel) -> int:
+    from polyrl.data.atropos_client import AtroposError
+    from polyrl.trainer.loop import train
+
     log.info("run directory: %s", run_dir)
+    before = set(os.listdir(run_dir)) if run_dir.is_dir() else None
     try:
-        train(cfg, run_dir, resume=bool(args.resume), dp=dp)
+        train(cfg, run_dir, resume=resume, dp=dp)
+    except ConfigError:
+        if not resume:
+            _discard_unstarted_run(run_dir, before)
+        raise
     except AtroposError as e:  # the API is gone or refuses: one line, and how to go on
         log.error("%s; continue with: polyrl train --resume %s", e, run_dir)
         return 1
@@ -82,6 +119,25 @@ def _train_main(args: argparse.Namespace, dp: DataParallel) -> int:
         log.warning("stopped; continue with: polyrl train --resume %s", run_dir)
         return 130
     return 0
+
+
+def _discard_unstarted_run(run_dir: Path, before: set[str] | None) -> None:
+    """A config error that only loading could find (a tokenizer without a chat template, a
+    model too short for the prompts): remove what the start wrote (all of `run_dir` if it
+    did not exist, else the entries not in `before`), so the corrected command may use the
+    same --run-dir. A run that logged a step is never touched."""
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        return
+    if before is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for path in run_dir.iterdir():
+        if path.name in before:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -121,19 +177,25 @@ def worker_config(args: argparse.Namespace) -> WorkerRunConfig:
             "config error: model.path: the worker needs a model directory: pass --model PATH "
             "(for a tiny offline one: polyrl tiny-model --out DIR)"
         )
-    if not Path(cfg.model.path).is_dir():
-        raise ConfigError(f"config error: model.path: not a directory (got {cfg.model.path!r})")
+    from polyrl.preflight import check_model_dir
+
+    try:
+        check_model_dir(cfg.model.path)
+    except ValueError as e:
+        raise ConfigError(f"config error: {e}") from None
     return cfg
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    cfg = worker_config(args)
+    sock = _listen_socket(cfg.worker.host, cfg.worker.port, "worker.port")  # before seconds of imports
     from polyrl.worker.main import run_worker
 
-    return run_worker(worker_config(args))
+    return run_worker(cfg, sock)
 
 
 def manager_config(args: argparse.Namespace) -> ManagerRunConfig:
-    from polyrl.manager.main import resolve_token
+    from polyrl.preflight import resolve_token
 
     overrides = [*args.overrides, *_flag_overrides(args, _MANAGER_FLAGS)]
     cfg = load_config(args.config, overrides, schema=ManagerRunConfig)
@@ -142,9 +204,22 @@ def manager_config(args: argparse.Namespace) -> ManagerRunConfig:
 
 
 def cmd_manager(args: argparse.Namespace) -> int:
+    cfg = manager_config(args).manager
+    listen_fd = args.listen_fd
+    if listen_fd is None:  # bound here, before seconds of imports: a taken port is one quick line
+        listen_fd = _listen_socket(cfg.host, cfg.port, "manager.port").detach()
     from polyrl.manager.main import run_manager
 
-    return run_manager(manager_config(args).manager, args.ready_file, args.listen_fd)
+    return run_manager(cfg, args.ready_file, listen_fd)
+
+
+def _listen_socket(host: str, port: int, key: str) -> socket.socket:
+    from polyrl.preflight import bind_or_refuse
+
+    try:
+        return bind_or_refuse(host, port, key)
+    except OSError as e:
+        raise ConfigError(f"config error: {e}") from None
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ the CLI can print one line and exit 2 instead of a traceback.
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -362,8 +363,14 @@ class WorkerConfig(_Section):
     advertise_url: str | None = None
     """The URL the manager should call; default http://<host>:<port>."""
     heartbeat_interval_s: float = Field(2.0, gt=0)
-    manager_timeout_s: float = Field(10.0, gt=0)
-    """Timeout of each call to the manager."""
+    manager_request_timeout_s: float = Field(10.0, gt=0)
+    """Timeout of each call to the manager (before this key existed, `manager_timeout_s`
+    meant this)."""
+    manager_timeout_s: float | None = Field(None, ge=0)
+    """Give up (exit 1, one line) when the manager stays unreachable this long, at start or
+    later. None or 0: retry forever, so that a restarting manager finds its workers again.
+    Either way, "cannot reach the manager at URL: <reason>; retrying" is logged when an
+    outage starts and every 15 s while it lasts."""
     stream_interval_s: float = Field(0.0, ge=0, le=5)
     """A streamed generation sends at most one chunk per request this often, a finished
     sample at once (0: one per engine step). The manager asks for its own interval with
@@ -577,12 +584,33 @@ def _set_dotted(tree: dict[str, Any], parts: list[str], value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _format_error(err: ValidationError) -> str:
+def _section_fields(schema: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    """The field names of the section that `loc` (a key path) sits in."""
+    section: Any = schema
+    for part in loc[:-1]:
+        field = section.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        section = field.annotation
+    return list(section.model_fields)
+
+
+def _did_you_mean(schema: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """The message for an unknown key: with the closest real key of its section, if one
+    is close enough (difflib), since most unknown keys are typos."""
+    name = str(loc[-1])
+    close = difflib.get_close_matches(name, _section_fields(schema, loc), n=1, cutoff=0.6)
+    if not close:
+        return "unknown key"
+    return f"unknown key; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?"
+
+
+def _format_error(err: ValidationError, schema: type[BaseModel]) -> str:
     first = err.errors()[0]
     key = ".".join(str(p) for p in first["loc"]) or "<root>"
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
-        msg = "unknown key"
+        msg = _did_you_mean(schema, first["loc"])
     elif "input" in first and first["type"] not in ("missing",):
         msg = f"{msg} (got {first['input']!r})"
     more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
@@ -609,7 +637,7 @@ def load_config(
     try:
         return schema.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_format_error(e)) from None
+        raise ConfigError(_format_error(e, schema)) from None
 
 
 def save_config(cfg: BaseModel, path: str | Path) -> None:

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import re
 import threading
-from pathlib import Path
 from typing import Any
 
 import datasets
 
 from polyrl.config import DataConfig
+from polyrl.data.files import BUILDERS, SNIFF_ROWS, check_columns, data_file, detect_format, required_columns
 
-_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+")
-_SNIFF_ROWS = 8
 
 
 def extract_gsm8k_answer(solution: str) -> str:
@@ -32,17 +30,8 @@ def extract_gsm8k_answer(solution: str) -> str:
 
 def _read_file(path: str | None) -> datasets.Dataset:
     """Read a local file through `datasets` so large files are memory-mapped, not loaded."""
-    if not path:
-        raise ValueError("data.path is required to load a prompt dataset")
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"data.path: file not found: {file}")
-    builder = _BUILDERS.get(file.suffix.lower())
-    if builder is None:
-        raise ValueError(
-            f"data.path: unsupported file type {file.suffix!r} for {file} "
-            f"(expected one of {', '.join(sorted(_BUILDERS))})"
-        )
+    file = data_file(path)
+    builder = BUILDERS[file.suffix.lower()]
     try:
         return datasets.load_dataset(builder, data_files=str(file), split="train")
     except Exception as e:
@@ -51,25 +40,9 @@ def _read_file(path: str | None) -> datasets.Dataset:
         raise ValueError(f"data.path: {file} {why}") from e
 
 
-def _require(ds: datasets.Dataset, columns: list[str], fmt: str) -> None:
-    for col in columns:
-        if col not in ds.column_names:
-            raise ValueError(
-                f"data.format={fmt!r} needs column {col!r}, but the file has only "
-                f"{ds.column_names}"
-            )
-
-
 def _detect_format(ds: datasets.Dataset) -> str:
-    """GSM8K if question/answer with '####' answers; OpenR1 if problem/answer; else plain."""
-    cols = set(ds.column_names)
-    if {"question", "answer"} <= cols:
-        sample = ds.select(range(min(len(ds), _SNIFF_ROWS)))["answer"]
-        if all(isinstance(a, str) and "####" in a for a in sample):
-            return "gsm8k"
-    if {"problem", "answer"} <= cols:
-        return "openr1"
-    return "plain"
+    first_rows = ds.select(range(min(len(ds), SNIFF_ROWS))).to_list()
+    return detect_format(ds.column_names, first_rows)
 
 
 def _as_text(value: Any) -> str:
@@ -85,15 +58,10 @@ def _gsm8k_row(row: dict[str, Any]) -> dict[str, str]:
 
 def _convert(ds: datasets.Dataset, fmt: str, cfg: DataConfig) -> datasets.Dataset:
     """Map one known format onto the prompt/answer schema."""
+    check_columns(ds.column_names, fmt, cfg)
     if fmt == "gsm8k":
-        _require(ds, ["question", "answer"], fmt)
         return ds.map(_gsm8k_row)
-    if fmt == "openr1":
-        _require(ds, ["problem", "answer"], fmt)
-        keys = ("problem", "answer")
-    else:
-        _require(ds, [cfg.prompt_key, cfg.answer_key], fmt)
-        keys = (cfg.prompt_key, cfg.answer_key)
+    keys = required_columns(fmt, cfg)
     return ds.map(lambda row: {"prompt": _as_text(row[keys[0]]), "answer": _as_text(row[keys[1]])})
 
 

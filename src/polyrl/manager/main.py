@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from polyrl.config import ConfigError, ManagerConfig
+from polyrl.config import ManagerConfig
 from polyrl.engine.engine import freeze_gc_heap
 from polyrl.manager.batch import Batch
 from polyrl.manager.manager import RolloutManager, SyncHook
@@ -32,25 +32,14 @@ from polyrl.manager.protocol import (
     WorkerList,
 )
 from polyrl.manager.server import create_app
-from polyrl.serving import QuietServer, bind, http_url, is_loopback, wait_started
+from polyrl.preflight import resolve_token
+from polyrl.serving import QuietServer, bind, http_url, wait_started
 
 log = logging.getLogger("polyrl.manager")
 
 T = TypeVar("T")
 GRACEFUL_S = 5
 EXIT_CONFIG = 2
-
-
-def resolve_token(cfg: ManagerConfig) -> ManagerConfig:
-    """Take the token from POLYRL_TOKEN when the config has none; refuse to serve a
-    non-loopback address without one."""
-    token = cfg.token or os.environ.get("POLYRL_TOKEN") or None
-    if token is None and not is_loopback(cfg.host):
-        raise ConfigError(
-            f"config error: manager.token: required when listening on {cfg.host} "
-            "(set manager.token, --token or POLYRL_TOKEN)"
-        )
-    return cfg.model_copy(update={"token": token})
 
 
 class ManagerService:

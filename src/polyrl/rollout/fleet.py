@@ -219,7 +219,7 @@ def lora_overrides(lora: LoraConfig | None) -> list[str]:
 def worker_env(token: str, threads: int) -> dict[str, str]:
     return os.environ | {
         "POLYRL_TOKEN": token, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-        "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "200",
+        "TOKENIZERS_PARALLELISM": "false",
     }  # fmt: skip
 
 

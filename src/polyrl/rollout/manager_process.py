@@ -109,7 +109,7 @@ class ManagerProcess(Child):
 def _env(token: str) -> dict[str, str]:
     import os
 
-    return os.environ | {"POLYRL_TOKEN": token, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    return os.environ | {"POLYRL_TOKEN": token, "OMP_NUM_THREADS": "1"}
 
 
 def _tail(path: Path, num_lines: int = 5) -> str:

@@ -37,6 +37,7 @@ from polyrl.models.precision import DTYPES
 from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.models.tiny import save_tiny_model
+from polyrl.preflight import check_world_size
 from polyrl.rollout.atropos import AtroposRollout
 from polyrl.rollout.fleet import WorkerFleet
 from polyrl.rollout.local import LocalRollout
@@ -153,13 +154,7 @@ class Run:
     @classmethod
     def create(cls, cfg: RunConfig, run_dir: Path, resume: bool, dp: DataParallel) -> Run:
         tcfg = cfg.trainer
-        if dp.world_size > 1 and cfg.rollout.mode == "local":
-            raise ConfigError(
-                f"config error: rollout.mode: local runs the engine on the trainer's own weights, which are "
-                f"sharded over {dp.world_size} ranks here; use remote or hybrid (or one process)"
-            )
-        if dp.world_size > 1 and cfg.model.lora.enabled:
-            raise ConfigError("config error: model.lora: LoRA trains on one process (FSDP with adapters is not supported yet)")
+        check_world_size(cfg, dp.world_size)
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.toml")
         prepare_process(tcfg)

@@ -28,7 +28,7 @@ from polyrl.engine.engine import Engine
 from polyrl.engine.lora import AdapterMerger, expected_spec
 from polyrl.manager.protocol import Heartbeat, RegisterRequest, RegisterResponse
 from polyrl.serving import QuietServer, bind, http_url, wait_started
-from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession
+from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession, ManagerUnreachable
 from polyrl.worker.server import WorkerState, create_app
 
 log = logging.getLogger(__name__)
@@ -37,14 +37,16 @@ FLUSH_TIMEOUT_S = 5.0
 """After the drain, how long the handlers get to send the (partial) results out."""
 
 
-def run_worker(cfg: WorkerRunConfig) -> int:
-    """Serve until a signal or POST /shutdown, drain, leave; returns the exit code."""
+def run_worker(cfg: WorkerRunConfig, sock: socket.socket | None = None) -> int:
+    """Serve until a signal or POST /shutdown, drain, leave; returns the exit code.
+    `sock`: the listening address, bound already (the CLI binds it before loading anything,
+    so that a taken port fails at once)."""
     assert cfg.model.path, "the CLI checks that a model path is given"
+    sock = sock or bind(cfg.worker.host, cfg.worker.port)
     engine = AsyncEngine(Engine.from_pretrained(cfg.model.path, cfg.engine))
     if cfg.model.lora.enabled:  # refuse adapters of another rank or targets from the first one on
         expect_adapters(engine.engine, cfg.model.lora)
     tokenizer = _load_tokenizer(cfg.model.path)
-    sock = bind(cfg.worker.host, cfg.worker.port)
     engine.start()
     try:
         return asyncio.run(_serve(cfg, engine, tokenizer, sock))
@@ -119,7 +121,7 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
     w = cfg.worker
     assert w.manager_url is not None
     advertise = w.advertise_url or http_url(socket.gethostname() if w.host in ("0.0.0.0", "::") else w.host, port)
-    client = ManagerClient(w.manager_url, w.token or os.environ.get("POLYRL_TOKEN"), w.manager_timeout_s)
+    client = ManagerClient(w.manager_url, w.token or os.environ.get("POLYRL_TOKEN"), w.manager_request_timeout_s)
 
     def registration() -> RegisterRequest:
         return RegisterRequest(
@@ -139,8 +141,9 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
         state.worker_id = reply.worker_id
 
     return ManagerSession(
-        client, registration, lambda: _heartbeat(state), w.heartbeat_interval_s, on_registered=on_registered
-    )
+        client, registration, lambda: _heartbeat(state), w.heartbeat_interval_s, on_registered=on_registered,
+        give_up_after_s=w.manager_timeout_s,
+    )  # fmt: skip
 
 
 def device_name(device: torch.device) -> str:
@@ -172,8 +175,9 @@ async def _wait_for_end(
     requested.cancel()
     if membership is not None and membership.done() and not membership.cancelled():
         error = membership.exception()
-        log.error("%s; stopping", error if isinstance(error, ManagerRejected) else repr(error))
-        state.request_shutdown("manager refused")
+        known = isinstance(error, (ManagerRejected, ManagerUnreachable))
+        log.error("%s; stopping", error if known else repr(error))
+        state.request_shutdown("manager unreachable" if isinstance(error, ManagerUnreachable) else "manager refused")
         return 1
     if serving.done():
         log.error("the HTTP server stopped unexpectedly: %r", serving.exception())

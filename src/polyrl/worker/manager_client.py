@@ -4,14 +4,21 @@ Only transient failures are retried (connection errors, timeouts, 5xx, 429), wit
 exponential backoff; a refusal (401/403/422 and other 4xx) raises `ManagerRejected`, which
 stops the worker with a clear message, since retrying a wrong token or a protocol
 mismatch forever would hide the mistake. A 404 on heartbeat means the manager restarted
-and forgot us: register again. Each outage is logged once when it starts and once when
-it ends, not on every beat.
+and forgot us: register again.
+
+An outage is logged when it starts, every `RETRY_LOG_INTERVAL_S` while it lasts (a
+worker given a wrong manager URL must not look hung) and once when it ends, not on every
+beat. With `give_up_after_s` (`worker.manager_timeout_s`) an outage that long raises
+`ManagerUnreachable`, which stops the worker; without it the worker retries forever, so
+that a restarting manager finds its fleet again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Callable
 
 import httpx
@@ -22,10 +29,16 @@ from polyrl.manager.protocol import Heartbeat, LeaveRequest, RegisterRequest, Re
 log = logging.getLogger(__name__)
 
 _RETRYABLE_STATUS = {408, 429}
+RETRY_LOG_INTERVAL_S = 15.0
+"""While the manager is unreachable, one line this often says so."""
 
 
 class ManagerRejected(RuntimeError):
     """The manager refused this worker (bad token, protocol mismatch): retrying cannot help."""
+
+
+class ManagerUnreachable(RuntimeError):
+    """The manager stayed unreachable for longer than the worker was told to wait."""
 
 
 class ManagerClient:
@@ -70,13 +83,18 @@ class ManagerSession:
         interval_s: float,
         max_backoff_s: float = 10.0,
         on_registered: Callable[[RegisterResponse], None] | None = None,
+        give_up_after_s: float | None = None,
     ) -> None:
+        """`give_up_after_s`: raise ManagerUnreachable after an outage this long (None or
+        0: retry forever)."""
         self.client, self.registration, self.heartbeat = client, registration, heartbeat
         self.interval_s, self.max_backoff_s = interval_s, max_backoff_s
         self.on_registered = on_registered
+        self.give_up_after_s = give_up_after_s or None
         self.worker_id: str | None = None
         self._wake = asyncio.Event()
-        self._in_outage = False
+        self._outage_since: float | None = None
+        self._outage_logged_at = 0.0
 
     async def run(self) -> None:
         """Register, then heartbeat until cancelled. Raises ManagerRejected."""
@@ -111,8 +129,8 @@ class ManagerSession:
                     return self._registered(response)
                 self._outage_started(f"HTTP {response.status_code}")
             except httpx.TransportError as e:
-                self._outage_started(f"{type(e).__name__}: {e}")
-            await asyncio.sleep(delay_s)
+                self._outage_started(_describe(e))
+            await asyncio.sleep(min(delay_s, self._time_left_s()))  # the last try comes at the deadline
             delay_s = min(delay_s * 2, self.max_backoff_s)
 
     def _registered(self, response: httpx.Response) -> RegisterResponse:
@@ -137,7 +155,7 @@ class ManagerSession:
         try:
             response = await self.client.post(f"/v1/workers/{self.worker_id}/heartbeat", self.heartbeat())
         except httpx.TransportError as e:
-            self._outage_started(f"{type(e).__name__}: {e}")
+            self._outage_started(_describe(e))
             return
         if response.status_code == 404:
             log.warning("manager does not know worker %s (restarted?); registering again", self.worker_id)
@@ -164,11 +182,36 @@ class ManagerSession:
         return not response.is_error
 
     def _outage_started(self, why: str) -> None:
-        if not self._in_outage:
-            log.warning("manager %s unreachable (%s); retrying", self.client.base_url, why)
-        self._in_outage = True
+        """Record a failed call; log it if the outage is new or was last logged long ago.
+        Raises ManagerUnreachable once the outage outlasts `give_up_after_s`."""
+        now = time.monotonic()
+        url = self.client.base_url
+        if self._outage_since is None:
+            self._outage_since = self._outage_logged_at = now
+            patience = (f"giving up after {self.give_up_after_s:g}s" if self.give_up_after_s
+                        else "forever; worker.manager_timeout_s sets a limit")  # fmt: skip
+            log.warning("cannot reach the manager at %s: %s; retrying (%s)", url, why, patience)
+        elif now - self._outage_logged_at >= RETRY_LOG_INTERVAL_S:
+            self._outage_logged_at = now
+            log.warning("still cannot reach the manager at %s after %.0fs: %s; retrying", url, now - self._outage_since, why)
+        if self._time_left_s() <= 0:
+            raise ManagerUnreachable(
+                f"gave up: the manager at {url} was unreachable for {now - self._outage_since:.0f}s "
+                f"(worker.manager_timeout_s={self.give_up_after_s:g}): {why}"
+            )
+
+    def _time_left_s(self) -> float:
+        """Until this outage's give-up deadline (inf without a deadline or an outage)."""
+        if self.give_up_after_s is None or self._outage_since is None:
+            return math.inf
+        return self._outage_since + self.give_up_after_s - time.monotonic()
 
     def _outage_ended(self) -> None:
-        if self._in_outage:
+        if self._outage_since is not None:
             log.info("manager %s reachable again", self.client.base_url)
-        self._in_outage = False
+        self._outage_since = None
+
+
+def _describe(error: httpx.TransportError) -> str:
+    """'ConnectError: [Errno 111] Connection refused'; httpx's timeouts have no text."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
