@@ -32,7 +32,7 @@ from polyrl.manager.protocol import (
     WorkerList,
 )
 from polyrl.manager.server import create_app
-from polyrl.serving import QuietServer, bind, http_url, is_loopback, wait_started
+from polyrl.serving import QuietServer, bind, http_url, is_loopback, server_config, wait_started
 
 log = logging.getLogger("polyrl.manager")
 
@@ -71,14 +71,10 @@ class ManagerService:
     async def start(self) -> str:
         self.sock = socket.socket(fileno=self.listen_fd) if self.listen_fd is not None else bind(self.cfg.host, self.cfg.port)
         await self.manager.start()
-        config = uvicorn.Config(
-            create_app(self.manager), log_config=None, log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=GRACEFUL_S,
-        )  # fmt: skip
-        self.server = QuietServer(config)
+        self.server = QuietServer(server_config(create_app(self.manager), self.cfg.http, self.cfg.tls, GRACEFUL_S))
         self.serving = asyncio.create_task(self.server.serve(sockets=[self.sock]))
         await wait_started(self.server, self.serving)
-        self.url = http_url(self.cfg.host, self.sock.getsockname()[1])
+        self.url = http_url(self.cfg.host, self.sock.getsockname()[1], self.cfg.tls.enabled)
         # What is alive now (torch's import alone: ~390k objects) lives as long as the
         # service; every full collection walking it stalled the loop for 0.2-0.3 s.
         freeze_gc_heap()

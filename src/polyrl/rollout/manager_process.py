@@ -44,7 +44,7 @@ class ManagerProcess(Child):
         """Binds the manager's address now: OSError if it is taken."""
         self.sock = bind(cfg.host, cfg.port)
         port = self.sock.getsockname()[1]
-        self.url = http_url(cfg.host, port)
+        self.url = http_url(cfg.host, port, cfg.tls.enabled)
         # the token goes by environment; the port is the socket's, also for a restart
         self.cfg = cfg.model_copy(update={"token": None, "url": None, "port": port})
         self.token, self.run_dir = token, run_dir

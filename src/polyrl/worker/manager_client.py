@@ -18,6 +18,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from polyrl.manager.protocol import Heartbeat, LeaveRequest, RegisterRequest, RegisterResponse
+from polyrl.tls import async_http_client
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,16 @@ class ManagerClient:
     `transport` lets tests swap the network (httpx.MockTransport)."""
 
     def __init__(
-        self, base_url: str, token: str | None, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        base_url: str,
+        token: str | None,
+        timeout_s: float,
+        ca_file: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport)
+        self._http = async_http_client(ca_file, base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport)
 
     async def post(self, path: str, message: BaseModel, timeout_s: float | None = None) -> httpx.Response:
         timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
