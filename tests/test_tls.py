@@ -111,11 +111,18 @@ def _read_all(sock: socket.socket) -> bytes:
     return b"".join(parts)
 
 
-@pytest.mark.parametrize("with_tls", [False, True])
-def test_slow_drip_clients_are_closed_and_connections_are_bounded(with_tls: bool, tls_files: dict[str, str]) -> None:
+@pytest.mark.parametrize(("with_tls", "parser"), [(False, "auto"), (True, "auto"), (False, "h11")])
+def test_slow_drip_clients_are_closed_and_connections_are_bounded(
+    with_tls: bool, parser: str, tls_files: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Headers dripped and stalled, a body cut short, a connection that sends nothing:
     all closed after their timeouts (408 where no response began). One connection over
-    the limit gets 503 at once; a normal request succeeds before and after."""
+    the limit gets 503 at once; a normal request succeeds before and after. With
+    uvicorn's h11 parser too (what it uses where httptools is not installed)."""
+    if parser == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        monkeypatch.setattr("polyrl.serving.AutoHTTPProtocol", H11Protocol)
     tls = TlsConfig(cert_file=tls_files["cert"], key_file=tls_files["key"], ca_file=tls_files["ca"]) if with_tls else TlsConfig()
     limits = HttpLimitsConfig(max_connections=8, header_timeout_s=0.6, body_timeout_s=0.6)
     context = ssl.create_default_context(cafile=tls_files["ca"]) if with_tls else None

@@ -384,8 +384,9 @@ def start_remote(
     ca_file = {"ca_file": cfg.manager.tls.ca_file} if cfg.manager.tls.ca_file else {}
     info.write_text(json.dumps({"url": rollout.url, "token": token} | ca_file))
     os.chmod(info, 0o600)
-    log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token <token in %s>",
-             rollout.url, init_path, rollout.url, info)  # fmt: skip
+    ca = f" worker.tls.ca_file={cfg.manager.tls.ca_file}" if cfg.manager.tls.ca_file else ""
+    log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token <token in %s>%s",
+             rollout.url, init_path, rollout.url, info, ca)  # fmt: skip
     log.info("operator page: %s/?token=<token in %s> (terminal: polyrl status %s --token <token>)",
              rollout.url, info, rollout.url)  # fmt: skip
     fleet = None
