@@ -164,3 +164,38 @@ def test_tls_config_errors_name_the_key(tmp_path: Path, tls_files: dict[str, str
             load_config(None, [override])
     cfg = load_config(None, [f'manager.tls.{k}_file="{tls_files[k]}"' for k in ("cert", "key")] + ["manager.transfer.tls=true"])
     assert cfg.manager.tls.enabled and cfg.manager.transfer.tls
+
+
+def test_a_certificate_that_does_not_verify_is_not_retried(tls_files: dict[str, str]) -> None:
+    """A wrong CA file is a setting to fix, not an outage: the trainer's link and a worker's
+    registration stop at once with a message naming the key, where a refused connection
+    would be retried."""
+    import asyncio
+
+    from polyrl.config import ConfigError
+    from polyrl.manager.protocol import Heartbeat, RegisterRequest
+    from polyrl.rollout.manager_link import ManagerLink
+    from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession
+
+    tls = TlsConfig(cert_file=tls_files["cert"], key_file=tls_files["key"])
+    with ManagerThread(fast_cfg(tls=tls)) as mt:
+        link = ManagerLink(mt.url, TOKEN, retry_s=30)
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match="CERTIFICATE_VERIFY_FAILED.*manager.tls.ca_file"):
+            link.workers()
+        link.close()
+        registration = RegisterRequest(worker_id="w", url="https://127.0.0.1:9", model_path="m", weight_version=0,
+                                       max_num_seqs=1, max_model_len=8)  # fmt: skip
+
+        async def register() -> None:
+            client = ManagerClient(mt.url, TOKEN, 5.0)
+            try:
+                beat = Heartbeat(state="active", weight_version=0, num_running=0, num_waiting=0, gen_throughput=0.0)
+                await ManagerSession(client, lambda: registration, lambda: beat, 1.0).register()
+            finally:
+                await client.aclose()
+
+        with pytest.raises(ManagerRejected, match="worker.tls.ca_file"):
+            asyncio.run(register())
+        assert time.monotonic() - t0 < 5
+        assert ManagerLink(mt.url, TOKEN, ca_file=tls_files["ca"]).workers().workers == []

@@ -48,6 +48,17 @@ def async_http_client(ca_file: str | None = None, **kwargs: Any) -> httpx.AsyncC
     return httpx.AsyncClient(verify=client_context(ca_file), **kwargs)
 
 
+def certificate_error(exc: BaseException) -> ssl.SSLCertVerificationError | None:
+    """The verification failure behind `exc` (httpx wraps it twice), if that is what it
+    is: a wrong CA file or host name, which no retry mends, unlike a refused connection."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None or isinstance(seen, ssl.SSLCertVerificationError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def base_url(host: str, port: int, tls: bool = False) -> str:
     """http(s)://host:port, with an IPv6 host in brackets."""
     scheme = "https" if tls else "http"

@@ -21,8 +21,9 @@ from collections.abc import Iterator
 import httpx
 from pydantic import BaseModel
 
+from polyrl.config import ConfigError
 from polyrl.manager.client import BatchClient
-from polyrl.tls import http_client
+from polyrl.tls import certificate_error, http_client
 from polyrl.manager.protocol import (
     BatchError,
     BatchFailed,
@@ -74,6 +75,8 @@ class ManagerLink:
             try:
                 response = self.http.request(method, path, json=body)
             except httpx.TransportError as e:
+                if certificate_error(e) is not None:  # no retry or restart mends it
+                    raise ConfigError(f"config error: manager {self.url}: {certificate_error(e)} (manager.tls.ca_file)") from None
                 if time.monotonic() + delay_s > deadline:
                     raise ManagerUnreachable(f"manager {self.url}: {type(e).__name__}: {e}") from None
                 time.sleep(delay_s)

@@ -18,7 +18,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from polyrl.manager.protocol import Heartbeat, LeaveRequest, RegisterRequest, RegisterResponse
-from polyrl.tls import async_http_client
+from polyrl.tls import async_http_client, certificate_error
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,8 @@ class ManagerSession:
                     return self._registered(response)
                 self._outage_started(f"HTTP {response.status_code}")
             except httpx.TransportError as e:
+                if certificate_error(e) is not None:
+                    raise ManagerRejected(f"{self.client.base_url}: {certificate_error(e)} (check worker.tls.ca_file)") from None
                 self._outage_started(f"{type(e).__name__}: {e}")
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, self.max_backoff_s)
