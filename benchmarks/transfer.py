@@ -328,7 +328,7 @@ def print_tls_cost(rows: list[dict[str, object]]) -> None:
 
 
 def _key(row: dict[str, object]) -> tuple[object, ...]:
-    return row["size_gib"], row["sender"], row["receiver"], row["streams"]
+    return row["size_gib"], row["sender"], row["send_mode"], row["receiver"], row["streams"]
 
 
 def main() -> None:
