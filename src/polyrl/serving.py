@@ -17,7 +17,6 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from polyrl.config import HttpLimitsConfig, TlsConfig
-from polyrl.tls import base_url
 
 log = logging.getLogger("polyrl.serving")
 
@@ -41,10 +40,6 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
     sock.bind((host, port))
     return sock
-
-
-def http_url(host: str, port: int, tls: bool = False) -> str:
-    return base_url(host, port, tls)
 
 
 def server_config(app: Any, limits: HttpLimitsConfig, tls: TlsConfig, graceful_s: int) -> uvicorn.Config:

@@ -32,7 +32,8 @@ from polyrl.manager.protocol import (
     WorkerList,
 )
 from polyrl.manager.server import create_app
-from polyrl.serving import QuietServer, bind, http_url, is_loopback, server_config, wait_started
+from polyrl.serving import QuietServer, bind, is_loopback, server_config, wait_started
+from polyrl.tls import base_url
 
 log = logging.getLogger("polyrl.manager")
 
@@ -74,7 +75,7 @@ class ManagerService:
         self.server = QuietServer(server_config(create_app(self.manager), self.cfg.http, self.cfg.tls, GRACEFUL_S))
         self.serving = asyncio.create_task(self.server.serve(sockets=[self.sock]))
         await wait_started(self.server, self.serving)
-        self.url = http_url(self.cfg.host, self.sock.getsockname()[1], self.cfg.tls.enabled)
+        self.url = base_url(self.cfg.host, self.sock.getsockname()[1], self.cfg.tls.enabled)
         # What is alive now (torch's import alone: ~390k objects) lives as long as the
         # service; every full collection walking it stalled the loop for 0.2-0.3 s.
         freeze_gc_heap()

@@ -26,7 +26,8 @@ from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.engine.lora import AdapterMerger, expected_spec
 from polyrl.manager.protocol import Heartbeat, RegisterRequest, RegisterResponse
-from polyrl.serving import QuietServer, bind, http_url, server_config, wait_started
+from polyrl.serving import QuietServer, bind, server_config, wait_started
+from polyrl.tls import base_url
 from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession
 from polyrl.worker.server import WorkerState, create_app
 
@@ -86,7 +87,7 @@ async def _serve(cfg: WorkerRunConfig, engine: AsyncEngine, tokenizer: Any | Non
     _install_signal_handlers(state)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     await wait_started(server, serving)
-    print(f"polyrl worker {state.worker_id} serving on {http_url(host, port, cfg.worker.tls.enabled)}", flush=True)
+    print(f"polyrl worker {state.worker_id} serving on {base_url(host, port, cfg.worker.tls.enabled)}", flush=True)
     session = _manager_session(cfg, state, port) if cfg.worker.manager_url else None
     membership = asyncio.create_task(session.run()) if session else None
     exit_code = await _wait_for_end(state, serving, membership)
@@ -115,7 +116,7 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
     w = cfg.worker
     assert w.manager_url is not None
     host = socket.gethostname() if w.host in ("0.0.0.0", "::") else w.host
-    advertise = w.advertise_url or http_url(host, port, w.tls.enabled)
+    advertise = w.advertise_url or base_url(host, port, w.tls.enabled)
     client = ManagerClient(w.manager_url, w.token or os.environ.get("POLYRL_TOKEN"), w.manager_timeout_s, w.tls.ca_file)
 
     def registration() -> RegisterRequest:
