@@ -15,6 +15,12 @@ shared-memory landing buffer, as a worker does for a large version (`--receiver`
 
     python benchmarks/transfer.py --sizes-gib 1 --streams 1 8 16 --send-mode sendall sendfile --json out.json
 
+`--links plain tls` measures every row twice in the same run: plain TCP, then each stream
+wrapped in TLS (`manager.transfer.tls`) with a throwaway certificate made by `openssl`
+(`polyrl.tls.self_signed`); the ceiling stays plain TCP, so `pull/ceiling` of the tls rows
+is what encryption leaves of the link, and the summary gives tls / plain per row. The
+publisher then sends with `sendall` only (sendfile would bypass TLS).
+
 `--codecs` (alias `--delta`) also measures the codecs on a realistic update: bf16 weights
 of Qwen3-0.6B's shapes (random values, std 0.02), fp32 master copies, one torch Adam step
 at lr 1e-6 on random gradients, cast back to bf16. It reports the wire bytes against raw
@@ -29,6 +35,7 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -45,6 +52,8 @@ from polyrl.transfer.manifest import Manifest, flatten
 from polyrl.transfer.publisher import WeightPublisher
 from polyrl.transfer.receive_pool import ReceiverPool
 from polyrl.transfer.receiver import PullSource, pull
+
+TlsFiles = dict[str, str]
 
 
 class CeilingSender:
@@ -111,39 +120,42 @@ class Sender:
 
 
 @contextmanager
-def serve_version(total: int, chunk_bytes: int, send_mode: str = "sendall") -> Iterator[Sender]:
+def serve_version(total: int, chunk_bytes: int, send_mode: str = "sendall", tls: TlsFiles | None = None) -> Iterator[Sender]:
     """Publish `total` bytes of weights and serve them (pulls and the raw ceiling) while
-    the context is open."""
+    the context is open; pulls over TLS with `tls`."""
     weights = {"w": torch.randn(total // 4)}
-    with WeightPublisher(chunk_bytes=chunk_bytes, keep_versions=1, send_mode=send_mode) as pub:
+    cert = (tls["cert"], tls["key"]) if tls else None
+    with WeightPublisher(chunk_bytes=chunk_bytes, keep_versions=1, send_mode=send_mode, tls=cert) as pub:
         t0 = time.perf_counter()
         info = pub.publish(weights, 1)
         publish_s = time.perf_counter() - t0
         ceiling = CeilingSender(memoryview(flatten(weights, 1)[0].numpy()).cast("B"))
-        source = PullSource(*pub.address, worker_id="bench", token=pub.grant("bench", 1))
+        source = PullSource(*pub.address, worker_id="bench", token=pub.grant("bench", 1), tls=tls is not None,
+                            ca_file=tls["ca"] if tls else None)  # fmt: skip
         try:
             yield Sender(source, ceiling.port, info.manifest.total_bytes, info.chunk_bytes, publish_s)
         finally:
             ceiling.listener.close()
 
 
-def _sender_process(total: int, chunk_bytes: int, send_mode: str, conn: Connection) -> None:
-    with serve_version(total, chunk_bytes, send_mode) as sender:
+def _sender_process(total: int, chunk_bytes: int, send_mode: str, tls: TlsFiles | None, conn: Connection) -> None:
+    with serve_version(total, chunk_bytes, send_mode, tls) as sender:
         conn.send(sender)
         conn.recv()  # serve until the parent says stop (or dies: EOFError)
 
 
 @contextmanager
-def sender(total: int, chunk_bytes: int, where: str, send_mode: str) -> Iterator[Sender]:
+def sender(total: int, chunk_bytes: int, where: str, send_mode: str, tls: TlsFiles | None = None) -> Iterator[Sender]:
     """A Sender in this process (`thread`: it shares the receiver's GIL) or in a child
     process (`process`: as deployed, the trainer's publisher and a worker's receiver are
     different processes)."""
     if where == "thread":
-        with serve_version(total, chunk_bytes, send_mode) as here:
+        with serve_version(total, chunk_bytes, send_mode, tls) as here:
             yield here
         return
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=_sender_process, args=(total, chunk_bytes, send_mode, child), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_sender_process, args=(total, chunk_bytes, send_mode, tls, child),
+                                              daemon=True)
     proc.start()
     try:
         if not parent.poll(600):
@@ -253,6 +265,8 @@ def measure_rows(src: Sender, args: argparse.Namespace, row: dict[str, object]) 
     of `args.repeats`. The pull lands in a buffer reused across pulls, as a worker's does:
     for `process`, a shared-memory landing buffer of a pool started once (as WeightReceiver
     does), its processes started by a first pull that is not counted."""
+    if src.source.tls:
+        print(f"  TLS session: {negotiated(src.source)}", flush=True)
     recv_buffer = torch.empty(src.total_bytes, dtype=torch.uint8)  # reused, as a worker does
     recv_buffer.fill_(0)  # touch the pages once, for both rows
     dst = memoryview(recv_buffer.numpy()).cast("B")
@@ -264,7 +278,7 @@ def measure_rows(src: Sender, args: argparse.Namespace, row: dict[str, object]) 
             rate = best_pull(src, n, how, recv_buffer, args.repeats)
             rows.append(row | {"receiver": how, "streams": n, "ceiling_Bps": ceiling, "pull_Bps": rate,
                                "fraction": rate / ceiling, "publish_s": src.publish_s})  # fmt: skip
-            print(f"{row['size_gib']:>6.2f}Gi {row['sender']:>7} {row['send_mode']:>8} {how:>8} {n:>7} "
+            print(f"{row['size_gib']:>6.2f}Gi {row['link']:>5} {row['sender']:>7} {row['send_mode']:>8} {how:>8} {n:>7} "
                   f"{ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} {rate / ceiling:>12.0%}", flush=True)  # fmt: skip
     return rows
 
@@ -284,6 +298,39 @@ def best_pull(src: Sender, num_streams: int, how: str, recv_buffer: torch.Tensor
         pool.close()
 
 
+def ssl_summary(context: ssl.SSLContext) -> str:
+    """What OpenSSL offers first: TLS 1.3's AES-GCM with AES-NI on x86 servers."""
+    return f"{ssl.OPENSSL_VERSION}; ciphers {', '.join(c['name'] for c in context.get_ciphers()[:3])}, ..."
+
+
+def negotiated(source: PullSource) -> str:
+    """The protocol and cipher the publisher and a receiver agree on."""
+    from polyrl.tls import client_context
+
+    with client_context(source.ca_file).wrap_socket(socket.create_connection((source.host, source.port)),
+                                                     server_hostname=source.host) as sock:  # fmt: skip
+        name, version, bits = sock.cipher()  # type: ignore[misc]
+    return f"{version} {name} ({bits}-bit)"
+
+
+def print_tls_cost(rows: list[dict[str, object]]) -> None:
+    """tls / plain for each (size, sender, receiver, streams) measured both ways."""
+    plain = {_key(r): r for r in rows if r["link"] == "plain"}
+    pairs = [(plain[_key(r)], r) for r in rows if r["link"] == "tls" and _key(r) in plain]
+    if not pairs:
+        return
+    print(f"\n{'size':>8} {'sender':>7} {'receiver':>8} {'streams':>7} {'plain GB/s':>11} {'tls GB/s':>9} {'tls/plain':>10}")
+    for p, t in pairs:
+        ratio = t["pull_Bps"] / p["pull_Bps"]  # type: ignore[operator]
+        t["tls_over_plain"] = ratio
+        print(f"{p['size_gib']:>6.2f}Gi {p['sender']:>7} {p['receiver']:>8} {p['streams']:>7} "
+              f"{p['pull_Bps'] / 1e9:>11.2f} {t['pull_Bps'] / 1e9:>9.2f} {ratio:>10.0%}")  # type: ignore[operator]  # fmt: skip
+
+
+def _key(row: dict[str, object]) -> tuple[object, ...]:
+    return row["size_gib"], row["sender"], row["send_mode"], row["receiver"], row["streams"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-gib", type=float, nargs="+", default=[1.0])
@@ -300,6 +347,8 @@ def main() -> None:
     p.add_argument("--receiver", nargs="+", choices=["thread", "process"], default=["thread", "process"],
                    help="thread: one thread per stream in this process; process: a pool of receiver processes "
                    "(one per stream, up to the cores) pulling into shared memory, as WeightReceiver does")
+    p.add_argument("--links", nargs="+", choices=["plain", "tls"], default=["plain"],
+                   help="plain TCP and/or TLS on every stream (manager.transfer.tls), same sizes and streams")
     p.add_argument("--codecs", "--delta", dest="codecs", action="store_true", help="also measure the codecs (see above)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--json", help="write the numbers here")
@@ -307,15 +356,28 @@ def main() -> None:
     if args.hash_piece_kib:
         receiver.HASH_PIECE = args.hash_piece_kib * 1024
 
+    tls = None
+    if "tls" in args.links:
+        import tempfile
+
+        from polyrl.tls import client_context, self_signed
+
+        tls = self_signed(Path(tempfile.mkdtemp(prefix="polyrl-bench-tls-")))
+        print(f"TLS: {ssl_summary(client_context(tls['ca']))}")
     rows = []
-    print(f"{'size':>8} {'sender':>7} {'send':>8} {'receiver':>8} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13}")
+    print(f"{'size':>8} {'link':>5} {'sender':>7} {'send':>8} {'receiver':>8} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13}")
     for size_gib in args.sizes_gib:
         total = int(size_gib * 2**30) // 4 * 4
         for where in args.sender:
             for mode in args.send_mode:
-                with sender(total, args.chunk_mib * 2**20, where, mode) as src:
-                    rows += measure_rows(src, args, {"size_gib": size_gib, "sender": where, "send_mode": mode})
-                print(f"  publish (snapshot + checksums) of {size_gib:g} GiB: {src.publish_s:.2f}s ({where})")
+                for link in args.links:
+                    if link == "tls" and mode == "sendfile":
+                        continue  # TLS always sends with sendall
+                    with sender(total, args.chunk_mib * 2**20, where, mode, tls if link == "tls" else None) as src:
+                        row = {"size_gib": size_gib, "link": link, "sender": where, "send_mode": mode}
+                        rows += measure_rows(src, args, row)
+                    print(f"  publish (snapshot + checksums) of {size_gib:g} GiB: {src.publish_s:.2f}s ({where}, {link})")
+    print_tls_cost(rows)
     codecs = measure_codecs(args.lr) if args.codecs else {}
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, **codecs}, indent=2))

@@ -25,3 +25,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from polyrl.models.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelConfig(hidden_size=64, intermediate_size=128))
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory) -> dict[str, str]:
+    """A throwaway CA and a server certificate it signed for localhost and 127.0.0.1;
+    paths by name: ca, cert, key (the venv has no `cryptography`: openssl's command line)."""
+    import shutil
+
+    from polyrl.tls import self_signed
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    return self_signed(tmp_path_factory.mktemp("tls"))

@@ -1151,7 +1151,8 @@ def test_dripping_clients_do_not_hold_up_the_manager() -> None:
     uvicorn bounds neither the time a request may take to arrive (its keep-alive timeout
     only runs between requests) nor the number of connections doing that: one async
     server is not held up by slow clients, but enough of them would use up its file
-    descriptors. An exposed port wants a proxy with header and body timeouts in front."""
+    descriptors. The services bound both (`polyrl.serving.GuardedProtocol`; the drips
+    here stay within `http.header_timeout_s`): tests/test_tls.py checks they are closed."""
     with hostile_manager() as mt:
         drips = _drip_http(mt.url, "/v1/weights/version", b'{"version": 7}', num_clients=20)
         try:

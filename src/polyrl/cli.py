@@ -239,7 +239,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from polyrl.status import status
 
-    return status(args.url, args.token or os.environ.get("POLYRL_TOKEN"), args.watch, args.interval)
+    return status(args.url, args.token or os.environ.get("POLYRL_TOKEN"), args.watch, args.interval, ca_file=args.ca_file)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="the manager's token or read token (default: $POLYRL_TOKEN)")
     p.add_argument("--watch", action="store_true", help="refresh until interrupted")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
+    p.add_argument("--ca-file", help="PEM CA bundle to verify an https manager against (default: the system's)")
     p.set_defaults(func=cmd_status)
     return parser
 

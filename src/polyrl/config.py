@@ -350,6 +350,58 @@ class LoggingConfig(_Section):
     console: bool = True
 
 
+class TlsConfig(_Section):
+    """TLS for a service's HTTP API and the clients that call it (`polyrl.tls`). A
+    service serves HTTPS when `cert_file` is set; every client in the process (worker ->
+    manager, manager -> workers, trainer -> manager) verifies the peer against `ca_file`.
+    Plain HTTP stays the default: the HMAC tokens and checksums protect integrity, not
+    confidentiality, so turn this on where links cross networks you do not own."""
+
+    cert_file: str | None = None
+    """PEM certificate (chain) this service presents; set with `key_file` to serve HTTPS."""
+    key_file: str | None = None
+    """PEM private key of `cert_file`."""
+    ca_file: str | None = None
+    """PEM CA bundle clients verify the peers' certificates against (a self-signed CA);
+    None: the system's trust store."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+    @field_validator("cert_file", "key_file", "ca_file")
+    @classmethod
+    def _is_file(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).is_file():
+            raise ValueError("not a file")
+        return path
+
+    @model_validator(mode="after")
+    def _pair(self) -> TlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (a certificate and its key)")
+        return self
+
+
+class HttpLimitsConfig(_Section):
+    """Bounds on what clients may hold of a service (`polyrl.serving.GuardedProtocol`):
+    uvicorn has no request-receive timeout, so a client that sends a header a byte a
+    minute keeps its connection, and its file descriptor, for good."""
+
+    max_connections: int = Field(0, ge=0)
+    """Open client connections at most; one more is answered 503 and closed. 0: half of
+    the process's open-file limit (RLIMIT_NOFILE), the other half left for its own
+    outbound connections and files. The manager holds one connection per sample in flight
+    on a worker (`manager.max_inflight_per_worker`), so keep a worker's above that."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """A request's headers must arrive within this long (from the connection or, kept
+    alive, from its first byte), else the connection is closed (408)."""
+    body_timeout_s: float = Field(120.0, gt=0)
+    """Then its whole body within this long (a manager batch may be 64 MiB on a slow link)."""
+    keep_alive_s: int = Field(5, ge=1)
+    """An idle kept-alive connection is closed after this long (uvicorn's timeout_keep_alive)."""
+
+
 class WorkerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(30000, ge=0, le=65535)
@@ -385,6 +437,10 @@ class WorkerConfig(_Section):
     """The trainer's own engine (`polyrl train` starts it on the trainer's device): it
     registers as `local`, and the manager gives it work only in the local window, when no
     other worker is left, or for a batch stalled past `manager.local_fallback_s`."""
+    tls: TlsConfig = TlsConfig()
+    """HTTPS for this worker's API (`cert_file`, `key_file`), and the CA it verifies the
+    manager and the weight publisher against (`ca_file`)."""
+    http: HttpLimitsConfig = HttpLimitsConfig()
 
 
 class WorkerRunConfig(_Section):
@@ -421,6 +477,10 @@ class TransferConfig(_Section):
     """Workers on the trainer's host get versions from its GPU when the trainer holds them
     there (`WeightPublisher.device`): NCCL from another GPU, CUDA IPC on the same one. A
     worker whose GPU path fails falls back to TCP (logged once) and stays on TCP."""
+    tls: bool = False
+    """Encrypt weight pulls (TLS over each TCP stream) with `manager.tls`'s certificate
+    and key; workers verify it against their `worker.tls.ca_file`. Costs CPU on both ends
+    (BENCHMARKS.md, "Weight transfer over TLS"); the GPU paths are off with it."""
 
     @model_validator(mode="after")
     def _one_host_per_group(self) -> TransferConfig:
@@ -493,7 +553,19 @@ class ManagerConfig(_Section):
     url: str | None = None
     """`polyrl train` only: use the manager already serving at this URL (a standalone
     `polyrl manager`, with `token`) instead of starting one."""
+    tls: TlsConfig = TlsConfig()
+    """HTTPS for the manager's API (`cert_file`, `key_file`); `ca_file`: what it verifies
+    workers against. `polyrl train` also gives these files to the workers it starts,
+    verifies the manager with `ca_file` and serves encrypted weight pulls with them when
+    `transfer.tls` is on."""
+    http: HttpLimitsConfig = HttpLimitsConfig()
     transfer: TransferConfig = TransferConfig()
+
+    @model_validator(mode="after")
+    def _tls_for_weights(self) -> ManagerConfig:
+        if self.transfer.tls and not self.tls.enabled:
+            raise ValueError("manager.transfer.tls needs manager.tls.cert_file and key_file (the publisher's certificate)")
+        return self
 
     @model_validator(mode="after")
     def _cidrs_parse(self) -> ManagerConfig:

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from polyrl.manager.fleet import FleetStatus
+from polyrl.tls import http_client
 
 STATE_STYLE = {
     "registering": "magenta", "syncing": "yellow", "active": "green", "draining": "dark_orange", "gone": "red",
@@ -28,10 +29,11 @@ class StatusError(Exception):
     """The manager could not be read; the message says why, for the operator."""
 
 
-def fetch(url: str, token: str | None, timeout_s: float = 10.0) -> FleetStatus:
+def fetch(url: str, token: str | None, timeout_s: float = 10.0, ca_file: str | None = None) -> FleetStatus:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        response = httpx.get(f"{url.rstrip('/')}/v1/fleet", headers=headers, timeout=timeout_s)
+        with http_client(ca_file, headers=headers, timeout=timeout_s) as client:
+            response = client.get(f"{url.rstrip('/')}/v1/fleet")
     except httpx.HTTPError as e:
         raise StatusError(f"cannot reach the manager at {url}: {type(e).__name__}: {e}") from None
     if response.status_code == 401:
@@ -77,18 +79,23 @@ def render(fleet: FleetStatus, url: str) -> Group:
 
 
 def status(
-    url: str, token: str | None, watch: bool = False, interval_s: float = 2.0, console: Console | None = None
+    url: str,
+    token: str | None,
+    watch: bool = False,
+    interval_s: float = 2.0,
+    console: Console | None = None,
+    ca_file: str | None = None,
 ) -> int:
     """Print the fleet once (or until interrupted, with `watch`); 1 if it cannot be read."""
     console = console or Console()
     try:
         if not watch:
-            console.print(render(fetch(url, token), url))
+            console.print(render(fetch(url, token, ca_file=ca_file), url))
             return 0
-        with Live(render(fetch(url, token), url), console=console, auto_refresh=False) as live:
+        with Live(render(fetch(url, token, ca_file=ca_file), url), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(interval_s)
-                live.update(render(fetch(url, token), url), refresh=True)
+                live.update(render(fetch(url, token, ca_file=ca_file), url), refresh=True)
     except StatusError as e:
         console.print(f"[red]{e}[/red]")
         return 1

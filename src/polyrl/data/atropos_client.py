@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from polyrl.config import AtroposConfig
 from polyrl.data.atropos import BatchReply, Registration
+from polyrl.tls import http_client
 
 log = logging.getLogger("polyrl.atropos")
 
@@ -35,7 +36,7 @@ class AtroposClient:
         assert cfg.url is not None
         self.cfg, self.registration = cfg, registration
         self.url = cfg.url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, timeout=cfg.timeout_s)
+        self.http = http_client(None, base_url=self.url, timeout=cfg.timeout_s)  # the system's trust store
         self.num_registrations = 0
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ import httpx
 from polyrl.httpapi import CHECKSUM_HEADER, checksum
 from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import WorkerRecord
+from polyrl.tls import async_http_client
 
 
 class WorkerUnreachable(Exception):
@@ -168,13 +169,19 @@ class RemoteBackend:
     stop; it does at the next line it reads (a silent worker: at the stall timeout)."""
 
     def __init__(
-        self, connect_timeout_s: float, stall_timeout_s: float, token: str | None = None, stream_interval_s: float = 0.0
+        self,
+        connect_timeout_s: float,
+        stall_timeout_s: float,
+        token: str | None = None,
+        stream_interval_s: float = 0.0,
+        ca_file: str | None = None,
     ) -> None:
+        """`ca_file`: what https workers' certificates are verified against."""
         self.stream_interval_s = stream_interval_s
         timeout = httpx.Timeout(connect=connect_timeout_s, read=stall_timeout_s, write=connect_timeout_s, pool=None)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         headers = {"Authorization": f"Bearer {token}"} if token else {}  # workers share the manager's token
-        self.http = httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers)
+        self.http = async_http_client(ca_file, timeout=timeout, limits=limits, headers=headers)
         self._exchanges: set[asyncio.Task[None]] = set()
 
     async def stream(self, worker: WorkerRecord, call: GenerationCall) -> AsyncIterator[list[Delta]]:

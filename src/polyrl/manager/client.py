@@ -14,6 +14,7 @@ import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from polyrl.manager.protocol import BatchEnd, BatchError, BatchFailed, BatchRequest, GroupResult
+from polyrl.tls import http_client
 
 _Line = TypeAdapter(GroupResult | BatchEnd | BatchFailed)
 
@@ -26,12 +27,13 @@ class BatchClient:
         connect_timeout_s: float = 10.0,
         connect_retries: int = 3,
         transport: httpx.BaseTransport | None = None,
+        ca_file: str | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # No read timeout: groups may be minutes apart; the manager's batch deadline ends
         # a stuck batch with an error line.
         timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=connect_timeout_s)
-        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout, transport=transport)
+        self.http = http_client(ca_file, base_url=url.rstrip("/"), headers=headers, timeout=timeout, transport=transport)
         self.connect_retries = connect_retries
 
     def generate(self, request: BatchRequest) -> Iterator[GroupResult]:

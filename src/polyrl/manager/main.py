@@ -33,7 +33,8 @@ from polyrl.manager.protocol import (
 )
 from polyrl.manager.server import create_app
 from polyrl.preflight import resolve_token
-from polyrl.serving import QuietServer, bind, http_url, wait_started
+from polyrl.serving import QuietServer, bind, server_config, wait_started
+from polyrl.tls import base_url
 
 log = logging.getLogger("polyrl.manager")
 
@@ -60,14 +61,10 @@ class ManagerService:
     async def start(self) -> str:
         self.sock = socket.socket(fileno=self.listen_fd) if self.listen_fd is not None else bind(self.cfg.host, self.cfg.port)
         await self.manager.start()
-        config = uvicorn.Config(
-            create_app(self.manager), log_config=None, log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=GRACEFUL_S,
-        )  # fmt: skip
-        self.server = QuietServer(config)
+        self.server = QuietServer(server_config(create_app(self.manager), self.cfg.http, self.cfg.tls, GRACEFUL_S))
         self.serving = asyncio.create_task(self.server.serve(sockets=[self.sock]))
         await wait_started(self.server, self.serving)
-        self.url = http_url(self.cfg.host, self.sock.getsockname()[1])
+        self.url = base_url(self.cfg.host, self.sock.getsockname()[1], self.cfg.tls.enabled)
         # What is alive now (torch's import alone: ~390k objects) lives as long as the
         # service; every full collection walking it stalled the loop for 0.2-0.3 s.
         freeze_gc_heap()

@@ -57,7 +57,7 @@ class RolloutManager(Membership, Placement, Settlement):
         self.history = History()
         """Fleet throughput and price over time, for the operator page."""
         self.metrics = ManagerMetrics(self)
-        self.remote = RemoteBackend(cfg.connect_timeout_s, cfg.stall_timeout_s, cfg.token, cfg.stream_interval_s)
+        self.remote = RemoteBackend(cfg.connect_timeout_s, cfg.stall_timeout_s, cfg.token, cfg.stream_interval_s, cfg.tls.ca_file)
         self.pending: deque[WorkUnit] = deque()
         self.batches: dict[str, Batch] = {}
         self.sync_hooks: list[SyncHook] = []

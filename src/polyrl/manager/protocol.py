@@ -291,3 +291,5 @@ class PublisherEndpoint(_Message):
     device_host_id: str | None = Field(None, max_length=256)
     device_gpu_uuid: str | None = Field(None, max_length=256)
     """Where the trainer holds versions on a GPU (None: it holds none there)."""
+    tls: bool = False
+    """The publisher speaks TLS only (`manager.transfer.tls`); workers are told so."""

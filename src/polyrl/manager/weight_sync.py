@@ -50,6 +50,7 @@ class PublisherView(Protocol):
     `EndpointPublisher` made from what the trainer told the manager."""
 
     addresses: list[tuple[str, int]]
+    tls: bool
 
     @property
     def device(self) -> DeviceView | None: ...
@@ -74,6 +75,7 @@ class EndpointPublisher:
     def __init__(self, endpoint: PublisherEndpoint) -> None:
         self.addresses = [(host, port) for host, port in endpoint.groups]
         self.key = bytes.fromhex(endpoint.key)
+        self.tls = endpoint.tls
         self.device: EndpointDevice | None = None
         if endpoint.device_host_id is not None:
             self.device = EndpointDevice(DeviceIdentity(host_id=endpoint.device_host_id, gpu_uuid=endpoint.device_gpu_uuid))
@@ -137,6 +139,7 @@ class PublisherSync:
             "num_streams": self.manager.cfg.transfer.streams_per_group,
             "timeout_s": self.pull_timeout_s,
             "codec": self.codec,
+            "tls": self.publisher.tls,
         }
         if path != "tcp":  # absent otherwise: an SGLang-style worker without the field still works
             body["path"] = path

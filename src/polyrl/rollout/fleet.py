@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from polyrl.config import EngineConfig, FleetConfig, LoraConfig
+from polyrl.config import EngineConfig, FleetConfig, LoraConfig, TlsConfig
 from polyrl.lifetime import die_with_parent
 
 log = logging.getLogger("polyrl.fleet")
@@ -48,10 +48,10 @@ class FleetEvents:
 class WorkerFleet:
     def __init__(
         self, cfg: FleetConfig, engine: EngineConfig, model_dir: Path, manager_url: str, token: str, log_dir: Path,
-        lora: LoraConfig | None = None,
+        lora: LoraConfig | None = None, tls: TlsConfig | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.engine, self.model_dir = cfg, engine, model_dir
-        self.lora = lora
+        self.lora, self.tls = lora, tls
         self.manager_url, self.token, self.log_dir = manager_url, token, log_dir
         self.workers: list[LaunchedWorker] = []  # oldest first
         self.events = FleetEvents()
@@ -92,7 +92,7 @@ class WorkerFleet:
     def command(self, worker_id: str) -> list[str]:
         return worker_command(self.model_dir, self.manager_url, worker_id, self.engine, [
             f"worker.usd_per_hour={self.cfg.usd_per_hour}", f"worker.drain_timeout_s={self.cfg.drain_timeout_s}",
-            *lora_overrides(self.lora),
+            *lora_overrides(self.lora), *tls_overrides(self.tls),
         ])  # fmt: skip
 
     def _env(self) -> dict[str, str]:
@@ -214,6 +214,14 @@ def lora_overrides(lora: LoraConfig | None) -> list[str]:
         return []
     keys = {"enabled", "rank", "alpha", "target_modules"}
     return [f"model.lora.{k}={json.dumps(v)}" for k, v in lora.model_dump(mode="json", include=keys).items()]
+
+
+def tls_overrides(tls: TlsConfig | None) -> list[str]:
+    """Workers of a TLS run serve HTTPS with the manager's certificate (they run on its
+    host) and verify the manager and the publisher with its CA file."""
+    if tls is None:
+        return []
+    return [f"worker.tls.{k}={json.dumps(v)}" for k, v in tls.model_dump(exclude_none=True).items()]
 
 
 def worker_env(token: str, threads: int) -> dict[str, str]:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from polyrl.config import EngineConfig, LoraConfig
+from polyrl.config import EngineConfig, LoraConfig, TlsConfig
 from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.rollout.child import Child
-from polyrl.rollout.fleet import lora_overrides, worker_command, worker_env
+from polyrl.rollout.fleet import lora_overrides, tls_overrides, worker_command, worker_env
 
 log = logging.getLogger("polyrl.rollout")
 
@@ -30,10 +30,10 @@ log = logging.getLogger("polyrl.rollout")
 class LocalWorker(Child):
     def __init__(
         self, model_dir: Path, manager_url: str, token: str, engine: EngineConfig, device: torch.device,
-        log_dir: Path, num_threads: int = 1, lora: LoraConfig | None = None,
+        log_dir: Path, num_threads: int = 1, lora: LoraConfig | None = None, tls: TlsConfig | None = None,
     ) -> None:  # fmt: skip
         self.model_dir, self.manager_url, self.token = model_dir, manager_url, token
-        self.lora = lora
+        self.lora, self.tls = lora, tls
         self.engine = engine.model_copy(update={"device": device.type})
         self.device, self.log_dir, self.num_threads = device, log_dir, num_threads
         self.num_restarts = 0
@@ -42,7 +42,7 @@ class LocalWorker(Child):
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         command = worker_command(self.model_dir, self.manager_url, LOCAL_WORKER_ID, self.engine, [
-            "worker.local=true", "worker.drain_timeout_s=0", *lora_overrides(self.lora),
+            "worker.local=true", "worker.drain_timeout_s=0", *lora_overrides(self.lora), *tls_overrides(self.tls),
         ])  # fmt: skip
         self._spawn(command, self._env(), self.log_dir / "local.log")
         assert self.proc is not None

@@ -21,7 +21,9 @@ from collections.abc import Iterator
 import httpx
 from pydantic import BaseModel
 
+from polyrl.config import ConfigError
 from polyrl.manager.client import BatchClient
+from polyrl.tls import certificate_error, http_client
 from polyrl.manager.protocol import (
     BatchError,
     BatchFailed,
@@ -41,11 +43,14 @@ class ManagerUnreachable(RuntimeError):
 
 
 class ManagerLink:
-    def __init__(self, url: str, token: str, timeout_s: float = 10.0, retry_s: float = RETRY_S) -> None:
+    def __init__(
+        self, url: str, token: str, timeout_s: float = 10.0, retry_s: float = RETRY_S, ca_file: str | None = None
+    ) -> None:
+        """`ca_file`: what an https manager's certificate is verified against."""
         self.url, self.token, self.retry_s = url.rstrip("/"), token, retry_s
         headers = {"Authorization": f"Bearer {token}"}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
-        self.batches = BatchClient(self.url, token, connect_retries=0)
+        self.http = http_client(ca_file, base_url=self.url, headers=headers, timeout=timeout_s)
+        self.batches = BatchClient(self.url, token, connect_retries=0, ca_file=ca_file)
 
     def set_publisher(self, endpoint: PublisherEndpoint) -> None:
         self._post("/v1/publisher", endpoint)
@@ -70,6 +75,8 @@ class ManagerLink:
             try:
                 response = self.http.request(method, path, json=body)
             except httpx.TransportError as e:
+                if certificate_error(e) is not None:  # no retry or restart mends it
+                    raise ConfigError(f"config error: manager {self.url}: {certificate_error(e)} (manager.tls.ca_file)") from None
                 if time.monotonic() + delay_s > deadline:
                     raise ManagerUnreachable(f"manager {self.url}: {type(e).__name__}: {e}") from None
                 time.sleep(delay_s)

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from polyrl.config import ConfigError, ManagerConfig, ManagerRunConfig, save_config
 from polyrl.rollout.child import Child
-from polyrl.serving import bind, http_url
+from polyrl.serving import bind
+from polyrl.tls import base_url
 
 log = logging.getLogger("polyrl.rollout")
 
@@ -44,7 +45,7 @@ class ManagerProcess(Child):
         """Binds the manager's address now: OSError if it is taken."""
         self.sock = bind(cfg.host, cfg.port)
         port = self.sock.getsockname()[1]
-        self.url = http_url(cfg.host, port)
+        self.url = base_url(cfg.host, port, cfg.tls.enabled)
         # the token goes by environment; the port is the socket's, also for a restart
         self.cfg = cfg.model_copy(update={"token": None, "url": None, "port": port})
         self.token, self.run_dir = token, run_dir

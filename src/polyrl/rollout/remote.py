@@ -90,17 +90,20 @@ class RemoteRollout:
 
     def _start(self, cfg: RunConfig, run_dir: Path, token: str, init_path: Path) -> None:
         mcfg, transfer = window_policy(cfg, self.model.device), cfg.manager.transfer
+        tls = (mcfg.tls.cert_file, mcfg.tls.key_file) if transfer.tls else None
         self.publisher = WeightPublisher(
-            mcfg.host, transfer.port, num_groups=transfer.num_groups, group_hosts=transfer.group_hosts
+            mcfg.host, transfer.port, num_groups=transfer.num_groups, group_hosts=transfer.group_hosts, tls=tls  # type: ignore[arg-type]
         ).start()
         self._stack.callback(self.publisher.stop)
-        if transfer.gpu_paths and self.model.device.type == "cuda":  # workers on this host pull over NCCL / CUDA IPC
+        # workers on this host pull over NCCL / CUDA IPC (not with TLS: those sockets go to another process)
+        if transfer.gpu_paths and not transfer.tls and self.model.device.type == "cuda":
             self.publisher.device = DeviceVersions(self.model.device)
         advertise = None if transfer.group_hosts else transfer.advertise_host  # each group's own bind address
         device = self.publisher.device.identity if self.publisher.device is not None else None
         self.endpoint = PublisherEndpoint(
             groups=[(advertise or host, port) for host, port in self.publisher.addresses], key=self.publisher.key.hex(),
             device_host_id=device.host_id if device else None, device_gpu_uuid=device.gpu_uuid if device else None,
+            tls=transfer.tls,
         )  # fmt: skip
         self.manager: ManagerProcess | None = None
         if mcfg.url:
@@ -111,11 +114,11 @@ class RemoteRollout:
             self.url = self.manager.url
             self.manager.spawn()
             self._stack.callback(self.manager.stop)
-        self.link = ManagerLink(self.url, token)
+        self.link = ManagerLink(self.url, token, ca_file=cfg.manager.tls.ca_file)
         self._stack.callback(self.link.close)
         self.local = LocalWorker(
             init_path, self.url, token, cfg.engine, self.model.device, run_dir / "workers", cfg.fleet.worker_threads,
-            cfg.model.lora,
+            cfg.model.lora, cfg.manager.tls,
         )
         self.local.start()  # it registers once the manager serves, as every worker does
         self._stack.callback(self.local.stop)

@@ -376,15 +376,19 @@ def start_remote(
         raise ConfigError(f"config error: manager: cannot listen on {cfg.manager.host}:{cfg.manager.port}: {e}") from None
     cleanup.callback(rollout.close)
     info = run_dir / "manager.json"
-    info.write_text(json.dumps({"url": rollout.url, "token": token}))
+    ca_file = {"ca_file": cfg.manager.tls.ca_file} if cfg.manager.tls.ca_file else {}
+    info.write_text(json.dumps({"url": rollout.url, "token": token} | ca_file))
     os.chmod(info, 0o600)
-    log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token <token in %s>",
-             rollout.url, init_path, rollout.url, info)  # fmt: skip
+    ca = f" worker.tls.ca_file={cfg.manager.tls.ca_file}" if cfg.manager.tls.ca_file else ""
+    log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token <token in %s>%s",
+             rollout.url, init_path, rollout.url, info, ca)  # fmt: skip
     log.info("operator page: %s/?token=<token in %s> (terminal: polyrl status %s --token <token>)",
              rollout.url, info, rollout.url)  # fmt: skip
     fleet = None
     if cfg.fleet.num_workers:
-        fleet = WorkerFleet(cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers", cfg.model.lora)
+        fleet = WorkerFleet(
+            cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers", cfg.model.lora, cfg.manager.tls
+        )
         cleanup.callback(fleet.stop)
         cleanup.callback(rollout.local.terminate)  # runs first: the local worker drains while the fleet does
     ids = fleet.start() if fleet is not None else []  # while the manager starts: they register once it serves

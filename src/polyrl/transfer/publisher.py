@@ -89,10 +89,12 @@ class WeightPublisher:
         num_groups: int = 1,
         group_hosts: Sequence[str] = (),
         send_mode: str = SEND_MODE,
+        tls: tuple[str, str] | None = None,
     ) -> None:
         """`num_groups` listeners serve the same versions (the seeds' sender groups): group
         g binds `group_hosts[g]` (one per network interface) or `host`, on `port + g` when
-        `port` is set, else on any free port; the manager spreads workers over them."""
+        `port` is set, else on any free port; the manager spreads workers over them.
+        `tls`: (certificate file, key file): every pull is encrypted (`transfer/wire.py`)."""
         if chunk_bytes < 4096 or keep_versions < 1 or num_groups < 1:
             raise ValueError("chunk_bytes must be >= 4096, keep_versions and num_groups >= 1")
         if send_mode not in ("sendall", "sendfile"):
@@ -100,6 +102,8 @@ class WeightPublisher:
         if group_hosts and len(group_hosts) != num_groups:
             raise ValueError(f"{len(group_hosts)} group_hosts for {num_groups} groups")
         self.key = key if key is not None else os.urandom(32)
+        self.tls = tls is not None
+        """Receivers must speak TLS (the manager tells them so)."""
         self.chunk_bytes, self.keep_versions = chunk_bytes, keep_versions
         self._listeners = _listen([group_hosts[g] if group_hosts else host for g in range(num_groups)], port)
         self.addresses: list[tuple[str, int]] = [s.getsockname()[:2] for s in self._listeners]
@@ -112,7 +116,8 @@ class WeightPublisher:
         os.ftruncate(self._stats_fd, STATS_BYTES)
         self._stats = mmap.mmap(self._stats_fd, STATS_BYTES)
         self._config = dict(key=self.key, chunk_bytes=chunk_bytes, keep_versions=keep_versions, io_timeout_s=io_timeout_s,
-                            handshake_timeout_s=handshake_timeout_s, send_mode=send_mode)  # fmt: skip
+                            handshake_timeout_s=handshake_timeout_s, send_mode=send_mode,
+                            tls_cert_file=tls[0] if tls else None, tls_key_file=tls[1] if tls else None)  # fmt: skip
         self._slots: dict[int, _Slot] = {}
         self._held: dict[int, int] = {}  # version -> slot id, as announced
         self._manifests: dict[int, str] = {}  # version -> its manifest (to announce it again)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import ssl
 import struct
 import sys
 import threading
@@ -45,23 +46,35 @@ class Job:
     port: int
     timeout_s: float
     streams: list[StreamJob]
+    tls: bool = False
+    """The publisher speaks TLS: verify it against `ca_file` (None: the system's store)."""
+    ca_file: str | None = None
 
 
 class PullFailed(Exception):
     pass
 
 
-def pull_stream(host: str, port: int, timeout_s: float, job: StreamJob, view: memoryview) -> None:
+def pull_stream(
+    host: str, port: int, timeout_s: float, job: StreamJob, view: memoryview, tls: ssl.SSLContext | None = None
+) -> None:
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
     except OSError as e:
         raise PullFailed(f"cannot reach the publisher at {host}:{port}: {e}") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls is not None:  # Python's timeout stays (wire.kernel_timeouts says why)
+        try:
+            sock = tls.wrap_socket(sock, server_hostname=host)
+        except OSError as e:
+            sock.close()
+            raise PullFailed(f"TLS with the publisher at {host}:{port} failed: {e}") from None
     with sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(None)  # the kernel enforces the timeout (wire.kernel_timeouts)
-        timeval = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        if tls is None:
+            sock.settimeout(None)  # the kernel enforces the timeout (wire.kernel_timeouts)
+            timeval = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         sock.sendall(job.request)
         status = _recv(sock, memoryview(bytearray(1)))
         if status[0] != 0:
@@ -79,9 +92,10 @@ def pull_stream(host: str, port: int, timeout_s: float, job: StreamJob, view: me
 
 def _recv(sock: socket.socket, view: memoryview) -> memoryview:
     got = 0
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while got < len(view):
         try:
-            n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+            n = sock.recv_into(view[got:], 0, flags)
         except BlockingIOError:  # SO_RCVTIMEO passed with nothing received
             raise PullFailed(f"TimeoutError: no data for the socket's timeout after {got} of {len(view)} bytes") from None
         if n == 0:
@@ -93,10 +107,11 @@ def _recv(sock: socket.socket, view: memoryview) -> memoryview:
 def run(job: Job, view: memoryview) -> str | None:
     """Every stream of `job` on its own thread; the first error, if any."""
     errors: list[str] = []
+    tls = ssl.create_default_context(cafile=job.ca_file) if job.tls else None
 
     def one(stream: StreamJob) -> None:
         try:
-            pull_stream(job.host, job.port, job.timeout_s, stream, view)
+            pull_stream(job.host, job.port, job.timeout_s, stream, view, tls)
         except (OSError, PullFailed) as e:
             errors.append(f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e))
 

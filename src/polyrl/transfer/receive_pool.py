@@ -17,14 +17,19 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import send_handle
+from typing import TYPE_CHECKING
 
 import torch
 
 from polyrl.transfer.pull_proc import Job, StreamJob
 from polyrl.transfer.shm import SharedBuffer
 from polyrl.transfer.wire import OP_CHUNKS, TransferError, TransferInfo, encode_request
+
+if TYPE_CHECKING:
+    from polyrl.transfer.receiver import PullSource
 
 log = logging.getLogger("polyrl.transfer")
 
@@ -73,21 +78,23 @@ class ReceiverPool:
         self._lock = threading.Lock()  # one pull at a time (a worker syncs one version at a time)
         self._buffers: dict[int, LandingBuffer] = {}  # by data_ptr
 
-    def receive(self, host: str, port: int, worker_id: str, token: str, info: TransferInfo,
-                into: LandingBuffer, num_streams: int, timeout_s: float) -> None:  # fmt: skip
-        """Pull every chunk of `info` into `into` over `num_streams` streams; raises
-        TransferError. A process that died is replaced at the next pull."""
+    def receive(
+        self, source: PullSource, info: TransferInfo, into: LandingBuffer, num_streams: int, timeout_s: float
+    ) -> None:
+        """Pull every chunk of `info` from `source` into `into` over `num_streams` streams;
+        raises TransferError. A process that died is replaced at the next pull."""
         version = info.manifest.version
         jobs: dict[int, list[StreamJob]] = {}
         for stream in range(num_streams):
             chunks = [(*info.chunk_range(i), info.chunk_checksums[i]) for i in range(stream, info.num_chunks, num_streams)]
-            request = encode_request(OP_CHUNKS, version, worker_id, token, stream, num_streams)
+            request = encode_request(OP_CHUNKS, version, source.worker_id, source.token, stream, num_streams)
             jobs.setdefault(stream % self.num_processes, []).append(StreamJob(request, chunks))
         with self._lock:
             conns: list[Connection] = []
             try:
                 for i, streams in jobs.items():
-                    conns.append(self._send(i, Job(into.id, False, host, port, timeout_s, streams), into))
+                    job = Job(into.id, False, source.host, source.port, timeout_s, streams, source.tls, source.ca_file)
+                    conns.append(self._send(i, job, into))
             except TransferError:
                 self._kill(set(conns))  # their answers must not be read as the next pull's
                 raise
@@ -115,7 +122,7 @@ class ReceiverPool:
                 buffer.sent_to.discard(proc.process.pid)
         new_fd = proc.process.pid not in into.sent_to
         try:
-            proc.conn.send(Job(job.buffer_id, new_fd, job.host, job.port, job.timeout_s, job.streams))
+            proc.conn.send(replace(job, new_fd=new_fd))
             if new_fd:
                 send_handle(proc.conn, into.fd, proc.process.pid)
                 into.sent_to.add(proc.process.pid)

@@ -20,6 +20,7 @@ import torch
 import xxhash
 from pydantic import ValidationError
 
+from polyrl.tls import client_context
 from polyrl.transfer.compress import decode_zstd
 from polyrl.transfer.delta import apply_delta
 from polyrl.transfer.manifest import Manifest
@@ -58,6 +59,10 @@ class PullSource:
     port: int
     worker_id: str
     token: str
+    tls: bool = False
+    """The publisher speaks TLS (`manager.transfer.tls`)."""
+    ca_file: str | None = None
+    """What its certificate is verified against (None: the system's trust store)."""
 
 
 @dataclass
@@ -77,9 +82,13 @@ class Pulled:
 
 
 def describe(source: PullSource, version: int, timeout_s: float = 30.0) -> TransferInfo:
-    with _connect(source, timeout_s) as sock:
-        sock.sendall(encode_request(OP_DESCRIBE, version, source.worker_id, source.token))
-        status, text = read_reply_text(sock)
+    try:
+        with _connect(source, timeout_s) as sock:
+            sock.sendall(encode_request(OP_DESCRIBE, version, source.worker_id, source.token))
+            status, text = read_reply_text(sock)
+    except OSError as e:  # reset, timed out; a TLS publisher resets a plaintext request
+        hint = "" if source.tls else " (a TLS publisher? manager.transfer.tls)"
+        raise TransferError(f"describing v{version} at {source.host}:{source.port} failed: {type(e).__name__}: {e}{hint}") from None
     if status != STATUS_OK:
         raise TransferError(f"publisher refused v{version}: {text.decode(errors='replace')}")
     return parse_description(text, version)
@@ -145,7 +154,7 @@ def pull(
     num_streams = max(1, min(num_streams, info.num_chunks))
     landing = pool.landing_of(buffer) if pool is not None and total >= MIN_POOL_BYTES else None
     if landing is not None:
-        pool.receive(source.host, source.port, source.worker_id, source.token, info, landing, num_streams, timeout_s)  # type: ignore[union-attr]
+        pool.receive(source, info, landing, num_streams, timeout_s)  # type: ignore[union-attr]
     else:
         _pull_streams(source, info, buffer, num_streams, timeout_s)
     if combined_checksum(info.chunk_checksums) != info.buffer_checksum:  # each chunk matched its own
@@ -264,6 +273,6 @@ def _verify(info: TransferInfo, out: torch.Tensor, what: str) -> None:
 
 
 def _connect(source: PullSource, timeout_s: float) -> socket.socket:
-    sock = connect(source.host, source.port, timeout_s)
+    sock = connect(source.host, source.port, timeout_s, client_context(source.ca_file) if source.tls else None)
     kernel_timeouts(sock, timeout_s)
     return sock

@@ -22,6 +22,7 @@ import mmap
 import os
 import socket
 import socketserver
+import ssl
 import struct
 import threading
 import time
@@ -34,6 +35,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 import numpy as np
 
 from polyrl.lifetime import exit_with_parent
+from polyrl.tls import server_context
 from polyrl.transfer.compress import encode_zstd
 from polyrl.transfer.delta import encode_delta
 from polyrl.transfer.schema import Manifest
@@ -74,6 +76,9 @@ class ServeConfig:
     stats_fd: int
     send_mode: str = "sendall"
     log_level: int = logging.WARNING
+    tls_cert_file: str | None = None
+    """With its key: every connection is TLS (`manager.transfer.tls`)."""
+    tls_key_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -288,6 +293,8 @@ class _Server(socketserver.ThreadingTCPServer):
         super().__init__(listener.getsockname()[:2], _Handler, bind_and_activate=False)
         self.socket.close()
         self.socket, self.versions = listener, versions  # the trainer's socket: bound and listening
+        cfg = versions.cfg
+        self.tls = server_context(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file and cfg.tls_key_file else None
 
     def handle_error(self, request: object, client_address: object) -> None:
         """A handler's unexpected error ends its connection with one line, not a traceback."""
@@ -297,10 +304,14 @@ class _Server(socketserver.ThreadingTCPServer):
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         versions: Versions = self.server.versions  # type: ignore[attr-defined]
+        tls: ssl.SSLContext | None = self.server.tls  # type: ignore[attr-defined]
         sock: socket.socket = self.request
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = f"{self.client_address[0]}:{self.client_address[1]}"
         try:
+            if tls is not None:  # the TLS handshake falls under the request's deadline too
+                sock.settimeout(versions.cfg.handshake_timeout_s)
+                sock = tls.wrap_socket(sock, server_side=True)
             req = read_request(sock, timeout_s=versions.cfg.handshake_timeout_s)
             kernel_timeouts(sock, versions.cfg.io_timeout_s)
             with versions.reading(req.version) as held:
@@ -313,6 +324,8 @@ def serve(versions: Versions, sock: socket.socket, req: Request, held: _Held | N
     if not _token_ok(versions.cfg.key, req):
         log.warning("weight pull refused for %r from %s: bad token for v%d", req.worker_id, peer, req.version)
         send_text(sock, STATUS_REFUSED, b"bad transfer token for this worker and version")
+    elif req.op in GPU_OPS and isinstance(sock, ssl.SSLSocket):
+        send_text(sock, STATUS_REFUSED, f"{GPU_OPS[req.op]} is not served over TLS: pull over TCP".encode())
     elif req.op in GPU_OPS:
         versions.send(GpuConn(req), sock.fileno())  # the trainer serves it from its GPU
         os.close(sock.detach())  # without the shutdown socketserver would send the trainer's peer
@@ -330,7 +343,9 @@ def serve(versions: Versions, sock: socket.socket, req: Request, held: _Held | N
             versions.count_sent(len(payload))
     else:
         sock.sendall(bytes([STATUS_OK]))
-        send = _sendfile if versions.cfg.send_mode == "sendfile" else _sendall
+        # sendfile would bypass the TLS layer: TLS connections always send from this process
+        sendfile = versions.cfg.send_mode == "sendfile" and not isinstance(sock, ssl.SSLSocket)
+        send = _sendfile if sendfile else _sendall
         for index in range(req.stream, held.info.num_chunks, req.num_streams):
             start, end = held.info.chunk_range(index)
             send(sock, held, start, end)

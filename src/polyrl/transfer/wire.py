@@ -18,6 +18,11 @@ it was granted.
     op 5 (INT8)     reply = the same framing; the version quantized to int8, LOSSY
                             (`transfer/quantize.py`)
 
+With `manager.transfer.tls` every connection is TLS from its first byte (the publisher
+presents its certificate, the receiver verifies it against its CA file), then the same
+bytes as above; the GPU ops are refused on such a listener (their socket is handed to
+another process, which a TLS session cannot follow).
+
 Same-host GPU paths (`transfer/device.py`): the same request, then the data moves outside
 this socket, which stays open as the control channel until the transfer ends.
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import socket
+import ssl
 import struct
 import time
 from dataclasses import dataclass
@@ -124,7 +130,8 @@ def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | Non
     kernel for the whole rest of `view` (MSG_WAITALL): one system call and one release of
     the GIL per piece, where a Python-timeout socket polls and wakes per arriving segment."""
     got = 0
-    flags = socket.MSG_WAITALL if deadline is None and sock.gettimeout() is None else 0
+    waitall = deadline is None and sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket)
+    flags = socket.MSG_WAITALL if waitall else 0  # TLS records are read whole by OpenSSL
     while got < len(view):
         if deadline is not None:
             remaining = deadline - time.monotonic()
@@ -144,7 +151,11 @@ def kernel_timeouts(sock: socket.socket, seconds: float) -> None:
     """Make `sock` blocking, with the idle timeout enforced by the kernel (SO_RCVTIMEO,
     SO_SNDTIMEO) rather than by Python, which polls before every send and recv. Bulk
     transfers then move a whole piece per system call; a peer that stalls for `seconds`
-    still ends the call with TimeoutError (recv) or an OSError (send)."""
+    still ends the call with TimeoutError (recv) or an OSError (send). A TLS socket keeps
+    Python's timeout: OpenSSL reads a kernel timeout as 'want read', not as a timeout."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)
+        return
     sock.settimeout(None)
     whole = int(seconds)
     timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
@@ -190,14 +201,21 @@ def read_text(sock: socket.socket) -> bytes:
     return recv_exact(sock, length)
 
 
-def connect(host: str, port: int, timeout_s: float) -> socket.socket:
-    """A connection to the publisher; TransferError when it cannot be reached."""
+def connect(host: str, port: int, timeout_s: float, tls: ssl.SSLContext | None = None) -> socket.socket:
+    """A connection to the publisher (TLS, its certificate verified, with `tls`);
+    TransferError when it cannot be reached or its certificate does not verify."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
     except OSError as e:
         raise TransferError(f"cannot reach the publisher at {host}:{port}: {e}") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
+    if tls is None:
+        return sock
+    try:
+        return tls.wrap_socket(sock, server_hostname=host)
+    except (OSError, ValueError) as e:  # ssl.SSLError (a bad certificate) is an OSError
+        sock.close()
+        raise TransferError(f"TLS with the publisher at {host}:{port} failed: {e}") from None
 
 
 def read_reply_text(sock: socket.socket) -> tuple[int, bytes]:

@@ -20,14 +20,14 @@ import socket
 from typing import Any
 
 import torch
-import uvicorn
 
 from polyrl.config import LoraConfig, WorkerRunConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.engine.lora import AdapterMerger, expected_spec
 from polyrl.manager.protocol import Heartbeat, RegisterRequest, RegisterResponse
-from polyrl.serving import QuietServer, bind, http_url, wait_started
+from polyrl.serving import QuietServer, bind, server_config, wait_started
+from polyrl.tls import base_url
 from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession, ManagerUnreachable
 from polyrl.worker.server import WorkerState, create_app
 
@@ -83,16 +83,13 @@ async def _serve(cfg: WorkerRunConfig, engine: AsyncEngine, tokenizer: Any | Non
         max_num_seqs=cfg.engine.max_num_seqs,
         token=cfg.worker.token or os.environ.get("POLYRL_TOKEN") or None,
         stream_interval_s=cfg.worker.stream_interval_s,
+        ca_file=cfg.worker.tls.ca_file,
     )
-    config = uvicorn.Config(
-        create_app(state), log_config=None, log_level="warning", access_log=False, lifespan="off",
-        timeout_graceful_shutdown=int(FLUSH_TIMEOUT_S),
-    )  # fmt: skip
-    server = QuietServer(config)
+    server = QuietServer(server_config(create_app(state), cfg.worker.http, cfg.worker.tls, int(FLUSH_TIMEOUT_S)))
     _install_signal_handlers(state)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     await wait_started(server, serving)
-    print(f"polyrl worker {state.worker_id} serving on {http_url(host, port)}", flush=True)
+    print(f"polyrl worker {state.worker_id} serving on {base_url(host, port, cfg.worker.tls.enabled)}", flush=True)
     session = _manager_session(cfg, state, port) if cfg.worker.manager_url else None
     membership = asyncio.create_task(session.run()) if session else None
     exit_code = await _wait_for_end(state, serving, membership)
@@ -120,8 +117,9 @@ def _install_signal_handlers(state: WorkerState) -> None:
 def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> ManagerSession:
     w = cfg.worker
     assert w.manager_url is not None
-    advertise = w.advertise_url or http_url(socket.gethostname() if w.host in ("0.0.0.0", "::") else w.host, port)
-    client = ManagerClient(w.manager_url, w.token or os.environ.get("POLYRL_TOKEN"), w.manager_request_timeout_s)
+    host = socket.gethostname() if w.host in ("0.0.0.0", "::") else w.host
+    advertise = w.advertise_url or base_url(host, port, w.tls.enabled)
+    client = ManagerClient(w.manager_url, w.token or os.environ.get("POLYRL_TOKEN"), w.manager_request_timeout_s, w.tls.ca_file)
 
     def registration() -> RegisterRequest:
         return RegisterRequest(

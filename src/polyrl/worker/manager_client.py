@@ -25,6 +25,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from polyrl.manager.protocol import Heartbeat, LeaveRequest, RegisterRequest, RegisterResponse
+from polyrl.tls import async_http_client, certificate_error
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +48,16 @@ class ManagerClient:
     `transport` lets tests swap the network (httpx.MockTransport)."""
 
     def __init__(
-        self, base_url: str, token: str | None, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        base_url: str,
+        token: str | None,
+        timeout_s: float,
+        ca_file: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport)
+        self._http = async_http_client(ca_file, base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport)
 
     async def post(self, path: str, message: BaseModel, timeout_s: float | None = None) -> httpx.Response:
         timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
@@ -129,6 +135,8 @@ class ManagerSession:
                     return self._registered(response)
                 self._outage_started(f"HTTP {response.status_code}")
             except httpx.TransportError as e:
+                if certificate_error(e) is not None:
+                    raise ManagerRejected(f"{self.client.base_url}: {certificate_error(e)} (check worker.tls.ca_file)") from None
                 self._outage_started(_describe(e))
             await asyncio.sleep(min(delay_s, self._time_left_s()))  # the last try comes at the deadline
             delay_s = min(delay_s * 2, self.max_backoff_s)

@@ -182,6 +182,8 @@ class UpdateWeightsFromPublisherRequest(_Wire):
     """tcp: pull over the network (with `codec`). On the trainer's host: nccl (its GPU
     broadcasts to ours) or cuda_ipc (our engine is on its GPU); either falls back to tcp
     if it fails. The reply says which path was taken."""
+    tls: bool = False
+    """The publisher speaks TLS: verify it against `worker.tls.ca_file` (tcp path only)."""
 
 
 # --------------------------------------------------------------------------------- responses

@@ -94,8 +94,11 @@ class WorkerState:
         health_timeout_s: float = 10.0,
         token: str | None = None,
         stream_interval_s: float = 0.0,
+        ca_file: str | None = None,
     ) -> None:
         self.engine = engine
+        self.ca_file = ca_file
+        """What a TLS publisher's certificate is verified against (`worker.tls.ca_file`)."""
         self.token = token
         """Required (as a bearer token) by the endpoints that act: generate, abort, load
         weights, shut down. A worker with a manager shares the manager's token; without
@@ -438,7 +441,7 @@ class _Handlers:
         return JSONResponse(UpdateWeightsResponse(success=True, message=message, weight_version=version).model_dump())
 
     async def update_weights_from_publisher(self, body: UpdateWeightsFromPublisherRequest) -> Response:
-        source = PullSource(body.host, body.port, body.worker_id, body.token)
+        source = PullSource(body.host, body.port, body.worker_id, body.token, body.tls, self.state.ca_file)
         receiver = self.state.weight_receiver
         t0 = time.perf_counter()
         try:

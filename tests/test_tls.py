@@ -1,0 +1,201 @@
+"""Encrypted links and bounded connections: `polyrl train` through a TLS manager and TLS
+workers with a self-signed CA (weights pulled over TLS too), clients without the CA
+refused; the weight data plane over TLS bit-exact, a plaintext receiver refused; and
+slow-drip clients closed on time while the number of open connections stays bounded."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from test_e2e import QUICK, _check_every_step, _metrics
+from test_manager import TOKEN, fast_cfg
+from test_transfer import CHUNK, assert_same, pool, weights  # noqa: F401 - a fixture
+
+from polyrl.config import HttpLimitsConfig, TlsConfig, load_config
+from polyrl.manager.main import ManagerThread
+from polyrl.status import StatusError, fetch
+from polyrl.tls import http_client
+from polyrl.trainer.loop import train
+from polyrl.transfer.manifest import unflatten
+from polyrl.transfer.publisher import WeightPublisher
+from polyrl.transfer.receive_pool import ReceiverPool
+from polyrl.transfer.receiver import PullSource, pull
+from polyrl.transfer.wire import TransferError
+
+
+@pytest.mark.slow
+def test_train_through_a_tls_manager_and_workers(tmp_path: Path, tls_files: dict[str, str]) -> None:
+    """Manager, local worker and a launched worker serve HTTPS with a certificate of our
+    own CA; the trainer and the workers verify it; weights travel over TLS. A client
+    without the CA is refused, and plain HTTP on the HTTPS port gets nothing."""
+    run_dir = tmp_path / "run"
+    tls = [f'manager.tls.{k}_file="{tls_files[v]}"' for k, v in (("cert", "cert"), ("key", "key"), ("ca", "ca"))]
+    overrides = [*QUICK, "trainer.total_steps=2", "fleet.num_workers=1", "manager.transfer.tls=true",
+                 f'manager.token="{TOKEN}"', *tls]  # fmt: skip
+    seen: dict[str, object] = {}
+
+    def on_step_end(step: int, metrics: dict[str, float]) -> None:
+        if step != 1:
+            return
+        info = json.loads((run_dir / "manager.json").read_text())
+        url = seen["url"] = info["url"]
+        assert info["ca_file"] == tls_files["ca"]
+        seen["fleet"] = fetch(url, TOKEN, ca_file=tls_files["ca"])  # `polyrl status --ca-file`
+        with pytest.raises(StatusError, match="CERTIFICATE_VERIFY_FAILED"):
+            fetch(url, TOKEN)  # the system's trust store does not know our CA
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"{url}/health")
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url.replace('https://', 'http://')}/health")
+
+    train(load_config(None, overrides), run_dir, on_step_end=on_step_end)
+    rows = _metrics(run_dir)
+    _check_every_step(rows)
+    assert [r["rollout/local_samples"] for r in rows] == [0, 0]  # the launched worker served every sample
+    assert str(seen["url"]).startswith("https://127.0.0.1:")
+    assert {w.worker_id for w in seen["fleet"].workers} >= {"w0", "local"}  # type: ignore[attr-defined]
+    worker_log = (run_dir / "workers" / "w0.log").read_text()
+    assert "serving on https://" in worker_log and "pulled v1" in worker_log
+
+
+@pytest.fixture
+def tls_publisher(tls_files: dict[str, str]) -> Iterator[WeightPublisher]:
+    with WeightPublisher(chunk_bytes=CHUNK, tls=(tls_files["cert"], tls_files["key"])) as pub:
+        yield pub
+
+
+def test_weight_pulls_over_tls_are_bit_exact_and_plaintext_is_refused(
+    tls_publisher: WeightPublisher, tls_files: dict[str, str], pool: ReceiverPool  # noqa: F811
+) -> None:
+    sent = weights(7)
+    tls_publisher.publish(sent, 1)
+    host, port = tls_publisher.address
+    ok = PullSource(host, port, "w1", tls_publisher.grant("w1", 1), tls=True, ca_file=tls_files["ca"])
+    for streams in (1, 4):
+        got = pull(ok, 1, num_streams=streams)  # threads of this process
+        assert_same(unflatten(got.buffer, got.manifest), sent)
+    landing = pool.landing(got.manifest.total_bytes, pin=False)
+    got = pull(ok, 1, num_streams=3, into=landing.tensor, pool=pool)  # receiver processes
+    assert got.buffer.data_ptr() == landing.tensor.data_ptr()
+    assert_same(unflatten(got.buffer, got.manifest), sent)
+    t0 = time.monotonic()
+    with pytest.raises(TransferError):  # plaintext against TLS: the handshake fails, the pull ends at once
+        pull(PullSource(host, port, "w1", ok.token), 1, num_streams=2, timeout_s=5)
+    with pytest.raises(TransferError, match="CERTIFICATE_VERIFY_FAILED"):  # TLS without our CA
+        pull(PullSource(host, port, "w1", ok.token, tls=True), 1, num_streams=2, timeout_s=5)
+    assert time.monotonic() - t0 < 4
+    got = pull(ok, 1, num_streams=2)  # the publisher still serves
+    assert_same(unflatten(got.buffer, got.manifest), sent)
+
+
+def _drip(port: int, context: ssl.SSLContext | None, data: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    if context is not None:
+        sock = context.wrap_socket(sock, server_hostname="127.0.0.1")
+    if data:
+        sock.sendall(data)
+    return sock
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    parts = []
+    while chunk := sock.recv(4096):
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+@pytest.mark.parametrize(("with_tls", "parser"), [(False, "auto"), (True, "auto"), (False, "h11")])
+def test_slow_drip_clients_are_closed_and_connections_are_bounded(
+    with_tls: bool, parser: str, tls_files: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Headers dripped and stalled, a body cut short, a connection that sends nothing:
+    all closed after their timeouts (408 where no response began). One connection over
+    the limit gets 503 at once; a normal request succeeds before and after. With
+    uvicorn's h11 parser too (what it uses where httptools is not installed)."""
+    if parser == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        monkeypatch.setattr("polyrl.serving.AutoHTTPProtocol", H11Protocol)
+    tls = TlsConfig(cert_file=tls_files["cert"], key_file=tls_files["key"], ca_file=tls_files["ca"]) if with_tls else TlsConfig()
+    limits = HttpLimitsConfig(max_connections=8, header_timeout_s=0.6, body_timeout_s=0.6)
+    context = ssl.create_default_context(cafile=tls_files["ca"]) if with_tls else None
+    with ManagerThread(fast_cfg(tls=tls, http=limits)) as mt, http_client(tls.ca_file, base_url=mt.url) as client:
+        port = int(mt.url.rsplit(":", 1)[1])
+        t0 = time.monotonic()
+        stalled = [_drip(port, context, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ") for _ in range(5)]
+        stalled.append(_drip(port, context, b""))  # connects, says nothing
+        body = json.dumps({"worker_id": "w"}).encode()
+        head = f"POST /v1/workers/heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+        stalled.append(_drip(port, context, head.encode() + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode() + body[:3]))
+        assert client.get("/health").status_code == 200  # the 8th connection: still served
+        over = _drip(port, context, b"")
+        assert _read_all(over).startswith(b"HTTP/1.1 503 "), "a 9th connection is refused"
+        replies = [_read_all(s) for s in stalled]  # each ends when the service closes it
+        elapsed = time.monotonic() - t0
+        assert all(r.startswith(b"HTTP/1.1 408 ") for r in replies[:6]), replies
+        assert b"200 OK" not in replies[6]  # the cut body never reached a handler's success
+        assert 0.5 < elapsed < 3.0, elapsed
+        for s in [*stalled, over]:
+            s.close()
+        deadline = time.monotonic() + 5
+        while len(mt.service.server.server_state.connections) > 1 and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.05)
+        assert len(mt.service.server.server_state.connections) <= 1  # type: ignore[union-attr]
+        assert client.get("/health").status_code == 200
+
+
+def test_tls_config_errors_name_the_key(tmp_path: Path, tls_files: dict[str, str]) -> None:
+    from polyrl.config import ConfigError
+
+    cases = {
+        "manager.transfer.tls=true": "manager.transfer.tls needs manager.tls.cert_file",
+        f'manager.tls.cert_file="{tls_files["cert"]}"': "cert_file and key_file go together",
+        f'manager.tls.ca_file="{tmp_path / "nope.pem"}"': "manager.tls.ca_file: Value error, not a file",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [override])
+    cfg = load_config(None, [f'manager.tls.{k}_file="{tls_files[k]}"' for k in ("cert", "key")] + ["manager.transfer.tls=true"])
+    assert cfg.manager.tls.enabled and cfg.manager.transfer.tls
+
+
+def test_a_certificate_that_does_not_verify_is_not_retried(tls_files: dict[str, str]) -> None:
+    """A wrong CA file is a setting to fix, not an outage: the trainer's link and a worker's
+    registration stop at once with a message naming the key, where a refused connection
+    would be retried."""
+    import asyncio
+
+    from polyrl.config import ConfigError
+    from polyrl.manager.protocol import Heartbeat, RegisterRequest
+    from polyrl.rollout.manager_link import ManagerLink
+    from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession
+
+    tls = TlsConfig(cert_file=tls_files["cert"], key_file=tls_files["key"])
+    with ManagerThread(fast_cfg(tls=tls)) as mt:
+        link = ManagerLink(mt.url, TOKEN, retry_s=30)
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match="CERTIFICATE_VERIFY_FAILED.*manager.tls.ca_file"):
+            link.workers()
+        link.close()
+        registration = RegisterRequest(worker_id="w", url="https://127.0.0.1:9", model_path="m", weight_version=0,
+                                       max_num_seqs=1, max_model_len=8)  # fmt: skip
+
+        async def register() -> None:
+            client = ManagerClient(mt.url, TOKEN, 5.0)
+            try:
+                beat = Heartbeat(state="active", weight_version=0, num_running=0, num_waiting=0, gen_throughput=0.0)
+                await ManagerSession(client, lambda: registration, lambda: beat, 1.0).register()
+            finally:
+                await client.aclose()
+
+        with pytest.raises(ManagerRejected, match="worker.tls.ca_file"):
+            asyncio.run(register())
+        assert time.monotonic() - t0 < 5
+        assert ManagerLink(mt.url, TOKEN, ca_file=tls_files["ca"]).workers().workers == []
