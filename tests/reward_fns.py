@@ -4,6 +4,7 @@ children inherit the parent's sys.path)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -27,3 +28,19 @@ def flaky(prompts: list[str], completions: list[str], mode: list[str], **_) -> l
     if how == "sleep":
         time.sleep(60)
     return [1.0] * n
+
+
+def hang_when_told(prompts: list[str], completions: list[str], hang: list[str], **_) -> list[float]:
+    """`length_reward`, but while the file `hang[0]` exists a call first writes its worker's
+    pid to `hang[0] + ".pid"` and waits a second there: time for a test to signal the worker."""
+    if os.path.exists(hang[0]):
+        with open(hang[0] + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(hang[0] + ".tmp", hang[0] + ".pid")
+        time.sleep(1.0)
+    return length_reward(prompts, completions)
+
+
+def kill_own_worker(prompts: list[str], completions: list[str], **_) -> list[float]:
+    """Ends its worker process at once, as a crash or the out-of-memory killer would."""
+    os._exit(3)

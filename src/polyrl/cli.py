@@ -58,6 +58,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train_main(args: argparse.Namespace, dp: DataParallel) -> int:
     from polyrl.data.atropos_client import AtroposError
+    from polyrl.data.rewards import RewardPoolError
     from polyrl.trainer.loop import train
 
     if args.resume:
@@ -75,7 +76,7 @@ def _train_main(args: argparse.Namespace, dp: DataParallel) -> int:
     log.info("run directory: %s", run_dir)
     try:
         train(cfg, run_dir, resume=bool(args.resume), dp=dp)
-    except AtroposError as e:  # the API is gone or refuses: one line, and how to go on
+    except (AtroposError, RewardPoolError) as e:  # the API is gone, reward workers keep dying: one line, how to go on
         log.error("%s; continue with: polyrl train --resume %s", e, run_dir)
         return 1
     except KeyboardInterrupt:
