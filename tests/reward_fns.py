@@ -44,3 +44,17 @@ def hang_when_told(prompts: list[str], completions: list[str], hang: list[str], 
 def kill_own_worker(prompts: list[str], completions: list[str], **_) -> list[float]:
     """Ends its worker process at once, as a crash or the out-of-memory killer would."""
     os._exit(3)
+
+
+def one_plus_length(prompts: list[str], completions: list[str], **_) -> list[float]:
+    """1 + length / 100: every score this function gives is >= 1, so a 0.0 in a run's metrics
+    came from somewhere else. If $POLYRL_TEST_CRASH_ONCE names a file that does not exist
+    yet, the first call creates it and ends its worker (a crash the pool must retry)."""
+    marker = os.environ.get("POLYRL_TEST_CRASH_ONCE")
+    if marker:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            os._exit(3)
+        except FileExistsError:
+            pass
+    return [1.0 + len(c) / 100 for c in completions]

@@ -189,18 +189,19 @@ class RewardFuture:
                 self._pool._restart(gen, by_timeout=True)
                 return None
             except (BrokenProcessPool, CancelledError) as e:
-                if not gen.ended_by_timeout:
+                if not gen.ended_by_timeout:  # else another call's timeout killed this one's worker
                     crashes += 1
-                    self._pool._restart(gen, by_timeout=False)
+                    restarted = self._pool._restart(gen, by_timeout=False)
                     if crashes > CRASH_RETRIES:
                         raise RewardPoolError(
                             f"reward function {path}: its worker died {crashes} times in a row "
                             f"({type(e).__name__}: {e}); stopping rather than scoring {n} samples 0.0"
                         ) from None
-                    logger.warning(
-                        "reward function %s: its worker died (%s); scoring the %d samples again on a "
-                        "fresh worker (retry %d of %d)", path, e or type(e).__name__, n, crashes, CRASH_RETRIES,
-                    )  # fmt: skip
+                    if restarted:  # one line per dead worker, not per call it held
+                        logger.warning(
+                            "reward function %s: its worker died (%s); scoring again on a fresh worker "
+                            "(retry %d of %d)", path, e or type(e).__name__, crashes, CRASH_RETRIES,
+                        )  # fmt: skip
                 future, gen = self._pool._submit_one(path, *self._args)
             except Exception as e:  # noqa: BLE001 - a reward bug must never stop training
                 logger.warning(
@@ -290,16 +291,17 @@ class RewardPool:
         """Blocking convenience: `submit(...).result()`."""
         return self.submit(prompts, completions, columns).result()
 
-    def _restart(self, gen: _Generation, by_timeout: bool) -> None:
+    def _restart(self, gen: _Generation, by_timeout: bool) -> bool:
         """Kill the workers of `gen` and start fresh ones, so a hung function cannot wedge the
-        pool and a dead worker is replaced. A no-op when `gen` was already replaced or the
-        pool closed."""
+        pool and a dead worker is replaced. False (nothing done) when `gen` was already
+        replaced or the pool closed."""
         with self._lock:
             if self._gen is not gen:
-                return
+                return False
             gen.ended_by_timeout = by_timeout
             self._gen = self._start_generation(gen.number + 1)
         _kill_executor(gen.executor)
+        return True
 
     def close(self) -> None:
         """Stop the workers; in-flight calls are abandoned (their `result()` raises)."""
