@@ -25,8 +25,9 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from polyrl.config import load_config
+from polyrl.lifetime import HURRY, wait_unless_hurried
 from polyrl.trainer.checkpoint import MODEL_DIR, latest_checkpoint, read_trainer_state
-from polyrl.trainer.loop import train
+from polyrl.trainer.loop import StopRequest, train
 
 TOTAL_STEPS = 14
 OVERRIDES = [
@@ -209,3 +210,31 @@ def test_ctrl_c_twice_and_kill_minus_9_leave_a_resumable_run_and_no_process(tmp_
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def test_ctrl_c_during_the_cleanup_hurries_it_instead_of_cutting_it_short() -> None:
+    """In the loop: the first Ctrl-C asks for a stop, the second stops at once. In the
+    cleanup after it, Ctrl-C only hurries the children's end (a cleanup cut short would
+    leave them running); a child's stop then no longer waits for it to drain."""
+    with StopRequest() as stop:
+        stop._handle(signal.SIGINT, None)
+        assert stop.requested and not HURRY.is_set()
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)
+        assert HURRY.is_set()
+    with StopRequest() as stop:
+        assert not HURRY.is_set()  # each run starts unhurried
+        stop.closing = True
+        stop._handle(signal.SIGINT, None)  # no KeyboardInterrupt
+        assert HURRY.is_set()
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            start = time.monotonic()
+            assert not wait_unless_hurried(child, 30.0)
+            assert time.monotonic() - start < 1.0
+        finally:
+            child.kill()
+            child.wait()
+        with pytest.raises(KeyboardInterrupt):  # a user who insists still gets out
+            stop._handle(signal.SIGINT, None)
+    HURRY.clear()

@@ -130,8 +130,8 @@ class StopRequest:
             return
         if not HURRY.is_set():
             HURRY.set()
-            log.warning("Ctrl-C again: stopping now%s; the run's processes are killed",
-                        "" if self.closing else " without saving this step")  # fmt: skip
+            log.warning("Ctrl-C%s: stopping now%s; the run's processes are killed, not drained",
+                        " again" if self.requested else "", "" if self.closing else " without saving this step")  # fmt: skip
             if self.closing:
                 return
         raise KeyboardInterrupt
