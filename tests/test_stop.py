@@ -213,10 +213,18 @@ def test_ctrl_c_twice_and_kill_minus_9_leave_a_resumable_run_and_no_process(tmp_
 
 
 def test_ctrl_c_during_the_cleanup_hurries_it_instead_of_cutting_it_short() -> None:
-    """In the loop: the first Ctrl-C asks for a stop, the second stops at once. In the
-    cleanup after it, Ctrl-C only hurries the children's end (a cleanup cut short would
-    leave them running); a child's stop then no longer waits for it to drain."""
+    """In the loop: the first Ctrl-C asks for a stop, the second stops at once. During the
+    start-up the first stops at once. In a cleanup, Ctrl-C only hurries the children's end
+    (a cleanup cut short would leave them running); a child's stop then no longer waits
+    for it to drain."""
     with StopRequest() as stop:
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)
+        assert stop.closing and not HURRY.is_set()
+        stop._handle(signal.SIGINT, None)  # in the start-up's cleanup: hurry it, do not cut it
+        assert HURRY.is_set()
+    with StopRequest() as stop:
+        stop.started = True
         stop._handle(signal.SIGINT, None)
         assert stop.requested and not HURRY.is_set()
         with pytest.raises(KeyboardInterrupt):
@@ -224,7 +232,7 @@ def test_ctrl_c_during_the_cleanup_hurries_it_instead_of_cutting_it_short() -> N
         assert HURRY.is_set()
     with StopRequest() as stop:
         assert not HURRY.is_set()  # each run starts unhurried
-        stop.closing = True
+        stop.started = stop.closing = True
         stop._handle(signal.SIGINT, None)  # no KeyboardInterrupt
         assert HURRY.is_set()
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -80,6 +81,7 @@ def _train_main(args: argparse.Namespace, dp: DataParallel) -> int:
         log.error("%s; continue with: polyrl train --resume %s", e, run_dir)
         return 1
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopped already: a late Ctrl-C must not turn exit 130 into a traceback
         log.warning("stopped; continue with: polyrl train --resume %s", run_dir)
         return 130
     return 0

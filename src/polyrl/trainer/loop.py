@@ -45,9 +45,10 @@ def train(
     on_step_end: Callable[[int, dict[str, float]], None] | None = None,
     dp: DataParallel | None = None,
 ) -> TrainState:
-    run = Run.create(cfg, run_dir, resume, dp or DataParallel())
     tcfg = cfg.trainer
     with StopRequest() as stop:
+        run = Run.create(cfg, run_dir, resume, dp or DataParallel())
+        stop.started = True
         try:
             with _progress(cfg.logging.console) as progress:
                 bar = progress.add_task("train", total=tcfg.total_steps, completed=run.state.step)
@@ -115,17 +116,25 @@ class StopRequest:
     """First Ctrl-C: finish the current step, save, stop. Second: stop at once, no save (a
     save mid-step would mix two steps' state and break exact resume; the last checkpoint on
     disk stays whole, as each is renamed into place), and the run's children are killed
-    rather than drained (`lifetime.HURRY`). During the cleanup after the loop, Ctrl-C only
-    hurries it (a cleanup cut short would leave children to their parent-death signal)."""
+    rather than drained (`lifetime.HURRY`). During the start-up nothing is trained yet: the
+    first Ctrl-C stops at once. In a cleanup (after the loop, or of a start-up cut short),
+    Ctrl-C only hurries it: a cleanup cut short would leave children to their parent-death
+    signal. A third Ctrl-C gets out anyway."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.started = False
+        """Set once the run is built: from then on the first Ctrl-C waits for the step."""
         self.closing = False
         self._previous = None
 
     def _handle(self, signum, frame) -> None:
         if not self.requested and not self.closing:
             self.requested = True
+            if not self.started:
+                self.closing = True  # what runs next is the start-up's cleanup
+                log.warning("Ctrl-C: stopping the start-up (Ctrl-C again to kill what it started)")
+                raise KeyboardInterrupt
             log.warning("Ctrl-C: finishing this step, then saving (Ctrl-C again to stop without saving)")
             return
         if not HURRY.is_set():
