@@ -69,9 +69,9 @@ def _init_worker(paths: list[str], parent_pid: int) -> None:
 
     A terminal's Ctrl-C goes to its whole foreground process group; a pool worker in the
     trainer's group died of it, and its calls read as crashes. Ctrl-C is the trainer's to
-    handle (finish the step, save): the worker was started with SIGINT blocked (see
-    `RewardPool._start_generation`), so one that came during start-up waits pending until
-    it is ignored here, and dropped. The worker also dies with the trainer, even by kill -9
+    handle (finish the step, save): the worker was started with SIGINT blocked (by the
+    pool's starter thread, `RewardPool.__init__`), so one that came during its start-up
+    waits pending until it is ignored here, and dropped. The worker also dies with the trainer, even by kill -9
     (an orphaned pool worker kept multiprocessing's resource tracker alive, holding its pipe)."""
     os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
