@@ -105,6 +105,27 @@ def test_a_signalled_worker_scores_and_a_killed_one_is_retried(tmp_path, caplog)
         assert "died" in lines[0] and "retry 1 of 2" in lines[0]
 
 
+def test_workers_restarted_from_a_thread_outlive_it(caplog):
+    """A timeout restarts the pool from whichever thread waited; the new workers' parent-death
+    signal must not fire when that thread ends (it fires on the end of the *thread* that
+    started a process), or the next call would find them killed."""
+    import threading
+
+    with RewardPool(["reward_fns:flaky"], timeout_s=0.5) as pool:
+        def time_out_then_score() -> None:
+            pool.score(PROMPTS, COMPLETIONS, {"mode": ["sleep"] * 3})
+            _score(pool, "ok")  # the new workers are up (and have asked for their signal) while it lives
+
+        waiter = threading.Thread(target=time_out_then_score)
+        waiter.start()
+        waiter.join()
+        time.sleep(0.5)  # time for a parent-death signal to land
+        caplog.clear()  # the timeout's own line
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert _score(pool, "ok") == [1.0, 1.0, 1.0]
+        assert not [r for r in caplog.records if r.name == LOGGER]
+
+
 def test_a_function_that_keeps_killing_its_worker_stops_scoring():
     """Bounded retries, then an error: never a 0.0 that no function produced."""
     with RewardPool(["reward_fns:kill_own_worker"], timeout_s=30) as pool:
