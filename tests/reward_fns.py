@@ -4,6 +4,7 @@ children inherit the parent's sys.path)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -27,3 +28,33 @@ def flaky(prompts: list[str], completions: list[str], mode: list[str], **_) -> l
     if how == "sleep":
         time.sleep(60)
     return [1.0] * n
+
+
+def hang_when_told(prompts: list[str], completions: list[str], hang: list[str], **_) -> list[float]:
+    """`length_reward`, but while the file `hang[0]` exists a call first writes its worker's
+    pid to `hang[0] + ".pid"` and waits a second there: time for a test to signal the worker."""
+    if os.path.exists(hang[0]):
+        with open(hang[0] + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(hang[0] + ".tmp", hang[0] + ".pid")
+        time.sleep(1.0)
+    return length_reward(prompts, completions)
+
+
+def kill_own_worker(prompts: list[str], completions: list[str], **_) -> list[float]:
+    """Ends its worker process at once, as a crash or the out-of-memory killer would."""
+    os._exit(3)
+
+
+def one_plus_length(prompts: list[str], completions: list[str], **_) -> list[float]:
+    """1 + length / 100: every score this function gives is >= 1, so a 0.0 in a run's metrics
+    came from somewhere else. If $POLYRL_TEST_CRASH_ONCE names a file that does not exist
+    yet, the first call creates it and ends its worker (a crash the pool must retry)."""
+    marker = os.environ.get("POLYRL_TEST_CRASH_ONCE")
+    if marker:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            os._exit(3)
+        except FileExistsError:
+            pass
+    return [1.0 + len(c) / 100 for c in completions]

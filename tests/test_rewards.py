@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # so `reward_fns` imports under any import mode
 
-from polyrl.data.rewards import RewardPool, load_callable  # noqa: E402
+from polyrl.data.rewards import RewardPool, RewardPoolError, load_callable  # noqa: E402
 
 LOGGER = "polyrl.data.rewards"
 PROMPTS = ["p1", "p2", "p3"]
@@ -30,6 +30,12 @@ def pool():
 
 def _score(pool: RewardPool, mode: str) -> list[float]:
     return pool.score(PROMPTS, COMPLETIONS, {"mode": [mode] * len(PROMPTS)})
+
+
+def _num_failed(pool: RewardPool, mode: str) -> int:
+    future = pool.submit(PROMPTS, COMPLETIONS, {"mode": [mode] * len(PROMPTS)})
+    future.result()
+    return future.num_failed
 
 
 def test_load_callable_resolves_and_rejects():
@@ -63,6 +69,7 @@ def test_bad_function_scores_zero_and_logs_once(pool, caplog, mode):
     if mode == "raise":
         assert "boom" in lines[0]
     assert _score(pool, "ok") == [2.5, 4.5, 8.5]  # the pool keeps working
+    assert _num_failed(pool, mode) == 3 and _num_failed(pool, "ok") == 0  # reward/failed_samples
 
 
 def test_timeout_scores_zero_then_pool_recovers(pool, caplog):
@@ -72,6 +79,68 @@ def test_timeout_scores_zero_then_pool_recovers(pool, caplog):
     assert time.monotonic() - start < 10
     assert any("timed out" in r.getMessage() for r in caplog.records)
     assert _score(pool, "ok") == [2.5, 4.5, 8.5]
+
+
+def test_a_signalled_worker_scores_and_a_killed_one_is_retried(tmp_path, caplog):
+    """SIGINT (a terminal's Ctrl-C reaches its whole process group) does not touch a pool
+    worker, which has a session of its own; a worker killed mid-call is infrastructure: the
+    call runs again on a fresh worker, and the scores are the function's, not 0.0."""
+    import os
+    import signal
+
+    hang = tmp_path / "hang"
+    columns = {"hang": [str(hang)] * len(PROMPTS)}
+    with caplog.at_level(logging.WARNING, logger=LOGGER), RewardPool(["reward_fns:hang_when_told"], timeout_s=30) as pool:
+        for sig in (signal.SIGINT, signal.SIGKILL):
+            hang.touch()
+            future = pool.submit(PROMPTS, COMPLETIONS, columns)
+            pid = _wait_for_pid(hang.with_suffix(".pid"))
+            assert os.getsid(pid) != os.getsid(0)
+            if sig == signal.SIGKILL:
+                hang.unlink()  # the retry scores at once
+            os.kill(pid, sig)
+            assert future.result() == [1.0, 2.0, 4.0] and future.num_failed == 0
+            lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+            assert lines == ([] if sig == signal.SIGINT else [lines[0]]), lines
+        assert "died" in lines[0] and "retry 1 of 2" in lines[0]
+
+
+def test_workers_restarted_from_a_thread_outlive_it(caplog):
+    """A timeout restarts the pool from whichever thread waited; the new workers' parent-death
+    signal must not fire when that thread ends (it fires on the end of the *thread* that
+    started a process), or the next call would find them killed."""
+    import threading
+
+    with RewardPool(["reward_fns:flaky"], timeout_s=0.5) as pool:
+        def time_out_then_score() -> None:
+            pool.score(PROMPTS, COMPLETIONS, {"mode": ["sleep"] * 3})
+            _score(pool, "ok")  # the new workers are up (and have asked for their signal) while it lives
+
+        waiter = threading.Thread(target=time_out_then_score)
+        waiter.start()
+        waiter.join()
+        time.sleep(0.5)  # time for a parent-death signal to land
+        caplog.clear()  # the timeout's own line
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert _score(pool, "ok") == [1.0, 1.0, 1.0]
+        assert not [r for r in caplog.records if r.name == LOGGER]
+
+
+def test_a_function_that_keeps_killing_its_worker_stops_scoring():
+    """Bounded retries, then an error: never a 0.0 that no function produced."""
+    with RewardPool(["reward_fns:kill_own_worker"], timeout_s=30) as pool:
+        with pytest.raises(RewardPoolError, match="died 3 times"):
+            pool.score(PROMPTS, COMPLETIONS)
+
+
+def _wait_for_pid(path: Path) -> int:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert time.monotonic() < deadline, "the reward function never started"
+        time.sleep(0.02)
+    pid = int(path.read_text())
+    path.unlink()
+    return pid
 
 
 def test_bad_path_fails_at_construction():

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -102,6 +103,7 @@ def train_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
 
 def _train_main(cfg: RunConfig, run_dir: Path, resume: bool, dp: DataParallel) -> int:
     from polyrl.data.atropos_client import AtroposError
+    from polyrl.data.rewards import RewardPoolError
     from polyrl.trainer.loop import train
 
     log.info("run directory: %s", run_dir)
@@ -112,10 +114,11 @@ def _train_main(cfg: RunConfig, run_dir: Path, resume: bool, dp: DataParallel) -
         if not resume:
             _discard_unstarted_run(run_dir, before)
         raise
-    except AtroposError as e:  # the API is gone or refuses: one line, and how to go on
+    except (AtroposError, RewardPoolError) as e:  # the API is gone, reward workers keep dying: one line, how to go on
         log.error("%s; continue with: polyrl train --resume %s", e, run_dir)
         return 1
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopped already: a late Ctrl-C must not turn exit 130 into a traceback
         log.warning("stopped; continue with: polyrl train --resume %s", run_dir)
         return 130
     return 0

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from polyrl.lifetime import die_with_parent
+from polyrl.lifetime import die_with_parent, wait_unless_hurried
 
 STOP_TIMEOUT_S = 15.0
 """After SIGTERM a child gets this long to drain and leave, then SIGKILL."""
@@ -37,13 +37,10 @@ class Child:
             self.proc.terminate()  # type: ignore[union-attr]
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S."""
+        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S (at once after a second Ctrl-C)."""
         if self.alive():
             self.proc.terminate()  # type: ignore[union-attr]
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)  # type: ignore[union-attr]
-            except subprocess.TimeoutExpired:
-                pass
+            wait_unless_hurried(self.proc, STOP_TIMEOUT_S)  # type: ignore[arg-type]
         self.kill()
 
     def kill(self) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from polyrl.config import EngineConfig, FleetConfig, LoraConfig, TlsConfig
-from polyrl.lifetime import die_with_parent
+from polyrl.lifetime import die_with_parent, wait_unless_hurried
 
 log = logging.getLogger("polyrl.fleet")
 
@@ -146,7 +146,8 @@ class WorkerFleet:
         worker.log_file.close()
 
     def stop(self) -> None:
-        """Every worker leaves (SIGTERM, then SIGKILL after the drain allowance)."""
+        """Every worker leaves (SIGTERM, then SIGKILL after the drain allowance, or at once
+        after a second Ctrl-C)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -157,9 +158,7 @@ class WorkerFleet:
                 w.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.cfg.drain_timeout_s + 15
         for w in workers:
-            try:
-                w.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
+            if not wait_unless_hurried(w.proc, max(deadline - time.monotonic(), 0.1)):
                 w.proc.kill()
                 w.proc.wait()
             w.log_file.close()

@@ -27,6 +27,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from polyrl.config import RunConfig
+from polyrl.lifetime import HURRY
 from polyrl.metrics.tracker import format_step_line
 from polyrl.trainer.checkpoint import TrainState
 from polyrl.trainer.distributed import DataParallel, gather_state, gather_weights
@@ -44,45 +45,48 @@ def train(
     on_step_end: Callable[[int, dict[str, float]], None] | None = None,
     dp: DataParallel | None = None,
 ) -> TrainState:
-    run = Run.create(cfg, run_dir, resume, dp or DataParallel())
     tcfg = cfg.trainer
-    try:
-        with _progress(cfg.logging.console) as progress, StopRequest() as stop:
-            bar = progress.add_task("train", total=tcfg.total_steps, completed=run.state.step)
-            for step in range(run.state.step + 1, tcfg.total_steps + 1):
-                timer = Timer()
-                t0 = time.perf_counter()
-                groups = run.next_batch(step)
-                if run.rollout.shares_weights:
-                    groups = list(groups)  # generated in full before the learner changes the weights
-                version = run.version
-                result = learn_from_stream(
-                    groups, run.scorer, run.learner, cfg.algo, tcfg.ppo_mini_batch_size, version, run.rollout.learner_started
-                )
-                with timer("update_weights"):
-                    run.publish_weights()
-                timer.spans["step"] = time.perf_counter() - t0
-                run.end_step(step)
-                metrics = run.step_metrics(result.groups, result, timer.spans)
-                run.tracker.log(step, metrics)
-                if cfg.logging.console:
-                    progress.console.print(format_step_line(step, tcfg.total_steps, metrics), soft_wrap=True)
-                progress.update(bar, completed=step)
-                # Between steps, model, optimizer, RNG and cursor agree: a safe save point. The
-                # last step is saved after the loop, so neither case saves it twice.
-                stopping = stop.requested and step < tcfg.total_steps
-                periodic = tcfg.save_every and step % tcfg.save_every == 0 and step < tcfg.total_steps
-                if stopping or periodic:
-                    run.save()
-                if on_step_end is not None:
-                    on_step_end(step, metrics)
-                if stopping:
-                    log.warning("stopped after step %d; continue with --resume", step)
-                    raise KeyboardInterrupt
-        final = run.save_final(run.save())
-        log.info("training done: %d steps; final model in %s", run.state.step, final)
-    finally:
-        run.close()
+    with StopRequest() as stop:
+        run = Run.create(cfg, run_dir, resume, dp or DataParallel())
+        stop.started = True
+        try:
+            with _progress(cfg.logging.console) as progress:
+                bar = progress.add_task("train", total=tcfg.total_steps, completed=run.state.step)
+                for step in range(run.state.step + 1, tcfg.total_steps + 1):
+                    timer = Timer()
+                    t0 = time.perf_counter()
+                    groups = run.next_batch(step)
+                    if run.rollout.shares_weights:
+                        groups = list(groups)  # generated in full before the learner changes the weights
+                    version = run.version
+                    result = learn_from_stream(
+                        groups, run.scorer, run.learner, cfg.algo, tcfg.ppo_mini_batch_size, version, run.rollout.learner_started
+                    )
+                    with timer("update_weights"):
+                        run.publish_weights()
+                    timer.spans["step"] = time.perf_counter() - t0
+                    run.end_step(step)
+                    metrics = run.step_metrics(result.groups, result, timer.spans)
+                    run.tracker.log(step, metrics)
+                    if cfg.logging.console:
+                        progress.console.print(format_step_line(step, tcfg.total_steps, metrics), soft_wrap=True)
+                    progress.update(bar, completed=step)
+                    # Between steps, model, optimizer, RNG and cursor agree: a safe save point. The
+                    # last step is saved after the loop, so neither case saves it twice.
+                    stopping = stop.requested and step < tcfg.total_steps
+                    periodic = tcfg.save_every and step % tcfg.save_every == 0 and step < tcfg.total_steps
+                    if stopping or periodic:
+                        run.save()
+                    if on_step_end is not None:
+                        on_step_end(step, metrics)
+                    if stopping:
+                        log.warning("stopped after step %d; continue with --resume", step)
+                        raise KeyboardInterrupt
+            final = run.save_final(run.save())
+            log.info("training done: %d steps; final model in %s", run.state.step, final)
+        finally:
+            stop.closing = True  # from now on Ctrl-C hurries the cleanup, it does not cut it short
+            run.close()
     return run.state
 
 
@@ -109,20 +113,40 @@ def run_commands(learner: Learner, dp: DataParallel) -> None:
 
 
 class StopRequest:
-    """First Ctrl-C: finish the current step, save, stop. Second: stop at once, no save
-    (a save mid-step would mix two steps' state and break exact resume)."""
+    """First Ctrl-C: finish the current step, save, stop. Second: stop at once, no save (a
+    save mid-step would mix two steps' state and break exact resume; the last checkpoint on
+    disk stays whole, as each is renamed into place), and the run's children are killed
+    rather than drained (`lifetime.HURRY`). During the start-up nothing is trained yet: the
+    first Ctrl-C stops at once. In a cleanup (after the loop, or of a start-up cut short),
+    Ctrl-C only hurries it: a cleanup cut short would leave children to their parent-death
+    signal. A third Ctrl-C gets out anyway."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.started = False
+        """Set once the run is built: from then on the first Ctrl-C waits for the step."""
+        self.closing = False
         self._previous = None
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("Ctrl-C: finishing this step, then saving (Ctrl-C again to stop without saving)")
+        if not self.requested and not self.closing:
+            self.requested = True
+            if not self.started:
+                self.closing = True  # what runs next is the start-up's cleanup
+                log.warning("Ctrl-C: stopping the start-up (Ctrl-C again to kill what it started)")
+                raise KeyboardInterrupt
+            log.warning("Ctrl-C: finishing this step, then saving (Ctrl-C again to stop without saving)")
+            return
+        if not HURRY.is_set():
+            HURRY.set()
+            log.warning("Ctrl-C%s: stopping now%s; the run's processes are killed, not drained",
+                        " again" if self.requested else "", "" if self.closing else " without saving this step")  # fmt: skip
+            if self.closing:
+                return
+        raise KeyboardInterrupt
 
     def __enter__(self) -> StopRequest:
+        HURRY.clear()  # a run earlier in this process may have been hurried
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self

@@ -270,6 +270,7 @@ class Run:
             metrics.update({"fleet/launched": float(events.launched), "fleet/retired": float(events.retired),
                             "fleet/killed": float(events.killed)})  # fmt: skip
         metrics["training/filtered_groups"] = float(result.num_filtered_groups)
+        metrics["reward/failed_samples"] = float(result.num_failed_samples)
         metrics["training/weight_version"] = float(self.version)
         return metrics
 

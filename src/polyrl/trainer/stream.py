@@ -60,6 +60,8 @@ class StreamResult:
     reward_wait_s: float = 0.0
     update_s: float = 0.0
     num_filtered_groups: int = 0
+    num_failed_samples: int = 0
+    """Samples scored 0.0 because a reward function raised, returned a bad value or timed out."""
     version: int | None = None
     """The learner's weight version when the step began."""
 
@@ -87,6 +89,7 @@ def learn_from_stream(
             t0 = time.perf_counter()
             group.rewards = future.result()
             out.reward_wait_s += time.perf_counter() - t0
+            out.num_failed_samples += getattr(future, "num_failed", 0)  # a pre-scored group's Future has none
             scored.append(group)
 
     def train(batch: list[Group]) -> None:

@@ -319,7 +319,8 @@ class WeightPublisher:
         entry = f"from polyrl.transfer.serve import main; main({theirs.fileno()}, {os.getpid()})"
         command = [sys.executable, "-c", entry]
         try:
-            process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL)
+            # a session of its own: a terminal's Ctrl-C is the trainer's (polyrl/lifetime.py)
+            process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             theirs.close()
         conn = Connection(ours.detach())

@@ -1,0 +1,248 @@
+"""Stopping a real run from outside: Ctrl-C typed into its terminal (once: finish the step
+and save; twice: stop now) and kill -9 of the trainer. Remote mode with a launched worker
+and the reward pool, as the default main job runs; the trainer is a `polyrl train`
+process whose controlling terminal is a pty, so a Ctrl-C reaches its whole foreground
+process group, as a keyboard's does. After each stop: a checkpoint that loads and agrees
+with itself, no step trained on scores that no reward function gave, no process of the
+run left; `--resume` continues, and the last one finishes."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import termios
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from polyrl.config import load_config
+from polyrl.lifetime import HURRY, wait_unless_hurried
+from polyrl.trainer.checkpoint import MODEL_DIR, latest_checkpoint, read_trainer_state
+from polyrl.trainer.loop import StopRequest, train
+
+TOTAL_STEPS = 14
+OVERRIDES = [
+    "logging.console=false", "logging.tensorboard=false", "manager.port=0", "fleet.num_workers=1",
+    f"trainer.total_steps={TOTAL_STEPS}", "trainer.save_every=2", "trainer.train_batch_size=8",
+    "trainer.ppo_mini_batch_size=4", "rollout.n=4", "rollout.max_new_tokens=8", "model.tiny.hidden_size=32",
+    "model.tiny.intermediate_size=64", 'reward.functions=["reward_fns:one_plus_length"]',
+]  # fmt: skip
+"""Small; the default reward goes through the pool too, but this one's scores are all >= 1."""
+
+
+class Trainer:
+    """`polyrl train` in a session of its own, with a pty as its controlling terminal (or
+    none); everything it writes is kept."""
+
+    def __init__(self, args: list[str], env: dict[str, str], terminal: bool) -> None:
+        self.output = bytearray()
+        self.master: int | None = None
+        if terminal:
+            self.master, slave = os.openpty()
+            io = dict(stdin=slave, stdout=slave, stderr=slave, preexec_fn=_take_terminal)
+        else:
+            io = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        command = [sys.executable, "-m", "polyrl.cli", "train", *args]
+        self.proc = subprocess.Popen(command, env=env, start_new_session=True, **io)
+        if terminal:
+            os.close(slave)
+        source = self.master if terminal else self.proc.stdout.fileno()
+        self._reader = threading.Thread(target=self._read, args=(source,), daemon=True)
+        self._reader.start()
+
+    def _read(self, fd: int) -> None:
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the pty's last writer is gone
+                return
+            if not chunk:
+                return
+            self.output += chunk
+
+    def type_ctrl_c(self) -> None:
+        assert self.master is not None
+        os.write(self.master, b"\x03")
+
+    def wait(self, timeout_s: float = 90) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        self._reader.join(5)
+        if self.master is not None:
+            os.close(self.master)
+        return code
+
+    def text(self) -> str:
+        """What it wrote, without the terminal's colours."""
+        return re.sub(r"\x1b\[[0-9;]*m", "", self.output.decode(errors="replace"))
+
+
+def _take_terminal() -> None:
+    """In the child, after setsid: the pty on fd 0 becomes its controlling terminal, and its
+    process group the terminal's foreground group."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for_step(trainer: Trainer, run_dir: Path, step: int, timeout_s: float = 120) -> None:
+    """Until `trainer` has logged `step` (a resumed one first drops the rows of steps past its
+    checkpoint, then says so)."""
+    deadline = time.monotonic() + timeout_s
+    while "--resume" in trainer.proc.args and "resumed from" not in trainer.text() or not any(
+        r["step"] >= step for r in _rows(run_dir)
+    ):
+        assert trainer.proc.poll() is None, trainer.text()[-3000:]
+        assert time.monotonic() < deadline, f"no step {step} in {timeout_s:.0f}s: {trainer.text()[-3000:]}"
+        time.sleep(0.05)
+
+
+def _run_processes(tag: str) -> dict[int, str]:
+    """Every live process whose environment carries the run's tag (children inherit it, and
+    an orphan keeps it): pid -> command line."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if tag.encode() not in (entry / "environ").read_bytes():
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if state != "Z":
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def _assert_none_left(tag: str, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while (left := _run_processes(tag)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes of the run outlived it: {left}"
+
+
+def _check_stopped_run(run_dir: Path, output: str) -> int:
+    """The newest checkpoint loads and agrees with itself; every logged step was scored by
+    the function. Returns the checkpoint's step."""
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None, output[-3000:]
+    step = read_trainer_state(ckpt)["state"]["step"]
+    assert ckpt.name == f"step_{step:06d}"
+    AutoModelForCausalLM.from_pretrained(ckpt / MODEL_DIR)
+    rows = _rows(run_dir)
+    assert rows and all(r["critic/score/min"] >= 1.0 and r["reward/failed_samples"] == 0 for r in rows), rows
+    assert "scoring 0.0" not in output
+    assert "died (exit code" not in output  # the weight publisher's process, say
+    return step
+
+
+@pytest.mark.slow
+def test_ctrl_c_twice_and_kill_minus_9_leave_a_resumable_run_and_no_process(tmp_path: Path) -> None:
+    run_dir, tag = tmp_path / "run", f"polyrl-test-{uuid.uuid4().hex}"
+    tests_dir = Path(__file__).parent
+    src_dir = tests_dir.parent / "src"
+    env = os.environ | {
+        "POLYRL_TEST_RUN": tag, "PYTHONPATH": f"{src_dir}{os.pathsep}{tests_dir}", "COLUMNS": "200",
+        "POLYRL_TEST_CRASH_ONCE": str(tmp_path / "crashed"),
+    }  # fmt: skip
+    try:
+        # One Ctrl-C: the step in progress finishes and is saved; exit 130.
+        first = Trainer(["--run-dir", str(run_dir), *OVERRIDES], env, terminal=True)
+        _wait_for_step(first, run_dir, 3)
+        first.type_ctrl_c()
+        assert first.wait() == 130, first.text()[-3000:]
+        out = first.text()
+        # the pool worker died once (the function's doing), and was retried; Ctrl-C killed none
+        assert (tmp_path / "crashed").exists() and out.count("its worker died") == 1 and "retry 1 of 2" in out
+        step = _check_stopped_run(run_dir, out)
+        assert step == _rows(run_dir)[-1]["step"] >= 3  # the interrupted step was finished and saved
+        _assert_none_left(tag)
+
+        # --resume goes on; two Ctrl-Cs: stop now, without saving the step in progress.
+        second = Trainer(["--resume", str(run_dir)], env, terminal=True)
+        _wait_for_step(second, run_dir, step + 1)
+        second.type_ctrl_c()
+        time.sleep(0.3)
+        second.type_ctrl_c()
+        assert second.wait() == 130, second.text()[-3000:]
+        assert "Ctrl-C again: stopping now" in second.text() and "its worker died" not in second.text()
+        step = _check_stopped_run(run_dir, second.text())
+        _assert_none_left(tag)
+
+        # kill -9 of a training trainer: every process of the run is gone 5 s later.
+        third = Trainer(["--resume", str(run_dir)], env, terminal=False)
+        _wait_for_step(third, run_dir, step + 1)
+        running = _run_processes(tag)
+        for role in ("polyrl.cli manager", "--worker-id local", "--worker-id w0", "polyrl.transfer.serve",
+                     "multiprocessing.spawn", "multiprocessing.resource_tracker"):  # fmt: skip
+            assert any(role in cmd for cmd in running.values()), (role, running)
+        os.kill(third.proc.pid, signal.SIGKILL)
+        third.wait()
+        _assert_none_left(tag, within_s=5.0)
+        step = _check_stopped_run(run_dir, third.text())
+
+        # and the run finishes: in this process and colocated, which starts no process (the
+        # remote resumes above went on from their checkpoints already), to keep the test short
+        state = train(load_config(run_dir / "config.toml", ["rollout.mode=local"]), run_dir, resume=True)
+        assert state.step == TOTAL_STEPS and [r["step"] for r in _rows(run_dir)] == list(range(1, TOTAL_STEPS + 1))
+        assert _check_stopped_run(run_dir, "") == TOTAL_STEPS
+        assert (run_dir / "final_model").is_dir()
+    finally:
+        for pid in _run_processes(tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_ctrl_c_during_the_cleanup_hurries_it_instead_of_cutting_it_short() -> None:
+    """In the loop: the first Ctrl-C asks for a stop, the second stops at once. During the
+    start-up the first stops at once. In a cleanup, Ctrl-C only hurries the children's end
+    (a cleanup cut short would leave them running); a child's stop then no longer waits
+    for it to drain."""
+    with StopRequest() as stop:
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)
+        assert stop.closing and not HURRY.is_set()
+        stop._handle(signal.SIGINT, None)  # in the start-up's cleanup: hurry it, do not cut it
+        assert HURRY.is_set()
+    with StopRequest() as stop:
+        stop.started = True
+        stop._handle(signal.SIGINT, None)
+        assert stop.requested and not HURRY.is_set()
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)
+        assert HURRY.is_set()
+    with StopRequest() as stop:
+        assert not HURRY.is_set()  # each run starts unhurried
+        stop.started = stop.closing = True
+        stop._handle(signal.SIGINT, None)  # no KeyboardInterrupt
+        assert HURRY.is_set()
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            start = time.monotonic()
+            assert not wait_unless_hurried(child, 30.0)
+            assert time.monotonic() - start < 1.0
+        finally:
+            child.kill()
+            child.wait()
+        with pytest.raises(KeyboardInterrupt):  # a user who insists still gets out
+            stop._handle(signal.SIGINT, None)
+    HURRY.clear()
