@@ -401,6 +401,7 @@ def loaded_phase(bench: Bench, publisher: Any, children: Children, run_dir: Path
         # A lane's batch is 4 prompts x 8 samples; half again as many lanes as fill every
         # slot, so that queued samples take the slots a finished batch frees at once.
         stream = Stream(link, args, num_lanes=-(-3 * args.engines * args.slots // 64))
+        isolate(args.isolate_cores)  # every child is running now
         time.sleep(args.ramp_s)  # every slot streaming, groups finishing
         num_pulls_before = len(receivers.pull_s)
         phase = bench.run_phase("B loaded", publisher, receivers)
@@ -420,6 +421,44 @@ def loaded_phase(bench: Bench, publisher: Any, children: Children, run_dir: Path
             link.close()  # ends the lanes' reads
         children.close()
         manager.stop()
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def _pin(pid: int, cores: set[int]) -> None:
+    """Every thread of `pid` onto `cores` (threads started later inherit their creator's)."""
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except OSError:  # the thread ended
+            pass
+
+
+def split_cores(n: int) -> tuple[set[int], set[int]]:
+    """--isolate-cores: the trainer's process on the first `n` cores it may use, the rest for
+    everything it started (manager, publisher, fleet, receivers)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return set(cores[:n]), set(cores[n:])
+
+
+def isolate(n: int) -> None:
+    if n <= 0:
+        return
+    mine, rest = split_cores(n)
+    _pin(os.getpid(), mine)
+    for pid in _descendants(os.getpid()):
+        _pin(pid, rest)
 
 
 def wait_active(link: Any, count: int, timeout_s: float) -> None:
@@ -485,6 +524,7 @@ def trainer_main(args: argparse.Namespace) -> None:
     t_start = time.perf_counter()
     signal.signal(signal.SIGALRM, _out_of_time)
     signal.alarm(args.timeout_s)  # the handler raises in the main thread: the finally blocks run
+    isolate(args.isolate_cores)
     bench = Bench(args)
     print(f"model built in {time.perf_counter() - t_start:.1f}s; warming up", flush=True)
     for _ in range(args.warmup):
@@ -492,6 +532,7 @@ def trainer_main(args: argparse.Namespace) -> None:
     publisher = WeightPublisher("127.0.0.1", 0, keep_versions=KEEP_VERSIONS).start()
     children = Children()
     try:
+        isolate(args.isolate_cores)  # the publisher's process
         for _ in range(KEEP_VERSIONS + 1):  # every host buffer allocated: later versions reuse them
             bench.publish(publisher)
         with tempfile.TemporaryDirectory() as run_dir:
@@ -528,6 +569,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--token-delay-s", type=float, help="per token per fake sample")
     p.add_argument("--ramp-s", type=float, help="streaming before the loaded phase's timing starts")
     p.add_argument("--receivers", type=int, default=2)
+    p.add_argument("--isolate-cores", type=int, default=0,
+                   help="keep the trainer's process on this many cores and its children off them (0: no pinning)")
     p.add_argument("--timeout-s", type=int, default=330, help="the whole run; past it, children are killed")
     p.add_argument("--manager", help="(fleet role)")
     p.add_argument("--publisher", help="host:port (receiver role)")
