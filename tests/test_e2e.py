@@ -278,11 +278,11 @@ def test_churn_schedule_follows_the_seeds() -> None:
 
 
 TIMING_KEYS = ("timing_s/", "perf/", "cost/", "fleet/")
-PLACEMENT_KEYS = ("rollout/local_samples", "rollout/migrated_samples", "rollout/tokens_by_worker",
-                  "rollout/first_group_s", "rollout/weight_sync_s", "training/num_rollout_instances")  # fmt: skip
+PLACEMENT_KEYS = ("rollout/local_samples", "rollout/migrated_samples", "training/num_rollout_instances")
 """Metrics of when and where samples ran: they differ between identical runs."""
 
 
+@pytest.mark.slow  # two training runs with their workers: ~25-40 s on 2 cores
 def test_deterministic_remote_runs_repeat_exactly(tmp_path: Path) -> None:
     """rollout.deterministic: two remote runs with 2 workers and the same seed log the same
     metrics (every key but timings and placement) and save bit-identical weights."""
@@ -293,10 +293,12 @@ def test_deterministic_remote_runs_repeat_exactly(tmp_path: Path) -> None:
         train(load_config(None, overrides), run_dir)
     a, b = (_metrics(r) for r in runs)
     _check_every_step(a)
-    assert all(r["training/num_rollout_instances"] == 2 for r in a + b)  # both workers served, in both runs
-    compared = [k for k in a[0] if not k.startswith(TIMING_KEYS + PLACEMENT_KEYS)]
-    assert {"actor/pg_loss", "rollout/logprob_diff", "critic/score/mean"} <= set(compared), compared
-    for ra, rb in zip(a, b, strict=True):
-        assert {k: ra[k] for k in compared} == {k: rb[k] for k in compared}
+    assert all(r["training/num_workers"] == 2 for r in a + b)  # (which of them served a group varies)
+
+    def compared(row: dict) -> dict:
+        return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS + PLACEMENT_KEYS)}
+
+    assert {"actor/pg_loss", "actor/grad_norm", "rollout/logprob_diff", "critic/score/mean"} <= set(compared(a[0]))
+    assert [compared(r) for r in a] == [compared(r) for r in b]
     weights = [(r / "final_model" / "model.safetensors").read_bytes() for r in runs]
     assert weights[0] == weights[1]

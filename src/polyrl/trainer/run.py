@@ -387,8 +387,9 @@ def start_remote(
     info = run_dir / "manager.json"
     info.write_text(json.dumps({"url": rollout.url, "token": token}))
     os.chmod(info, 0o600)
-    log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token <token in %s>",
-             rollout.url, init_path, rollout.url, info)  # fmt: skip
+    extra = " engine.dtype=float64" if cfg.engine.dtype == "float64" else ""  # as the run's own (rollout.deterministic)
+    log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token <token in %s>%s",
+             rollout.url, init_path, rollout.url, info, extra)  # fmt: skip
     log.info("operator page: %s/?token=<token in %s> (terminal: polyrl status %s --token <token>)",
              rollout.url, info, rollout.url)  # fmt: skip
     fleet = None
