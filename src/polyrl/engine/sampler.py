@@ -7,8 +7,8 @@ reproducible wherever the sequence runs: the same request gives the same tokens 
 in any batch, after a preemption, or resumed on another worker with the same seed (up to
 the floating-point noise of the logits themselves). That noise is removed too for float64
 logits (a deterministic run's CPU engines): `to_float32` rounds them to a grid far coarser
-than the float64 rounding noise and finer than float32's own precision for logits above
-one, so the logits, tokens and log-probs do not depend on the batch.
+than the float64 rounding noise (and about float32's own precision for logits near 10),
+so the logits, tokens and log-probs do not depend on the batch.
 
 Reported log-probs are log softmax(logits / T) of the chosen token, *before* truncation
 (log softmax(logits) for greedy); see README "Log-probs".
@@ -26,9 +26,10 @@ from polyrl.engine import triton_ops
 _M32 = 0xFFFFFFFF
 
 LOGIT_GRID = 2.0**-20
-"""float64 logits are rounded to multiples of this. Batch composition changes a float64
-logit by ~1e-15: it crosses a grid point with a probability of ~1e-9 per logit. (float32
-logits differ in their last bit in a quarter of the samples, measured on the tiny model.)"""
+"""float64 logits are rounded to multiples of this (a log-prob moves by 1e-6 at most).
+Batch composition changes a float64 logit by ~1e-15: it crosses a grid point with a
+probability of ~1e-9. In float32, a sample of the tiny model had different log-probs (by
+up to 1e-6) alone and in a batch of 64 prompts x 16 in 201 of 256 comparisons."""
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
