@@ -58,6 +58,8 @@ def test_staleness_needs_a_rollout_that_can_run_ahead():
     assert load_config(None, ["rollout.max_staleness=1"]).rollout.max_staleness == 1  # remote, the default
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
         load_config(None, ["rollout.mode=local", "rollout.max_staleness=1"])
+    with pytest.raises(ConfigError, match="rollout.deterministic needs rollout.max_staleness = 0"):
+        load_config(None, ["rollout.deterministic=true", "rollout.max_staleness=1"])
 
 
 def test_min_workers_needs_workers():

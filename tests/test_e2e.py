@@ -275,3 +275,30 @@ def test_churn_schedule_follows_the_seeds() -> None:
         count += 1 if growing else -1
         counts.append(count)
     assert counts == [1, 2, 3, 2, 1, 2, 3, 2, 1, 2]
+
+
+TIMING_KEYS = ("timing_s/", "perf/", "cost/", "fleet/")
+PLACEMENT_KEYS = ("rollout/local_samples", "rollout/migrated_samples", "training/num_rollout_instances")
+"""Metrics of when and where samples ran: they differ between identical runs."""
+
+
+@pytest.mark.slow  # two training runs with their workers: ~25-40 s on 2 cores
+def test_deterministic_remote_runs_repeat_exactly(tmp_path: Path) -> None:
+    """rollout.deterministic: two remote runs with 2 workers and the same seed log the same
+    metrics (every key but timings and placement) and save bit-identical weights."""
+    overrides = [*QUICK, "rollout.deterministic=true", "trainer.total_steps=3", "trainer.train_batch_size=16",
+                 "trainer.ppo_mini_batch_size=4", "rollout.n=8"]  # fmt: skip
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run_dir in runs:
+        train(load_config(None, overrides), run_dir)
+    a, b = (_metrics(r) for r in runs)
+    _check_every_step(a)
+    assert all(r["training/num_workers"] == 2 for r in a + b)  # (which of them served a group varies)
+
+    def compared(row: dict) -> dict:
+        return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS + PLACEMENT_KEYS)}
+
+    assert {"actor/pg_loss", "actor/grad_norm", "rollout/logprob_diff", "critic/score/mean"} <= set(compared(a[0]))
+    assert [compared(r) for r in a] == [compared(r) for r in b]
+    weights = [(r / "final_model" / "model.safetensors").read_bytes() for r in runs]
+    assert weights[0] == weights[1]

@@ -4,6 +4,7 @@ shared prefill, preemption, weight hot-swap, and the asyncio driver."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import functools
 
@@ -384,3 +385,26 @@ def test_float32_weights_generate_under_bf16_autocast(model):
     results = run(engine, [EngineRequest(str(i), p, s) for i, p in enumerate(PROMPTS)])
     assert all(len(r.token_ids) == 8 and all(-30 < lp <= 0 for lp in r.logprobs) for r in results.values())
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_float64_logprobs_do_not_depend_on_the_batch(model):
+    """A float64 engine (rollout.deterministic on CPU) gives each sample the same tokens
+    and bit-identical log-probs alone, in a batch with chunked prefills, in another batch
+    order, and resumed from its first 3 tokens (a migration: the prefix is prefilled, not
+    decoded); its log-probs are the float32 engine's within 1e-4 (the on-policy bound)."""
+    model64 = copy.deepcopy(model).double()
+    sampling = EngineSampling(max_new_tokens=8, temperature=1.0, ignore_eos=True, n=3)
+    requests = [EngineRequest(str(i), p, dataclasses.replace(sampling, seed=17 * i)) for i, p in enumerate(PROMPTS)]
+    alone = {k: r for req in requests for k, r in run(Engine(model64, SMALL), [req]).items()}
+    together = run(Engine(model64, SMALL), requests)
+    reordered = run(Engine(model64, SMALL.model_copy(update={"max_num_seqs": 5})), requests[::-1])
+    float32 = run(Engine(model, SMALL), requests)
+    head = alone[("2", 1)]  # sample 1 of request 2 uses seed 17 * 2 + 1
+    resumed = EngineRequest("r", PROMPTS[2] + head.token_ids[:3], dataclasses.replace(sampling, n=1, seed=35, max_new_tokens=5))
+    rest = run(Engine(model64, SMALL), [resumed])[("r", 0)]
+    assert (rest.token_ids, rest.logprobs) == (head.token_ids[3:], head.logprobs[3:])
+    for key, a in alone.items():
+        for other in (together[key], reordered[key]):
+            assert (other.token_ids, other.logprobs) == (a.token_ids, a.logprobs), key
+        assert float32[key].token_ids == a.token_ids
+        assert max(abs(x - y) for x, y in zip(float32[key].logprobs, a.logprobs, strict=True)) < 1e-4

@@ -15,7 +15,7 @@ from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.types import Group, Prompt, Sample
 from polyrl.trainer.batching import SeqItem, collate, group_items, pack_micro_batches
 from polyrl.trainer.learner import Learner, build_optimizer, lr_lambda
-from polyrl.trainer.stream import learn_from_stream
+from polyrl.trainer.stream import in_prompt_order, learn_from_stream
 
 
 @pytest.fixture()
@@ -185,3 +185,26 @@ def test_logprob_diff_counts_only_tokens_of_the_current_version(model_tok):
     assert diff_all == pytest.approx(1.5, abs=1e-3)  # 2 of 4 tokens off by 3
     [stale] = group_items(Group(prompt, [Sample(completion, behav, "length", [3] * 4)]), [1.0], version=4)
     assert "rollout/logprob_diff" not in _learner(copy.deepcopy(model)).train_mini_batch([stale], weights_as_sampled=True)
+
+
+def test_groups_in_prompt_order_wait_for_the_earlier_ones():
+    """rollout.deterministic: groups come out in submission order whatever order they
+    finish in; each as soon as the groups before it are there; a missing or extra group
+    is an error, not a silently different batch."""
+    def group(index):
+        return Group(prompt=Prompt(index=index, text="", prompt_ids=[1]), samples=[])
+
+    seen = []
+
+    def finishing(order):
+        for i in order:
+            seen.append(i)
+            yield group(i)
+
+    ordered = in_prompt_order(finishing([12, 10, 13, 11]), [10, 11, 12, 13])
+    assert next(ordered).prompt.index == 10 and seen == [12, 10]  # 10 is out before 13 arrives
+    assert [g.prompt.index for g in ordered] == [11, 12, 13] and seen == [12, 10, 13, 11]
+    with pytest.raises(RuntimeError, match="without the group of prompt 11"):
+        list(in_prompt_order(finishing([10]), [10, 11]))
+    with pytest.raises(RuntimeError, match="not asked for"):
+        list(in_prompt_order(finishing([11, 10, 14]), [10, 11]))

@@ -128,7 +128,7 @@ class Engine:
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("engine.device: cuda requested but CUDA is not available")
         dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
-                 "bfloat16": torch.bfloat16}[cfg.dtype]
+                 "bfloat16": torch.bfloat16, "float64": torch.float64}[cfg.dtype]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         return cls(model, cfg)
 

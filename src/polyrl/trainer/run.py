@@ -21,7 +21,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from polyrl.config import ConfigError, RunConfig, TrainerConfig, save_config
+from polyrl.config import ConfigError, EngineConfig, RunConfig, TrainerConfig, save_config
 from polyrl.data.rewards import RewardPool
 from polyrl.data.source import PromptSource
 from polyrl.metrics.step_stats import (
@@ -56,7 +56,7 @@ from polyrl.trainer.checkpoint import (
 from polyrl.trainer.distributed import DataParallel, gather_state, gather_weights, load_optimizer_state, shard_model
 from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing
 from polyrl.trainer.lora import adapter_version, adapters_off, apply_lora, load_adapter, save_merged
-from polyrl.trainer.stream import GroupScorer, StreamResult
+from polyrl.trainer.stream import GroupScorer, StreamResult, in_prompt_order
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,10 @@ class Run:
         while step + len(self.ahead) <= last:
             cursor, rng = self.source.cursor, rng_state()
             prompts = self.source.take(self.num_prompts_per_step)
-            self.ahead.append(PendingBatch(self.rollout.generate(prompts, self.cfg.rollout.n, self.sampling), cursor, rng))
+            groups = self.rollout.generate(prompts, self.cfg.rollout.n, self.sampling)
+            if self.cfg.rollout.deterministic and prompts:  # (Atropos environments choose their own groups)
+                groups = in_prompt_order(groups, [p.index for p in prompts])
+            self.ahead.append(PendingBatch(groups, cursor, rng))
         return self.ahead.popleft().groups
 
     @property
@@ -371,6 +374,7 @@ def start_remote(
     from anywhere can be added later; it goes to RUN_DIR/manager.json (owner-only), not
     to the log."""
     token = cfg.manager.token or os.environ.get("POLYRL_TOKEN") or secrets.token_hex(16)
+    cfg = cfg.model_copy(update={"engine": started_engines(cfg)})
     try:
         rollout = RemoteRollout(model, cfg, run_dir, token, init_path, compute_dtype)
     except OSError as e:  # the port is taken, the address is not ours
@@ -380,9 +384,11 @@ def start_remote(
     ca_file = {"ca_file": cfg.manager.tls.ca_file} if cfg.manager.tls.ca_file else {}
     info.write_text(json.dumps({"url": rollout.url, "token": token} | ca_file))
     os.chmod(info, 0o600)
-    ca = f" worker.tls.ca_file={cfg.manager.tls.ca_file}" if cfg.manager.tls.ca_file else ""
+    extra = f" worker.tls.ca_file={cfg.manager.tls.ca_file}" if cfg.manager.tls.ca_file else ""
+    if cfg.engine.dtype == "float64":  # as the run's own workers (rollout.deterministic)
+        extra += " engine.dtype=float64"
     log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token <token in %s>%s",
-             rollout.url, init_path, rollout.url, info, ca)  # fmt: skip
+             rollout.url, init_path, rollout.url, info, extra)  # fmt: skip
     log.info("operator page: %s/?token=<token in %s> (terminal: polyrl status %s --token <token>)",
              rollout.url, info, rollout.url)  # fmt: skip
     fleet = None
@@ -396,6 +402,19 @@ def start_remote(
     rollout.connect()
     wait_for_workers(rollout, fleet, ids, cfg.fleet.min_workers, cfg.fleet.ready_timeout_s)
     return rollout, fleet
+
+
+def started_engines(cfg: RunConfig) -> EngineConfig:
+    """The engine settings of the workers the run starts (the local one included). A
+    deterministic run's CPU engines compute in float64 unless `engine.dtype` says
+    otherwise: float32 log-probs change in their last bits with the batch a sample shared
+    (see `engine/sampler.py`, LOGIT_GRID). Workers started by hand need `engine.dtype=float64`."""
+    engine = cfg.engine
+    on_cpu = engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available())
+    if cfg.rollout.deterministic and engine.dtype == "auto" and on_cpu:
+        log.info("rollout.deterministic: the run's CPU engines compute in float64")
+        return engine.model_copy(update={"dtype": "float64"})
+    return engine
 
 
 def wait_for_workers(

@@ -3,14 +3,16 @@
 Groups are scored as they arrive (rewards run in a process pool, off the learner's
 thread), turned into advantages one group at a time, and trained on as soon as a
 mini-batch's worth of prompts is scored. Nothing waits for the whole batch, so the
-same code serves a local engine and workers that finish out of order.
+same code serves a local engine and workers that finish out of order. With
+`rollout.deterministic`, `in_prompt_order` puts the groups back in submission order
+first, so mini-batches do not depend on which worker was fast.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -51,6 +53,24 @@ class GroupScorer:
         # TRL passes extra per-sample fields as keyword arguments; reward functions take **kwargs.
         columns["finish_reason"] = [s.finish_reason for s in group.samples]
         return self.pool.submit([group.prompt.text] * n, completions, columns)
+
+
+def in_prompt_order(groups: Iterable[Group], prompt_indices: list[int]) -> Iterator[Group]:
+    """The groups of `prompt_indices`, in that order: each one once it and every group
+    before it have arrived (those that finish early wait here). The source is read to
+    its end, so a rollout that records its step's stats after the last group does so."""
+    source = iter(groups)
+    arrived: dict[int, Group] = {}
+    for index in prompt_indices:
+        while index not in arrived:
+            group = next(source, None)
+            if group is None:
+                raise RuntimeError(f"the rollout ended without the group of prompt {index}")
+            arrived[group.prompt.index] = group
+        yield arrived.pop(index)
+    extra = [g.prompt.index for g in source] + list(arrived)
+    if extra:
+        raise RuntimeError(f"the rollout returned groups of prompts it was not asked for: {extra}")
 
 
 @dataclass
