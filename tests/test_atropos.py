@@ -173,6 +173,7 @@ def test_learner_uses_its_own_logprobs_where_none_came(tiny_model_dir, impl):
     assert metrics["rollout/logprob_diff"] > 4
 
 
+@pytest.mark.slow
 def test_polyrl_train_stops_with_one_line_when_the_api_is_unreachable(tmp_path):
     import os
     import socket

@@ -201,6 +201,7 @@ class GroupPusher:
         self.thread.join(10)
 
 
+@pytest.mark.slow
 def test_resume_registers_with_the_resumed_step(tmp_path, api, model_dir) -> None:
     """Two steps on pushed groups, then a fresh API (all its state is in memory) and a
     resumed run of one more step: it registers with starting_step 2, so the API counts 3."""
@@ -223,6 +224,7 @@ def test_resume_registers_with_the_resumed_step(tmp_path, api, model_dir) -> Non
     assert api.get("/info")["batch_size"] == 8
 
 
+@pytest.mark.slow
 def test_training_goes_on_through_an_api_restart(tmp_path, api, model_dir) -> None:
     """The API is killed after step 2 and back 1.5 s later with no state: the trainer
     retries, registers again with starting_step 2, and finishes its 5 steps."""

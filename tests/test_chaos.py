@@ -188,6 +188,7 @@ def test_fault_loses_nothing(chaos: Context, fault: str) -> None:
         assert row.migrated > 0  # the fault really hit samples in flight
 
 
+@pytest.mark.slow
 def test_standalone_manager_restart_workers_come_back(chaos_model: Path, tmp_path: Path) -> None:
     row = manager_restart(chaos_model, tmp_path, SCALE)
     assert row.ok, row.summary()

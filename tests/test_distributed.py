@@ -166,6 +166,7 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_polyrl_train_under_torchrun_then_resume_on_one_process(tmp_path):
     run_dir = tmp_path / "run"
     proc = _torchrun("train", "--run-dir", str(run_dir), *E2E)

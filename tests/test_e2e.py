@@ -58,6 +58,7 @@ def crash_after_4(step: int, metrics: dict[str, float]) -> None:
         raise Crash
 
 
+@pytest.mark.slow
 def test_default_run_learns_through_two_workers(tmp_path: Path) -> None:
     """The default main job, shortened: remote mode, 2 launched workers."""
     cfg = load_config(None, [*QUICK, "trainer.total_steps=40"])
@@ -73,6 +74,7 @@ def test_default_run_learns_through_two_workers(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "workers" / "w0.log").exists()
 
 
+@pytest.mark.slow
 def test_churn_with_kill_minus_9_loses_no_sample(tmp_path: Path) -> None:
     """A worker joins every 5 s up to 2, then the oldest retires every 5 s down to 1, and
     so on; a random one is killed without notice every ~12 s. The run still gets every
@@ -90,6 +92,7 @@ def test_churn_with_kill_minus_9_loses_no_sample(tmp_path: Path) -> None:
     assert len({r["training/num_workers"] for r in rows}) > 1  # the fleet really changed
 
 
+@pytest.mark.slow
 def test_zero_workers_then_one_joins_from_outside(tmp_path: Path, tiny_model_dir: Path) -> None:
     """No launched worker: steps complete on the trainer's engine. A `polyrl worker`
     started by hand with the manager's URL and token joins mid-run and takes over."""
@@ -123,6 +126,7 @@ def test_zero_workers_then_one_joins_from_outside(tmp_path: Path, tiny_model_dir
     assert rows[-1]["training/weight_version"] > 3  # the late joiner pulled a later version
 
 
+@pytest.mark.slow
 def test_min_workers_keeps_the_first_step_off_the_trainers_engine(tmp_path: Path) -> None:
     """fleet.min_workers=1 and no launched worker: training waits for a worker started by
     hand (here once the manager is up) instead of generating step 1 itself."""
@@ -150,6 +154,7 @@ def test_min_workers_keeps_the_first_step_off_the_trainers_engine(tmp_path: Path
     assert rows[0]["training/num_workers"] == 1
 
 
+@pytest.mark.slow
 def test_resume_in_remote_mode_resyncs_a_fresh_worker(tmp_path: Path) -> None:
     """The trainer dies after step 4 (checkpoint at 3); the resumed run's new worker starts
     from the initial model, pulls the restored version, and serves every sample."""
@@ -165,6 +170,7 @@ def test_resume_in_remote_mode_resyncs_a_fresh_worker(tmp_path: Path) -> None:
     assert all(r["rollout/local_samples"] == 0 for r in rows[3:])  # the worker, at v3 and later
 
 
+@pytest.mark.slow
 def test_generating_one_step_ahead_then_resuming(tmp_path: Path) -> None:
     """rollout.max_staleness=1: the worker generates step k+1's batch while step k trains,
     so tokens lag the learner by at most one version. The trainer dies after step 4
@@ -189,6 +195,7 @@ def test_generating_one_step_ahead_then_resuming(tmp_path: Path) -> None:
     assert any(r["rollout/version_lag/mean"] > 0 for r in rows), [r["rollout/version_lag/mean"] for r in rows]
 
 
+@pytest.mark.slow
 def test_hybrid_run_completes_on_policy(tmp_path: Path) -> None:
     cfg = load_config(None, [*QUICK, "trainer.total_steps=6", "rollout.mode=hybrid", "fleet.num_workers=1"])
     train(cfg, tmp_path / "run")
@@ -208,6 +215,7 @@ def _reference(engine: Engine, prompt: BatchPrompt, n: int, max_new_tokens: int)
     return out
 
 
+@pytest.mark.slow
 def test_hybrid_window_hands_local_samples_to_a_worker_token_exact(long_context_model: Path) -> None:  # noqa: F811
     """The local worker (the trainer's engine) generates while the only other worker
     syncs; when that worker is in sync the window closes and the unfinished samples

@@ -28,6 +28,7 @@ from typing import Any
 
 import anyio.to_thread
 import httpx
+import pytest
 from fake_fleet import Churn
 from load_harness import TOKEN, LoadHarness, load_cfg, make_request, run_load
 from test_worker import ThreadedServer
@@ -51,6 +52,7 @@ def check_idle(result: dict[str, Any], leftovers: dict[str, Any]) -> None:
     assert leftovers["loop_tasks"] <= result["base"]["loop_tasks"], (leftovers, result["base"])
 
 
+@pytest.mark.slow
 def test_thousands_of_samples_survive_a_churning_fleet() -> None:
     """32 workers at first, a churn event every 50 ms (60 at most), 4 concurrent batches
     (2 in-process, 2 over HTTP) of 128 prompts x 4 samples x 8 tokens."""
@@ -76,6 +78,7 @@ def test_thousands_of_samples_survive_a_churning_fleet() -> None:
         r["health_p99_s"], r["heartbeat_p99_s"], r["lag_p99_s"])  # fmt: skip
 
 
+@pytest.mark.slow
 def test_memory_and_tasks_stay_flat_over_rounds() -> None:
     """Four rounds of load; from the end of the second round to the end of the fourth,
     the heap does not grow by more than a fraction of one round's samples."""

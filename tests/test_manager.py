@@ -528,6 +528,7 @@ def _start_worker(model_dir: Path, manager_url: str, worker_id: str) -> WorkerPr
     return WorkerProcess(model_dir, "--manager", manager_url, "--token", TOKEN, "--worker-id", worker_id)
 
 
+@pytest.mark.slow
 def test_real_workers_join_and_die_mid_batch(long_context_model: Path) -> None:
     """Zero workers at submission; one joins, a second joins mid-batch and gets work; the
     first is killed with SIGKILL mid-stream: every sample still gets its full budget, and
@@ -568,6 +569,7 @@ def test_real_workers_join_and_die_mid_batch(long_context_model: Path) -> None:
         assert s.logprobs == pytest.approx(uninterrupted.logprobs, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_real_worker_frozen_with_sigstop_is_detected(long_context_model: Path) -> None:
     budget = 300
     request = batch(4, 2, budget)
@@ -607,6 +609,7 @@ def greedy_tokens(engine: Engine, input_ids: list[int], max_new_tokens: int) -> 
     return out
 
 
+@pytest.mark.slow
 def test_real_worker_pulls_published_weights(long_context_model: Path, tmp_path: Path) -> None:
     """publish_version -> the sync hook grants a token -> the worker pulls over TCP (raw,
     then a delta) -> the manager routes to it at the new version, and the worker really

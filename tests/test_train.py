@@ -158,6 +158,7 @@ def test_a_config_error_found_while_loading_leaves_no_run_behind(tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_grpo_learns_the_copy_task(tmp_path):
     """A sign or masking error in the learner shows up here: 40 steps must raise the reward."""
     cfg = load_config(None, ["trainer.total_steps=40", "logging.console=false", "logging.tensorboard=false",

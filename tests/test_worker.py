@@ -714,6 +714,7 @@ def _post_into(url: str, body: dict[str, Any], responses: list[httpx.Response], 
     return lambda: responses.append(httpx.post(f"{url}/generate", json=body, headers=headers, timeout=HTTP_TIMEOUT_S))
 
 
+@pytest.mark.slow
 def test_sigterm_drains_hands_back_partial_results_and_leaves(model_dir: Path) -> None:
     manager = FakeManager()
     with manager.http:
@@ -771,6 +772,7 @@ def test_manager_refusal_stops_the_worker(model_dir: Path) -> None:
     assert len(manager.seen("register")) == 1  # a refusal is not retried
 
 
+@pytest.mark.slow
 def test_worker_survives_the_manager_going_away(model_dir: Path) -> None:
     manager = FakeManager()
     manager.http.__enter__()
@@ -791,6 +793,7 @@ def test_worker_survives_the_manager_going_away(model_dir: Path) -> None:
         manager.http.__exit__()
 
 
+@pytest.mark.slow
 def test_wrong_manager_url_is_said_and_given_up_on(model_dir: Path) -> None:
     """A worker pointed at nothing says so at once, and with worker.manager_timeout_s gives
     up with one line and a nonzero exit. Its output goes to a pipe, as a launched worker's
