@@ -5,7 +5,6 @@ every step's weights to the fleet that serves the environment."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
@@ -20,6 +19,7 @@ import pytest
 pytest.importorskip("atroposlib")
 
 from atropos_api import AtroposAPI, free_port  # noqa: E402
+from test_train import _metrics  # noqa: E402
 
 from polyrl.config import TinyModelConfig, load_config  # noqa: E402
 from polyrl.models.tiny import save_tiny_model  # noqa: E402
@@ -95,10 +95,6 @@ def trainer_config(api_url: str, model_dir: Path, manager_port: int, steps: int,
     ])  # fmt: skip
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     return save_tiny_model(tmp_path / "tiny_model", TinyModelConfig())
@@ -130,7 +126,7 @@ def run_training(tmp_path: Path, api: AtroposAPI, procs: Processes, model_dir: P
     except BaseException:
         print("env:", procs.log("env"), sep="\n")
         raise
-    rows = metrics(tmp_path / "run")
+    rows = _metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["rollout/samples_received"] == 32 * GROUP_SIZE for r in rows)
     assert rows[-1]["training/weight_version"] == steps
@@ -217,7 +213,7 @@ def test_resume_registers_with_the_resumed_step(tmp_path, api, model_dir) -> Non
         api.stop()
         api.start()
         train(load_config(run_dir / "config.toml", ["trainer.total_steps=3"]), run_dir, resume=True)
-    rows = metrics(run_dir)
+    rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/samples_received"] == 8 for r in rows)
     assert api.get("/status")["current_step"] == 3
@@ -240,5 +236,5 @@ def test_training_goes_on_through_an_api_restart(tmp_path, api, model_dir) -> No
 
     with GroupPusher(api, vocab_size=40):
         train(load_config(None, overrides), tmp_path / "run", on_step_end=restart_after_step_2)
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]
     assert api.get("/status")["current_step"] == 5  # registered again at 2, then 3 more batches

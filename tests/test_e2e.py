@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from test_manager import TOKEN, _start_worker, fast_cfg, long_context_model  # noqa: F401 - a fixture
+from test_train import Crash, _metrics, crash_after
 from test_worker import WorkerProcess, _wait_until
 
 from polyrl.config import EngineConfig, load_config
@@ -36,8 +37,6 @@ QUICK = [
 ]
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _check_every_step(rows: list[dict]) -> None:
@@ -48,14 +47,6 @@ def _check_every_step(rows: list[dict]) -> None:
         assert r["cost/usd_per_hour"] > 0 and r["cost/tokens_per_usd"] > 0
 
 
-class Crash(Exception):
-    pass
-
-
-def crash_after_4(step: int, metrics: dict[str, float]) -> None:
-    """`on_step_end` of a trainer that dies after step 4."""
-    if step == 4:
-        raise Crash
 
 
 @pytest.mark.slow
@@ -162,7 +153,7 @@ def test_resume_in_remote_mode_resyncs_a_fresh_worker(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cfg = load_config(None, [*QUICK, "trainer.total_steps=6", "trainer.save_every=3", "fleet.num_workers=1"])
     with pytest.raises(Crash):
-        train(cfg, run_dir, on_step_end=crash_after_4)
+        train(cfg, run_dir, on_step_end=crash_after(4))
     state = train(load_config(run_dir / "config.toml"), run_dir, resume=True)
     rows = _metrics(run_dir)
     assert state.step == 6 and [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -180,7 +171,7 @@ def test_generating_one_step_ahead_then_resuming(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     overrides = [*QUICK, "trainer.total_steps=6", "trainer.save_every=3", "fleet.num_workers=1", "rollout.max_staleness=1"]
     with pytest.raises(Crash):
-        train(load_config(None, overrides), run_dir, on_step_end=crash_after_4)
+        train(load_config(None, overrides), run_dir, on_step_end=crash_after(4))
     saved = read_trainer_state(run_dir / "checkpoints" / "step_000003")["state"]
     batch = load_config(None, overrides).trainer.train_batch_size
     assert saved["step"] == 3 and saved["cursor"] == 3 * batch  # step 4's prompts, taken ahead, are not in it

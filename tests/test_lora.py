@@ -4,7 +4,6 @@ from disk by workers the way vLLM and SGLang do."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -13,6 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from test_train import SMALL as TRAIN_SMALL
+from test_train import Crash, _metrics, crash_after
 from test_worker import WorkerProcess
 from transformers import AutoModelForCausalLM
 
@@ -30,26 +31,12 @@ ON_POLICY = 1e-4
 """fp32 on CPU: the engine's log-probs equal the learner's within this after every sync."""
 
 SMALL = [
-    "trainer.total_steps=4",
-    "trainer.train_batch_size=8",
-    "trainer.ppo_mini_batch_size=4",
-    "trainer.save_every=2",
-    "rollout.n=4",
-    "rollout.max_new_tokens=4",
-    "model.tiny.hidden_size=32",
-    "model.tiny.intermediate_size=64",
-    "algo.kl_coef=0.01",  # the reference: the same model with its adapters off
-    "logging.console=false",
+    *TRAIN_SMALL,  # local mode, 4 steps, saves at 2; the KL reference: the model with its adapters off
     "logging.tensorboard=false",
-    "rollout.mode=local",
     "model.lora.enabled=true",
     "model.lora.rank=4",
     "model.lora.save_merged=true",
 ]
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _load(path: Path) -> torch.nn.Module:
@@ -162,15 +149,8 @@ def test_lora_run_checkpoints_adapters_and_resumes_exactly(tmp_path: Path) -> No
     cfg = load_config(None, SMALL)
     train(cfg, tmp_path / "straight")
 
-    class Crash(Exception):
-        pass
-
-    def crash_after_3(step: int, metrics: dict) -> None:
-        if step == 3:
-            raise Crash
-
     with pytest.raises(Crash):
-        train(cfg, tmp_path / "resumed", on_step_end=crash_after_3)
+        train(cfg, tmp_path / "resumed", on_step_end=crash_after(3))
     ckpt = latest_checkpoint(tmp_path / "resumed")
     assert ckpt.name == "step_000002" and sorted(p.name for p in ckpt.iterdir()) == ["adapter", "trainer_state.pt"]
     train(load_config(tmp_path / "resumed" / "config.toml"), tmp_path / "resumed", resume=True)
@@ -338,15 +318,8 @@ def test_remote_resume_sends_the_restored_adapter_to_a_fresh_worker(tmp_path: Pa
     ]  # fmt: skip
     run_dir = tmp_path / "run"
 
-    class Crash(Exception):
-        pass
-
-    def crash_after_4(step: int, metrics: dict) -> None:
-        if step == 4:
-            raise Crash
-
     with pytest.raises(Crash):
-        train(load_config(None, overrides), run_dir, on_step_end=crash_after_4)
+        train(load_config(None, overrides), run_dir, on_step_end=crash_after(4))
     train(load_config(run_dir / "config.toml"), run_dir, resume=True)
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_e2e import QUICK, _check_every_step, _metrics
+from test_e2e import QUICK, _check_every_step
 from test_manager import TOKEN, fast_cfg
+from test_train import _metrics
 from test_transfer import CHUNK, assert_same, pool, weights  # noqa: F401 - a fixture
 
 from polyrl.config import HttpLimitsConfig, TlsConfig, load_config

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -71,20 +72,27 @@ def test_run_directory_is_complete(tmp_path):
     assert not torch.equal(final.model.embed_tokens.weight, init.model.embed_tokens.weight)
 
 
-class _Crash(Exception):
+class Crash(Exception):
     pass
+
+
+def crash_after(last_step: int) -> Callable[[int, dict[str, float]], None]:
+    """`on_step_end` of a trainer that dies after `last_step` (logged; checkpointed only
+    when it is a save step)."""
+
+    def on_step_end(step: int, metrics: dict[str, float]) -> None:
+        if step == last_step:
+            raise Crash
+
+    return on_step_end
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     cfg = load_config(None, SMALL)
     train(cfg, tmp_path / "straight")
 
-    def crash_after_3(step: int, metrics: dict) -> None:
-        if step == 3:  # step 3 is logged but not checkpointed: resume must redo it
-            raise _Crash
-
-    with pytest.raises(_Crash):
-        train(cfg, tmp_path / "resumed", on_step_end=crash_after_3)
+    with pytest.raises(Crash):  # step 3 is logged but not checkpointed: resume must redo it
+        train(cfg, tmp_path / "resumed", on_step_end=crash_after(3))
     assert latest_checkpoint(tmp_path / "resumed").name == "step_000002"
     train(load_config(tmp_path / "resumed" / "config.toml"), tmp_path / "resumed", resume=True)
 
