@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from learner import QWEN3_06B, TINY, build_model, machine, make_items  # noqa: E402  (benchmarks/learner.py)
-from publish_to_serve import state, wait  # noqa: E402
+from publish_to_serve import announce_and_wait, state, wait  # noqa: E402
 
 from polyrl.config import AlgoConfig, LoraConfig, ManagerConfig, TrainerConfig  # noqa: E402
 from polyrl.manager.main import ManagerThread  # noqa: E402
@@ -189,10 +189,8 @@ def publish_to_serving(name: str, shape: dict, rank: int, args: argparse.Namespa
                     if pub.device is not None:
                         pub.device.publish({k: t.to(args.device) for k, t in weights.items()}, version)
                     publish_s = time.perf_counter() - t0
-                    mt.publish_version(version)
-                    wait(lambda v=version: state(mt) == ("active", v), 600, worker)
-                    serve_s = time.perf_counter() - t0
-                    said = sync.last_message.get("w", "")
+                    announced_s, said = announce_and_wait(mt, sync, worker, version)
+                    serve_s = publish_s + announced_s
                     rows.append({"shape": name, "rank": rank, "same_gpu": same_gpu, "version": version,
                                  "bytes": info.manifest.total_bytes, "published_to_serving_s": serve_s,
                                  "publish_call_s": publish_s, "worker_said": said})  # fmt: skip

@@ -67,11 +67,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     info = pub.publish({k: t.to(torch.bfloat16) for k, t in master.items()}, version)
                     snapshot_s = time.perf_counter() - t0
-                    t1 = time.perf_counter()
-                    mt.publish_version(version)
-                    wait(lambda v=version: state(mt) == ("active", v), 600, worker)
-                    serve_s = time.perf_counter() - t1
-                    message = sync.last_message.get("w", "")
+                    serve_s, message = announce_and_wait(mt, sync, worker, version)
                     rows.append({"version": version, "bytes": info.manifest.total_bytes, "snapshot_s": snapshot_s,
                                  "publish_to_serving_s": serve_s, "worker_said": message})  # fmt: skip
                     print(f"v{version}: {info.manifest.total_bytes / 1e6:.0f} MB, snapshot {snapshot_s:.2f}s, "
@@ -81,6 +77,15 @@ def main() -> None:
                 worker.wait(timeout=60)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+
+
+def announce_and_wait(mt: ManagerThread, sync: PublisherSync, worker: subprocess.Popen, version: int) -> tuple[float, str]:
+    """Tell the manager that `version` (already published) is current and wait until the
+    worker serves it: the seconds that took, and what the worker said of its pull."""
+    t0 = time.perf_counter()
+    mt.publish_version(version)
+    wait(lambda: state(mt) == ("active", version), 600, worker)
+    return time.perf_counter() - t0, sync.last_message.get("w", "")
 
 
 def state(mt: ManagerThread) -> tuple[str, int] | None:
