@@ -38,3 +38,10 @@ if ! has_chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/
   { apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; } \
     || echo "could not install chromium: the browser tests will skip" >&2
 fi
+# The TLS tests make throwaway certificates with openssl's command line (tests/conftest.py).
+if ! command -v openssl >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing openssl (apt-get) for the TLS tests' certificates..." >&2
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get install -y -qq openssl >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq openssl >/dev/null 2>&1; }; } \
+    || echo "could not install openssl: the TLS tests will skip" >&2
+fi
