@@ -13,9 +13,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
   .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q --disable-pip-version-check "torch==${POLYRL_TORCH_VERSION:-2.13.0}"
   .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
-  # The atropos extra (tests/test_atropos*.py): atroposlib lists transformers, fastapi,
-  # numpy... without bounds, so it is installed under constraints that keep the versions
-  # just resolved for polyrl (pip could otherwise move them to ones we never tested).
+  # The atropos and ray extras (tests/test_atropos*.py, tests/test_ray_fleet.py):
+  # atroposlib lists transformers, fastapi, numpy... without bounds, so they are installed
+  # under constraints that keep the versions just resolved for polyrl (pip could otherwise
+  # move them to ones we never tested).
   constraints=$(mktemp)
   trap 'rm -f "$constraints"' EXIT
   .venv/bin/python - > "$constraints" <<'EOF'
@@ -26,7 +27,7 @@ for name in ("torch", "transformers", "tokenizers", "fastapi", "pydantic", "nump
     except PackageNotFoundError:
         pass
 EOF
-  .venv/bin/pip install -q --disable-pip-version-check -c "$constraints" -e '.[test,atropos]'
+  .venv/bin/pip install -q --disable-pip-version-check -c "$constraints" -e '.[test,atropos,ray]'
   echo "$want" > "$stamp"
 fi
 # The operator page's browser test (tests/test_operator_view.py) needs a Chromium: Debian's,

@@ -152,3 +152,15 @@ def test_learner_switches_are_auto_or_bool():
     assert load_config(None, ["trainer.compile_layers=auto"]).trainer.compile_layers == "auto"
     with pytest.raises(ConfigError, match="trainer.compile_layers"):
         load_config(None, ["trainer.compile_layers='sometimes'"])
+
+
+def test_the_ray_launcher_needs_ray_and_its_keys_need_the_launcher(monkeypatch):
+    from polyrl import preflight
+
+    with pytest.raises(ConfigError, match="fleet.ray_num_gpus need fleet.launcher=ray"):
+        load_config(None, ["fleet.ray_num_gpus=1"])
+    cfg = load_config(None, ["fleet.launcher=ray", "fleet.ray_num_gpus=1", "manager.port=0"])
+    real = preflight.importlib.util.find_spec
+    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: None if name == "ray" else real(name))
+    with pytest.raises(ConfigError, match=r"fleet.launcher: ray needs Ray: pip install 'polyrl\[ray\]'"):
+        preflight.preflight(cfg)

@@ -351,6 +351,39 @@ class FleetConfig(_Section):
     """A retired worker's in-flight requests get this long before they are handed back."""
     usd_per_hour: float = Field(21.28 / 8, ge=0)
     """Price each launched worker declares (default: one GPU of the seeds' spot H100x8)."""
+    launcher: Literal["local", "ray"] = "local"
+    """Where the launched workers run. `local`: subprocesses on this machine. `ray`: one
+    Ray actor per worker on a Ray cluster (`pip install 'polyrl[ray]'`); each actor runs
+    `polyrl worker` on its node, and Ray starts it again elsewhere when the node is lost,
+    so `num_workers` stay alive (`polyrl.rollout.ray_fleet`)."""
+    ray_address: str | None = None
+    """The Ray cluster to join: "HOST:6379", "auto" (the one `ray start` left on this
+    machine), or None: the RAY_ADDRESS variable, else that one, else a new local cluster."""
+    ray_num_cpus: float = Field(1.0, ge=0)
+    """Ray CPUs each worker reserves."""
+    ray_num_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs each worker reserves; 1 on a GPU cluster gives every worker a GPU of its
+    own (Ray sets CUDA_VISIBLE_DEVICES)."""
+    ray_resources: dict[str, float] = {}
+    """Custom Ray resources each worker reserves, e.g. {"spot": 1} to place workers only
+    on nodes started with `ray start --resources='{"spot": 8}'`."""
+    ray_max_restarts: int = Field(-1, ge=-1)
+    """How many times Ray starts a worker again after its node or process died (-1: no limit)."""
+    ray_model_path: str | None = None
+    """The model as the workers' nodes see it (default: the trainer's `model.path`, or its
+    generated init_model directory): a shared filesystem or a hub name on other machines."""
+    ray_usd_per_hour: dict[str, float] = {}
+    """Price by instance type: a worker on a node of a listed type declares it instead of
+    `usd_per_hour`. A node's type is its POLYRL_INSTANCE_TYPE variable, else the
+    autoscaler's node type (RAY_NODE_TYPE_NAME)."""
+
+    @model_validator(mode="after")
+    def _ray_keys_need_ray(self) -> FleetConfig:
+        defaults = FleetConfig.model_fields
+        set_keys = {k for k in defaults if k.startswith("ray_") and getattr(self, k) != defaults[k].get_default()}
+        if set_keys and self.launcher != "ray":  # a saved config holds every key: only changed ones count
+            raise ValueError(f"{', '.join(sorted(f'fleet.{k}' for k in set_keys))} need fleet.launcher=ray")
+        return self
 
 
 class CostConfig(_Section):
@@ -452,6 +485,12 @@ class WorkerConfig(_Section):
     usd_per_hour: float | None = Field(None, ge=0)
     """This worker's price, told to the manager for cost accounting (None: the trainer's
     `cost.worker_usd_per_hour`)."""
+    node: str | None = None
+    """The machine this worker runs on, as operators know it (default: its hostname; a Ray
+    worker reports its Ray node)."""
+    instance_type: str | None = None
+    """The machine's kind, e.g. "g6e.xlarge" or "spot-h100" (default: the POLYRL_INSTANCE_TYPE
+    variable), told to the manager with the price so that costs can be read per node type."""
     local: bool = False
     """The trainer's own engine (`polyrl train` starts it on the trainer's device): it
     registers as `local`, and the manager gives it work only in the local window, when no
@@ -514,6 +553,10 @@ class ManagerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(5000, ge=0, le=65535)
     """0 picks a free port (printed at start)."""
+    advertise_host: str | None = None
+    """The address workers on other machines reach this manager (and the trainer's
+    publisher, unless `transfer.advertise_host` says otherwise) at. Default: `host`, or
+    this machine's hostname when `host` is a wildcard such as 0.0.0.0."""
     token: str | None = None
     """Shared secret for every mutating endpoint (default: the POLYRL_TOKEN environment
     variable). Required when `host` is not a loopback address."""

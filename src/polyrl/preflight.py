@@ -19,6 +19,7 @@ import. tests/test_config.py asserts that torch, transformers and `datasets` are
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import socket
 from pathlib import Path
@@ -34,8 +35,14 @@ def preflight(cfg: RunConfig) -> None:
         _check_data(cfg.data)
         _check_rewards(cfg.reward.functions)
         _check_ports(cfg)
+        _check_launcher(cfg)
     except (ValueError, OSError) as e:
         raise ConfigError(f"config error: {e}") from None
+
+
+def _check_launcher(cfg: RunConfig) -> None:
+    if cfg.fleet.launcher == "ray" and cfg.rollout.mode != "local" and importlib.util.find_spec("ray") is None:
+        raise ValueError("fleet.launcher: ray needs Ray: pip install 'polyrl[ray]'")
 
 
 def check_world_size(cfg: RunConfig, world_size: int) -> None:

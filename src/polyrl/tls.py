@@ -12,6 +12,7 @@ is on; the plain path stays the default (BENCHMARKS.md has what encryption costs
 from __future__ import annotations
 
 import functools
+import socket
 import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,14 @@ def certificate_error(exc: BaseException) -> ssl.SSLCertVerificationError | None
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def reachable_host(bind_host: str, advertise: str | None = None) -> str:
+    """The address other machines use for a service bound to `bind_host`: `advertise`
+    when given, this machine's hostname for a wildcard bind, else the bound address."""
+    if advertise:
+        return advertise
+    return socket.gethostname() if bind_host in ("", "0.0.0.0", "::") else bind_host
 
 
 def base_url(host: str, port: int, tls: bool = False) -> str:

@@ -54,6 +54,10 @@ class RegisterRequest(_Message):
     device: str | None = Field(None, max_length=256)
     """What the worker generates on, e.g. "cuda:0 NVIDIA H100 80GB HBM3" or "cpu" (shown
     to operators; optional, so workers that predate it still register)."""
+    node: str | None = Field(None, max_length=256)
+    """The machine the worker runs on (hostname, or its Ray node)."""
+    instance_type: str | None = Field(None, max_length=256)
+    """The machine's kind (e.g. "g6e.xlarge"), for costs per node type."""
     local: bool = False
     """The trainer's own engine (`polyrl worker --local`, on the trainer's device): the
     manager registers it as `local` and uses it only in the local window, when no other
@@ -253,6 +257,8 @@ class WorkerInfo(_Message):
     last_heartbeat_age_s: float
     num_failures: int
     usd_per_hour: float | None = None
+    node: str | None = None
+    instance_type: str | None = None
 
 
 class LocalWindowReport(_Message):

@@ -54,6 +54,8 @@ class WorkerRecord:
     """Speaks polyrl's incremental stream chunks (else: SGLang's cumulative snapshots)."""
     usd_per_hour: float | None = None
     device: str | None = None
+    node: str | None = None
+    instance_type: str | None = None
 
     def __repr__(self) -> str:  # short: task reprs include it (see batch.SampleState)
         return f"<WorkerRecord {self.worker_id} {self.state} v{self.weight_version}>"
@@ -82,6 +84,8 @@ class WorkerRecord:
             last_heartbeat_age_s=round(now - self.last_seen, 3),
             num_failures=self.num_failures,
             usd_per_hour=self.usd_per_hour,
+            node=self.node,
+            instance_type=self.instance_type,
         )
 
 
@@ -111,6 +115,8 @@ class Registry:
             incremental_stream="incremental_stream" in request.capabilities,
             usd_per_hour=request.usd_per_hour,
             device=request.device,
+            node=request.node,
+            instance_type=request.instance_type,
             is_local=request.local,
         )
         self.workers[worker_id] = record

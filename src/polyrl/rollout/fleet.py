@@ -1,12 +1,14 @@
-"""Rollout workers the trainer launches on its own machine, and spot churn on demand.
+"""Rollout workers the trainer launches, and spot churn on demand.
 
-Each worker is an ordinary `polyrl worker` subprocess that registers with the trainer's
-manager, exactly like one started by hand on another machine; the fleet only decides
-when workers come and go. Churn follows the seeds' launch_sglang_step.sh (a worker
-every T seconds up to K, then retire the oldest every T), repeated, plus optional
-kill -9 of a random worker at seeded, exponentially spaced times. Retiring is SIGTERM:
-the worker drains and hands its unfinished requests back. A kill gives no notice: the
-manager sees the connection drop and migrates the requests token for token.
+Each worker is an ordinary `polyrl worker` that registers with the trainer's manager,
+exactly like one started by hand on another machine; a fleet only decides when workers
+come and go. `WorkerFleet` runs them as subprocesses on this machine; `RayFleet`
+(rollout/ray_fleet.py, `fleet.launcher = "ray"`) as Ray actors on a cluster. Churn is the
+same for both and follows the seeds' launch_sglang_step.sh (a worker every T seconds up
+to K, then retire the oldest every T), repeated, plus optional kill -9 of a random worker
+at seeded, exponentially spaced times. Retiring is SIGTERM: the worker drains and hands
+its unfinished requests back. A kill gives no notice: the manager sees the connection
+drop and migrates the requests token for token.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import subprocess
 import sys
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from collections.abc import Mapping
+from typing import IO, Any
 
 from polyrl.config import EngineConfig, FleetConfig, LoraConfig, TlsConfig
 from polyrl.lifetime import die_with_parent, wait_unless_hurried
@@ -45,22 +49,20 @@ class FleetEvents:
     killed: int = 0
 
 
-class WorkerFleet:
-    def __init__(
-        self, cfg: FleetConfig, engine: EngineConfig, model_dir: Path, manager_url: str, token: str, log_dir: Path,
-        lora: LoraConfig | None = None, tls: TlsConfig | None = None,
-    ) -> None:  # fmt: skip
-        self.cfg, self.engine, self.model_dir = cfg, engine, model_dir
-        self.lora, self.tls = lora, tls
-        self.manager_url, self.token, self.log_dir = manager_url, token, log_dir
-        self.workers: list[LaunchedWorker] = []  # oldest first
+class Fleet(ABC):
+    """Launched workers, whatever runs them: launching, retiring, killing, and the churn
+    schedule over those (a thread that only waits and sends signals)."""
+
+    def __init__(self, cfg: FleetConfig) -> None:
+        self.cfg = cfg
         self.events = FleetEvents()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_id = 0
 
-    # ---------------------------------------------------------------------------- launching
+    logs: str
+    """Where the workers' logs are, for messages."""
 
     def start(self) -> list[str]:
         """Launch the initial workers (all of them, or one when churning) and start the
@@ -72,10 +74,90 @@ class WorkerFleet:
             self._thread.start()
         return ids
 
-    def launch(self) -> str:
+    def _new_id(self, prefix: str) -> str:
         with self._lock:
-            worker_id = f"w{self._next_id}"
+            worker_id = f"{prefix}{self._next_id}"
             self._next_id += 1
+        return worker_id
+
+    @abstractmethod
+    def launch(self) -> str:
+        """Start one more worker; returns its id."""
+
+    @abstractmethod
+    def alive(self) -> list[Any]:
+        """The launched workers still running, oldest first (each has a `worker_id`)."""
+
+    @abstractmethod
+    def retire_oldest(self) -> str | None:
+        """SIGTERM to the oldest (the spot notice): it drains, hands back, deregisters."""
+
+    @abstractmethod
+    def kill(self, worker: Any) -> None:
+        """kill -9: no notice, no hand-back."""
+
+    @abstractmethod
+    def _stop_workers(self) -> None:
+        """Every worker leaves: SIGTERM, then SIGKILL after the drain allowance (at once
+        after a second Ctrl-C)."""
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._stop_workers()
+
+    # ------------------------------------------------------------------------------ churn
+
+    def _churn(self) -> None:
+        rng = random.Random(self.cfg.kill_seed)
+        period = self.cfg.churn_interval_s
+        now = time.monotonic()
+        next_change = now + period if period > 0 else float("inf")
+        next_kill = now + self._gap(rng)
+        growing = True
+        while not self._stop.wait(min(0.2, max(min(next_change, next_kill) - time.monotonic(), 0.0))):
+            now = time.monotonic()
+            if now >= next_kill:
+                alive = self.alive()
+                if alive:
+                    self.kill(rng.choice(alive))
+                next_kill = now + self._gap(rng)
+            if now >= next_change:
+                growing = self._churn_step(growing)
+                next_change = now + period
+
+    def _churn_step(self, growing: bool) -> bool:
+        growing = churn_direction(len(self.alive()), growing, self.cfg.num_workers, self.cfg.churn_min_workers)
+        if growing:
+            self.launch()
+        else:
+            self.retire_oldest()
+        return growing
+
+    def _gap(self, rng: random.Random) -> float:
+        mean = self.cfg.kill_interval_s
+        return rng.expovariate(1.0 / mean) if mean > 0 else float("inf")
+
+
+class WorkerFleet(Fleet):
+    """Workers as subprocesses of the trainer, on its machine (`fleet.launcher = "local"`)."""
+
+    def __init__(
+        self, cfg: FleetConfig, engine: EngineConfig, model_dir: Path, manager_url: str, token: str, log_dir: Path,
+        lora: LoraConfig | None = None, tls: TlsConfig | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(cfg)
+        self.engine, self.model_dir = engine, model_dir
+        self.lora, self.tls = lora, tls
+        self.manager_url, self.token, self.log_dir = manager_url, token, log_dir
+        self.logs = str(log_dir)
+        self.workers: list[LaunchedWorker] = []  # oldest first
+
+    # ---------------------------------------------------------------------------- launching
+
+    def launch(self) -> str:
+        worker_id = self._new_id("w")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_dir / f"{worker_id}.log", "ab")  # noqa: SIM115 - closed when the worker ends
         proc = subprocess.Popen(
@@ -112,7 +194,6 @@ class WorkerFleet:
             log.info("worker %s exited with code %s", w.worker_id, w.proc.returncode)
 
     def retire_oldest(self) -> str | None:
-        """SIGTERM: the spot notice. The worker drains, hands back, deregisters."""
         alive = self.alive()
         if not alive:
             return None
@@ -126,7 +207,6 @@ class WorkerFleet:
         return oldest.worker_id
 
     def kill(self, worker: LaunchedWorker) -> None:
-        """kill -9: no notice, no hand-back."""
         worker.proc.kill()
         worker.proc.wait()
         with self._lock:
@@ -145,12 +225,7 @@ class WorkerFleet:
             worker.proc.wait()
         worker.log_file.close()
 
-    def stop(self) -> None:
-        """Every worker leaves (SIGTERM, then SIGKILL after the drain allowance, or at once
-        after a second Ctrl-C)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+    def _stop_workers(self) -> None:
         with self._lock:
             workers, self.workers = list(self.workers), []
         for w in workers:
@@ -163,47 +238,17 @@ class WorkerFleet:
                 w.proc.wait()
             w.log_file.close()
 
-    # ------------------------------------------------------------------------------ churn
-
-    def _churn(self) -> None:
-        rng = random.Random(self.cfg.kill_seed)
-        period = self.cfg.churn_interval_s
-        now = time.monotonic()
-        next_change = now + period if period > 0 else float("inf")
-        next_kill = now + self._gap(rng)
-        growing = True
-        while not self._stop.wait(min(0.2, max(min(next_change, next_kill) - time.monotonic(), 0.0))):
-            now = time.monotonic()
-            if now >= next_kill:
-                alive = self.alive()
-                if alive:
-                    self.kill(rng.choice(alive))
-                next_kill = now + self._gap(rng)
-            if now >= next_change:
-                growing = self._churn_step(growing)
-                next_change = now + period
-
-    def _churn_step(self, growing: bool) -> bool:
-        growing = churn_direction(len(self.alive()), growing, self.cfg.num_workers, self.cfg.churn_min_workers)
-        if growing:
-            self.launch()
-        else:
-            self.retire_oldest()
-        return growing
-
-    def _gap(self, rng: random.Random) -> float:
-        mean = self.cfg.kill_interval_s
-        return rng.expovariate(1.0 / mean) if mean > 0 else float("inf")
-
 
 def worker_command(
-    model_dir: Path, manager_url: str, worker_id: str, engine: EngineConfig, overrides: list[str]
+    model_dir: Path, manager_url: str, worker_id: str | None, engine: EngineConfig, overrides: list[str]
 ) -> list[str]:
-    """`polyrl worker` joining `manager_url` with the run's engine settings."""
+    """`polyrl worker` joining `manager_url` with the run's engine settings (the dotted
+    overrides come last, so a caller may append more)."""
     settings = [f"engine.{k}={json.dumps(v)}" for k, v in engine.model_dump(mode="json").items()]
+    named = ["--worker-id", worker_id] if worker_id is not None else []
     return [
         sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--port", "0",
-        "--manager", manager_url, "--worker-id", worker_id, *settings, *overrides,
+        "--manager", manager_url, *named, *settings, *overrides,
     ]  # fmt: skip
 
 
@@ -223,8 +268,9 @@ def tls_overrides(tls: TlsConfig | None) -> list[str]:
     return [f"worker.tls.{k}={json.dumps(v)}" for k, v in tls.model_dump(exclude_none=True).items()]
 
 
-def worker_env(token: str, threads: int) -> dict[str, str]:
-    return os.environ | {
+def worker_env(token: str, threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The worker's environment: `base` (default: ours) with the token and thread counts."""
+    return dict(os.environ if base is None else base) | {
         "POLYRL_TOKEN": token, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
     }  # fmt: skip

@@ -44,7 +44,7 @@ class ManagerProcess(Child):
     def __init__(self, cfg: ManagerConfig, token: str, run_dir: Path) -> None:
         """Binds the manager's address now: OSError if it is taken."""
         self.sock = bind(cfg.host, cfg.port)
-        port = self.sock.getsockname()[1]
+        self.port = port = self.sock.getsockname()[1]
         self.url = base_url(cfg.host, port, cfg.tls.enabled)
         # the token goes by environment; the port is the socket's, also for a restart
         self.cfg = cfg.model_copy(update={"token": None, "url": None, "port": port})

@@ -45,6 +45,7 @@ from polyrl.rollout.manager_process import ManagerProcess
 from polyrl.rollout.stats import RolloutStats
 from polyrl.rollout.types import Group, Prompt, Sample
 from polyrl.transfer.device import DeviceVersions
+from polyrl.tls import base_url, reachable_host
 from polyrl.transfer.publisher import WeightPublisher
 
 log = logging.getLogger("polyrl.rollout")
@@ -98,7 +99,8 @@ class RemoteRollout:
         # workers on this host pull over NCCL / CUDA IPC (not with TLS: those sockets go to another process)
         if transfer.gpu_paths and not transfer.tls and self.model.device.type == "cuda":
             self.publisher.device = DeviceVersions(self.model.device)
-        advertise = None if transfer.group_hosts else transfer.advertise_host  # each group's own bind address
+        # each group's own bind address, else where other machines reach this one
+        advertise = None if transfer.group_hosts else transfer.advertise_host or reachable_host(mcfg.host, mcfg.advertise_host)
         device = self.publisher.device.identity if self.publisher.device is not None else None
         self.endpoint = PublisherEndpoint(
             groups=[(advertise or host, port) for host, port in self.publisher.addresses], key=self.publisher.key.hex(),
@@ -107,11 +109,12 @@ class RemoteRollout:
         )  # fmt: skip
         self.manager: ManagerProcess | None = None
         if mcfg.url:
-            self.url = mcfg.url
+            self.url = self.public_url = mcfg.url
             log.info("using the rollout manager at %s", self.url)
         else:
             self.manager = ManagerProcess(mcfg, token, run_dir)  # binds its port now: the URL is known
             self.url = self.manager.url
+            self.public_url = base_url(reachable_host(mcfg.host, mcfg.advertise_host), self.manager.port, mcfg.tls.enabled)
             self.manager.spawn()
             self._stack.callback(self.manager.stop)
         self.link = ManagerLink(self.url, token, ca_file=cfg.manager.tls.ca_file)

@@ -39,7 +39,7 @@ from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.models.tiny import save_tiny_model
 from polyrl.preflight import check_world_size
 from polyrl.rollout.atropos import AtroposRollout
-from polyrl.rollout.fleet import WorkerFleet
+from polyrl.rollout.fleet import Fleet, WorkerFleet
 from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.remote import RemoteRollout
 from polyrl.rollout.types import Group, Rollout
@@ -140,7 +140,7 @@ class Run:
     sampling: BatchSampling
     state: TrainState
     dp: DataParallel
-    fleet: WorkerFleet | None = None
+    fleet: Fleet | None = None
     peft: PeftModel | None = None
     """With LoRA: the PEFT wrapper of `model` (whose layers it injected in place)."""
     ahead: deque[PendingBatch] = field(default_factory=deque)
@@ -358,7 +358,7 @@ def load_learner(dp: DataParallel, cfg: RunConfig, init_path: Path, pad_id: int,
 def start_rollout(
     cfg: RunConfig, run_dir: Path, model: PreTrainedModel, compute_dtype: torch.dtype, init_path: Path,
     cleanup: ExitStack,
-) -> tuple[Rollout, WorkerFleet | None]:  # fmt: skip
+) -> tuple[Rollout, Fleet | None]:  # fmt: skip
     """The rollout and, remote or hybrid, the launched workers; `cleanup` stops them."""
     if cfg.rollout.mode == "local":
         return LocalRollout.colocated(model, cfg.engine, compute_dtype), None
@@ -368,7 +368,7 @@ def start_rollout(
 def start_remote(
     cfg: RunConfig, run_dir: Path, model: PreTrainedModel, compute_dtype: torch.dtype, init_path: Path,
     cleanup: ExitStack,
-) -> tuple[RemoteRollout, WorkerFleet | None]:  # fmt: skip
+) -> tuple[RemoteRollout, Fleet | None]:  # fmt: skip
     """The manager, publisher and local worker processes, then the launched workers (if
     any). The manager always has a token (a random one unless given), so that workers
     from anywhere can be added later; it goes to RUN_DIR/manager.json (owner-only), not
@@ -388,20 +388,31 @@ def start_remote(
     if cfg.engine.dtype == "float64":  # as the run's own workers (rollout.deterministic)
         extra += " engine.dtype=float64"
     log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token <token in %s>%s",
-             rollout.url, init_path, rollout.url, info, extra)  # fmt: skip
+             rollout.url, init_path, rollout.public_url, info, extra)  # fmt: skip
     log.info("operator page: %s/?token=<token in %s> (terminal: polyrl status %s --token <token>)",
              rollout.url, info, rollout.url)  # fmt: skip
     fleet = None
     if cfg.fleet.num_workers:
-        fleet = WorkerFleet(
-            cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers", cfg.model.lora, cfg.manager.tls
-        )
+        fleet = launcher(cfg, init_path, rollout, token, run_dir)
         cleanup.callback(fleet.stop)
         cleanup.callback(rollout.local.terminate)  # runs first: the local worker drains while the fleet does
     ids = fleet.start() if fleet is not None else []  # while the manager starts: they register once it serves
     rollout.connect()
     wait_for_workers(rollout, fleet, ids, cfg.fleet.min_workers, cfg.fleet.ready_timeout_s)
     return rollout, fleet
+
+
+def launcher(cfg: RunConfig, init_path: Path, rollout: RemoteRollout, token: str, run_dir: Path) -> Fleet:
+    """The fleet that launches `fleet.num_workers` workers: subprocesses here, or Ray actors
+    on a cluster (which reach the manager at its advertised address)."""
+    if cfg.fleet.launcher == "ray":
+        from polyrl.rollout.ray_fleet import RayFleet
+
+        model_path = cfg.fleet.ray_model_path or str(init_path)
+        return RayFleet(cfg.fleet, cfg.engine, model_path, rollout.public_url, token, cfg.model.lora, cfg.manager.tls)
+    return WorkerFleet(
+        cfg.fleet, cfg.engine, init_path, rollout.url, token, run_dir / "workers", cfg.model.lora, cfg.manager.tls
+    )
 
 
 def started_engines(cfg: RunConfig) -> EngineConfig:
@@ -418,7 +429,7 @@ def started_engines(cfg: RunConfig) -> EngineConfig:
 
 
 def wait_for_workers(
-    rollout: RemoteRollout, fleet: WorkerFleet | None, ids: list[str], min_active: int, timeout_s: float
+    rollout: RemoteRollout, fleet: Fleet | None, ids: list[str], min_active: int, timeout_s: float
 ) -> None:
     """Wait until the local worker and the launched workers `ids` are active, and at
     least `min_active` workers in all (a worker's start-up is mostly imports and model
@@ -444,7 +455,7 @@ def wait_for_workers(
     missing = [i for i in ids if i not in now]
     if missing and fleet is not None:  # launched ids come with their fleet
         log.warning("workers %s died or were not ready within %.0fs (see %s): training goes on without them",
-                    missing, timeout_s, fleet.log_dir)  # fmt: skip
+                    missing, timeout_s, fleet.logs)  # fmt: skip
     if len(now) < min_active:
         log.warning("%d of fleet.min_workers=%d workers active after %.0fs: training starts with them",
                     len(now), min_active, timeout_s)  # fmt: skip

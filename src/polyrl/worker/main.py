@@ -27,7 +27,7 @@ from polyrl.engine.engine import Engine
 from polyrl.engine.lora import AdapterMerger, expected_spec
 from polyrl.manager.protocol import Heartbeat, RegisterRequest, RegisterResponse
 from polyrl.serving import QuietServer, bind, server_config, wait_started
-from polyrl.tls import base_url
+from polyrl.tls import base_url, reachable_host
 from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession, ManagerUnreachable
 from polyrl.worker.server import WorkerState, create_app
 
@@ -117,8 +117,7 @@ def _install_signal_handlers(state: WorkerState) -> None:
 def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> ManagerSession:
     w = cfg.worker
     assert w.manager_url is not None
-    host = socket.gethostname() if w.host in ("0.0.0.0", "::") else w.host
-    advertise = w.advertise_url or base_url(host, port, w.tls.enabled)
+    advertise = w.advertise_url or base_url(reachable_host(w.host), port, w.tls.enabled)
     client = ManagerClient(w.manager_url, w.token or os.environ.get("POLYRL_TOKEN"), w.manager_request_timeout_s, w.tls.ca_file)
 
     def registration() -> RegisterRequest:
@@ -132,6 +131,8 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
             capabilities=["incremental_stream"],
             usd_per_hour=cfg.worker.usd_per_hour,
             device=device_name(state.engine.engine.device),
+            node=w.node or socket.gethostname(),
+            instance_type=w.instance_type or os.environ.get("POLYRL_INSTANCE_TYPE") or None,
             local=cfg.worker.local,
         )
 

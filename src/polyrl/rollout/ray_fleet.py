@@ -1,0 +1,263 @@
+"""Rollout workers on a Ray cluster (`fleet.launcher = "ray"`).
+
+Each worker is a Ray actor, `WorkerHost`, that runs `polyrl worker` as a child process
+on its node: the same program a person starts by hand, joining the manager with its URL
+and token, so the membership protocol does not change. The actor reserves the worker's
+Ray resources (`fleet.ray_num_cpus`, `ray_num_gpus`, `ray_resources`), which is how Ray
+places it (spot nodes by a custom resource, GPUs by count), and it is restartable: when
+its node is lost (a preemption, `ray stop`, a crash), Ray creates it again on a node with
+room, and the new incarnation starts a fresh worker under a new id. The samples the lost
+worker held were already migrated by the manager, token for token: nothing here is on
+the data path, and the trainer talks to the cluster only to launch, list and retire.
+
+The child dies with its actor (PR_SET_PDEATHSIG, SIGKILL): an actor killed with its node
+or by `fleet.kill_interval_s` must not leave a worker heartbeating. A worker that exits on
+its own after a healthy start takes its actor down with it, so Ray restarts that one too;
+one that exits within `HEALTHY_AFTER_S` of starting (a bad flag, a missing model) is not
+restarted in a loop: the fleet logs the end of its log and lets it go.
+
+Ray is an optional extra (`pip install 'polyrl[ray]'`), imported only here.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from polyrl.config import ConfigError, EngineConfig, FleetConfig, LoraConfig, TlsConfig
+from polyrl.lifetime import HURRY, die_with_parent
+from polyrl.rollout.fleet import Fleet, lora_overrides, tls_overrides, worker_command, worker_env
+from polyrl.serving import is_loopback
+
+log = logging.getLogger("polyrl.fleet")
+
+HEALTHY_AFTER_S = 60.0
+"""A worker that ran this long before exiting on its own is restarted by Ray; one that
+failed sooner is a configuration problem, and restarting it would only loop."""
+INFO_WAIT_S = 2.0
+"""How long listing the fleet waits for the actors' answers (a pending or restarting
+actor keeps its last known id)."""
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("config error: fleet.launcher: ray needs Ray: pip install 'polyrl[ray]'") from None
+    return ray
+
+
+class WorkerHost:
+    """A Ray actor that owns one `polyrl worker` on its node (see the module docstring)."""
+
+    def __init__(self, slot: str, command: list[str], env: dict[str, str], prices: dict[str, float]) -> None:
+        import ray
+
+        context = ray.get_runtime_context()
+        with warnings.catch_warnings():  # Ray marks the property's internals deprecated
+            warnings.simplefilter("ignore")
+            restarted = bool(context.was_current_actor_reconstructed)
+        self.worker_id = f"{slot}.{secrets.token_hex(2)}" if restarted else slot
+        node_id = context.get_node_id()
+        ip = ray.util.get_node_ip_address()
+        self.node = f"{socket.gethostname()}/{node_id[:8]}"
+        self.instance_type = os.environ.get("POLYRL_INSTANCE_TYPE") or os.environ.get("RAY_NODE_TYPE_NAME") or None
+        node_keys = [f"worker.host={ip}", f"worker.node={self.node}"]
+        if self.instance_type is not None:
+            node_keys.append(f"worker.instance_type={self.instance_type}")
+            if self.instance_type in prices:  # after the fleet's default price: the last one counts
+                node_keys.append(f"worker.usd_per_hour={prices[self.instance_type]}")
+        # this node's interpreter, not the trainer's path to its own
+        self.command = [sys.executable, *command[1:4], "--worker-id", self.worker_id, *command[4:], *node_keys]
+        self.log_path = Path(tempfile.gettempdir()) / "polyrl-workers" / f"{self.worker_id}.log"
+        self.env = os.environ | env  # this node's environment, with the token and thread counts
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.exit_code: int | None = None
+        self.retiring = False
+        started = threading.Event()
+        # the child's PDEATHSIG fires when the thread that started it ends: this one waits for it
+        threading.Thread(target=self._run, args=(started,), name="polyrl-worker-child", daemon=True).start()
+        started.wait()
+
+    def _run(self, started: threading.Event) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        began = time.monotonic()
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(
+                self.command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                start_new_session=True, preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
+            )  # fmt: skip
+            started.set()
+            self.exit_code = self.proc.wait()
+        if not self.retiring and time.monotonic() - began >= HEALTHY_AFTER_S:
+            os._exit(1)  # a lost worker: Ray starts this actor (and a new worker) again
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id, "node": self.node, "instance_type": self.instance_type,
+            "pid": self.proc.pid if self.proc else None, "exit_code": self.exit_code, "log": str(self.log_path),
+        }  # fmt: skip
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"(no log: {e})"
+
+    def retire(self, timeout_s: float) -> int | None:
+        """SIGTERM (the spot notice: drain and hand back), SIGKILL after `timeout_s`."""
+        self.retiring = True
+        if self.proc is None or self.proc.poll() is not None:
+            return self.exit_code
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@dataclass
+class RayWorker:
+    slot: str
+    handle: Any
+    worker_id: str
+    """The current incarnation's id (the slot's name, then `slot.xxxx` after each restart)."""
+    started_at: float = field(default_factory=time.monotonic)
+    node: str | None = None
+
+
+class RayFleet(Fleet):
+    """`fleet.num_workers` workers kept alive on a Ray cluster."""
+
+    def __init__(
+        self, cfg: FleetConfig, engine: EngineConfig, model_path: str, manager_url: str, token: str,
+        lora: LoraConfig | None = None, tls: TlsConfig | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(cfg)
+        ray = import_ray()
+        self._ray = ray
+        self._owns_connection = not ray.is_initialized()
+        if self._owns_connection:
+            ray.init(address=cfg.ray_address, namespace="polyrl", log_to_driver=False)
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        log.info("Ray cluster: %d nodes, %s", len(nodes), _resources(ray.cluster_resources()))
+        elsewhere = {n["NodeManagerAddress"] for n in nodes} - {ray.util.get_node_ip_address()}
+        if elsewhere and is_loopback(urlsplit(manager_url).hostname or ""):
+            log.warning("the Ray cluster has nodes on other machines (%s), but the manager is at %s, which they "
+                        "cannot reach: set manager.host=0.0.0.0 (and manager.advertise_host)",
+                        ", ".join(sorted(elsewhere)), manager_url)  # fmt: skip
+        self.command = worker_command(Path(model_path), manager_url, None, engine, [
+            f"worker.usd_per_hour={cfg.usd_per_hour}", f"worker.drain_timeout_s={cfg.drain_timeout_s}",
+            *lora_overrides(lora), *tls_overrides(tls),
+        ])  # fmt: skip
+        self.env = worker_env(token, cfg.worker_threads, base={})
+        self.logs = f"{tempfile.gettempdir()}/polyrl-workers/ on each worker's node"
+        self.workers: list[RayWorker] = []  # oldest first
+        self._given_up: set[str] = set()
+        self._actor = ray.remote(WorkerHost).options(
+            num_cpus=cfg.ray_num_cpus, num_gpus=cfg.ray_num_gpus, resources=cfg.ray_resources or None,
+            max_restarts=cfg.ray_max_restarts, max_task_retries=-1, max_concurrency=4, scheduling_strategy="SPREAD",
+        )  # fmt: skip
+
+    def launch(self) -> str:
+        slot = self._new_id("ray")
+        handle = self._actor.remote(slot, self.command, self.env, self.cfg.ray_usd_per_hour)
+        with self._lock:
+            self.workers.append(RayWorker(slot, handle, slot))
+            self.events.launched += 1
+        log.info("launched worker %s on Ray (placed once a node has %s)", slot, self._wants())
+        return slot
+
+    def _wants(self) -> str:
+        wants = {"CPU": self.cfg.ray_num_cpus, "GPU": self.cfg.ray_num_gpus, **self.cfg.ray_resources}
+        return _resources({k: v for k, v in wants.items() if v})
+
+    def alive(self) -> list[RayWorker]:
+        """The actors not dead for good, with their current ids (asked from each; Ray
+        answers for a restarted actor once its new incarnation runs)."""
+        ray = self._ray
+        with self._lock:
+            workers = list(self.workers)
+        refs = {w.handle.info.remote(): w for w in workers}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=INFO_WAIT_S) if refs else ([], [])
+        for ref in ready:
+            worker = refs[ref]
+            try:
+                info = ray.get(ref)
+            except ray.exceptions.RayActorError:  # out of restarts (calls to a restarting one wait)
+                self._forget(worker, "its actor died for good")
+                continue
+            if info["worker_id"] != worker.worker_id:
+                log.warning("worker %s is back as %s on %s (Ray restarted it)", worker.worker_id, info["worker_id"], info["node"])
+            worker.worker_id, worker.node = info["worker_id"], info["node"]
+            if info["exit_code"] is not None:  # failed early: not restarted (see HEALTHY_AFTER_S)
+                tail = ray.get(worker.handle.log_tail.remote(), timeout=10)
+                self._forget(worker, f"it exited with code {info['exit_code']} soon after starting:\n{tail}")
+                ray.kill(worker.handle, no_restart=True)
+        with self._lock:
+            return list(self.workers)
+
+    def _forget(self, worker: RayWorker, why: str) -> None:
+        with self._lock:
+            if worker in self.workers:
+                self.workers.remove(worker)
+                log.warning("worker %s left the fleet: %s", worker.worker_id, why)
+
+    def retire_oldest(self) -> str | None:
+        alive = self.alive()
+        if not alive:
+            return None
+        oldest = alive[0]
+        with self._lock:
+            self.workers.remove(oldest)
+            self.events.retired += 1
+        threading.Thread(target=self._retire, args=(oldest,), daemon=True).start()
+        log.info("retiring worker %s (SIGTERM)", oldest.worker_id)
+        return oldest.worker_id
+
+    def _retire(self, worker: RayWorker) -> None:
+        ray = self._ray
+        try:
+            if not HURRY.is_set():  # a second Ctrl-C: no draining
+                ray.get(worker.handle.retire.remote(self.cfg.drain_timeout_s + 15), timeout=self.cfg.drain_timeout_s + 30)
+        except (ray.exceptions.RayError, TimeoutError) as e:  # GetTimeoutError is a TimeoutError
+            log.warning("worker %s did not retire cleanly (%s): killing it", worker.worker_id, type(e).__name__)
+        ray.kill(worker.handle, no_restart=True)
+
+    def kill(self, worker: RayWorker) -> None:
+        """kill -9 of the worker's actor (its child goes with it); Ray starts it again, as
+        the autoscaler would replace a preempted spot node."""
+        self._ray.kill(worker.handle, no_restart=False)
+        with self._lock:
+            self.events.killed += 1
+        log.warning("killed worker %s (its Ray actor, SIGKILL); Ray will start it again", worker.worker_id)
+
+    def _stop_workers(self) -> None:
+        with self._lock:
+            workers, self.workers = list(self.workers), []
+        threads = [threading.Thread(target=self._retire, args=(w,), daemon=True) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=self.cfg.drain_timeout_s + 35)
+        if self._owns_connection:
+            self._ray.shutdown()
+
+
+def _resources(resources: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if not k.startswith(("node:", "memory", "object_store")))
