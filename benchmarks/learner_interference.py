@@ -402,6 +402,7 @@ def loaded_phase(bench: Bench, publisher: Any, children: Children, run_dir: Path
         # slot, so that queued samples take the slots a finished batch frees at once.
         stream = Stream(link, args, num_lanes=-(-3 * args.engines * args.slots // 64))
         isolate(args.isolate_cores)  # every child is running now
+        renice_children(args.nice_children)
         time.sleep(args.ramp_s)  # every slot streaming, groups finishing
         num_pulls_before = len(receivers.pull_s)
         phase = bench.run_phase("B loaded", publisher, receivers)
@@ -450,6 +451,19 @@ def split_cores(n: int) -> tuple[set[int], set[int]]:
     everything it started (manager, publisher, fleet, receivers)."""
     cores = sorted(os.sched_getaffinity(0))
     return set(cores[:n]), set(cores[n:])
+
+
+def renice_children(n: int) -> None:
+    """--nice-children: every thread of every process the trainer started runs at nice `n`
+    (the learner's launch thread then gets a core first when the host is busy)."""
+    if n <= 0:
+        return
+    for pid in _descendants(os.getpid()):
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(task.name), n)
+            except OSError:  # the thread ended
+                pass
 
 
 def isolate(n: int) -> None:
@@ -571,6 +585,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--receivers", type=int, default=2)
     p.add_argument("--isolate-cores", type=int, default=0,
                    help="keep the trainer's process on this many cores and its children off them (0: no pinning)")
+    p.add_argument("--nice-children", type=int, default=0,
+                   help="every process the trainer starts (the fake fleet and receivers, which stand for "
+                        "other machines, too) at this nice level")
     p.add_argument("--timeout-s", type=int, default=330, help="the whole run; past it, children are killed")
     p.add_argument("--manager", help="(fleet role)")
     p.add_argument("--publisher", help="host:port (receiver role)")
