@@ -23,9 +23,9 @@ import sys
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
 from typing import IO, Any
 
 from polyrl.config import EngineConfig, FleetConfig, LoraConfig, TlsConfig
@@ -60,6 +60,8 @@ class Fleet(ABC):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_id = 0
+        self.workers: list[Any] = []
+        """Launched and not retired, oldest first (each has a `worker_id`)."""
 
     logs: str
     """Where the workers' logs are, for messages."""
@@ -88,24 +90,40 @@ class Fleet(ABC):
     def alive(self) -> list[Any]:
         """The launched workers still running, oldest first (each has a `worker_id`)."""
 
-    @abstractmethod
     def retire_oldest(self) -> str | None:
         """SIGTERM to the oldest (the spot notice): it drains, hands back, deregisters."""
+        alive = self.alive()
+        if not alive:
+            return None
+        oldest = alive[0]
+        with self._lock:
+            self.workers.remove(oldest)
+            self.events.retired += 1
+        log.info("retiring worker %s (SIGTERM)", oldest.worker_id)
+        self._retire(oldest)
+        return oldest.worker_id
+
+    @abstractmethod
+    def _retire(self, worker: Any) -> None:
+        """Give `worker` the notice and see it out (SIGKILL past the drain allowance),
+        without making the caller wait."""
 
     @abstractmethod
     def kill(self, worker: Any) -> None:
         """kill -9: no notice, no hand-back."""
 
     @abstractmethod
-    def _stop_workers(self) -> None:
-        """Every worker leaves: SIGTERM, then SIGKILL after the drain allowance (at once
-        after a second Ctrl-C)."""
+    def _stop_workers(self, workers: list[Any]) -> None:
+        """Every one of `workers` leaves: SIGTERM, then SIGKILL after the drain allowance
+        (at once after a second Ctrl-C)."""
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self._stop_workers()
+        with self._lock:
+            workers, self.workers = list(self.workers), []
+        self._stop_workers(workers)
 
     # ------------------------------------------------------------------------------ churn
 
@@ -152,7 +170,7 @@ class WorkerFleet(Fleet):
         self.lora, self.tls = lora, tls
         self.manager_url, self.token, self.log_dir = manager_url, token, log_dir
         self.logs = str(log_dir)
-        self.workers: list[LaunchedWorker] = []  # oldest first
+        self.workers: list[LaunchedWorker]
 
     # ---------------------------------------------------------------------------- launching
 
@@ -193,18 +211,9 @@ class WorkerFleet(Fleet):
             w.log_file.close()
             log.info("worker %s exited with code %s", w.worker_id, w.proc.returncode)
 
-    def retire_oldest(self) -> str | None:
-        alive = self.alive()
-        if not alive:
-            return None
-        oldest = alive[0]
-        oldest.proc.send_signal(signal.SIGTERM)
-        with self._lock:
-            self.workers.remove(oldest)
-            self.events.retired += 1
-        threading.Thread(target=self._wait_then_kill, args=(oldest,), daemon=True).start()
-        log.info("retiring worker %s (SIGTERM)", oldest.worker_id)
-        return oldest.worker_id
+    def _retire(self, worker: LaunchedWorker) -> None:
+        worker.proc.send_signal(signal.SIGTERM)
+        threading.Thread(target=self._wait_then_kill, args=(worker,), daemon=True).start()
 
     def kill(self, worker: LaunchedWorker) -> None:
         worker.proc.kill()
@@ -225,9 +234,7 @@ class WorkerFleet(Fleet):
             worker.proc.wait()
         worker.log_file.close()
 
-    def _stop_workers(self) -> None:
-        with self._lock:
-            workers, self.workers = list(self.workers), []
+    def _stop_workers(self, workers: list[LaunchedWorker]) -> None:
         for w in workers:
             if w.proc.poll() is None:
                 w.proc.send_signal(signal.SIGTERM)
