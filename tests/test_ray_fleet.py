@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 # Ray's single-machine mode: every Ray process binds and advertises 127.0.0.1 (read when
@@ -23,6 +22,8 @@ from test_e2e import QUICK, _check_every_step  # noqa: E402
 from test_train import _metrics  # noqa: E402
 
 from polyrl.config import load_config  # noqa: E402
+from polyrl.manager.fleet import FleetStatus, FleetWorker  # noqa: E402
+from polyrl.status import StatusError, fetch  # noqa: E402
 from polyrl.trainer.loop import train  # noqa: E402
 
 TOKEN = "ray-fleet-test-token"
@@ -45,10 +46,8 @@ def cluster(tmp_path: Path):
         c.shutdown()
 
 
-def fleet_status(run_dir: Path) -> dict:
-    url = json.loads((run_dir / "manager.json").read_text())["url"]
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10) as http:
-        return http.get("/v1/fleet").raise_for_status().json()
+def fleet_status(run_dir: Path) -> FleetStatus:
+    return fetch(json.loads((run_dir / "manager.json").read_text())["url"], TOKEN)
 
 
 @pytest.mark.slow
@@ -69,16 +68,17 @@ def test_a_node_lost_mid_step_is_replaced_and_nothing_is_lost(tmp_path: Path, cl
         while not stop.is_set():
             try:
                 fleet = fleet_status(run_dir)
-            except (OSError, httpx.HTTPError, json.JSONDecodeError):
-                fleet = {"latest_weight_version": 0, "workers": []}
-            busy = [w for w in fleet["workers"] if w["instance_type"] == "spot" and w["num_inflight"] > 0]
-            if fleet["latest_weight_version"] >= 1 and busy:
-                removed["worker"] = busy[0]["worker_id"]
+            except (OSError, json.JSONDecodeError, StatusError):  # the manager is not up yet
+                time.sleep(0.05)
+                continue
+            busy = [w for w in fleet.workers if w.instance_type == "spot" and w.num_inflight > 0]
+            if fleet.latest_weight_version >= 1 and busy:
+                removed["worker"] = busy[0].worker_id
                 cluster.remove_node(spot, allow_graceful=False)
                 return
             time.sleep(0.05)
 
-    back: list[dict] = []
+    back: list[FleetWorker] = []
 
     def wait_for_the_replacement(step: int, _: dict) -> None:
         """After the loss, a new node of the same type joins, as an autoscaler would bring
@@ -91,12 +91,12 @@ def test_a_node_lost_mid_step_is_replaced_and_nothing_is_lost(tmp_path: Path, cl
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             fleet = fleet_status(run_dir)
-            new = [w for w in fleet["workers"] if w["worker_id"].startswith(removed["worker"] + ".")]
-            if new and new[0]["state"] == "active" and new[0]["weight_version"] == step:
+            new = [w for w in fleet.workers if w.worker_id.startswith(removed["worker"] + ".")]
+            if new and new[0].state == "active" and new[0].weight_version == step:
                 back.append(new[0])
                 return
             time.sleep(0.2)
-        raise AssertionError(f"Ray did not bring {removed['worker']} back: {fleet['workers']}")
+        raise AssertionError(f"Ray did not bring {removed['worker']} back: {fleet.workers}")
 
     watcher = threading.Thread(target=lose_the_spot_node_mid_step, daemon=True)
     watcher.start()
@@ -110,7 +110,7 @@ def test_a_node_lost_mid_step_is_replaced_and_nothing_is_lost(tmp_path: Path, cl
     _check_every_step(rows)  # every sample of every step, 0 lost, on policy
     assert removed and back, "the spot node was never lost mid-step"
     # the replacement runs on the new spot node and declares that node type's price
-    assert back[0]["instance_type"] == "spot" and back[0]["usd_per_hour"] == 0.5 and back[0]["node"]
+    assert back[0].instance_type == "spot" and back[0].usd_per_hour == 0.5 and back[0].node
     last = rows[-1]
     assert last["fleet/launched"] == 2 and last["training/num_workers"] == 2
     assert last["training/num_rollout_instances"] == 2  # the replacement generated in the last step

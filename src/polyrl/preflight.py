@@ -40,9 +40,12 @@ def preflight(cfg: RunConfig) -> None:
         raise ConfigError(f"config error: {e}") from None
 
 
+RAY_MISSING = "fleet.launcher: ray needs Ray: pip install 'polyrl[ray]'"
+
+
 def _check_launcher(cfg: RunConfig) -> None:
     if cfg.fleet.launcher == "ray" and cfg.rollout.mode != "local" and importlib.util.find_spec("ray") is None:
-        raise ValueError("fleet.launcher: ray needs Ray: pip install 'polyrl[ray]'")
+        raise ValueError(RAY_MISSING)
 
 
 def check_world_size(cfg: RunConfig, world_size: int) -> None:

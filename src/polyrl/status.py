@@ -21,7 +21,9 @@ from polyrl.tls import http_client
 STATE_STYLE = {
     "registering": "magenta", "syncing": "yellow", "active": "green", "draining": "dark_orange", "gone": "red",
 }
-COLUMNS = ("worker", "state", "version", "node", "instance", "device", "tokens/s", "$/h", "uptime", "in flight", "failures")
+COLUMNS = (
+    "worker", "state", "version", "node", "instance", "device", "tokens/s", "$/h", "uptime", "in flight", "failures",
+)  # fmt: skip
 NUMERIC = {"version", "tokens/s", "$/h", "in flight", "failures"}
 
 
@@ -72,8 +74,8 @@ def render(fleet: FleetStatus, url: str) -> Group:
         price = "-" if w.usd_per_hour is None else f"{w.usd_per_hour:.2f}"
         table.add_row(
             w.worker_id + (" (local)" if w.is_local else ""), Text(w.state, STATE_STYLE[w.state]),
-            f"v{w.weight_version}", w.node or w.host, w.instance_type or "-", w.device or "-", f"{w.tokens_per_s:,.0f}", price, _duration(w.uptime_s),
-            str(w.num_inflight), str(w.num_failures),
+            f"v{w.weight_version}", w.node or w.host, w.instance_type or "-", w.device or "-",
+            f"{w.tokens_per_s:,.0f}", price, _duration(w.uptime_s), str(w.num_inflight), str(w.num_failures),
         )  # fmt: skip
     return Group(_summary(fleet, url), table)
 

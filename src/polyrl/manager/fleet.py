@@ -128,7 +128,8 @@ class History:
 def _worker(record: WorkerRecord, now_unix: float, now: float) -> FleetWorker:
     return FleetWorker(
         worker_id=record.worker_id, url=record.url, host=urlsplit(record.url).hostname or "", device=record.device,
-        node=record.node, instance_type=record.instance_type, state=record.state, weight_version=record.weight_version, tokens_per_s=record.gen_throughput,
+        node=record.node, instance_type=record.instance_type, state=record.state,
+        weight_version=record.weight_version, tokens_per_s=record.gen_throughput,
         usd_per_hour=record.usd_per_hour, uptime_s=round(max(0.0, now_unix - record.joined_at), 3),
         num_inflight=record.inflight, num_running=record.num_running, num_failures=record.num_failures,
         last_heartbeat_age_s=round(now - record.last_seen, 3), is_local=record.is_local,

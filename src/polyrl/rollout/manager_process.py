@@ -25,7 +25,7 @@ from pathlib import Path
 from polyrl.config import ConfigError, ManagerConfig, ManagerRunConfig, save_config
 from polyrl.rollout.child import Child
 from polyrl.serving import bind
-from polyrl.tls import base_url
+from polyrl.tls import base_url, reachable_host
 
 log = logging.getLogger("polyrl.rollout")
 
@@ -44,8 +44,10 @@ class ManagerProcess(Child):
     def __init__(self, cfg: ManagerConfig, token: str, run_dir: Path) -> None:
         """Binds the manager's address now: OSError if it is taken."""
         self.sock = bind(cfg.host, cfg.port)
-        self.port = port = self.sock.getsockname()[1]
+        port = self.sock.getsockname()[1]
         self.url = base_url(cfg.host, port, cfg.tls.enabled)
+        self.public_url = base_url(reachable_host(cfg.host, cfg.advertise_host), port, cfg.tls.enabled)
+        """Where workers on other machines reach it (`manager.advertise_host`)."""
         # the token goes by environment; the port is the socket's, also for a restart
         self.cfg = cfg.model_copy(update={"token": None, "url": None, "port": port})
         self.token, self.run_dir = token, run_dir

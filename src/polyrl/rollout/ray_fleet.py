@@ -33,13 +33,14 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from polyrl.config import ConfigError, EngineConfig, FleetConfig, LoraConfig, TlsConfig
 from polyrl.lifetime import HURRY, die_with_parent
+from polyrl.preflight import RAY_MISSING
 from polyrl.rollout.fleet import Fleet, lora_overrides, tls_overrides, worker_command, worker_env
 from polyrl.serving import is_loopback
 
@@ -57,7 +58,7 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise ConfigError("config error: fleet.launcher: ray needs Ray: pip install 'polyrl[ray]'") from None
+        raise ConfigError(f"config error: {RAY_MISSING}") from None
     return ray
 
 
@@ -107,10 +108,7 @@ class WorkerHost:
             os._exit(1)  # a lost worker: Ray starts this actor (and a new worker) again
 
     def info(self) -> dict[str, Any]:
-        return {
-            "worker_id": self.worker_id, "node": self.node, "instance_type": self.instance_type,
-            "pid": self.proc.pid if self.proc else None, "exit_code": self.exit_code, "log": str(self.log_path),
-        }  # fmt: skip
+        return {"worker_id": self.worker_id, "node": self.node, "exit_code": self.exit_code}
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -133,12 +131,9 @@ class WorkerHost:
 
 @dataclass
 class RayWorker:
-    slot: str
     handle: Any
     worker_id: str
     """The current incarnation's id (the slot's name, then `slot.xxxx` after each restart)."""
-    started_at: float = field(default_factory=time.monotonic)
-    node: str | None = None
 
 
 class RayFleet(Fleet):
@@ -167,8 +162,7 @@ class RayFleet(Fleet):
         ])  # fmt: skip
         self.env = worker_env(token, cfg.worker_threads, base={})
         self.logs = f"{tempfile.gettempdir()}/polyrl-workers/ on each worker's node"
-        self.workers: list[RayWorker] = []  # oldest first
-        self._given_up: set[str] = set()
+        self.workers: list[RayWorker]
         self._actor = ray.remote(WorkerHost).options(
             num_cpus=cfg.ray_num_cpus, num_gpus=cfg.ray_num_gpus, resources=cfg.ray_resources or None,
             max_restarts=cfg.ray_max_restarts, max_task_retries=-1, max_concurrency=4, scheduling_strategy="SPREAD",
@@ -178,7 +172,7 @@ class RayFleet(Fleet):
         slot = self._new_id("ray")
         handle = self._actor.remote(slot, self.command, self.env, self.cfg.ray_usd_per_hour)
         with self._lock:
-            self.workers.append(RayWorker(slot, handle, slot))
+            self.workers.append(RayWorker(handle, slot))
             self.events.launched += 1
         log.info("launched worker %s on Ray (placed once a node has %s)", slot, self._wants())
         return slot
@@ -203,8 +197,9 @@ class RayFleet(Fleet):
                 self._forget(worker, "its actor died for good")
                 continue
             if info["worker_id"] != worker.worker_id:
-                log.warning("worker %s is back as %s on %s (Ray restarted it)", worker.worker_id, info["worker_id"], info["node"])
-            worker.worker_id, worker.node = info["worker_id"], info["node"]
+                log.warning("worker %s is back as %s on %s (Ray restarted it)",
+                            worker.worker_id, info["worker_id"], info["node"])  # fmt: skip
+                worker.worker_id = info["worker_id"]
             if info["exit_code"] is not None:  # failed early: not restarted (see HEALTHY_AFTER_S)
                 tail = ray.get(worker.handle.log_tail.remote(), timeout=10)
                 self._forget(worker, f"it exited with code {info['exit_code']} soon after starting:\n{tail}")
@@ -218,23 +213,17 @@ class RayFleet(Fleet):
                 self.workers.remove(worker)
                 log.warning("worker %s left the fleet: %s", worker.worker_id, why)
 
-    def retire_oldest(self) -> str | None:
-        alive = self.alive()
-        if not alive:
-            return None
-        oldest = alive[0]
-        with self._lock:
-            self.workers.remove(oldest)
-            self.events.retired += 1
-        threading.Thread(target=self._retire, args=(oldest,), daemon=True).start()
-        log.info("retiring worker %s (SIGTERM)", oldest.worker_id)
-        return oldest.worker_id
-
     def _retire(self, worker: RayWorker) -> None:
+        threading.Thread(target=self._see_out, args=(worker,), daemon=True).start()
+
+    def _see_out(self, worker: RayWorker) -> None:
+        """Retire through the actor (SIGTERM, SIGKILL past the drain allowance), then end
+        the actor for good."""
         ray = self._ray
+        drain_s = self.cfg.drain_timeout_s
         try:
             if not HURRY.is_set():  # a second Ctrl-C: no draining
-                ray.get(worker.handle.retire.remote(self.cfg.drain_timeout_s + 15), timeout=self.cfg.drain_timeout_s + 30)
+                ray.get(worker.handle.retire.remote(drain_s + 15), timeout=drain_s + 30)
         except (ray.exceptions.RayError, TimeoutError) as e:  # GetTimeoutError is a TimeoutError
             log.warning("worker %s did not retire cleanly (%s): killing it", worker.worker_id, type(e).__name__)
         ray.kill(worker.handle, no_restart=True)
@@ -247,10 +236,8 @@ class RayFleet(Fleet):
             self.events.killed += 1
         log.warning("killed worker %s (its Ray actor, SIGKILL); Ray will start it again", worker.worker_id)
 
-    def _stop_workers(self) -> None:
-        with self._lock:
-            workers, self.workers = list(self.workers), []
-        threads = [threading.Thread(target=self._retire, args=(w,), daemon=True) for w in workers]
+    def _stop_workers(self, workers: list[RayWorker]) -> None:
+        threads = [threading.Thread(target=self._see_out, args=(w,), daemon=True) for w in workers]
         for t in threads:
             t.start()
         for t in threads:
@@ -260,4 +247,6 @@ class RayFleet(Fleet):
 
 
 def _resources(resources: dict[str, float]) -> str:
-    return ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if not k.startswith(("node:", "memory", "object_store")))
+    """CPU=2, GPU=8, spot=8: what places workers (not Ray's per-node and memory entries)."""
+    internal = ("node:", "memory", "object_store")
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if not k.startswith(internal))

@@ -44,8 +44,8 @@ from polyrl.rollout.manager_link import BatchStream, ManagerLink, ManagerUnreach
 from polyrl.rollout.manager_process import ManagerProcess
 from polyrl.rollout.stats import RolloutStats
 from polyrl.rollout.types import Group, Prompt, Sample
+from polyrl.tls import reachable_host
 from polyrl.transfer.device import DeviceVersions
-from polyrl.tls import base_url, reachable_host
 from polyrl.transfer.publisher import WeightPublisher
 
 log = logging.getLogger("polyrl.rollout")
@@ -100,7 +100,8 @@ class RemoteRollout:
         if transfer.gpu_paths and not transfer.tls and self.model.device.type == "cuda":
             self.publisher.device = DeviceVersions(self.model.device)
         # each group's own bind address, else where other machines reach this one
-        advertise = None if transfer.group_hosts else transfer.advertise_host or reachable_host(mcfg.host, mcfg.advertise_host)
+        reachable = transfer.advertise_host or reachable_host(mcfg.host, mcfg.advertise_host)
+        advertise = None if transfer.group_hosts else reachable
         device = self.publisher.device.identity if self.publisher.device is not None else None
         self.endpoint = PublisherEndpoint(
             groups=[(advertise or host, port) for host, port in self.publisher.addresses], key=self.publisher.key.hex(),
@@ -114,7 +115,7 @@ class RemoteRollout:
         else:
             self.manager = ManagerProcess(mcfg, token, run_dir)  # binds its port now: the URL is known
             self.url = self.manager.url
-            self.public_url = base_url(reachable_host(mcfg.host, mcfg.advertise_host), self.manager.port, mcfg.tls.enabled)
+            self.public_url = self.manager.public_url
             self.manager.spawn()
             self._stack.callback(self.manager.stop)
         self.link = ManagerLink(self.url, token, ca_file=cfg.manager.tls.ca_file)
