@@ -209,9 +209,9 @@ def check_exact(request: BatchRequest, groups: list[GroupResult], version: int =
     """Every sample has its whole budget, token for token what an uninterrupted run gives."""
     prompts = {p.id: p for p in request.prompts}
     assert sorted(g.prompt_id for g in groups) == sorted(prompts)
-    budget = request.sampling.max_new_tokens
     for g in groups:
         prompt = prompts[g.prompt_id]
+        budget = request.sampling.max_new_tokens if prompt.max_new_tokens is None else prompt.max_new_tokens
         assert [s.index for s in g.samples] == list(range(request.n))
         for s in g.samples:
             assert s.output_ids == expected_sample(prompt, s.index, budget)
@@ -282,6 +282,26 @@ def test_killed_worker_mid_stream_migrates_token_exact(manager: ManagerThread) -
     assert dying.calls and "dying" not in workers_of(manager)
     # the resumed requests carried the prompt + partial tokens and a reduced budget
     assert all(len(c["input_ids"]) == 3 for c in dying.calls)  # only fresh samples went there
+
+
+def test_prompts_with_their_own_budgets_keep_them_across_a_migration(manager: ManagerThread) -> None:
+    """Each prompt's own `max_new_tokens` (a long-tail workload) bounds its samples, also
+    after they move to another worker; a prompt's budget may not exceed the batch's."""
+    with FakeWorker(manager.url, "dying", mode="die", fault_after=3) as dying:
+        wait_active(manager, "dying")
+        request = batch(4, 2, 20)
+        for prompt, budget in zip(request.prompts, [5, 20, None, 9], strict=True):
+            prompt.max_new_tokens = budget
+        with FakeWorker(manager.url, "healthy") as healthy:
+            wait_active(manager, "healthy")
+            groups = list(manager.generate(request))
+    check_exact(request, groups)
+    assert sorted(len(s.output_ids) for g in groups for s in g.samples) == [5, 5, 9, 9, 20, 20, 20, 20]
+    assert any(len(s.segments) == 2 for g in groups for s in g.samples), "nothing migrated"
+    assert dying.calls and healthy.calls
+    with pytest.raises(ValueError, match="prompt 'p0': max_new_tokens 21 exceeds the batch's 20"):
+        BatchRequest(prompts=[BatchPrompt(id="p0", input_ids=[1], max_new_tokens=21)], n=1,
+                     sampling=BatchSampling(max_new_tokens=20))  # fmt: skip
 
 
 def test_frozen_worker_is_detected_and_its_requests_migrate() -> None:

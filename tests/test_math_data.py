@@ -163,3 +163,31 @@ def test_the_quick_file_check_reads_what_datasets_reads(tmp_path):
     (tmp_path / "empty.json").write_text("[]")
     with pytest.raises(ValueError, match="holds no rows"):
         peek(tmp_path / "empty.json")
+
+
+def test_each_prompt_can_carry_its_own_generation_budget(tmp_path, tiny_model_dir):
+    """`data.max_new_tokens_key` names a column that becomes each prompt's budget (a
+    long-tail workload); it does not reach the rewards, and a bad value is one clear error."""
+    from transformers import AutoTokenizer
+
+    from polyrl.config import ConfigError
+    from polyrl.data.source import PromptSource
+    from polyrl.preflight import _check_data
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [{"prompt": f"p{i}", "answer": str(i), "budget": b} for i, b in enumerate([3, 40, 7])]
+    path = _jsonl(tmp_path / "d.jsonl", rows)
+    cfg = DataConfig(task="dataset", path=str(path), format="plain", max_new_tokens_key="budget")
+    prompts = PromptSource(cfg, tok, seed=0).take(3)
+    assert sorted((p.text, p.max_new_tokens) for p in prompts) == [("p0", 3), ("p1", 40), ("p2", 7)]
+    assert all("budget" not in p.columns and "answer" in p.columns for p in prompts)
+    assert [p.budget(10) for p in sorted(prompts, key=lambda p: p.text)] == [3, 10, 7]
+    assert PromptSource(cfg.model_copy(update={"max_new_tokens_key": None}), tok, seed=0).take(1)[0].max_new_tokens is None
+
+    with pytest.raises(ValueError, match="data.max_new_tokens_key='length': the file has no such column"):
+        _check_data(cfg.model_copy(update={"max_new_tokens_key": "length"}))
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "p", "answer": "a", "budget": 0}])
+    with pytest.raises(ConfigError, match="prompt 0 has budget=0, not a positive integer"):
+        PromptSource(cfg.model_copy(update={"path": str(bad)}), tok, seed=0).take(1)
+    with pytest.raises(ValueError, match="data.max_new_tokens_key needs data.task = 'dataset'"):
+        DataConfig(max_new_tokens_key="budget")

@@ -61,6 +61,17 @@ def test_rollout_groups_and_logprobs_match_a_forward_pass(model_tok):
     assert mb.mask.sum().item() == sum(len(s.completion_ids) for s in samples)
 
 
+def test_local_rollout_gives_each_prompt_its_own_budget(model_tok):
+    model, tok = model_tok
+    rollout = LocalRollout(Engine(model, EngineConfig(block_size=4, max_num_seqs=8)))
+    prompts = _prompts(tok, ["1+2=", "13+4=", "ab>"])
+    for p, budget in zip(prompts, [2, None, 50], strict=True):
+        p.max_new_tokens = budget
+    groups = list(rollout.generate(prompts, n=2, sampling=BatchSampling(max_new_tokens=5, ignore_eos=True)))
+    lengths = {g.prompt.text: [len(s.completion_ids) for s in g.samples] for g in groups}
+    assert lengths == {"1+2=": [2, 2], "13+4=": [5, 5], "ab>": [5, 5]}  # 50 is capped by the run's 5
+
+
 def test_pack_micro_batches_respects_budget():
     items = [SeqItem([1] * n, 1, [0.0] * (n - 1), 0.0) for n in (3, 5, 2, 9, 4, 4)]
     batches = pack_micro_batches(items, max_tokens=10)

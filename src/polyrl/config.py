@@ -128,6 +128,16 @@ class DataConfig(_Section):
     apply_chat_template: bool | None = None
     """None: apply the tokenizer's chat template when it has one."""
     max_prompt_tokens: int = Field(512, ge=1)
+    max_new_tokens_key: str | None = None
+    """A column of `path` that gives each prompt its own generation budget (a positive
+    integer, capped by `rollout.max_new_tokens`; the column is not passed to rewards).
+    Unset: every prompt gets `rollout.max_new_tokens`."""
+
+    @model_validator(mode="after")
+    def _budget_column_needs_a_file(self) -> DataConfig:
+        if self.max_new_tokens_key is not None and self.task != "dataset":
+            raise ValueError(f"data.max_new_tokens_key needs data.task = 'dataset' (got {self.task!r})")
+        return self
 
 
 class RewardConfig(_Section):

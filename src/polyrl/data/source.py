@@ -57,6 +57,19 @@ class PromptSource:
         # A fresh permutation per epoch, fixed by (seed, epoch): resumable without state.
         return np.random.default_rng([self.seed, epoch]).permutation(len(self._dataset))
 
+    def _budget(self, rec: dict[str, Any], index: int) -> int | None:
+        """The record's own generation budget (`data.max_new_tokens_key`), taken out of
+        the columns that go to rewards."""
+        key = self.cfg.max_new_tokens_key
+        if key is None:
+            return None
+        value = rec.pop(key)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # a column with a missing value somewhere is read as float
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"config error: data.max_new_tokens_key: prompt {index} has {key}={value!r}, not a positive integer")
+        return value
+
     def encode(self, text: str) -> list[int]:
         text = self.cfg.prompt_template.format(prompt=text)
         if self._chat:
@@ -76,6 +89,7 @@ class PromptSource:
             index = self.cursor
             self.cursor += 1
             rec = self.record(index)
+            budget = self._budget(rec, index)
             text = str(rec.pop("prompt"))
             ids = self.encode(text)
             if len(ids) > self.max_prompt_tokens:
@@ -89,7 +103,7 @@ class PromptSource:
                     )
                 continue
             skipped_in_a_row = 0
-            prompts.append(Prompt(index=index, text=text, prompt_ids=ids, columns=rec))
+            prompts.append(Prompt(index=index, text=text, prompt_ids=ids, columns=rec, max_new_tokens=budget))
         if self.num_skipped > skipped_before:
             log.warning("skipped %d prompts longer than %d tokens", self.num_skipped - skipped_before, self.max_prompt_tokens)
         return prompts

@@ -59,7 +59,7 @@ class SampleState:
 
     @property
     def remaining(self) -> int:
-        return self.group.batch.request.sampling.max_new_tokens - len(self.token_ids)
+        return self.group.budget - len(self.token_ids)
 
     @property
     def done(self) -> bool:
@@ -130,6 +130,12 @@ class GroupState:
 
     def __repr__(self) -> str:
         return f"<GroupState {self.prompt.id!r} of {self.batch.batch_id}>"
+
+    @property
+    def budget(self) -> int:
+        """Tokens each sample of this prompt may generate."""
+        own = self.prompt.max_new_tokens
+        return self.batch.request.sampling.max_new_tokens if own is None else own
 
     def result(self) -> GroupResult:
         return GroupResult(

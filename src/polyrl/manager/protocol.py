@@ -135,10 +135,11 @@ class BatchSampling(_Message):
     def _sglang_off(cls, value: object) -> object:
         return 0 if value == -1 else value
 
-    def to_engine(self, n: int, seed: int | None) -> EngineSampling:
-        """The engine's request sampling for `n` samples from `seed` on."""
+    def to_engine(self, n: int, seed: int | None, max_new_tokens: int | None = None) -> EngineSampling:
+        """The engine's request sampling for `n` samples from `seed` on, with a prompt's
+        own budget when it has one."""
         return EngineSampling(
-            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos, n=n, seed=seed,
             top_logprobs=self.top_logprobs,
         )  # fmt: skip
@@ -151,6 +152,9 @@ class BatchPrompt(_Message):
     seed: int | None = Field(None, ge=0, lt=2**63)
     """Sample i uses seed + i wherever it runs, so a migrated sample continues the same
     random stream. Default: drawn by the manager."""
+    max_new_tokens: int | None = Field(None, ge=1, lt=2**63)
+    """This prompt's own token budget per sample, at most the batch's
+    `sampling.max_new_tokens` (default: that)."""
 
 
 class BatchRequest(_Message):
@@ -170,6 +174,10 @@ class BatchRequest(_Message):
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
             raise ValueError(f"prompt ids must be unique; {dup!r} repeats")
+        cap = self.sampling.max_new_tokens
+        over = next((p for p in self.prompts if p.max_new_tokens is not None and p.max_new_tokens > cap), None)
+        if over is not None:
+            raise ValueError(f"prompt {over.id!r}: max_new_tokens {over.max_new_tokens} exceeds the batch's {cap}")
         return self
 
 

@@ -111,7 +111,8 @@ class LocalRollout:
         for p in prompts:
             rid = f"local-{p.index}"
             # seeds from the run's seeded (and checkpointed) RNG
-            self.engine.add_request(EngineRequest(rid, p.prompt_ids, sampling.to_engine(n, random.getrandbits(63))))
+            engine_sampling = sampling.to_engine(n, random.getrandbits(63), p.budget(sampling.max_new_tokens))
+            self.engine.add_request(EngineRequest(rid, p.prompt_ids, engine_sampling))
             pending[rid] = (p, [SampleResult(rid, i, len(p.prompt_ids)) for i in range(n)])
         while pending:
             for d in self.engine.step():

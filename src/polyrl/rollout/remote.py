@@ -208,7 +208,8 @@ class RemoteRollout:
         request = BatchRequest(
             prompts=[
                 # seeds from the run's seeded (and checkpointed) RNG, as in local rollout
-                BatchPrompt(id=str(p.index), input_ids=p.prompt_ids, seed=random.getrandbits(62))
+                BatchPrompt(id=str(p.index), input_ids=p.prompt_ids, seed=random.getrandbits(62),
+                            max_new_tokens=None if p.max_new_tokens is None else p.budget(sampling.max_new_tokens))
                 for p in prompts
             ],
             n=n,

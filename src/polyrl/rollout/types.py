@@ -27,6 +27,12 @@ class Prompt:
     text: str
     prompt_ids: list[int]
     columns: dict[str, Any] = field(default_factory=dict)  # e.g. {"answer": "42"}
+    max_new_tokens: int | None = None
+    """This prompt's own generation budget (`data.max_new_tokens_key`); None: the run's."""
+
+    def budget(self, cap: int) -> int:
+        """Tokens each of this prompt's samples may generate under the run's cap."""
+        return cap if self.max_new_tokens is None else min(self.max_new_tokens, cap)
 
 
 @dataclass
