@@ -95,6 +95,8 @@ class Result:
     time_to_target_s: float | None = None
     final_reward: float | None = None
     wall_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)
+    """Every step's seconds, warm-up included (compiles and recompiles show here)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -263,6 +265,7 @@ def run_part(
 def summarise(part: str, rows: list[dict[str, float]], warmup: int, wall: float, notes: list[str]) -> Result:
     measured = [r for r in rows if r["step"] > warmup]
     res = Result(part=part, steps=len(measured), wall_s=wall, notes=notes)
+    res.step_s = [round(r["perf/time_per_step"], 3) for r in rows]
     if not measured:
         return res
     step_s = sum(r["perf/time_per_step"] for r in measured)
@@ -437,7 +440,7 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
         for note in r.notes:
             print(f"    {r.part}: {note}")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": [asdict(r) for r in results]}, indent=1))
+        args.json.write_text(json.dumps({"args": vars(args), "results": [asdict(r) for r in results]}, indent=1, default=str))
 
 
 if __name__ == "__main__":
