@@ -32,7 +32,8 @@ from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.weight_sync import PublisherSync
-from polyrl.transfer.device import DeviceIdentity, DeviceVersions, host_id
+from polyrl.transfer.device import DeviceVersions
+from polyrl.transfer.identity import DeviceIdentity, host_id
 from polyrl.transfer.manifest import unflatten
 from polyrl.transfer.nccl import NcclOffer, NcclReceiver, PairGroup
 from polyrl.transfer.publisher import WeightPublisher

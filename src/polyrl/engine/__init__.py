@@ -1,6 +1,18 @@
-"""The embedded generation engine: continuous batching over a paged KV cache."""
+"""The embedded generation engine: continuous batching over a paged KV cache.
 
-from polyrl.engine.engine import Engine
+`Engine` is imported on first use: the request types are light, and processes that only
+speak the engine's vocabulary (the manager) should not pay for importing torch."""
+
+from typing import Any
+
 from polyrl.engine.types import EngineRequest, EngineSampling, SampleDelta, SampleResult
 
 __all__ = ["Engine", "EngineRequest", "EngineSampling", "SampleDelta", "SampleResult"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Engine":
+        from polyrl.engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import uvicorn
 
 from polyrl.config import ManagerConfig
-from polyrl.engine.engine import freeze_gc_heap
+from polyrl.gc_heap import freeze_gc_heap
 from polyrl.manager.batch import Batch
 from polyrl.manager.manager import RolloutManager, SyncHook
 from polyrl.manager.protocol import (

@@ -23,18 +23,19 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
-import torch
 from pydantic import ValidationError
-from safetensors.torch import save_file
 
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.protocol import PublisherEndpoint
 from polyrl.manager.registry import WorkerRecord
-from polyrl.transfer.device import DeviceIdentity, WeightPath
+from polyrl.transfer.identity import DeviceIdentity, WeightPath
 from polyrl.transfer.wire import transfer_token
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("polyrl.manager")
 
@@ -195,6 +196,8 @@ class DiskSync:
     def save(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
         """Write `version` (call before `publish_version`); written to a temporary name
         first, so a worker never reads half a file."""
+        from safetensors.torch import save_file  # the trainer's side; the manager has no torch
+
         final = self.path(version)
         tmp = final.with_name(final.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from polyrl.engine.types import (
     SampleResult,
 )
 from polyrl.httpapi import checksum
-from polyrl.transfer.device import DeviceIdentity, WeightPath
+from polyrl.transfer.identity import DeviceIdentity, WeightPath
 
 BATCHED_INPUT_MESSAGE = "batched input is not supported: send one request per prompt"
 SSE_DONE = b"data: [DONE]\n\n"

@@ -29,7 +29,8 @@ import torch
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.types import RequestError
 from polyrl.transfer.cuda_ipc import IpcVersion
-from polyrl.transfer.device import DeviceIdentity, WeightPath, local_identity
+from polyrl.transfer.device import local_identity
+from polyrl.transfer.identity import DeviceIdentity, WeightPath
 from polyrl.transfer.manifest import unflatten
 from polyrl.transfer.nccl import NcclReceiver
 from polyrl.transfer.receive_pool import MIN_POOL_BYTES, ReceiverPool
