@@ -729,3 +729,16 @@ def test_task_reprs_stay_short() -> None:
         return text
 
     assert len(asyncio.run(main())) < 1000
+
+
+def test_the_manager_and_publisher_processes_import_no_torch() -> None:
+    """They start in about a second and restart as fast: importing torch made the manager
+    process take 8 s to serve at the main job's start on 2 cores, beside the workers' own
+    imports (BENCHMARKS.md)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, polyrl.cli, polyrl.manager.main, polyrl.transfer.serve; "
+            "print(sorted(m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout
