@@ -138,8 +138,9 @@ class BatchSampling(_Message):
     def to_engine(self, n: int, seed: int | None, max_new_tokens: int | None = None) -> EngineSampling:
         """The engine's request sampling for `n` samples from `seed` on, with a prompt's
         own budget when it has one."""
+        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         return EngineSampling(
-            max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_new_tokens=budget, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos, n=n, seed=seed,
             top_logprobs=self.top_logprobs,
         )  # fmt: skip
