@@ -21,8 +21,12 @@ per delivered token (process_time minus the main thread's thread_time).
 
 The fake engines send each sample's tokens in chunks of `--chunk-tokens` (real polyrl
 workers send at most every `manager.stream_interval_s`, 0.2 s); they reuse fake_fleet's
-engine, only `_generate` differs. Batches are small (4 prompts x n=8) with varied lengths,
-so groups finish steadily rather than in waves.
+engine, only `_generate` differs. Each batch is `--prompts-per-batch` prompts x n=8
+(default 64, `trainer.train_batch_size`'s default: what `polyrl train` submits each step),
+each prompt with its own length, so groups finish steadily rather than in waves. Runs
+1-18 in BENCHMARKS.md used batches of 4 prompts: 48 batches open at once and about 10
+new ones a second, each with its own HTTP request and reading thread, where a run of
+`polyrl train` opens one batch a step (a few with `rollout.max_staleness`).
 
     python benchmarks/learner_interference.py --device cpu         # tiny model, ~1 min, 2 cores
 
@@ -221,11 +225,11 @@ class Stream:
         for b in range(10**9):
             if self.stopping.is_set():
                 return
-            new_tokens = rng.randint(self.args.new_tokens // 2, self.args.new_tokens)
-            prompts = [BatchPrompt(id=f"{lane}-{b}-{i}", input_ids=[1 + i] * 16, seed=rng.randrange(2**20))
-                       for i in range(4)]  # fmt: skip
-            request = BatchRequest(prompts=prompts, n=8,
-                                   sampling=BatchSampling(max_new_tokens=new_tokens, ignore_eos=True))  # fmt: skip
+            top = self.args.new_tokens
+            prompts = [BatchPrompt(id=f"{lane}-{b}-{i}", input_ids=[1 + i % 50] * 16, seed=rng.randrange(2**20),
+                                   max_new_tokens=rng.randint(top // 2, top))
+                       for i in range(self.args.prompts_per_batch)]  # fmt: skip
+            request = BatchRequest(prompts=prompts, n=8, sampling=BatchSampling(max_new_tokens=top, ignore_eos=True))
             try:
                 for group in self.link.open_batch(request):
                     self.arrivals.append((time.perf_counter(), sum(len(s.output_ids) for s in group.samples)))
@@ -398,9 +402,10 @@ def loaded_phase(bench: Bench, publisher: Any, children: Children, run_dir: Path
         httpx.post(f"{info['fleet_url']}/_fleet/join", json={"count": args.engines}, timeout=30).raise_for_status()
         wait_active(link, args.engines, timeout_s=60)
         receivers = Receivers(children, publisher, args.receivers)
-        # A lane's batch is 4 prompts x 8 samples; half again as many lanes as fill every
-        # slot, so that queued samples take the slots a finished batch frees at once.
-        stream = Stream(link, args, num_lanes=-(-3 * args.engines * args.slots // 64))
+        # Half again as many samples in open batches as there are slots (and at least two
+        # batches), so that queued samples take the slots a finished batch frees at once.
+        per_batch = args.prompts_per_batch * 8
+        stream = Stream(link, args, num_lanes=max(2, -(-3 * args.engines * args.slots // (2 * per_batch))))
         isolate(args.isolate_cores)  # every child is running now
         renice_children(args.nice_children)
         time.sleep(args.ramp_s)  # every slot streaming, groups finishing
@@ -583,6 +588,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--token-delay-s", type=float, help="per token per fake sample")
     p.add_argument("--ramp-s", type=float, help="streaming before the loaded phase's timing starts")
     p.add_argument("--receivers", type=int, default=2)
+    p.add_argument("--prompts-per-batch", type=int, default=64, help="prompts (of 8 samples) in each streamed batch")
     p.add_argument("--isolate-cores", type=int, default=0,
                    help="keep the trainer's process on this many cores and its children off them (0: no pinning)")
     p.add_argument("--nice-children", type=int, default=0,
