@@ -193,10 +193,12 @@ def train_command(run_dir: Path, overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir), *overrides]
 
 
-def throughput_overrides(args: argparse.Namespace, model: Path, mode: str, port: int, data: Path) -> list[str]:
-    """`data`: the workload's prompt file (a `max_new_tokens` column gives each prompt its
-    own budget)."""
-    budget = ["data.max_new_tokens_key=max_new_tokens"] if "max_new_tokens" in data.read_text().split("\n", 1)[0] else []
+def throughput_overrides(
+    args: argparse.Namespace, model: Path, mode: str, port: int, data: Path, has_budgets: bool
+) -> list[str]:
+    """`data`: the workload's prompt file; `has_budgets`: it has `write_workload`'s
+    `max_new_tokens` column, each prompt's own budget."""
+    budget = ["data.max_new_tokens_key=max_new_tokens"] if has_budgets else []
     return [
         f"model.path={model}", "model.dtype=bfloat16", "trainer.device=cuda", f"rollout.mode={mode}",
         f"rollout.n={args.n}", f"rollout.max_new_tokens={args.new_tokens}", "data.task=dataset", f"data.path={data}",
@@ -400,7 +402,7 @@ def main() -> None:
             else:
                 workload, mode, ahead = THROUGHPUT_PARTS[part]
             port = free_port()
-            overrides = throughput_overrides(args, model, mode, port, data[workload]) + args.set
+            overrides = throughput_overrides(args, model, mode, port, data[workload], workload == "longtail") + args.set
             overrides += ["rollout.max_staleness=1"] if ahead else []
             rows, wall, notes = run_part(part, overrides, work / part, model, port, args, mode != "local", kill,
                                          args.part_timeout_s)  # fmt: skip
