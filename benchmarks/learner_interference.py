@@ -36,6 +36,15 @@ K=10 steps of ~1.1 s plus a publish; children start in ~10 s, then 8 s of ramp);
 
     python benchmarks/learner_interference.py --device cuda --json $OUT/interference.json
 
+`--pairs N` keeps the children up and alternates quiet and loaded phases, A0 B0 A1 ...
+AN (for each A the stream is paused and its open batches drained; no pulls), and reads
+each B against the A phases on either side, so a drift of the host cancels; the target
+is read on the median of those N ratios. `--loads both stream pulls` gives the B phases
+those loads in turn, to tell the stream's cost from the pulls':
+
+    python benchmarks/learner_interference.py --device cuda --pairs 9 --loads both stream pulls --steps 8 \
+        --ramp-s 5 --timeout-s 560 --json $OUT/loads.json
+
 CUDA defaults: 16 engines x 64 slots at 0.032 s per token = 32k tokens/s offered (at
 0.04 s, 25.6k offered, the 2-core CPU box delivered 20k tokens/s to a starved trainer),
 completions of 64-128 tokens; a 32 x 1024-token mini-batch (64 prompt + 960 completion) in 8192-token
@@ -213,6 +222,9 @@ class Stream:
         self.arrivals: list[tuple[float, int]] = []  # (perf_counter, tokens of a finished group)
         self.errors: list[str] = []
         self.stopping = threading.Event()
+        self.paused = threading.Event()  # lanes open no new batch (--pairs: the quiet phases)
+        self.open_batches = 0
+        self._count = threading.Lock()
         self.lanes = [threading.Thread(target=self._lane, args=(i,), name=f"lane-{i}", daemon=True)
                       for i in range(num_lanes)]  # fmt: skip
         for lane in self.lanes:
@@ -223,6 +235,8 @@ class Stream:
 
         rng = random.Random(lane)
         for b in range(10**9):
+            while self.paused.is_set() and not self.stopping.is_set():
+                time.sleep(0.05)
             if self.stopping.is_set():
                 return
             top = self.args.new_tokens
@@ -230,6 +244,8 @@ class Stream:
                                    max_new_tokens=rng.randint(top // 2, top))
                        for i in range(self.args.prompts_per_batch)]  # fmt: skip
             request = BatchRequest(prompts=prompts, n=8, sampling=BatchSampling(max_new_tokens=top, ignore_eos=True))
+            with self._count:
+                self.open_batches += 1
             try:
                 for group in self.link.open_batch(request):
                     self.arrivals.append((time.perf_counter(), sum(len(s.output_ids) for s in group.samples)))
@@ -237,12 +253,24 @@ class Stream:
                 if not self.stopping.is_set():
                     self.errors.append(f"{type(e).__name__}: {e}")
                 return
+            finally:
+                with self._count:
+                    self.open_batches -= 1
 
     def tokens_between(self, t0: float, t1: float) -> int:
         return sum(n for t, n in list(self.arrivals) if t0 <= t < t1)
 
     def stop(self) -> None:
         self.stopping.set()
+
+    def quiet(self, timeout_s: float) -> None:
+        """No new batches, and wait until the open ones have finished."""
+        self.paused.set()
+        deadline = time.monotonic() + timeout_s
+        while self.open_batches and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.open_batches:
+            raise RuntimeError(f"{self.open_batches} batches still open after {timeout_s:.0f}s of quiet")
 
 
 class Receivers:
@@ -278,6 +306,7 @@ class Receivers:
                 self.pull_s.append(float(rest))
 
     def wait_idle(self, num_pulls: int, timeout_s: float) -> None:
+        """Until `num_pulls` pulls in all have answered (or `timeout_s`)."""
         deadline = time.monotonic() + timeout_s
         while len(self.pull_s) + len(self.errors) < num_pulls and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -379,8 +408,28 @@ class Bench:
 # ==================================================================== the run
 
 
-def loaded_phase(bench: Bench, publisher: Any, children: Children, run_dir: Path) -> tuple[Phase, dict[str, Any]]:
-    """Start the manager, the fleet and the receivers; stream; run the phase; stop them."""
+def _loaded(bench: Bench, publisher: Any, stream: Stream, receivers: Receivers | None, name: str) -> Phase:
+    """A phase with the stream flowing (unless paused) and the receivers, if given, told
+    every version; returns once their pulls are done."""
+    answered = len(receivers.pull_s) + len(receivers.errors) if receivers is not None else 0
+    pulls_before = len(receivers.pull_s) if receivers is not None else 0
+    phase = bench.run_phase(name, publisher, receivers)
+    t_end = time.perf_counter()
+    phase.delivered_tokens = stream.tokens_between(t_end - phase.window_s, t_end)
+    phase.stream_errors = stream.errors[:10]
+    if receivers is None:
+        return phase
+    receivers.wait_idle(answered + bench.args.receivers * bench.args.steps, timeout_s=30)
+    new = receivers.pull_s[pulls_before:]
+    phase.pulls = len(new)
+    phase.pull_s_mean = statistics.mean(new) if new else 0.0
+    phase.pull_errors = receivers.errors[:10]
+    return phase
+
+
+def loaded_phases(bench: Bench, publisher: Any, children: Children, run_dir: Path) -> tuple[list[Phase], dict[str, Any]]:
+    """Start the manager, the fleet and the receivers; stream; run the loaded phase (or,
+    with --pairs, quiet and loaded phases in turn, the children staying up); stop them."""
     from polyrl.config import ManagerConfig
     from polyrl.rollout.manager_link import ManagerLink
     from polyrl.rollout.manager_process import ManagerProcess
@@ -408,18 +457,25 @@ def loaded_phase(bench: Bench, publisher: Any, children: Children, run_dir: Path
         stream = Stream(link, args, num_lanes=max(2, -(-3 * args.engines * args.slots // (2 * per_batch))))
         isolate(args.isolate_cores)  # every child is running now
         renice_children(args.nice_children)
-        time.sleep(args.ramp_s)  # every slot streaming, groups finishing
-        num_pulls_before = len(receivers.pull_s)
-        phase = bench.run_phase("B loaded", publisher, receivers)
-        t_end = time.perf_counter()
-        phase.delivered_tokens = stream.tokens_between(t_end - phase.window_s, t_end)
-        receivers.wait_idle(args.receivers * args.steps, timeout_s=30)
-        phase.pulls = len(receivers.pull_s) - num_pulls_before
-        phase.pull_s_mean = statistics.mean(receivers.pull_s) if receivers.pull_s else 0.0
-        phase.pull_errors, phase.stream_errors = receivers.errors[:10], stream.errors[:10]
-        info["ramp_tokens_per_s"] = stream.tokens_between(t_end - phase.window_s - args.ramp_s / 2,
-                                                          t_end - phase.window_s) / (args.ramp_s / 2)  # fmt: skip
-        return phase, info
+        if not args.pairs:
+            time.sleep(args.ramp_s)  # every slot streaming, groups finishing
+            phase = _loaded(bench, publisher, stream, receivers, "B loaded")
+            t_end = time.perf_counter()
+            info["ramp_tokens_per_s"] = stream.tokens_between(t_end - phase.window_s - args.ramp_s / 2,
+                                                              t_end - phase.window_s) / (args.ramp_s / 2)  # fmt: skip
+            return [phase], info
+        phases = []
+        for i in range(args.pairs):  # the quiet phase, then the loaded one; a last quiet one closes
+            load = args.loads[i % len(args.loads)]
+            stream.quiet(timeout_s=60)
+            phases.append(bench.run_phase(f"A{i}", publisher))
+            if load != "pulls":
+                stream.paused.clear()
+                time.sleep(args.ramp_s)
+            phases.append(_loaded(bench, publisher, stream, receivers if load != "stream" else None, f"B{i}:{load}"))
+        stream.quiet(timeout_s=60)
+        phases.append(bench.run_phase(f"A{args.pairs}", publisher))
+        return phases, info
     finally:
         if stream is not None:
             stream.stop()
@@ -508,6 +564,40 @@ def summarize(phases: list[Phase]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def summarize_pairs(phases: list[Phase]) -> dict[str, Any]:
+    """A0 B0 A1 B1 ... An: each B against the mean of the quiet phases on either side of
+    it, so a drift of the host over the run cancels; the target is read on the median."""
+    quiet, loaded = phases[0::2], phases[1::2]
+    pair_pct = [100 * (statistics.mean(b.step_s) / statistics.mean(quiet[i].step_s + quiet[i + 1].step_s) - 1)
+                for i, b in enumerate(loaded)]  # fmt: skip
+    alone = statistics.mean([t for p in quiet for t in p.step_s])
+    under_load = statistics.mean([t for p in loaded for t in p.step_s])
+    streaming = [b for b in loaded if not b.name.endswith(":pulls")]
+    window = sum(b.window_s for b in streaming)  # the rate of the phases that streamed
+    tokens = sum(b.delivered_tokens for b in streaming)
+    quiet_cpu_per_s = sum(p.other_threads_cpu_s for p in quiet) / sum(p.window_s for p in quiet)
+    other_cpu = sum(b.other_threads_cpu_s for b in streaming)
+    pulls = sum(b.pulls for b in loaded)
+    median = statistics.median(pair_pct)
+    by_load: dict[str, list[float]] = {}
+    for b, pct in zip(loaded, pair_pct):
+        by_load.setdefault(b.name.partition(":")[2] or "both", []).append(pct)
+    return {
+        "pair_slowdown_by_load_pct": by_load,
+        "alone_step_s_mean": alone, "loaded_step_s_mean": under_load, "slowdown_pct": 100 * (under_load / alone - 1),
+        "pair_slowdown_pct": pair_pct, "slowdown_pair_median_pct": median,
+        "slowdown_median_pct": 100 * (statistics.median([t for p in loaded for t in p.step_s])
+                                      / statistics.median([t for p in quiet for t in p.step_s]) - 1),
+        "drift_pct": 100 * (statistics.mean(quiet[-1].step_s) / statistics.mean(quiet[0].step_s) - 1),
+        "delivered_tokens_per_s": tokens / window,
+        "other_threads_cpu_us_per_token": 1e6 * other_cpu / max(tokens, 1),
+        "other_threads_cpu_us_per_token_net": 1e6 * (other_cpu - window * quiet_cpu_per_s) / max(tokens, 1),
+        "pulls": pulls, "pull_s_mean": statistics.mean([b.pull_s_mean for b in loaded]),
+        "target_met": median <= 3 and tokens / window >= 20000 and pulls >= 2 * sum(len(b.step_s) for b in loaded)
+        and set(by_load) == {"both"},
+    }  # fmt: skip
+
+
 def print_table(phases: list[Phase], summary: dict[str, Any]) -> None:
     print(f"\n{'phase':10} {'step mean s':>11} {'median':>8} {'min':>8} {'publish s':>9} {'tokens/s':>9} "
           f"{'pulls':>6} {'pull s':>7} {'other CPU s':>11}")  # fmt: skip
@@ -516,7 +606,12 @@ def print_table(phases: list[Phase], summary: dict[str, Any]) -> None:
               f"{statistics.mean(p.publish_s):9.4f} {p.delivered_tokens / p.window_s:9.0f} {p.pulls:>6} "
               f"{p.pull_s_mean:7.3f} {p.other_threads_cpu_s:11.2f}")  # fmt: skip
     s = summary
-    print(f"\nloaded vs alone (mean of both A): {s['slowdown_pct']:+.2f}% (target <= 3%; medians "
+    if "pair_slowdown_pct" in s:
+        print(f"\neach B against the A phases either side: {', '.join(f'{x:+.1f}%' for x in s['pair_slowdown_pct'])}; "
+              f"median {s['slowdown_pair_median_pct']:+.2f}% (the target, <= 3%)")  # fmt: skip
+        for load, pcts in s["pair_slowdown_by_load_pct"].items():
+            print(f"  load {load:>6}: {', '.join(f'{x:+.1f}%' for x in pcts)}; median {statistics.median(pcts):+.2f}%")
+    print(f"\nloaded vs alone (mean of the A phases): {s['slowdown_pct']:+.2f}% (target <= 3%; medians "
           f"{s['slowdown_median_pct']:+.2f}%), A drift {s['drift_pct']:+.2f}%; "
           f"{s['delivered_tokens_per_s']:.0f} tokens/s of finished groups (target >= 20000); "
           f"{s['other_threads_cpu_us_per_token']:.2f} us of other threads' CPU per delivered token "
@@ -555,16 +650,18 @@ def trainer_main(args: argparse.Namespace) -> None:
         for _ in range(KEEP_VERSIONS + 1):  # every host buffer allocated: later versions reuse them
             bench.publish(publisher)
         with tempfile.TemporaryDirectory() as run_dir:
-            a1 = bench.run_phase("A alone", publisher)
-            print(f"A: {statistics.mean(a1.step_s):.4f}s a step", flush=True)
-            b, info = loaded_phase(bench, publisher, children, Path(run_dir))
-            print(f"B: {statistics.mean(b.step_s):.4f}s a step", flush=True)
-            a2 = bench.run_phase("A again", publisher)
+            if args.pairs:
+                phases, info = loaded_phases(bench, publisher, children, Path(run_dir))
+            else:
+                a1 = bench.run_phase("A alone", publisher)
+                print(f"A: {statistics.mean(a1.step_s):.4f}s a step", flush=True)
+                loaded, info = loaded_phases(bench, publisher, children, Path(run_dir))
+                print(f"B: {statistics.mean(loaded[0].step_s):.4f}s a step", flush=True)
+                phases = [a1, loaded[0], bench.run_phase("A again", publisher)]
     finally:
         children.close()
         publisher.stop()
-    phases = [a1, b, a2]
-    summary = summarize(phases) | info
+    summary = (summarize_pairs(phases) if args.pairs else summarize(phases)) | info
     print_table(phases, summary)
     print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
     if args.json:
@@ -589,6 +686,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ramp-s", type=float, help="streaming before the loaded phase's timing starts")
     p.add_argument("--receivers", type=int, default=2)
     p.add_argument("--prompts-per-batch", type=int, default=64, help="prompts (of 8 samples) in each streamed batch")
+    p.add_argument("--pairs", type=int, default=0,
+                   help="N > 0: A0 B0 A1 ... AN with the children kept up (the stream paused and drained for each "
+                   "A), each B against the A phases either side; 0: A, B, A with no child in the A phases")
+    p.add_argument("--loads", nargs="+", choices=["both", "stream", "pulls"], default=["both"],
+                   help="with --pairs, the B phases take these loads in turn: both (the target's), the stream of "
+                   "finished groups only, or the receivers' pulls only (the stream paused)")
     p.add_argument("--isolate-cores", type=int, default=0,
                    help="keep the trainer's process on this many cores and its children off them (0: no pinning)")
     p.add_argument("--nice-children", type=int, default=0,

@@ -6,12 +6,19 @@ one preallocated buffer over loopback, nothing else: blocking sockets, each rece
 waiting for its whole piece in one call (MSG_WAITALL). It is the best of three piece
 sizes (the pull's chunk, 1 MiB, the stream's whole share), each best of --repeats.
 The pull adds the protocol, the per-chunk xxh3 checksums and the whole-buffer checksum.
+Both rows are the best of the same number of tries (3 x --repeats).
+`--ceiling-memory shared` also measures the ceiling between shared-memory buffers (a
+memfd on each side, as the publisher sends from and the receiver processes land in),
+next to the default private (anonymous) buffers, to tell the memory's cost from the
+protocol's.
 By default both senders (the publisher and the raw one) run in a child process, as the
 trainer does; `--sender thread` puts them in this process. Either way the publisher
 serves from its own process (`transfer/serve.py`), sending each chunk with `sendall`
 from its shared memory or `sendfile` from the memfd (`--send-mode`). The pull is
 received by threads of this process, or by a pool of receiver processes writing into a
-shared-memory landing buffer, as a worker does for a large version (`--receiver`).
+shared-memory landing buffer, as a worker does for a large version (`--receiver`):
+`process` hashes each stream on a second thread of its process, `process-inline` after
+each piece on the receiving thread (the way before).
 
     python benchmarks/transfer.py --sizes-gib 1 --streams 1 8 16 --send-mode sendall sendfile --json out.json
 
@@ -47,21 +54,26 @@ from pathlib import Path
 
 import torch
 
-from polyrl.transfer import receiver
+from polyrl.transfer import pull_proc
 from polyrl.transfer.manifest import Manifest, flatten
 from polyrl.transfer.publisher import WeightPublisher
 from polyrl.transfer.receive_pool import ReceiverPool
 from polyrl.transfer.receiver import PullSource, pull
+from polyrl.transfer.shm import SharedBuffer
 
 TlsFiles = dict[str, str]
 
 
 class CeilingSender:
     """The raw-socket sender: connection i of n asks for bytes [i*share, (i+1)*share) of
-    `src` in `piece`-sized sendall calls (header: i, n, piece), one thread each."""
+    `src` (or of its copy in shared memory) in `piece`-sized sendall calls (header: i, n,
+    piece, shared), one thread each."""
 
     def __init__(self, src: memoryview) -> None:
         self.src = src
+        self.shared = SharedBuffer("polyrl-bench-ceiling", len(src))
+        self.shared.tensor.numpy()[:] = memoryview(src).cast("B")
+        self.shared_view = memoryview(self.shared.tensor.numpy()).cast("B")
         self.listener = socket.create_server(("127.0.0.1", 0), backlog=64)
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._serve, daemon=True).start()
@@ -76,23 +88,24 @@ class CeilingSender:
 
     def _send(self, conn: socket.socket) -> None:
         with conn:
-            i, n, piece = struct.unpack("!HHQ", conn.recv(12, socket.MSG_WAITALL))
+            i, n, piece, shared = struct.unpack("!HHQB", conn.recv(13, socket.MSG_WAITALL))
             total = len(self.src)
             share = -(-total // n)
-            view = self.src[i * share : min((i + 1) * share, total)]
+            view = (self.shared_view if shared else self.src)[i * share : min((i + 1) * share, total)]
             for start in range(0, len(view), piece):
                 conn.sendall(view[start : start + piece])
 
 
-def raw_ceiling(port: int, num_streams: int, dst: memoryview, piece: int) -> float:
+def raw_ceiling(port: int, num_streams: int, dst: memoryview, piece: int, shared: bool = False) -> float:
     """Bytes/s of plain loopback TCP from a CeilingSender: blocking sockets, each piece
-    received with one recv_into(MSG_WAITALL), one thread per stream."""
+    received with one recv_into(MSG_WAITALL), one thread per stream; `shared`: from the
+    sender's shared-memory copy (pass a shared `dst` too)."""
     total = len(dst)
     share = -(-total // num_streams)
 
     def receive(i: int) -> None:
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(struct.pack("!HHQ", i, num_streams, piece))
+            sock.sendall(struct.pack("!HHQB", i, num_streams, piece, shared))
             view = dst[i * share : min((i + 1) * share, total)]
             for start in range(0, len(view), piece):
                 part, got = view[start : start + piece], 0
@@ -136,6 +149,7 @@ def serve_version(total: int, chunk_bytes: int, send_mode: str = "sendall", tls:
             yield Sender(source, ceiling.port, info.manifest.total_bytes, info.chunk_bytes, publish_s)
         finally:
             ceiling.listener.close()
+            ceiling.shared.close()
 
 
 def _sender_process(total: int, chunk_bytes: int, send_mode: str, tls: TlsFiles | None, conn: Connection) -> None:
@@ -261,39 +275,57 @@ def measure_whole_codecs(new: torch.Tensor, manifest: Manifest) -> dict[str, dic
 
 
 def measure_rows(src: Sender, args: argparse.Namespace, row: dict[str, object]) -> list[dict[str, object]]:
-    """For each stream count: the raw ceiling, then the pull with each receiver, all best
-    of `args.repeats`. The pull lands in a buffer reused across pulls, as a worker's does:
-    for `process`, a shared-memory landing buffer of a pool started once (as WeightReceiver
-    does), its processes started by a first pull that is not counted."""
+    """For each stream count: the raw ceiling, then the pull with each receiver, each the
+    best of the same number of tries. The pull lands in a buffer reused across pulls, as a
+    worker's does: for `process`, a shared-memory landing buffer of a pool started once
+    (as WeightReceiver does), its processes started by a first pull that is not counted."""
     if src.source.tls:
         print(f"  TLS session: {negotiated(src.source)}", flush=True)
     recv_buffer = torch.empty(src.total_bytes, dtype=torch.uint8)  # reused, as a worker does
     recv_buffer.fill_(0)  # touch the pages once, for both rows
     dst = memoryview(recv_buffer.numpy()).cast("B")
+    shared_dst = SharedBuffer("polyrl-bench-landing", src.total_bytes) if "shared" in args.ceiling_memory else None
     rows = []
-    for n in args.streams:
-        pieces = (src.chunk_bytes, 2**20, src.total_bytes)  # the best of three ways
-        ceiling = max(raw_ceiling(src.ceiling_port, n, dst, piece) for piece in pieces for _ in range(args.repeats))
-        for how in args.receiver:
-            rate = best_pull(src, n, how, recv_buffer, args.repeats)
-            rows.append(row | {"receiver": how, "streams": n, "ceiling_Bps": ceiling, "pull_Bps": rate,
-                               "fraction": rate / ceiling, "publish_s": src.publish_s})  # fmt: skip
-            print(f"{row['size_gib']:>6.2f}Gi {row['link']:>5} {row['sender']:>7} {row['send_mode']:>8} {how:>8} {n:>7} "
-                  f"{ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} {rate / ceiling:>12.0%}", flush=True)  # fmt: skip
+    pieces = (src.chunk_bytes, 2**20, src.total_bytes)  # the ceiling is the best of three ways
+    tries = len(pieces) * args.repeats
+    try:
+        for n in args.streams:
+            ceilings = {"private": max(raw_ceiling(src.ceiling_port, n, dst, piece) for piece in pieces for _ in range(args.repeats))}
+            if shared_dst is not None:
+                shared_dst.tensor.fill_(0)
+                view = memoryview(shared_dst.tensor.numpy()).cast("B")
+                ceilings["shared"] = max(raw_ceiling(src.ceiling_port, n, view, piece, shared=True)
+                                         for piece in pieces for _ in range(args.repeats))  # fmt: skip
+                view.release()
+            ceiling = ceilings["private"]
+            for how, procs in [(h, p) for h in args.receiver for p in (args.receive_processes if h != "thread" else [0])]:
+                procs = min(procs or n, n, os.cpu_count() or 1) if how != "thread" else 0
+                rate = best_pull(src, n, how, recv_buffer, tries, procs)
+                label = f"{how}/{procs}" if procs else how
+                rows.append(row | {"receiver": how, "processes": procs, "streams": n, "ceiling_Bps": ceiling, "pull_Bps": rate,
+                                   "fraction": rate / ceiling, "publish_s": src.publish_s, "tries": tries}
+                            | ({"shared_ceiling_Bps": ceilings["shared"], "fraction_of_shared": rate / ceilings["shared"]}
+                               if "shared" in ceilings else {}))  # fmt: skip
+                shared = f"{ceilings['shared'] / 1e9:>10.2f} {rate / ceilings['shared']:>9.0%}" if "shared" in ceilings else ""
+                print(f"{row['size_gib']:>6.2f}Gi {row['link']:>5} {row['sender']:>7} {row['send_mode']:>8} {label:>17} {n:>7} "
+                      f"{ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} {rate / ceiling:>12.0%} {shared}", flush=True)  # fmt: skip
+    finally:
+        if shared_dst is not None:
+            shared_dst.close()
     return rows
 
 
-def best_pull(src: Sender, num_streams: int, how: str, recv_buffer: torch.Tensor, repeats: int) -> float:
+def best_pull(src: Sender, num_streams: int, how: str, recv_buffer: torch.Tensor, tries: int, processes: int = 0) -> float:
     if how == "thread":
         return max(pull(src.source, 1, num_streams=num_streams, timeout_s=120, into=recv_buffer).bytes_per_s
-                   for _ in range(repeats))  # fmt: skip
-    pool = ReceiverPool(min(num_streams, os.cpu_count() or 1))
+                   for _ in range(tries))  # fmt: skip
+    pool = ReceiverPool(processes or min(num_streams, os.cpu_count() or 1), pipelined=how == "process")
     try:
         landing = pool.landing(src.total_bytes, pin=False)
         landing.tensor.fill_(0)
         pull(src.source, 1, num_streams=num_streams, timeout_s=120, into=landing.tensor, pool=pool)  # start them
         return max(pull(src.source, 1, num_streams=num_streams, timeout_s=120, into=landing.tensor, pool=pool).bytes_per_s
-                   for _ in range(repeats))  # fmt: skip
+                   for _ in range(tries))  # fmt: skip
     finally:
         pool.close()
 
@@ -344,9 +376,15 @@ def main() -> None:
                    "process, sharing the receiver's GIL (the shape of the earlier figures)")
     p.add_argument("--send-mode", nargs="+", choices=["sendall", "sendfile"], default=["sendall"],
                    help="how the publisher process sends chunks: sendall from its mapping, or sendfile from the memfd")
-    p.add_argument("--receiver", nargs="+", choices=["thread", "process"], default=["thread", "process"],
+    p.add_argument("--receiver", nargs="+", choices=["thread", "process", "process-inline"], default=["thread", "process"],
                    help="thread: one thread per stream in this process; process: a pool of receiver processes "
-                   "(one per stream, up to the cores) pulling into shared memory, as WeightReceiver does")
+                   "(one per stream, up to the cores) pulling into shared memory, as WeightReceiver does; "
+                   "process-inline: the same, each stream hashing on its receiving thread")
+    p.add_argument("--receive-processes", type=int, nargs="+", default=[0],
+                   help="receiver processes of the process rows, each value its own row (0: one per stream, up to the "
+                   "cores, as a worker picks by default)")
+    p.add_argument("--ceiling-memory", nargs="+", choices=["private", "shared"], default=["private"],
+                   help="shared: also measure the ceiling between memfd buffers (the pull/ceiling column stays private)")
     p.add_argument("--links", nargs="+", choices=["plain", "tls"], default=["plain"],
                    help="plain TCP and/or TLS on every stream (manager.transfer.tls), same sizes and streams")
     p.add_argument("--codecs", "--delta", dest="codecs", action="store_true", help="also measure the codecs (see above)")
@@ -354,7 +392,7 @@ def main() -> None:
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args()
     if args.hash_piece_kib:
-        receiver.HASH_PIECE = args.hash_piece_kib * 1024
+        pull_proc.HASH_PIECE = args.hash_piece_kib * 1024
 
     tls = None
     if "tls" in args.links:
@@ -365,7 +403,8 @@ def main() -> None:
         tls = self_signed(Path(tempfile.mkdtemp(prefix="polyrl-bench-tls-")))
         print(f"TLS: {ssl_summary(client_context(tls['ca']))}")
     rows = []
-    print(f"{'size':>8} {'link':>5} {'sender':>7} {'send':>8} {'receiver':>8} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13}")
+    print(f"{'size':>8} {'link':>5} {'sender':>7} {'send':>8} {'receiver/procs':>17} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13}"
+          + (f" {'shm ceil':>10} {'pull/shm':>9}" if "shared" in args.ceiling_memory else ""))
     for size_gib in args.sizes_gib:
         total = int(size_gib * 2**30) // 4 * 4
         for where in args.sender:

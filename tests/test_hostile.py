@@ -60,6 +60,8 @@ from polyrl.transfer.publisher import WeightPublisher
 from polyrl.transfer.quantize import decode_int8, encode_int8
 from polyrl.transfer.receiver import PullSource, parse_description, pull
 from polyrl.transfer.wire import (
+    CHUNK_INDEX,
+    CHUNKS_END,
     ENCODED_OPS,
     KNOWN_OPS,
     OP_CHUNKS,
@@ -1026,8 +1028,9 @@ class _ForgerHandler(socketserver.BaseRequestHandler):
         self.request.sendall(bytes([STATUS_OK]))
         info = json.loads(server.description)
         size = info["chunk_bytes"]
-        for index in range(req.stream, len(info["chunk_checksums"]), req.num_streams):
-            self.request.sendall(server.chunks_of[index * size : (index + 1) * size])
+        for index in range(req.stream, len(info["chunk_checksums"]), req.num_streams):  # a fixed deal
+            self.request.sendall(CHUNK_INDEX.pack(index) + server.chunks_of[index * size : (index + 1) * size])
+        self.request.sendall(CHUNK_INDEX.pack(CHUNKS_END))
 
 
 def _set(**changes: Any) -> Callable[[dict[str, Any]], None]:

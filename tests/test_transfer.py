@@ -27,6 +27,8 @@ from polyrl.transfer.publisher import WeightPublisher
 from polyrl.transfer.receive_pool import ReceiverPool
 from polyrl.transfer.receiver import PullSource, describe, pull
 from polyrl.transfer.wire import (
+    CHUNK_INDEX,
+    CHUNKS_END,
     ENCODED_OPS,
     OP_CHUNKS,
     STATUS_OK,
@@ -36,6 +38,7 @@ from polyrl.transfer.wire import (
     chunk_checksums,
     combined_checksum,
     encode_request,
+    read_reply_text,
     read_request,
     recv_exact,
     send_text,
@@ -133,7 +136,8 @@ def test_receiver_dying_mid_transfer_does_not_hurt_the_publisher(publisher: Weig
 
 class _Evil(socketserver.ThreadingTCPServer):
     """A publisher of v1 = `sent` that describes it truthfully, then misbehaves (`mode`):
-    truncate, garbage (description), stall, flip (a bit of chunk 3), or for an encoded op
+    truncate, garbage (description), stall, flip (a bit of chunk 3), twice (chunk 0
+    sent twice, chunk 1 never, each intact), or for an encoded op
     a payload with a wrong checksum (`bad-sum`) or well-framed garbage (`bad-payload`)."""
 
     daemon_threads = True
@@ -163,14 +167,16 @@ class _EvilHandler(socketserver.BaseRequestHandler):
             if server.mode == "garbage":
                 text = text.replace(b'"total_bytes"', b'"total_bites"')
             send_text(sock, STATUS_OK, text)
-        elif server.mode == "flip":
+        elif server.mode in ("flip", "twice"):  # a fixed share per stream is one way to deal
             sock.sendall(bytes([STATUS_OK]))
             for index in range(req.stream, server.info.num_chunks, req.num_streams):
-                sock.sendall(server.view[slice(*server.info.chunk_range(index))])
+                sent = 0 if server.mode == "twice" and index == 1 else index  # chunk 0 twice, no chunk 1
+                sock.sendall(CHUNK_INDEX.pack(sent) + server.view[slice(*server.info.chunk_range(sent))])
+            sock.sendall(CHUNK_INDEX.pack(CHUNKS_END))
         else:
             sock.sendall(bytes([STATUS_OK]))
             start, end = server.info.chunk_range(req.stream)
-            sock.sendall(server.view[start : start + (end - start) // 2])  # half a chunk, then hang up
+            sock.sendall(CHUNK_INDEX.pack(req.stream) + server.view[start : start + (end - start) // 2])  # half, then hang up
             if server.mode == "stall":  # ... or keep the connection open and send nothing more
                 server.release.wait(30)
 
@@ -212,6 +218,53 @@ def small_window(address: tuple[str, int]) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
     sock.connect(address)
     return sock
+
+
+def _read_dealt(sock: socket.socket, chunk: int) -> list[int]:
+    """The chunk indices one stream of op 2 is dealt, reading it to its end."""
+    assert recv_exact(sock, 1) == bytes([STATUS_OK])
+    dealt = []
+    while (index := CHUNK_INDEX.unpack(recv_exact(sock, 4))[0]) != CHUNKS_END:
+        recv_exact(sock, chunk)
+        dealt.append(index)
+    return dealt
+
+
+def test_the_publisher_deals_a_pulls_chunks_to_whichever_stream_reads() -> None:
+    """Two streams of one pull: the one that reads gets nearly everything, the stalled one
+    the little it was dealt before it stopped; together every chunk exactly once. A third
+    stream, or one that disagrees on the count, is refused."""
+    chunk, n = 2**20, 32  # the stalled stream's kernel buffers hold a few MiB
+    with WeightPublisher(chunk_bytes=chunk) as pub:
+        pub.publish({"w": torch.randn(n * chunk // 4)}, 1)
+        token = pub.grant("w1", 1)
+        with small_window(pub.address) as slow, socket.create_connection(pub.address) as fast:
+            slow.sendall(encode_request(OP_CHUNKS, 1, "w1", token, 1, 2, base=42))
+            time.sleep(0.5)  # its first chunk is dealt and fills its window
+            fast.sendall(encode_request(OP_CHUNKS, 1, "w1", token, 0, 2, base=42))
+            fast_got = _read_dealt(fast, chunk)
+            slow_got = _read_dealt(slow, chunk)
+        assert sorted(fast_got + slow_got) == list(range(n))
+        assert len(fast_got) >= 3 * n // 4, (fast_got, slow_got)
+        for counts in ((3, 2), (2, 2, 2)):  # streams that disagree on their number; one too many
+            opened = [small_window(pub.address) for _ in counts]
+            try:
+                for i, (sock, num) in enumerate(zip(opened, counts)):
+                    sock.sendall(encode_request(OP_CHUNKS, 1, "w1", token, min(i, num - 1), num, base=len(counts)))
+                    time.sleep(0.2)
+                status, text = read_reply_text(opened[-1])
+                assert status != STATUS_OK and b"does not fit" in text
+            finally:
+                for sock in opened:
+                    sock.close()
+
+
+def test_a_request_in_another_wire_version_is_refused_saying_so(publisher: WeightPublisher) -> None:
+    publisher.publish(weights(), 1)
+    with socket.create_connection(publisher.address) as sock:
+        sock.sendall(b"PRLW2\n" + encode_request(OP_CHUNKS, 1, "w1", publisher.grant("w1", 1))[len(b"PRLW2\n") :])
+        status, text = read_reply_text(sock)
+    assert status != STATUS_OK and b"PRLW2" in text and b"upgrade" in text
 
 
 def test_publisher_gives_up_on_a_receiver_that_stops_reading() -> None:
@@ -426,11 +479,17 @@ def test_a_dropped_version_is_served_to_its_reader_and_its_slot_reused_after() -
         with small_window(pub.address) as sock:  # a slow pull of v3 ...
             sock.sendall(encode_request(OP_CHUNKS, 3, "w1", pub.grant("w1", 3), 0, 1))
             assert recv_exact(sock, 1) == bytes([STATUS_OK])
-            first = recv_exact(sock, 4096)
+            got = bytearray(size)
+            assert CHUNK_INDEX.unpack(recv_exact(sock, 4)) == (0,)  # one stream: dealt every chunk, in order
+            got[:4096] = recv_exact(sock, 4096)
             for v in (4, 5, 6):  # ... while v3 is dropped and newer versions come
                 pub.publish(version(v), v)
-            rest = recv_exact(sock, size - 4096)
-        assert torch.equal(torch.frombuffer(bytearray(first + rest), dtype=torch.float32), version(3)["w"])
+            got[4096:chunk] = recv_exact(sock, chunk - 4096)
+            for index in range(1, size // chunk):
+                assert CHUNK_INDEX.unpack(recv_exact(sock, 4)) == (index,)
+                got[index * chunk : (index + 1) * chunk] = recv_exact(sock, chunk)
+            assert CHUNK_INDEX.unpack(recv_exact(sock, 4)) == (CHUNKS_END,)
+        assert torch.equal(torch.frombuffer(got, dtype=torch.float32), version(3)["w"])
         assert _weight_slots() - before == 3  # v3's slot was kept while read
         for v in (7, 8, 9):
             pub.publish(version(v), v)
@@ -620,6 +679,72 @@ def test_a_receiver_process_killed_mid_pull_fails_that_pull_only(publisher: Weig
     got = pull(source(publisher, 1), 1, num_streams=2, into=landing.tensor, pool=pool)
     assert_same(unflatten(got.buffer, got.manifest), weights())
     assert victim not in pool.pids
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+@pytest.mark.parametrize("mode", ["flip", "truncate"])
+def test_receiver_processes_reject_a_corrupted_or_cut_stream(
+    mode: str, pipelined: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import polyrl.transfer.receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "MIN_POOL_BYTES", 0)
+    evil = _Evil(weights(), mode)
+    threading.Thread(target=evil.serve_forever, daemon=True).start()
+    pool = ReceiverPool(2, pipelined=pipelined)
+    try:
+        landing = pool.landing(evil.info.manifest.total_bytes, pin=False)
+        expected = r"chunk 3 \(bytes 12288-16384\) failed its checksum" if mode == "flip" else "connection closed after"
+        with pytest.raises(TransferError, match=expected):
+            pull(PullSource("127.0.0.1", evil.server_address[1], "w1", "any"), 1, 2, 10, into=landing.tensor, pool=pool)
+    finally:
+        pool.close()
+        evil.shutdown()
+        evil.server_close()
+
+
+@pytest.mark.parametrize("bad_byte", [None, 4 * 1000 + 3 * 64 + 5])
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_stream_checks_every_piece_of_the_chunks_it_is_dealt(
+    bad_byte: int | None, pipelined: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of many pieces (the last one short), dealt out of order: each is checked
+    over exactly its bytes, and a bad one stops the stream."""
+    from polyrl.transfer import pull_proc
+
+    monkeypatch.setattr(pull_proc, "HASH_PIECE", 64)
+    data = bytearray(os.urandom(10_000))
+    chunks = pull_proc.Chunks(1000, 10_000, [checksum(bytes(data[i : i + 1000])) for i in range(0, 10_000, 1000)])
+    order = [7, 0, 4, 9, 2]  # this stream's deal
+    if bad_byte is not None:
+        data[bad_byte] ^= 0x01
+    wire = b"".join(CHUNK_INDEX.pack(i) + data[i * 1000 : (i + 1) * 1000] for i in order) + CHUNK_INDEX.pack(CHUNKS_END)
+    ours, theirs = socket.socketpair()
+    sender = threading.Thread(target=lambda: (theirs.sendall(wire), theirs.close()), daemon=True)
+    sender.start()
+    got = bytearray(len(data))
+    receive = pull_proc._receive_pipelined if pipelined else pull_proc._receive_inline
+    try:
+        if bad_byte is None:
+            assert receive(ours, chunks, memoryview(got)) == order
+            assert all(got[i * 1000 : (i + 1) * 1000] == data[i * 1000 : (i + 1) * 1000] for i in order)
+        else:
+            with pytest.raises(pull_proc.PullFailed, match=r"chunk 4 \(bytes 4000-5000\) failed its checksum"):
+                receive(ours, chunks, memoryview(got))
+    finally:
+        ours.close()
+        sender.join(10)
+
+
+def test_a_chunk_sent_twice_and_one_never_fails_the_pull() -> None:
+    evil = _Evil(weights(), "twice")
+    threading.Thread(target=evil.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(TransferError, match="distinct"):
+            pull(PullSource("127.0.0.1", evil.server_address[1], "w1", "any"), 1, num_streams=2)
+    finally:
+        evil.shutdown()
+        evil.server_close()
 
 
 class _Engine:

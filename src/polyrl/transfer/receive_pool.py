@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from polyrl.transfer.pull_proc import Job, StreamJob
+from polyrl.transfer.pull_proc import Chunks, Job, spare_cores_for_checking
 from polyrl.transfer.shm import SharedBuffer
-from polyrl.transfer.wire import OP_CHUNKS, TransferError, TransferInfo, encode_request
+from polyrl.transfer.wire import TransferError
 
 if TYPE_CHECKING:
     from polyrl.transfer.receiver import PullSource
@@ -70,37 +70,42 @@ class _Proc:
 
 
 class ReceiverPool:
-    def __init__(self, num_processes: int) -> None:
+    def __init__(self, num_processes: int, pipelined: bool | None = None) -> None:
+        """`pipelined`: each stream hashes on a second thread of its process, or after
+        each piece on its receiving thread (False); None: pipelined when the host has a
+        core to spare per stream (`pull_proc.spare_cores_for_checking`)."""
         if num_processes < 1:
             raise ValueError("num_processes must be >= 1")
         self.num_processes = num_processes
+        self.pipelined = pipelined
         self._procs: list[_Proc | None] = [None] * num_processes
         self._lock = threading.Lock()  # one pull at a time (a worker syncs one version at a time)
         self._buffers: dict[int, LandingBuffer] = {}  # by data_ptr
 
     def receive(
-        self, source: PullSource, info: TransferInfo, into: LandingBuffer, num_streams: int, timeout_s: float
-    ) -> None:
-        """Pull every chunk of `info` from `source` into `into` over `num_streams` streams;
-        raises TransferError. A process that died is replaced at the next pull."""
-        version = info.manifest.version
-        jobs: dict[int, list[StreamJob]] = {}
-        for stream in range(num_streams):
-            chunks = [(*info.chunk_range(i), info.chunk_checksums[i]) for i in range(stream, info.num_chunks, num_streams)]
-            request = encode_request(OP_CHUNKS, version, source.worker_id, source.token, stream, num_streams)
-            jobs.setdefault(stream % self.num_processes, []).append(StreamJob(request, chunks))
+        self, source: PullSource, requests: list[bytes], chunks: Chunks, into: LandingBuffer, timeout_s: float
+    ) -> list[int]:
+        """Run the pull's streams (one encoded request each) into `into`: stream i on
+        process i mod N. The indices of the chunks received and checked; TransferError on
+        any failure. A process that died is replaced at the next pull."""
+        pipelined = self.pipelined if self.pipelined is not None else spare_cores_for_checking(len(requests))
+        jobs: dict[int, list[bytes]] = {}
+        for stream, request in enumerate(requests):
+            jobs.setdefault(stream % self.num_processes, []).append(request)
         with self._lock:
             conns: list[Connection] = []
             try:
-                for i, streams in jobs.items():
-                    job = Job(into.id, False, source.host, source.port, timeout_s, streams, source.tls, source.ca_file)
+                for i, mine in jobs.items():
+                    job = Job(into.id, False, source.host, source.port, timeout_s, mine, chunks, pipelined, source.tls,
+                              source.ca_file)  # fmt: skip
                     conns.append(self._send(i, job, into))
             except TransferError:
                 self._kill(set(conns))  # their answers must not be read as the next pull's
                 raise
-            errors = self._collect(conns, timeout_s)
+            errors, got = self._collect(conns, timeout_s)
         if errors:
-            raise TransferError(f"pull of v{version} failed: {errors[0]}")
+            raise TransferError(errors[0])
+        return got
 
     def landing(self, nbytes: int, pin: bool) -> LandingBuffer:
         """A landing buffer this pool knows (so `receiver.pull` lets the processes fill it)."""
@@ -131,21 +136,24 @@ class ReceiverPool:
             raise TransferError(f"receiver process {proc.process.pid} is gone: {e}") from None
         return proc.conn
 
-    def _collect(self, conns: list[Connection], timeout_s: float) -> list[str]:
-        """Each process's answer. At the first error the processes still pulling are
-        killed (replaced at the next pull, in ~0.1 s: they import no torch): the pull has
-        failed, and one left running could write into the landing buffer under the next."""
+    def _collect(self, conns: list[Connection], timeout_s: float) -> tuple[list[str], list[int]]:
+        """Each process's answer: the errors, and the chunks received. At the first error
+        the processes still pulling are killed (replaced at the next pull, in ~0.1 s: they
+        import no torch): the pull has failed, and one left running could write into the
+        landing buffer under the next."""
         errors: list[str] = []
+        got: list[int] = []
         waiting = set(conns)
         while waiting and not errors:
             ready = wait(list(waiting), timeout=timeout_s * 2 + 10)
             if not ready:
                 self._kill(waiting)
-                return errors + [f"no answer from {len(waiting)} receiver processes in {timeout_s * 2 + 10:.0f}s"]
+                return errors + [f"no answer from {len(waiting)} receiver processes in {timeout_s * 2 + 10:.0f}s"], got
             for conn in ready:
                 waiting.discard(conn)  # type: ignore[arg-type]
                 try:
-                    error = conn.recv()  # type: ignore[union-attr]
+                    error, chunks = conn.recv()  # type: ignore[union-attr]
+                    got.extend(chunks)
                 except (EOFError, OSError):
                     error = "a receiver process died"
                     self._kill({conn})  # type: ignore[arg-type]
@@ -153,7 +161,7 @@ class ReceiverPool:
                     errors.append(error)
         if waiting:
             self._kill(waiting)
-        return errors
+        return errors, got
 
     def _kill(self, conns: set[Connection]) -> None:
         for i, proc in enumerate(self._procs):

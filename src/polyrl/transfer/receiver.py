@@ -11,19 +11,19 @@ is the opt-in lossy int8 codec: its payload is checked, and the result is marked
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-import xxhash
 from pydantic import ValidationError
 
 from polyrl.tls import client_context
 from polyrl.transfer.compress import decode_zstd
 from polyrl.transfer.delta import apply_delta
 from polyrl.transfer.manifest import Manifest
+from polyrl.transfer.pull_proc import Chunks, Job, run, spare_cores_for_checking
 from polyrl.transfer.quantize import decode_int8
 from polyrl.transfer.receive_pool import MIN_POOL_BYTES, ReceiverPool
 from polyrl.transfer.wire import (
@@ -48,10 +48,6 @@ from polyrl.transfer.wire import (
 )
 
 log = logging.getLogger("polyrl.transfer")
-
-HASH_PIECE = 1 << 20
-"""A chunk is received and hashed piece by piece, so the hash reads from cache, not DRAM."""
-
 
 @dataclass(frozen=True)
 class PullSource:
@@ -152,11 +148,20 @@ def pull(
                  " (LOSSY)" if pulled.lossy else "", pulled.wire_bytes / 1e6, total / 1e6, pulled.seconds)  # fmt: skip
         return pulled
     num_streams = max(1, min(num_streams, info.num_chunks))
+    pull_id = secrets.randbits(63)  # names this pull's streams to the publisher, which deals them its chunks
+    requests = [encode_request(OP_CHUNKS, version, source.worker_id, source.token, i, num_streams, base=pull_id)
+                for i in range(num_streams)]  # fmt: skip
+    chunks = Chunks(info.chunk_bytes, total, info.chunk_checksums)
     landing = pool.landing_of(buffer) if pool is not None and total >= MIN_POOL_BYTES else None
-    if landing is not None:
-        pool.receive(source, info, landing, num_streams, timeout_s)  # type: ignore[union-attr]
-    else:
-        _pull_streams(source, info, buffer, num_streams, timeout_s)
+    try:
+        if landing is not None:
+            got = pool.receive(source, requests, chunks, landing, timeout_s)  # type: ignore[union-attr]
+        else:
+            got = _pull_streams(source, requests, chunks, buffer, timeout_s)
+    except TransferError as e:
+        raise TransferError(f"pull of v{version} failed: {e}") from None
+    if sorted(got) != list(range(info.num_chunks)):
+        raise TransferError(f"pull of v{version}: the publisher sent {len(got)} chunks, {len(set(got))} distinct, of {info.num_chunks}")
     if combined_checksum(info.chunk_checksums) != info.buffer_checksum:  # each chunk matched its own
         raise TransferError(f"v{version}: the chunk checksums do not add up to the version's checksum")
     pulled = Pulled(buffer, info.manifest, time.perf_counter() - t0, "raw", total)
@@ -165,37 +170,14 @@ def pull(
     return pulled
 
 
-def _pull_streams(source: PullSource, info: TransferInfo, buffer: torch.Tensor, num_streams: int, timeout_s: float) -> None:
-    """One thread per stream, in this process."""
-    view = memoryview(buffer.numpy()).cast("B")
-    with ThreadPoolExecutor(num_streams, thread_name_prefix="polyrl-pull") as threads:
-        futures = [threads.submit(_pull_stream, source, info, view, i, num_streams, timeout_s) for i in range(num_streams)]
-        errors = [f.exception() for f in futures]
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        if isinstance(first, TransferError):
-            raise first
-        raise TransferError(f"pull of v{info.manifest.version} failed: {type(first).__name__}: {first}") from first
-
-
-def _pull_stream(
-    source: PullSource, info: TransferInfo, view: memoryview, stream: int, num_streams: int, timeout_s: float
-) -> None:
-    version = info.manifest.version
-    with _connect(source, timeout_s) as sock:
-        sock.sendall(encode_request(OP_CHUNKS, version, source.worker_id, source.token, stream, num_streams))
-        status = recv_exact(sock, 1)[0]
-        if status != STATUS_OK:
-            raise TransferError(f"publisher refused v{version}: {read_text(sock).decode(errors='replace')}")
-        for index in range(stream, info.num_chunks, num_streams):
-            start, end = info.chunk_range(index)
-            hasher = xxhash.xxh3_64()
-            for piece in range(start, end, HASH_PIECE):  # hash each piece while it is still in cache
-                part = view[piece : min(piece + HASH_PIECE, end)]
-                recv_into_exact(sock, part)
-                hasher.update(part)
-            if hasher.intdigest() != info.chunk_checksums[index]:
-                raise TransferError(f"v{version}: chunk {index} (bytes {start}-{end}) failed its checksum")
+def _pull_streams(source: PullSource, requests: list[bytes], chunks: Chunks, buffer: torch.Tensor, timeout_s: float) -> list[int]:
+    """The streams on threads of this process (`transfer/pull_proc.py` runs them)."""
+    job = Job(0, False, source.host, source.port, timeout_s, requests, chunks, spare_cores_for_checking(len(requests)),
+              source.tls, source.ca_file)  # fmt: skip
+    error, got = run(job, memoryview(buffer.numpy()).cast("B"))
+    if error is not None:
+        raise TransferError(error)
+    return got
 
 
 def _pull_delta(

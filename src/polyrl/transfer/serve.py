@@ -4,7 +4,9 @@ memory (`transfer/publisher.py` is the trainer's side).
 It owns the serving loops of the listening sockets the trainer created (inherited, so a
 restarted process serves on the same ports), checksums each version the trainer
 announces, and serves every TCP op of `wire.py` with one thread per connection, in an
-interpreter where nothing but serving competes for the GIL. A version dropped beyond
+interpreter where nothing but serving competes for the GIL. The streams of one raw pull
+share a `_Deal`: each chunk goes to whichever stream asks next, so the pull ends when
+the work does, not when its slowest stream's fixed share does. A version dropped beyond
 `keep_versions` stays mapped while a pull reads it; the trainer may write into its slot
 again only once this process says `Released`. GPU ops (NCCL, CUDA IPC) read the
 trainer's GPU, so their connections go back to the trainer, token checked, with the
@@ -27,7 +29,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
@@ -42,6 +44,8 @@ from polyrl.transfer.schema import Manifest
 from polyrl.transfer.wire import (
     ENCODED_OPS,
     GPU_OPS,
+    CHUNKS_END,
+    CHUNK_INDEX,
     OP_DELTA,
     OP_DESCRIBE,
     OP_ZSTD,
@@ -50,6 +54,7 @@ from polyrl.transfer.wire import (
     Request,
     TransferError,
     TransferInfo,
+    WireVersionError,
     checksum,
     chunk_checksums,
     combined_checksum,
@@ -132,6 +137,21 @@ STATS_BYTES = 8
 
 
 @dataclass
+class _Deal:
+    """The chunks of one raw pull, dealt to its streams as they ask (under Versions' lock).
+
+    Kept until every stream has joined and left; one whose streams never all came (the
+    receiver gave up) is dropped once idle for `stale_s`."""
+
+    num_streams: int
+    num_chunks: int
+    next: int = 0
+    joined: int = 0
+    active: int = 0
+    idle_since: float = 0.0
+
+
+@dataclass
 class _Slot:
     fd: int
     map: mmap.mmap
@@ -162,6 +182,7 @@ class Versions:
         self._send_lock = threading.Lock()
         self._encode_lock = threading.Lock()
         self._encoded_cache: dict[int, tuple[tuple[int, int], bytes]] = {}  # op -> ((version, base), payload)
+        self._deals: dict[tuple[str, int, int], _Deal] = {}  # (worker, version, pull id)
 
     def send(self, message: object, fd: int | None = None) -> None:
         """To the trainer, from any thread (the message and its fd stay together)."""
@@ -231,6 +252,37 @@ class Versions:
                     free = held.dropped and held.readers == 0
                 if free:
                     self.send(Released(held.slot))
+
+    def join_deal(self, req: Request, num_chunks: int) -> _Deal:
+        """The deal of `req`'s pull (a new one for its first stream); ValueError if its
+        streams disagree on how many they are, or more of them come than that."""
+        key = (req.worker_id, req.version, req.base)
+        now = time.monotonic()
+        stale_s = self.cfg.io_timeout_s + self.cfg.handshake_timeout_s
+        with self._lock:
+            for k in [k for k, d in self._deals.items() if d.active == 0 and now - d.idle_since > stale_s]:
+                del self._deals[k]
+            deal = self._deals.setdefault(key, _Deal(req.num_streams, num_chunks))
+            if deal.num_streams != req.num_streams or deal.joined >= deal.num_streams:
+                raise ValueError(f"stream {req.stream} of {req.num_streams} does not fit pull {req.base} of {deal.num_streams}")
+            deal.joined += 1
+            deal.active += 1
+        return deal
+
+    def claim(self, deal: _Deal) -> int | None:
+        """The next chunk of `deal` for the calling stream; None once all are dealt."""
+        with self._lock:
+            if deal.next >= deal.num_chunks:
+                return None
+            deal.next += 1
+            return deal.next - 1
+
+    def leave_deal(self, req: Request, deal: _Deal) -> None:
+        with self._lock:
+            deal.active -= 1
+            deal.idle_since = time.monotonic()
+            if deal.active == 0 and deal.joined == deal.num_streams:
+                self._deals.pop((req.worker_id, req.version, req.base), None)
 
     def count_sent(self, nbytes: int) -> None:
         with self._lock:
@@ -316,6 +368,10 @@ class _Handler(socketserver.BaseRequestHandler):
             kernel_timeouts(sock, versions.cfg.io_timeout_s)
             with versions.reading(req.version) as held:
                 serve(versions, sock, req, held, peer)
+        except WireVersionError as e:
+            log.warning("weight pull from %s refused: %s", peer, e)
+            with suppress(OSError):
+                send_text(sock, STATUS_REFUSED, str(e).encode())
         except (OSError, ValueError, TransferError) as e:  # a receiver that died, stalled or spoke garbage
             log.debug("weight pull from %s ended: %s: %s", peer, type(e).__name__, e)
 
@@ -342,14 +398,31 @@ def serve(versions: Versions, sock: socket.socket, req: Request, held: _Held | N
             sock.sendall(payload)
             versions.count_sent(len(payload))
     else:
+        _serve_chunks(versions, sock, req, held)
+
+
+def _serve_chunks(versions: Versions, sock: socket.socket, req: Request, held: _Held) -> None:
+    """This stream's part of a raw pull: chunks as the deal gives them, each after its
+    index, then CHUNKS_END."""
+    try:
+        deal = versions.join_deal(req, held.info.num_chunks)
+    except ValueError as e:
+        send_text(sock, STATUS_REFUSED, str(e).encode())
+        return
+    try:
         sock.sendall(bytes([STATUS_OK]))
         # sendfile would bypass the TLS layer: TLS connections always send from this process
         sendfile = versions.cfg.send_mode == "sendfile" and not isinstance(sock, ssl.SSLSocket)
         send = _sendfile if sendfile else _sendall
-        for index in range(req.stream, held.info.num_chunks, req.num_streams):
+        more = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_MORE  # the index rides with its chunk
+        while (index := versions.claim(deal)) is not None:
             start, end = held.info.chunk_range(index)
+            sock.sendall(CHUNK_INDEX.pack(index), more)
             send(sock, held, start, end)
             versions.count_sent(end - start)
+        sock.sendall(CHUNK_INDEX.pack(CHUNKS_END))
+    finally:
+        versions.leave_deal(req, deal)
 
 
 def _sendall(sock: socket.socket, held: _Held, start: int, end: int) -> None:

@@ -1,8 +1,9 @@
 """The weight data plane's wire format (TCP, one request per connection).
 
-A receiver opens one connection for the version's description, then N connections
-that each pull a stride of the chunks (chunk i goes over stream i mod N), straight into
-the receiver's preallocated buffer. Every request names the worker, the version and a
+A receiver opens one connection for the version's description, then N connections that
+share the version's chunks, straight into the receiver's preallocated buffer: the
+publisher deals each chunk to whichever stream of the pull is ready for one, so a stream
+that runs faster (a less busy core, a better path) carries more of the version. Every request names the worker, the version and a
 per-transfer token (HMAC of both under the publisher's key, handed out by whoever
 authenticated the worker, i.e. the manager), so a connection can only read the version
 it was granted.
@@ -10,8 +11,11 @@ it was granted.
     request  = MAGIC | op:u8 | version:i64 | base:i64 | stream:u16 | num_streams:u16
                | worker_len:u16 | worker | token_len:u16 | token
     op 1 (DESCRIBE) reply = status:u8 | len:u32 | JSON TransferInfo (or an error text)
-    op 2 (CHUNKS)   reply = status:u8 | then the raw bytes of chunks stream, stream+N, ...
-                            in order (or len:u32 | error text when status != 0)
+    op 2 (CHUNKS)   `base` = the pull's id (random, the same on its N streams).
+                    reply = status:u8 | then, until every chunk of the version has gone
+                            out on one of the pull's streams: index:u32 | the raw bytes of
+                            chunk `index`; then 0xFFFFFFFF (or len:u32 | error text when
+                            status != 0)
     op 3 (DELTA)    reply = status:u8 | len:u64 | xxh3:u64 | the delta of `version` against
                             `base` (`transfer/delta.py`), or len:u32 | error text
     op 4 (ZSTD)     reply = the same framing; the version zstd-compressed (`transfer/compress.py`)
@@ -50,7 +54,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from polyrl.transfer.schema import Manifest
 
-MAGIC = b"PRLW2\n"
+MAGIC = b"PRLW3\n"
+"""Ends in the wire's version: PRLW2 was the same but for op 2, which sent stream i the
+chunks i, i+N, ... (a fixed share)."""
 OP_DESCRIBE, OP_CHUNKS, OP_DELTA, OP_ZSTD, OP_INT8, OP_NCCL, OP_IPC = 1, 2, 3, 4, 5, 6, 7
 ENCODED_OPS = {OP_DELTA: "delta", OP_ZSTD: "zstd", OP_INT8: "int8"}
 """Ops whose reply is one payload made by the publisher (once per version, shared)."""
@@ -61,6 +67,9 @@ READY, DONE = b"R", b"D"
 STATUS_OK, STATUS_REFUSED = 0, 1
 _HEADER = struct.Struct("!BqqHH")
 _U16, _U32 = struct.Struct("!H"), struct.Struct("!I")
+CHUNK_INDEX = _U32
+"""What precedes each chunk of op 2; CHUNKS_END ends the stream."""
+CHUNKS_END = 0xFFFFFFFF
 MAX_TEXT = 16 * 2**20
 """Largest description or error text accepted (a manifest of a few thousand tensors)."""
 
@@ -89,6 +98,11 @@ class TransferInfo(BaseModel):
 
 class TransferError(RuntimeError):
     """A pull failed (refused, cut, corrupted); the receiver's old weights are untouched."""
+
+
+class WireVersionError(ValueError):
+    """The other side speaks another version of this wire (the publisher says so in its
+    refusal, which every version frames the same way)."""
 
 
 def checksum(data: memoryview | bytes) -> int:
@@ -179,7 +193,11 @@ def read_request(sock: socket.socket, timeout_s: float | None = None) -> Request
     the sender hangs up first, and TimeoutError if the whole request takes longer than
     `timeout_s` (a per-read timeout never fires on a client sending a byte at a time)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    if recv_exact(sock, len(MAGIC), deadline) != MAGIC:
+    magic = recv_exact(sock, len(MAGIC), deadline)
+    if magic != MAGIC:
+        if magic[:4] == MAGIC[:4]:
+            raise WireVersionError(f"weight-transfer wire {magic[:5].decode(errors='replace')}, this side speaks {MAGIC[:5].decode()}: "
+                             "upgrade the older of the worker and the trainer")  # fmt: skip
         raise ValueError("not a polyrl weight-transfer request")
     op, version, base, stream, num_streams = _HEADER.unpack(recv_exact(sock, _HEADER.size, deadline))
     worker = recv_exact(sock, _U16.unpack(recv_exact(sock, 2, deadline))[0], deadline).decode()
