@@ -165,6 +165,34 @@ def receiver_main(args: argparse.Namespace) -> None:
             print(f"{version} error {type(e).__name__}: {e}".replace("\n", " "), flush=True)
 
 
+def consumer_main(args: argparse.Namespace) -> None:
+    """The trainer's stream, read in this process instead (`--loads elsewhere`): the same
+    lanes, paused until told `go`; `quiet` pauses and drains them, then answers
+    `tokens seconds` delivered since `go`. Exits when stdin closes."""
+    from polyrl.rollout.manager_link import ManagerLink
+
+    link = ManagerLink(args.manager, os.environ["POLYRL_TOKEN"])
+    stream = Stream(link, args, num_lanes=_num_lanes(args), paused=True)
+    print("ready", flush=True)
+    started = time.perf_counter()
+    for line in sys.stdin:
+        if line.strip() == "go":
+            started = time.perf_counter()
+            stream.paused.clear()
+        else:
+            stream.quiet(timeout_s=60)
+            now = time.perf_counter()
+            print(f"{stream.tokens_between(started, now)} {now - started:.4f}", flush=True)
+    stream.stop()
+    link.close()
+
+
+def _num_lanes(args: argparse.Namespace) -> int:
+    """Half again as many samples in open batches as there are slots (and at least two
+    batches), so that queued samples take the slots a finished batch frees at once."""
+    return max(2, -(-3 * args.engines * args.slots // (2 * args.prompts_per_batch * 8)))
+
+
 def _exit_when_stdin_closes() -> None:
     sys.stdin.read()
     os._exit(0)
@@ -217,12 +245,14 @@ class Stream:
     """Lanes that each keep one batch open through the manager and count the tokens of
     the finished groups, with the time each group arrived."""
 
-    def __init__(self, link: Any, args: argparse.Namespace, num_lanes: int) -> None:
+    def __init__(self, link: Any, args: argparse.Namespace, num_lanes: int, paused: bool = False) -> None:
         self.link, self.args = link, args
         self.arrivals: list[tuple[float, int]] = []  # (perf_counter, tokens of a finished group)
         self.errors: list[str] = []
         self.stopping = threading.Event()
         self.paused = threading.Event()  # lanes open no new batch (--pairs: the quiet phases)
+        if paused:
+            self.paused.set()
         self.open_batches = 0
         self._count = threading.Lock()
         self.lanes = [threading.Thread(target=self._lane, args=(i,), name=f"lane-{i}", daemon=True)
@@ -451,10 +481,13 @@ def loaded_phases(bench: Bench, publisher: Any, children: Children, run_dir: Pat
         httpx.post(f"{info['fleet_url']}/_fleet/join", json={"count": args.engines}, timeout=30).raise_for_status()
         wait_active(link, args.engines, timeout_s=60)
         receivers = Receivers(children, publisher, args.receivers)
-        # Half again as many samples in open batches as there are slots (and at least two
-        # batches), so that queued samples take the slots a finished batch frees at once.
-        per_batch = args.prompts_per_batch * 8
-        stream = Stream(link, args, num_lanes=max(2, -(-3 * args.engines * args.slots // (2 * per_batch))))
+        stream = Stream(link, args, num_lanes=_num_lanes(args))
+        consumer = None
+        if args.pairs and "elsewhere" in args.loads:
+            consumer = children.start(["--role", "consumer", "--device", args.device, "--manager", url,
+                                       "--prompts-per-batch", str(args.prompts_per_batch)])  # fmt: skip
+            if (line := read_line(consumer, "the consumer", 60)) != "ready":
+                raise RuntimeError(f"consumer: {line}")
         isolate(args.isolate_cores)  # every child is running now
         renice_children(args.nice_children)
         if not args.pairs:
@@ -473,11 +506,22 @@ def loaded_phases(bench: Bench, publisher: Any, children: Children, run_dir: Pat
             sys.setswitchinterval(default_interval)
             phases.append(bench.run_phase(f"A{i}", publisher))
             sys.setswitchinterval(interval_ms / 1000 if interval_ms else default_interval)
-            if load != "pulls":
+            if load in ("both", "stream"):
                 stream.paused.clear()
+            elif load == "elsewhere":
+                consumer.stdin.write("go\n")  # type: ignore[union-attr]
+                consumer.stdin.flush()  # type: ignore[union-attr]
+            if load != "pulls":
                 time.sleep(args.ramp_s)
             label = f"{load}@{interval_ms:g}ms" if interval_ms else load
-            phases.append(_loaded(bench, publisher, stream, receivers if load != "stream" else None, f"B{i}:{label}"))
+            pulling = receivers if load in ("both", "pulls") else None
+            phase = _loaded(bench, publisher, stream, pulling, f"B{i}:{label}")
+            if load == "elsewhere":
+                consumer.stdin.write("quiet\n")  # type: ignore[union-attr]
+                consumer.stdin.flush()  # type: ignore[union-attr]
+                tokens, seconds = read_line(consumer, "the consumer", 90).split()  # type: ignore[arg-type]
+                phase.delivered_tokens = int(float(tokens) / float(seconds) * phase.window_s)
+            phases.append(phase)
         sys.setswitchinterval(default_interval)
         stream.quiet(timeout_s=60)
         phases.append(bench.run_phase(f"A{args.pairs}", publisher))
@@ -682,7 +726,7 @@ def _out_of_time(signum: int, frame: Any) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--role", choices=["trainer", "fleet", "receiver"], default="trainer")
+    p.add_argument("--role", choices=["trainer", "fleet", "receiver", "consumer"], default="trainer")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json", help="write every number, the machine and the args here")
     for name in ("seqs", "prompt-tokens", "completion-tokens", "micro-batch-tokens", "steps", "warmup", "engines",
@@ -695,9 +739,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=0,
                    help="N > 0: A0 B0 A1 ... AN with the children kept up (the stream paused and drained for each "
                    "A), each B against the A phases either side; 0: A, B, A with no child in the A phases")
-    p.add_argument("--loads", nargs="+", choices=["both", "stream", "pulls"], default=["both"],
+    p.add_argument("--loads", nargs="+", choices=["both", "stream", "pulls", "elsewhere"], default=["both"],
                    help="with --pairs, the B phases take these loads in turn: both (the target's), the stream of "
-                   "finished groups only, or the receivers' pulls only (the stream paused)")
+                   "finished groups only, the receivers' pulls only (the stream paused), or the same stream read "
+                   "by another process instead of the trainer's (the host as loaded, the trainer's process idle)")
     p.add_argument("--switch-intervals-ms", type=float, nargs="+", default=[0.0],
                    help="with --pairs, the trainer's GIL switch interval in the B phases, taken in turn with --loads "
                    "(0: Python's default, 5 ms); the A phases keep the default")
@@ -707,7 +752,7 @@ def parse_args() -> argparse.Namespace:
                    help="every process the trainer starts (the fake fleet and receivers, which stand for "
                         "other machines, too) at this nice level")
     p.add_argument("--timeout-s", type=int, default=330, help="the whole run; past it, children are killed")
-    p.add_argument("--manager", help="(fleet role)")
+    p.add_argument("--manager", help="(fleet and consumer roles)")
     p.add_argument("--publisher", help="host:port (receiver role)")
     p.add_argument("--worker-id", help="(receiver role)")
     args = p.parse_args()
@@ -723,6 +768,8 @@ def main() -> None:
         fleet_main(args)
     elif args.role == "receiver":
         receiver_main(args)
+    elif args.role == "consumer":
+        consumer_main(args)
     else:
         trainer_main(args)
 
