@@ -42,10 +42,10 @@ from polyrl.transfer.compress import encode_zstd
 from polyrl.transfer.delta import encode_delta
 from polyrl.transfer.schema import Manifest
 from polyrl.transfer.wire import (
+    CHUNK_INDEX,
+    CHUNKS_END,
     ENCODED_OPS,
     GPU_OPS,
-    CHUNKS_END,
-    CHUNK_INDEX,
     OP_DELTA,
     OP_DESCRIBE,
     OP_ZSTD,
