@@ -625,8 +625,10 @@ def summarize_pairs(phases: list[Phase]) -> dict[str, Any]:
     streaming = [b for b in loaded if ":pulls" not in b.name]
     window = sum(b.window_s for b in streaming)  # the rate of the phases that streamed
     tokens = sum(b.delivered_tokens for b in streaming)
+    read_here = [b for b in streaming if ":elsewhere" not in b.name]  # the trainer's threads read the stream
+    read_window, read_tokens = sum(b.window_s for b in read_here), sum(b.delivered_tokens for b in read_here)
     quiet_cpu_per_s = sum(p.other_threads_cpu_s for p in quiet) / sum(p.window_s for p in quiet)
-    other_cpu = sum(b.other_threads_cpu_s for b in streaming)
+    other_cpu = sum(b.other_threads_cpu_s for b in read_here)
     pulls = sum(b.pulls for b in loaded)
     median = statistics.median(pair_pct)
     by_load: dict[str, list[float]] = {}
@@ -640,8 +642,8 @@ def summarize_pairs(phases: list[Phase]) -> dict[str, Any]:
                                       / statistics.median([t for p in quiet for t in p.step_s]) - 1),
         "drift_pct": 100 * (statistics.mean(quiet[-1].step_s) / statistics.mean(quiet[0].step_s) - 1),
         "delivered_tokens_per_s": tokens / max(window, 1e-9),
-        "other_threads_cpu_us_per_token": 1e6 * other_cpu / max(tokens, 1),
-        "other_threads_cpu_us_per_token_net": 1e6 * (other_cpu - window * quiet_cpu_per_s) / max(tokens, 1),
+        "other_threads_cpu_us_per_token": 1e6 * other_cpu / max(read_tokens, 1),
+        "other_threads_cpu_us_per_token_net": 1e6 * (other_cpu - read_window * quiet_cpu_per_s) / max(read_tokens, 1),
         "pulls": pulls, "pull_s_mean": statistics.mean([b.pull_s_mean for b in loaded]),
         "target_met": median <= 3 and tokens / max(window, 1e-9) >= 20000 and pulls >= 2 * sum(len(b.step_s) for b in loaded)
         and set(by_load) <= {"both"},

@@ -33,8 +33,7 @@ from multiprocessing.reduction import recv_handle
 import xxhash
 
 HASH_PIECE = 1 << 20
-"""As the thread receiver: each piece is hashed while it is still in cache."""
-
+"""A chunk is received and hashed piece by piece, so the hash reads from cache, not DRAM."""
 
 CHUNKS_END = 0xFFFFFFFF
 """wire.CHUNKS_END (this module imports no polyrl)."""

@@ -3,10 +3,10 @@
 A receiver opens one connection for the version's description, then N connections that
 share the version's chunks, straight into the receiver's preallocated buffer: the
 publisher deals each chunk to whichever stream of the pull is ready for one, so a stream
-that runs faster (a less busy core, a better path) carries more of the version. Every request names the worker, the version and a
-per-transfer token (HMAC of both under the publisher's key, handed out by whoever
-authenticated the worker, i.e. the manager), so a connection can only read the version
-it was granted.
+that runs faster (a less busy core, a better path) carries more of the version. Every
+request names the worker, the version and a per-transfer token (HMAC of both under the
+publisher's key, handed out by whoever authenticated the worker, i.e. the manager), so a
+connection can only read the version it was granted.
 
     request  = MAGIC | op:u8 | version:i64 | base:i64 | stream:u16 | num_streams:u16
                | worker_len:u16 | worker | token_len:u16 | token
@@ -196,8 +196,9 @@ def read_request(sock: socket.socket, timeout_s: float | None = None) -> Request
     magic = recv_exact(sock, len(MAGIC), deadline)
     if magic != MAGIC:
         if magic[:4] == MAGIC[:4]:
-            raise WireVersionError(f"weight-transfer wire {magic[:5].decode(errors='replace')}, this side speaks {MAGIC[:5].decode()}: "
-                             "upgrade the older of the worker and the trainer")  # fmt: skip
+            theirs = magic[:5].decode(errors="replace")
+            raise WireVersionError(f"weight-transfer wire {theirs}, this side speaks {MAGIC[:5].decode()}: "
+                                   "upgrade the older of the worker and the trainer")
         raise ValueError("not a polyrl weight-transfer request")
     op, version, base, stream, num_streams = _HEADER.unpack(recv_exact(sock, _HEADER.size, deadline))
     worker = recv_exact(sock, _U16.unpack(recv_exact(sock, 2, deadline))[0], deadline).decode()
