@@ -36,7 +36,9 @@ itself, never "auto" (the trainer's default, which picks "fast" on one GPU in bf
 --profile [BATCH:]VARIANT (batch eq unless named) runs one more step of that row, after its
 timed ones, under torch.profiler, and prints the 25 ops / kernels with the most self device
 time (self CPU time on CPU) and how the kernels' time splits between matmuls, attention and
-the rest; --profile-out PATH keeps that text. Without --plan only that row runs:
+the rest; on CUDA also every place in one more step where the host waited for the device,
+by the Python line that made it wait; --profile-out PATH keeps that text. Without --plan
+only that row runs:
 
     PYTHONPATH=src python benchmarks/learner.py --device cpu --profile packed --profile-out /tmp/prof.txt
 """
@@ -52,8 +54,10 @@ import random
 import sys
 import time
 import traceback
-from collections import defaultdict
+import warnings
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
@@ -107,6 +111,7 @@ VARIANTS = {
         Variant("fast+attn", working_copy=True, compile_layers=True, traced_attention=True, triton_head=False,
                 head_chunk_factor=1),
         Variant("fast", working_copy=True, compile_layers=True),
+        Variant("fast-8k", max_tokens=8192, working_copy=True, compile_layers=True),
         Variant("fast-24k", max_tokens=24576, working_copy=True, compile_layers=True),
         Variant("fast-32k", max_tokens=32768, working_copy=True, compile_layers=True),
         Variant("fast-32k-c2", max_tokens=32768, working_copy=True, compile_layers=True, head_chunk_factor=2),
@@ -235,7 +240,27 @@ def run_row(v: Variant, batch: str, items: list[SeqItem], args: argparse.Namespa
     }
     if is_profiled:  # after the row's numbers, so the profiler's overhead touches none of them
         args.profile_text = profile_step(learner, items, f"{batch}:{v.name}", args)
+        if args.device.type == "cuda":
+            args.profile_text += wait_sites(learner, items, args)
     return row
+
+
+def wait_sites(learner: Learner, items: list[SeqItem], args: argparse.Namespace) -> str:
+    """One more step with torch's sync debug mode on: every operation that made the host
+    wait for the device, by the Python line that called it. Each such wait empties the
+    device's queue, so the host's next launches run with the GPU idle: they are where host
+    load (other processes, other threads) turns into learner time."""
+    sync(args.device)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            learner.train_mini_batch(items, weights_as_sampled=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    listed = ", ".join(f"{site} x{n}" for site, n in sites.most_common(12)) or "none"
+    return f"host waits for the device in one step ({sum(sites.values())}): {listed}\n"
 
 
 def free(device: torch.device) -> None:

@@ -30,9 +30,9 @@ new ones a second, each with its own HTTP request and reading thread, where a ru
 
     python benchmarks/learner_interference.py --device cpu         # tiny model, ~1 min, 2 cores
 
-On one H100 (16 host cores), about 2 minutes (model build and warm-up ~30 s; each phase
-K=10 steps of ~1.1 s plus a publish; children start in ~10 s, then 8 s of ramp); past
-`--timeout-s` (330 s) it stops every child and exits with an error:
+On one H100 (16 host cores), about 2 minutes (model build and warm-up ~40 s; each phase
+K=4 steps of ~2.75 s, each followed by a publish; children start in ~10 s, then 8 s of
+ramp); past `--timeout-s` (330 s) it stops every child and exits with an error:
 
     python benchmarks/learner_interference.py --device cuda --json $OUT/interference.json
 
@@ -42,13 +42,19 @@ each B against the A phases on either side, so a drift of the host cancels; the 
 is read on the median of those N ratios. `--loads both stream pulls` gives the B phases
 those loads in turn, to tell the stream's cost from the pulls':
 
+    python benchmarks/learner_interference.py --device cuda --pairs 6 --ramp-s 4 --timeout-s 300 --json $OUT/pairs.json
     python benchmarks/learner_interference.py --device cuda --pairs 9 --loads both stream pulls --steps 8 \
-        --ramp-s 5 --timeout-s 560 --json $OUT/loads.json
+        --ramp-s 5 --timeout-s 560 --json $OUT/loads.json   # (runs 33-36: 32 x 1024, 8k micro-batches)
 
 CUDA defaults: 16 engines x 64 slots at 0.032 s per token = 32k tokens/s offered (at
 0.04 s, 25.6k offered, the 2-core CPU box delivered 20k tokens/s to a starved trainer),
-completions of 64-128 tokens; a 32 x 1024-token mini-batch (64 prompt + 960 completion) in 8192-token
-micro-batches.
+completions of 64-128 tokens. The learner's mini-batch is what `polyrl train` steps on by
+default, `trainer.ppo_mini_batch_size` (32) prompts x 8 samples: 256 sequences of 1024
+tokens (64 prompt + 960 completion), in 16k-token micro-batches, the learner benchmark's
+`fast` row (~2.75 s a step). Runs 1-39 in BENCHMARKS.md used 32 sequences in 8k-token
+micro-batches: a step of 0.36-0.43 s whose GPU waited on the host for a quarter of its
+time, which measured how much host load a launch-bound step can absorb (little) more than
+what a real step loses.
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": dict(
         model=dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                    num_attention_heads=16, num_key_value_heads=8, head_dim=128),
-        seqs=32, prompt_tokens=64, completion_tokens=960, micro_batch_tokens=8192, steps=10, warmup=2,
+        seqs=256, prompt_tokens=64, completion_tokens=960, micro_batch_tokens=16384, steps=4, warmup=2,
         engines=16, slots=64, token_delay_s=0.032, chunk_tokens=5, new_tokens=128, ramp_s=8.0,
     ),
     "cpu": dict(
@@ -357,6 +363,8 @@ class Phase:
     pull_s_mean: float = 0.0
     pull_errors: list[str] = field(default_factory=list)
     stream_errors: list[str] = field(default_factory=list)
+    profile: str = ""
+    """--profile-phases: one more step, untimed, under torch.profiler: where the GPU sat idle."""
 
 
 class Bench:
@@ -422,7 +430,7 @@ class Bench:
         publisher.publish(weights, self.version)
         return time.perf_counter() - t0
 
-    def run_phase(self, name: str, publisher: Any, receivers: Receivers | None = None) -> Phase:
+    def run_phase(self, name: str, publisher: Any, receivers: Receivers | None = None, profiled: bool = False) -> Phase:
         phase = Phase(name)
         t0, cpu0, own0 = time.perf_counter(), time.process_time(), time.thread_time()
         for _ in range(self.args.steps):
@@ -432,18 +440,38 @@ class Bench:
                 receivers.tell(self.version)
         phase.window_s = time.perf_counter() - t0
         phase.other_threads_cpu_s = (time.process_time() - cpu0) - (time.thread_time() - own0)
+        if profiled:  # under the same load: the last version's pulls are still running
+            phase.profile = self.profiled_step()
         return phase
+
+    def profiled_step(self) -> str:
+        """One step under torch.profiler, untimed: the GPU's idle time inside it and what the
+        host was doing in its largest gaps (`benchmarks/learner.py`'s reading)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        sys.path.insert(0, str(HERE))
+        from learner import _host_side
+
+        self.sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            self.learner.train_mini_batch(self.items, weights_as_sampled=False)
+            self.sync()
+            step_s = time.perf_counter() - t0
+        return f"step {step_s:.3f} s under the profiler; " + _host_side(prof)
 
 
 # ==================================================================== the run
 
 
-def _loaded(bench: Bench, publisher: Any, stream: Stream, receivers: Receivers | None, name: str) -> Phase:
+def _loaded(bench: Bench, publisher: Any, stream: Stream, receivers: Receivers | None, name: str,
+            profiled: bool = False) -> Phase:
     """A phase with the stream flowing (unless paused) and the receivers, if given, told
     every version; returns once their pulls are done."""
     answered = len(receivers.pull_s) + len(receivers.errors) if receivers is not None else 0
     pulls_before = len(receivers.pull_s) if receivers is not None else 0
-    phase = bench.run_phase(name, publisher, receivers)
+    phase = bench.run_phase(name, publisher, receivers, profiled)
     t_end = time.perf_counter()
     phase.delivered_tokens = stream.tokens_between(t_end - phase.window_s, t_end)
     phase.stream_errors = stream.errors[:10]
@@ -504,7 +532,8 @@ def loaded_phases(bench: Bench, publisher: Any, children: Children, run_dir: Pat
             load, interval_ms = variants[i % len(variants)]
             stream.quiet(timeout_s=60)
             sys.setswitchinterval(default_interval)
-            phases.append(bench.run_phase(f"A{i}", publisher))
+            profiled = i < args.profile_phases
+            phases.append(bench.run_phase(f"A{i}", publisher, profiled=profiled))
             sys.setswitchinterval(interval_ms / 1000 if interval_ms else default_interval)
             if load in ("both", "stream"):
                 stream.paused.clear()
@@ -515,7 +544,7 @@ def loaded_phases(bench: Bench, publisher: Any, children: Children, run_dir: Pat
                 time.sleep(args.ramp_s)
             label = f"{load}@{interval_ms:g}ms" if interval_ms else load
             pulling = receivers if load in ("both", "pulls") else None
-            phase = _loaded(bench, publisher, stream, pulling, f"B{i}:{label}")
+            phase = _loaded(bench, publisher, stream, pulling, f"B{i}:{label}", profiled)
             if load == "elsewhere":
                 consumer.stdin.write("quiet\n")  # type: ignore[union-attr]
                 consumer.stdin.flush()  # type: ignore[union-attr]
@@ -673,6 +702,9 @@ def print_table(phases: list[Phase], summary: dict[str, Any]) -> None:
     if "ramp_tokens_per_s" in s:
         print(f"the stream before the loaded phase: {s['ramp_tokens_per_s']:.0f} tokens/s")
     for p in phases:
+        if p.profile:
+            print(f"\nprofile of {p.name}: {p.profile}")
+    for p in phases:
         for e in p.pull_errors + p.stream_errors:
             print(f"  ! {p.name}: {e}")
 
@@ -748,6 +780,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--switch-intervals-ms", type=float, nargs="+", default=[0.0],
                    help="with --pairs, the trainer's GIL switch interval in the B phases, taken in turn with --loads "
                    "(0: Python's default, 5 ms); the A phases keep the default")
+    p.add_argument("--profile-phases", type=int, default=0,
+                   help="with --pairs, the first N quiet and N loaded phases end with one more step, untimed, "
+                   "under torch.profiler: the GPU's idle time and what the host did in its largest gaps")
     p.add_argument("--isolate-cores", type=int, default=0,
                    help="keep the trainer's process on this many cores and its children off them (0: no pinning)")
     p.add_argument("--nice-children", type=int, default=0,

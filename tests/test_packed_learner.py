@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -99,6 +100,22 @@ def test_packed_logprobs_equal_padded(tiny_model_dir, arch_tied):
     m = mb.mask > 0
     assert _rel_err(logp[m], ref_logp[m]) < 1e-6
     assert _rel_err(ent[m], ref_ent[m]) < 1e-6
+
+
+def test_packed_forward_never_infers_packing(tiny_model_dir, monkeypatch):
+    """transformers infers packing from the position ids when it builds a mask, with an
+    `.all()` that makes the host wait for the device at every forward. The packed learner
+    knows its documents' bounds, so that inference must not run at all."""
+    from transformers import masking_utils
+
+    def refuse(position_ids):
+        raise AssertionError("find_packed_sequence_indices ran: the learner's forward waits for the device")
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", refuse)
+    items = _items(2)
+    learner = _learner(_model(tiny_model_dir, ("qwen3", True)), "packed", AlgoConfig(), micro_batch_max_tokens=48)
+    metrics = learner.train_mini_batch(items, weights_as_sampled=True)
+    assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0
 
 
 @pytest.mark.parametrize(

@@ -228,19 +228,19 @@ def _eager_attention(query, key, value, attention_mask, scaling, docs: PackedDoc
     return out.transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """Packed calls need no mask tensor: the documents' bounds travel in `packed_docs`."""
-    return None
-
-
 def use_packed_attention(model: torch.nn.Module) -> None:
     """Route the model's attention through `packed_attention` (the engine's own attention
-    is not affected: it calls the projections, not the HF attention forward)."""
+    is not affected: it calls the projections, not the HF attention forward).
+
+    No mask function is registered under the name, on purpose: transformers then builds
+    no mask for it (`_preprocess_mask_arguments` returns early for an attention it has no
+    mask function for). With one registered, every forward given position ids and no
+    mask ran `find_packed_sequence_indices`, whose `.all()` made the host wait for the
+    device once per micro-batch, so the learner could never queue the next forward while
+    the last backward ran (16% of its main thread's samples on the H100, BENCHMARKS.md)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, packed_attention)
-    AttentionMaskInterface.register(ATTN_NAME, _no_mask)  # else a [T, T] mask per forward
     try:
         model.set_attn_implementation(ATTN_NAME)
     except Exception:  # noqa: BLE001 - older transformers: set the config as it would
