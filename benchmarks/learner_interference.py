@@ -449,8 +449,9 @@ class Bench:
         host was doing in its largest gaps (`benchmarks/learner.py`'s reading)."""
         from torch.profiler import ProfilerActivity, profile
 
-        sys.path.insert(0, str(HERE))
-        from learner import _host_side
+        if str(HERE) not in sys.path:
+            sys.path.insert(0, str(HERE))
+        from learner import _host_side  # benchmarks/learner.py
 
         self.sync()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])

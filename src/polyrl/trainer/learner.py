@@ -31,6 +31,12 @@ from polyrl.trainer.packing import collate_packed, default_backend, make_docs, p
 log = logging.getLogger(__name__)
 
 
+GPU_BOUND_MICRO_BATCH_TOKENS = 16384
+"""Where the compiled learner's step became bound by the GPU rather than by the host's
+launches on an H100 for the 0.6B shape (BENCHMARKS.md: 8k-token micro-batches, 72k
+tokens/s; 16k, 93k); a hint, not a limit: larger models reach it sooner."""
+
+
 def lr_lambda(cfg: TrainerConfig, total_updates: int):
     """Linear warmup, then constant / linear / cosine decay to `min_lr_ratio`."""
 
@@ -192,9 +198,14 @@ class Learner:
         self.trace_attention = self.is_compiled and TRACE_ATTENTION
         attention = self.attn_backend if self.is_packed else "-"
         is_copy = self.work is not self.model
-        log.info("learner: %s, attention %s, working copy %s, compiled layers %s",
+        log.info("learner: %s, attention %s, working copy %s, compiled layers %s, micro-batches of %d tokens",
                  "packed" if self.is_packed else "padded", attention,
-                 "(LoRA: frozen base in 16 bits)" if self.is_base_16bit else is_copy, self.is_compiled)  # fmt: skip
+                 "(LoRA: frozen base in 16 bits)" if self.is_base_16bit else is_copy, self.is_compiled,
+                 cfg.micro_batch_max_tokens)  # fmt: skip
+        if self.is_compiled and cfg.micro_batch_max_tokens < GPU_BOUND_MICRO_BATCH_TOKENS:
+            log.info("learner: micro-batches under %d tokens leave the GPU waiting on the host, and host load "
+                     "then slows the learner (trainer.micro_batch_max_tokens; README, \"The GRPO learner\")",
+                     GPU_BOUND_MICRO_BATCH_TOKENS)  # fmt: skip
 
     def _autocast_dtype(self, model: PreTrainedModel) -> torch.dtype:
         """The bf16 working copy runs as it is; the float32 models under autocast."""
