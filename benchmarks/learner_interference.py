@@ -364,7 +364,7 @@ class Phase:
     pull_errors: list[str] = field(default_factory=list)
     stream_errors: list[str] = field(default_factory=list)
     profile: str = ""
-    """--profile-phases: one more step, untimed, under torch.profiler: where the GPU sat idle."""
+    """--profile-phases: one more step under torch.profiler: where the GPU sat idle (not counted in the phase)."""
 
 
 class Bench:
@@ -445,21 +445,18 @@ class Bench:
         return phase
 
     def profiled_step(self) -> str:
-        """One step under torch.profiler, untimed: the GPU's idle time inside it and what the
-        host was doing in its largest gaps (`benchmarks/learner.py`'s reading)."""
+        """One step under torch.profiler, not counted in the phase: the GPU's idle time
+        inside it and what the host was doing in its largest gaps (`benchmarks/learner.py`'s
+        reading)."""
         from torch.profiler import ProfilerActivity, profile
 
         if str(HERE) not in sys.path:
             sys.path.insert(0, str(HERE))
         from learner import _host_side  # benchmarks/learner.py
 
-        self.sync()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            self.learner.train_mini_batch(self.items, weights_as_sampled=False)
-            self.sync()
-            step_s = time.perf_counter() - t0
+            step_s = self.step()
         return f"step {step_s:.3f} s under the profiler; " + _host_side(prof)
 
 
@@ -782,7 +779,7 @@ def parse_args() -> argparse.Namespace:
                    help="with --pairs, the trainer's GIL switch interval in the B phases, taken in turn with --loads "
                    "(0: Python's default, 5 ms); the A phases keep the default")
     p.add_argument("--profile-phases", type=int, default=0,
-                   help="with --pairs, the first N quiet and N loaded phases end with one more step, untimed, "
+                   help="with --pairs, the first N quiet and N loaded phases end with one more step, not counted, "
                    "under torch.profiler: the GPU's idle time and what the host did in its largest gaps")
     p.add_argument("--isolate-cores", type=int, default=0,
                    help="keep the trainer's process on this many cores and its children off them (0: no pinning)")
