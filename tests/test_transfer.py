@@ -710,13 +710,12 @@ def test_receiver_processes_reject_a_corrupted_or_cut_stream(
 @pytest.mark.parametrize("bad_byte", [None, 4 * 1000 + 3 * 64 + 5])
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_a_stream_checks_every_piece_of_the_chunks_it_is_dealt(
-    bad_byte: int | None, pipelined: bool, monkeypatch: pytest.MonkeyPatch
+    bad_byte: int | None, pipelined: bool
 ) -> None:
     """Chunks of many pieces (the last one short), dealt out of order: each is checked
     over exactly its bytes, and a bad one stops the stream."""
     from polyrl.transfer import pull_proc
 
-    monkeypatch.setattr(pull_proc, "HASH_PIECE", 64)
     data = bytearray(os.urandom(10_000))
     chunks = pull_proc.Chunks(1000, 10_000, [checksum(bytes(data[i : i + 1000])) for i in range(0, 10_000, 1000)])
     order = [7, 0, 4, 9, 2]  # this stream's deal
@@ -730,11 +729,11 @@ def test_a_stream_checks_every_piece_of_the_chunks_it_is_dealt(
     receive = pull_proc._receive_pipelined if pipelined else pull_proc._receive_inline
     try:
         if bad_byte is None:
-            assert receive(ours, chunks, memoryview(got)) == order
+            assert receive(ours, chunks, memoryview(got), 64) == order
             assert all(got[i * 1000 : (i + 1) * 1000] == data[i * 1000 : (i + 1) * 1000] for i in order)
         else:
             with pytest.raises(pull_proc.PullFailed, match=r"chunk 4 \(bytes 4000-5000\) failed its checksum"):
-                receive(ours, chunks, memoryview(got))
+                receive(ours, chunks, memoryview(got), 64)
     finally:
         ours.close()
         sender.join(10)

@@ -71,6 +71,9 @@ class Job:
     tls: bool = False
     """The publisher speaks TLS: verify it against `ca_file` (None: the system's store)."""
     ca_file: str | None = None
+    hash_piece: int = HASH_PIECE
+    """Bytes received and hashed at a time (the receiving side reads `HASH_PIECE` when it
+    builds the job, so a benchmark can set it for the processes too)."""
 
 
 class PullFailed(Exception):
@@ -93,6 +96,7 @@ def pull_stream(
     view: memoryview,
     tls: ssl.SSLContext | None = None,
     pipelined: bool = True,
+    hash_piece: int = HASH_PIECE,
 ) -> list[int]:
     """One stream of a pull: the chunks the publisher dealt it, each checked; their indices."""
     try:
@@ -118,7 +122,7 @@ def pull_stream(
             length = struct.unpack("!I", _recv(sock, memoryview(bytearray(4))))[0]
             text = bytes(_recv(sock, memoryview(bytearray(min(length, 1 << 16))))).decode(errors="replace")
             raise PullFailed(f"publisher refused: {text}")
-        return (_receive_pipelined if pipelined else _receive_inline)(sock, chunks, view)
+        return (_receive_pipelined if pipelined else _receive_inline)(sock, chunks, view, hash_piece)
 
 
 _Chunk = tuple[int, int, int, int]
@@ -135,8 +139,8 @@ def _next_chunk(sock: socket.socket, chunks: Chunks) -> _Chunk | None:
     return (index, *chunks.range(index), chunks.checksums[index])
 
 
-def _pieces(start: int, end: int) -> range:
-    return range(start, end, HASH_PIECE)
+def _pieces(start: int, end: int, piece: int) -> range:
+    return range(start, end, piece)
 
 
 def _bad(chunk: _Chunk) -> str:
@@ -144,20 +148,20 @@ def _bad(chunk: _Chunk) -> str:
     return f"chunk {index} (bytes {start}-{end}) failed its checksum"
 
 
-def _receive_inline(sock: socket.socket, chunks: Chunks, view: memoryview) -> list[int]:
+def _receive_inline(sock: socket.socket, chunks: Chunks, view: memoryview, piece_bytes: int) -> list[int]:
     got = []
     while (chunk := _next_chunk(sock, chunks)) is not None:
         _, start, end, expected = chunk
         hasher = xxhash.xxh3_64()
-        for piece in _pieces(start, end):
-            hasher.update(_recv(sock, view[piece : min(piece + HASH_PIECE, end)]))
+        for piece in _pieces(start, end, piece_bytes):
+            hasher.update(_recv(sock, view[piece : min(piece + piece_bytes, end)]))
         if hasher.intdigest() != expected:
             raise PullFailed(_bad(chunk))
         got.append(chunk[0])
     return got
 
 
-def _receive_pipelined(sock: socket.socket, chunks: Chunks, view: memoryview) -> list[int]:
+def _receive_pipelined(sock: socket.socket, chunks: Chunks, view: memoryview, piece_bytes: int) -> list[int]:
     """Receive on this thread; a checker thread hashes each piece once it has landed.
     A bad chunk stops the receiving at its next piece; a receive error stops the checker."""
     landed: queue.SimpleQueue[tuple[memoryview, _Chunk | None] | None] = queue.SimpleQueue()
@@ -180,10 +184,10 @@ def _receive_pipelined(sock: socket.socket, chunks: Chunks, view: memoryview) ->
     try:
         while (chunk := _next_chunk(sock, chunks)) is not None:
             _, start, end, _ = chunk
-            for piece in _pieces(start, end):
+            for piece in _pieces(start, end, piece_bytes):
                 if failed:
                     raise PullFailed(failed[0])
-                stop = min(piece + HASH_PIECE, end)
+                stop = min(piece + piece_bytes, end)
                 landed.put((_recv(sock, view[piece:stop]), chunk if stop == end else None))
             got.append(chunk[0])
     finally:
@@ -217,7 +221,8 @@ def run(job: Job, view: memoryview) -> tuple[str | None, list[int]]:
 
     def one(request: bytes) -> None:
         try:
-            got.extend(pull_stream(job.host, job.port, job.timeout_s, request, job.chunks, view, tls, job.pipelined))
+            got.extend(pull_stream(job.host, job.port, job.timeout_s, request, job.chunks, view, tls, job.pipelined,
+                                   job.hash_piece))
         except (OSError, PullFailed) as e:
             errors.append(f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e))
 

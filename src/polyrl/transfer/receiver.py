@@ -23,6 +23,7 @@ from polyrl.tls import client_context
 from polyrl.transfer.compress import decode_zstd
 from polyrl.transfer.delta import apply_delta
 from polyrl.transfer.manifest import Manifest
+from polyrl.transfer import pull_proc
 from polyrl.transfer.pull_proc import Chunks, Job, run, spare_cores_for_checking
 from polyrl.transfer.quantize import decode_int8
 from polyrl.transfer.receive_pool import MIN_POOL_BYTES, ReceiverPool
@@ -173,7 +174,7 @@ def pull(
 def _pull_streams(source: PullSource, requests: list[bytes], chunks: Chunks, buffer: torch.Tensor, timeout_s: float) -> list[int]:
     """The streams on threads of this process (`transfer/pull_proc.py` runs them)."""
     job = Job(0, False, source.host, source.port, timeout_s, requests, chunks, spare_cores_for_checking(len(requests)),
-              source.tls, source.ca_file)  # fmt: skip
+              source.tls, source.ca_file, pull_proc.HASH_PIECE)  # fmt: skip
     error, got = run(job, memoryview(buffer.numpy()).cast("B"))
     if error is not None:
         raise TransferError(error)
