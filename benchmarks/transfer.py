@@ -1,12 +1,16 @@
 """Weight pulls over TCP: bytes/s of `polyrl.transfer` next to a raw-socket ceiling
 measured in the same run with the same number of streams.
 
-The ceiling is N threads doing sendall from one buffer into N threads doing recv_into
-one preallocated buffer over loopback, nothing else: blocking sockets, each receive
-waiting for its whole piece in one call (MSG_WAITALL). It is the best of three piece
-sizes (the pull's chunk, 1 MiB, the stream's whole share), each best of --repeats.
+The ceiling is N threads sending from one buffer into N threads doing recv_into one
+preallocated buffer over loopback, nothing else: blocking sockets, each receive waiting
+for its whole piece in one call (MSG_WAITALL). It is the best of three piece sizes (the
+pull's chunk, 1 MiB, the stream's whole share), each best of --repeats, and of each way
+of sending in `--ceiling-send`: sendall from memory, and sendfile from a memfd (which
+on loopback spares the sender its copy, as it does the publisher's with
+`--send-mode sendfile`).
 The pull adds the protocol, the per-chunk xxh3 checksums and the whole-buffer checksum.
-Both rows are the best of the same number of tries (3 x --repeats).
+The pull is the best of as many tries as each way of sending gets (3 x --repeats), the
+two taking turns; `median` is the median over those rounds of pull / ceiling.
 `--ceiling-memory shared` also measures the ceiling between shared-memory buffers (a
 memfd on each side, as the publisher sends from and the receiver processes land in),
 next to the default private (anonymous) buffers, to tell the memory's cost from the
@@ -18,7 +22,8 @@ from its shared memory or `sendfile` from the memfd (`--send-mode`). The pull is
 received by threads of this process, or by a pool of receiver processes writing into a
 shared-memory landing buffer, as a worker does for a large version (`--receiver`):
 `process` hashes each stream on a second thread of its process, `process-inline` after
-each piece on the receiving thread (the way before).
+each piece on the receiving thread (the way before), `worker` picks one of the two per
+pull as a worker does.
 
     python benchmarks/transfer.py --sizes-gib 1 --streams 1 8 16 --send-mode sendall sendfile --json out.json
 
@@ -56,7 +61,7 @@ import torch
 
 from polyrl.transfer import pull_proc
 from polyrl.transfer.manifest import Manifest, flatten
-from polyrl.transfer.publisher import WeightPublisher
+from polyrl.transfer.publisher import SEND_MODE, WeightPublisher
 from polyrl.transfer.receive_pool import ReceiverPool
 from polyrl.transfer.receiver import PullSource, pull
 from polyrl.transfer.shm import SharedBuffer
@@ -64,10 +69,14 @@ from polyrl.transfer.shm import SharedBuffer
 TlsFiles = dict[str, str]
 
 
+SEND_PRIVATE, SEND_SHARED, SEND_FILE = 0, 1, 2
+
+
 class CeilingSender:
     """The raw-socket sender: connection i of n asks for bytes [i*share, (i+1)*share) of
-    `src` (or of its copy in shared memory) in `piece`-sized sendall calls (header: i, n,
-    piece, shared), one thread each."""
+    `src` (or of its copy in shared memory) in `piece`-sized sends (header: i, n, piece,
+    how), one thread each. how: SEND_PRIVATE and SEND_SHARED send with sendall from
+    memory, SEND_FILE with sendfile from the shared copy's memfd."""
 
     def __init__(self, src: memoryview) -> None:
         self.src = src
@@ -88,24 +97,32 @@ class CeilingSender:
 
     def _send(self, conn: socket.socket) -> None:
         with conn:
-            i, n, piece, shared = struct.unpack("!HHQB", conn.recv(13, socket.MSG_WAITALL))
+            i, n, piece, how = struct.unpack("!HHQB", conn.recv(13, socket.MSG_WAITALL))
             total = len(self.src)
             share = -(-total // n)
-            view = (self.shared_view if shared else self.src)[i * share : min((i + 1) * share, total)]
+            first, end = i * share, min((i + 1) * share, total)
+            if how == SEND_FILE:
+                for start in range(first, end, piece):
+                    stop = min(start + piece, end)
+                    while start < stop:
+                        start += os.sendfile(conn.fileno(), self.shared.fd, start, stop - start)
+                return
+            view = (self.shared_view if how == SEND_SHARED else self.src)[first:end]
             for start in range(0, len(view), piece):
                 conn.sendall(view[start : start + piece])
 
 
-def raw_ceiling(port: int, num_streams: int, dst: memoryview, piece: int, shared: bool = False) -> float:
+def raw_ceiling(port: int, num_streams: int, dst: memoryview, piece: int, how: int = SEND_PRIVATE) -> float:
     """Bytes/s of plain loopback TCP from a CeilingSender: blocking sockets, each piece
-    received with one recv_into(MSG_WAITALL), one thread per stream; `shared`: from the
-    sender's shared-memory copy (pass a shared `dst` too)."""
+    received with one recv_into(MSG_WAITALL), one thread per stream; `how`: SEND_SHARED
+    sends from the sender's shared-memory copy (pass a shared `dst` too), SEND_FILE with
+    sendfile from it."""
     total = len(dst)
     share = -(-total // num_streams)
 
     def receive(i: int) -> None:
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(struct.pack("!HHQB", i, num_streams, piece, shared))
+            sock.sendall(struct.pack("!HHQB", i, num_streams, piece, how))
             view = dst[i * share : min((i + 1) * share, total)]
             for start in range(0, len(view), piece):
                 part, got = view[start : start + piece], 0
@@ -133,7 +150,7 @@ class Sender:
 
 
 @contextmanager
-def serve_version(total: int, chunk_bytes: int, send_mode: str = "sendall", tls: TlsFiles | None = None) -> Iterator[Sender]:
+def serve_version(total: int, chunk_bytes: int, send_mode: str = SEND_MODE, tls: TlsFiles | None = None) -> Iterator[Sender]:
     """Publish `total` bytes of weights and serve them (pulls and the raw ceiling) while
     the context is open; pulls over TLS with `tls`."""
     weights = {"w": torch.randn(total // 4)}
@@ -275,59 +292,89 @@ def measure_whole_codecs(new: torch.Tensor, manifest: Manifest) -> dict[str, dic
 
 
 def measure_rows(src: Sender, args: argparse.Namespace, row: dict[str, object]) -> list[dict[str, object]]:
-    """For each stream count: the raw ceiling, then the pull with each receiver, each the
-    best of the same number of tries. The pull lands in a buffer reused across pulls, as a
-    worker's does: for `process`, a shared-memory landing buffer of a pool started once
-    (as WeightReceiver does), its processes started by a first pull that is not counted."""
+    """For each stream count: the raw ceiling and the pull with each receiver, taking
+    turns (a round is one try of each ceiling way and piece, then one pull of each
+    receiver), so a host that gets busier or quieter during the run weighs on both alike.
+    Each row is the best of its tries; `median_fraction` is the median over rounds of the
+    round's best pull against the round's best ceiling. The pull lands in a buffer reused
+    across pulls, as a worker's does: for `process`, a shared-memory landing buffer of a
+    pool started once (as WeightReceiver does), its processes started by a first pull
+    that is not counted."""
     if src.source.tls:
         print(f"  TLS session: {negotiated(src.source)}", flush=True)
     recv_buffer = torch.empty(src.total_bytes, dtype=torch.uint8)  # reused, as a worker does
     recv_buffer.fill_(0)  # touch the pages once, for both rows
     dst = memoryview(recv_buffer.numpy()).cast("B")
     shared_dst = SharedBuffer("polyrl-bench-landing", src.total_bytes) if "shared" in args.ceiling_memory else None
+    shared_view = memoryview(shared_dst.tensor.numpy()).cast("B") if shared_dst is not None else None
     rows = []
     pieces = (src.chunk_bytes, 2**20, src.total_bytes)  # the ceiling is the best of three ways
-    tries = len(pieces) * args.repeats
+    sends = {"sendall": SEND_PRIVATE, "sendfile": SEND_FILE}
     try:
         for n in args.streams:
-            ceilings = {"private": max(raw_ceiling(src.ceiling_port, n, dst, piece) for piece in pieces for _ in range(args.repeats))}
-            if shared_dst is not None:
-                shared_dst.tensor.fill_(0)
-                view = memoryview(shared_dst.tensor.numpy()).cast("B")
-                ceilings["shared"] = max(raw_ceiling(src.ceiling_port, n, view, piece, shared=True)
-                                         for piece in pieces for _ in range(args.repeats))  # fmt: skip
-                view.release()
-            ceiling = ceilings["private"]
-            for how, procs in [(h, p) for h in args.receiver for p in (args.receive_processes if h != "thread" else [0])]:
-                procs = min(procs or n, n, os.cpu_count() or 1) if how != "thread" else 0
-                rate = best_pull(src, n, how, recv_buffer, tries, procs)
-                label = f"{how}/{procs}" if procs else how
-                rows.append(row | {"receiver": how, "processes": procs, "streams": n, "ceiling_Bps": ceiling, "pull_Bps": rate,
-                                   "fraction": rate / ceiling, "publish_s": src.publish_s, "tries": tries}
-                            | ({"shared_ceiling_Bps": ceilings["shared"], "fraction_of_shared": rate / ceilings["shared"]}
-                               if "shared" in ceilings else {}))  # fmt: skip
-                shared = f"{ceilings['shared'] / 1e9:>10.2f} {rate / ceilings['shared']:>9.0%}" if "shared" in ceilings else ""
-                print(f"{row['size_gib']:>6.2f}Gi {row['link']:>5} {row['sender']:>7} {row['send_mode']:>8} {label:>17} {n:>7} "
-                      f"{ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} {rate / ceiling:>12.0%} {shared}", flush=True)  # fmt: skip
+            receivers = [Receiver(src, n, how, recv_buffer, procs)
+                         for how in args.receiver for procs in (args.receive_processes if how != "thread" else [0])]  # fmt: skip
+            try:
+                rounds: list[dict[str, float]] = []  # per round: each ceiling way's best, each receiver's rate
+                for _ in range(args.repeats):
+                    for piece in pieces:
+                        got = {name: raw_ceiling(src.ceiling_port, n, dst, piece, sends[name]) for name in args.ceiling_send}
+                        if shared_view is not None:
+                            got["shared"] = raw_ceiling(src.ceiling_port, n, shared_view, piece, SEND_SHARED)
+                        got |= {r.label: r.pull() for r in receivers}
+                        rounds.append(got)
+            finally:
+                for r in receivers:
+                    r.close()
+            by_send = {name: max(g[name] for g in rounds) for name in args.ceiling_send}
+            ceiling = max(by_send.values())
+            print("  ceiling at %d streams: %s" % (n, ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in by_send.items())))
+            for r in receivers:
+                rate = max(g[r.label] for g in rounds)
+                fractions = sorted(g[r.label] / max(g[k] for k in args.ceiling_send) for g in rounds)
+                median = fractions[len(fractions) // 2]
+                result = row | {"receiver": r.how, "processes": r.processes, "streams": n, "ceiling_Bps": ceiling,
+                                "pull_Bps": rate, "fraction": rate / ceiling, "median_fraction": median,
+                                "publish_s": src.publish_s, "tries": len(rounds), "ceiling_by_send_Bps": by_send}  # fmt: skip
+                shared = ""
+                if shared_view is not None:
+                    shared_ceiling = max(g["shared"] for g in rounds)
+                    result |= {"shared_ceiling_Bps": shared_ceiling, "fraction_of_shared": rate / shared_ceiling}
+                    shared = f"{shared_ceiling / 1e9:>10.2f} {rate / shared_ceiling:>9.0%}"
+                rows.append(result)
+                print(f"{row['size_gib']:>6.2f}Gi {row['link']:>5} {row['sender']:>7} {row['send_mode']:>8} {r.label:>17} {n:>7} "
+                      f"{ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} {rate / ceiling:>12.0%} {median:>8.0%} {shared}", flush=True)  # fmt: skip
     finally:
+        if shared_view is not None:
+            shared_view.release()
         if shared_dst is not None:
             shared_dst.close()
     return rows
 
 
-def best_pull(src: Sender, num_streams: int, how: str, recv_buffer: torch.Tensor, tries: int, processes: int = 0) -> float:
-    if how == "thread":
-        return max(pull(src.source, 1, num_streams=num_streams, timeout_s=120, into=recv_buffer).bytes_per_s
-                   for _ in range(tries))  # fmt: skip
-    pool = ReceiverPool(processes or min(num_streams, os.cpu_count() or 1), pipelined=how == "process")
-    try:
-        landing = pool.landing(src.total_bytes, pin=False)
-        landing.tensor.fill_(0)
-        pull(src.source, 1, num_streams=num_streams, timeout_s=120, into=landing.tensor, pool=pool)  # start them
-        return max(pull(src.source, 1, num_streams=num_streams, timeout_s=120, into=landing.tensor, pool=pool).bytes_per_s
-                   for _ in range(tries))  # fmt: skip
-    finally:
-        pool.close()
+class Receiver:
+    """One receiver row: threads of this process, or a pool of receiver processes with a
+    landing buffer of their own (started by a first pull that is not counted)."""
+
+    def __init__(self, src: Sender, num_streams: int, how: str, recv_buffer: torch.Tensor, processes: int) -> None:
+        self.src, self.num_streams, self.how = src, num_streams, how
+        self.pool: ReceiverPool | None = None
+        self.processes = min(processes or num_streams, num_streams, os.cpu_count() or 1) if how != "thread" else 0
+        self.label = f"{how}/{self.processes}" if self.processes else how
+        self.into = recv_buffer
+        if how != "thread":
+            self.pool = ReceiverPool(self.processes, pipelined={"process": True, "process-inline": False}.get(how))
+            landing = self.pool.landing(src.total_bytes, pin=False)
+            landing.tensor.fill_(0)
+            self.into = landing.tensor
+            self.pull()
+
+    def pull(self) -> float:
+        return pull(self.src.source, 1, num_streams=self.num_streams, timeout_s=120, into=self.into, pool=self.pool).bytes_per_s
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
 
 def ssl_summary(context: ssl.SSLContext) -> str:
@@ -368,21 +415,24 @@ def main() -> None:
     p.add_argument("--sizes-gib", type=float, nargs="+", default=[1.0])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--chunk-mib", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2, help="best of N for both rows")
+    p.add_argument("--repeats", type=int, default=2, help="rounds per piece size: each round tries every ceiling way once and pulls once with every receiver")
     p.add_argument("--hash-piece-kib", type=int, default=0,
-                   help="receive+hash piece size of the thread receiver (0: its default); set >= chunk to hash whole chunks")
+                   help="receive+hash piece size of every receiver (0: its default); set >= chunk to hash whole chunks")
     p.add_argument("--sender", nargs="+", choices=["process", "thread"], default=["process"],
                    help="process: the publisher and the raw sender in a child process, as deployed; thread: in this "
                    "process, sharing the receiver's GIL (the shape of the earlier figures)")
-    p.add_argument("--send-mode", nargs="+", choices=["sendall", "sendfile"], default=["sendall"],
-                   help="how the publisher process sends chunks: sendall from its mapping, or sendfile from the memfd")
-    p.add_argument("--receiver", nargs="+", choices=["thread", "process", "process-inline"], default=["thread", "process"],
+    p.add_argument("--send-mode", nargs="+", choices=["sendall", "sendfile"], default=[SEND_MODE],
+                   help="how the publisher process sends chunks: sendall from its mapping, or sendfile from the memfd (default: the product's)")
+    p.add_argument("--receiver", nargs="+", choices=["thread", "worker", "process", "process-inline"], default=["thread", "worker"],
                    help="thread: one thread per stream in this process; process: a pool of receiver processes "
-                   "(one per stream, up to the cores) pulling into shared memory, as WeightReceiver does; "
-                   "process-inline: the same, each stream hashing on its receiving thread")
+                   "(one per stream, up to the cores) pulling into shared memory, each stream hashing on a second thread; "
+                   "process-inline: the same, each stream hashing on its receiving thread; worker: the same pool as a "
+                   "worker runs it (pipelined when the host has two cores per stream: pull_proc.spare_cores_for_checking)")
     p.add_argument("--receive-processes", type=int, nargs="+", default=[0],
                    help="receiver processes of the process rows, each value its own row (0: one per stream, up to the "
                    "cores, as a worker picks by default)")
+    p.add_argument("--ceiling-send", nargs="+", choices=["sendall", "sendfile"], default=["sendall", "sendfile"],
+                   help="the ways the raw sender tries; the ceiling is the best of them")
     p.add_argument("--ceiling-memory", nargs="+", choices=["private", "shared"], default=["private"],
                    help="shared: also measure the ceiling between memfd buffers (the pull/ceiling column stays private)")
     p.add_argument("--links", nargs="+", choices=["plain", "tls"], default=["plain"],
@@ -403,7 +453,7 @@ def main() -> None:
         tls = self_signed(Path(tempfile.mkdtemp(prefix="polyrl-bench-tls-")))
         print(f"TLS: {ssl_summary(client_context(tls['ca']))}")
     rows = []
-    print(f"{'size':>8} {'link':>5} {'sender':>7} {'send':>8} {'receiver/procs':>17} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13}"
+    print(f"{'size':>8} {'link':>5} {'sender':>7} {'send':>8} {'receiver/procs':>17} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13} {'median':>8}"
           + (f" {'shm ceil':>10} {'pull/shm':>9}" if "shared" in args.ceiling_memory else ""))
     for size_gib in args.sizes_gib:
         total = int(size_gib * 2**30) // 4 * 4
