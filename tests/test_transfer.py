@@ -495,6 +495,9 @@ def test_a_dropped_version_is_served_to_its_reader_and_its_slot_reused_after() -
             assert CHUNK_INDEX.unpack(recv_exact(sock, 4)) == (CHUNKS_END,)
         assert torch.equal(torch.frombuffer(got, dtype=torch.float32), version(3)["w"])
         assert _weight_slots() - before == 3  # v3's slot was kept while read
+        # the publisher process frees it once it sees the close (sendfile: the pages were
+        # in the socket's queue until then), and tells this side
+        _wait_for(lambda: len(pub._free) == 2, 5, "v3's slot and v5's to come free")
         for v in (7, 8, 9):
             pub.publish(version(v), v)
         assert _weight_slots() - before == 3  # and reused once free
@@ -580,6 +583,22 @@ def test_sendfile_serves_the_same_bytes() -> None:
         got = pull(source(pub, 1), 1, num_streams=3)
         assert_same(unflatten(got.buffer, got.manifest), weights())
         wait_for_count(lambda: pub.bytes_sent, got.manifest.total_bytes)
+
+
+def test_sendfile_keeps_the_version_until_the_receiver_has_closed() -> None:
+    """With sendfile the socket's queue still holds the slot's pages when the last call
+    returns: the version's slot must not be rewritten until the receiver has everything
+    (it closes), even once newer versions have dropped the version."""
+    with WeightPublisher(keep_versions=1, chunk_bytes=CHUNK, send_mode="sendfile") as pub:
+        pub.publish({"w": torch.ones(CHUNK)}, 1)  # 4 whole chunks
+        slot = pub._held[1]
+        with socket.create_connection(pub.address) as sock:
+            sock.sendall(encode_request(OP_CHUNKS, 1, "w1", pub.grant("w1", 1), 0, 1))
+            assert sorted(_read_dealt(sock, CHUNK)) == [0, 1, 2, 3]  # every chunk, then CHUNKS_END
+            pub.publish({"w": torch.zeros(CHUNK)}, 2)  # drops v1, whose pull has not closed yet
+            time.sleep(0.5)
+            assert slot not in pub._free
+        _wait_for(lambda: slot in pub._free, 5, "v1's slot to come free once its receiver closed")
 
 
 def test_publisher_process_dies_with_the_trainer() -> None:

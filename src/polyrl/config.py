@@ -546,6 +546,12 @@ class TransferConfig(_Section):
     """Workers on the trainer's host get versions from its GPU when the trainer holds them
     there (`WeightPublisher.device`): NCCL from another GPU, CUDA IPC on the same one. A
     worker whose GPU path fails falls back to TCP (logged once) and stays on TCP."""
+    send_mode: Literal["sendfile", "sendall"] = "sendfile"
+    """How the publisher sends a chunk: sendfile has the kernel send from the shared
+    buffer (no copy in the publisher process), sendall copies it into the socket.
+    sendfile was 2-14 points of the link's ceiling faster at 8-16 streams on a 16-core
+    GPU host, sendall on a 2-core AMD box (BENCHMARKS.md, "Weight pulls: the receiver's
+    check"). TLS always uses sendall."""
     tls: bool = False
     """Encrypt weight pulls (TLS over each TCP stream) with `manager.tls`'s certificate
     and key; workers verify it against their `worker.tls.ca_file`. Costs CPU on both ends

@@ -93,7 +93,8 @@ class RemoteRollout:
         mcfg, transfer = window_policy(cfg, self.model.device), cfg.manager.transfer
         tls = (mcfg.tls.cert_file, mcfg.tls.key_file) if transfer.tls else None
         self.publisher = WeightPublisher(
-            mcfg.host, transfer.port, num_groups=transfer.num_groups, group_hosts=transfer.group_hosts, tls=tls  # type: ignore[arg-type]
+            mcfg.host, transfer.port, num_groups=transfer.num_groups, group_hosts=transfer.group_hosts,
+            send_mode=transfer.send_mode, tls=tls,  # type: ignore[arg-type]
         ).start()
         self._stack.callback(self.publisher.stop)
         # workers on this host pull over NCCL / CUDA IPC (not with TLS: those sockets go to another process)

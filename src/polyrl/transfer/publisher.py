@@ -58,12 +58,16 @@ the socket's per-read timeout alone let a client dripping one byte at a time hol
 connection and thread forever."""
 START_TIMEOUT_S = 120.0
 """For the publisher process to come up (it imports torch: seconds on a loaded host)."""
-SEND_MODE = "sendall"
-"""How the publisher process sends chunks: `sendall` from its mapping, or `sendfile`
-from the memfd. Over loopback on the 2-core dev machine (256 MiB in 8 MiB chunks to a
-receiver process, 6 runs each) sendall moved 2.9 GB/s (median; best 3.3) and sendfile
-1.4 (best 1.8), for about the same sender CPU (0.12 and 0.13 s/GB): sendfile from shmem
-pays per page. `benchmarks/transfer.py --send-mode sendall sendfile` compares them."""
+SEND_MODE = "sendfile"
+"""How the publisher process sends chunks: `sendfile` from the memfd, or `sendall` from
+its mapping. On the 16-core GPU host (Intel, Linux 6.18, xxhash 4.1), three runs of
+`benchmarks/transfer.py --send-mode sendall sendfile` with the pulls and the ceiling
+taking turns put sendfile 2 to 14 points of the ceiling ahead at 8 and 16 streams (12
+pairs) and level or ahead at 1 and 4: the copy into the socket is work the publisher no
+longer does, and on a real NIC CPU and memory bandwidth the trainer's host keeps for the
+learner. On the 2-core dev machine (AMD) sendfile over loopback is the slower one (2.9
+against 1.4 GB/s for 256 MiB to a receiver process): there, and with TLS (which always
+sends from this process), sendall. `manager.transfer.send_mode` picks."""
 
 
 class _Slot(SharedBuffer):

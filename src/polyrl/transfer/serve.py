@@ -79,7 +79,7 @@ class ServeConfig:
     listener_fds: list[int]
     """The trainer's listening sockets, inherited under these numbers."""
     stats_fd: int
-    send_mode: str = "sendall"
+    send_mode: str = "sendfile"
     log_level: int = logging.WARNING
     tls_cert_file: str | None = None
     """With its key: every connection is TLS (`manager.transfer.tls`)."""
@@ -421,8 +421,20 @@ def _serve_chunks(versions: Versions, sock: socket.socket, req: Request, held: _
             send(sock, held, start, end)
             versions.count_sent(end - start)
         sock.sendall(CHUNK_INDEX.pack(CHUNKS_END))
+        if sendfile:
+            _wait_for_close(sock)
     finally:
         versions.leave_deal(req, deal)
+
+
+def _wait_for_close(sock: socket.socket) -> None:
+    """Until the receiver closes its end (it has every byte) or the socket's timeout. The
+    pages sendfile gave the socket stay in its queue after the call returns, so the
+    version must stay held (its slot not rewritten) until they are delivered; sendall's
+    bytes are copies and need no wait. A receiver that sends anything instead is done
+    with this stream as well."""
+    with suppress(OSError):
+        sock.recv(1)
 
 
 def _sendall(sock: socket.socket, held: _Held, start: int, end: int) -> None:
