@@ -296,7 +296,7 @@ def measure_rows(src: Sender, args: argparse.Namespace, row: dict[str, object]) 
     turns (a round is one try of each ceiling way and piece, then one pull of each
     receiver), so a host that gets busier or quieter during the run weighs on both alike.
     Each row is the best of its tries; `median_fraction` is the median over rounds of the
-    round's best pull against the round's best ceiling. The pull lands in a buffer reused
+    receiver's pull against that round's best ceiling. The pull lands in a buffer reused
     across pulls, as a worker's does: for `process`, a shared-memory landing buffer of a
     pool started once (as WeightReceiver does), its processes started by a first pull
     that is not counted."""
@@ -306,6 +306,8 @@ def measure_rows(src: Sender, args: argparse.Namespace, row: dict[str, object]) 
     recv_buffer.fill_(0)  # touch the pages once, for both rows
     dst = memoryview(recv_buffer.numpy()).cast("B")
     shared_dst = SharedBuffer("polyrl-bench-landing", src.total_bytes) if "shared" in args.ceiling_memory else None
+    if shared_dst is not None:
+        shared_dst.tensor.fill_(0)  # its pages faulted in before the first try, as recv_buffer's
     shared_view = memoryview(shared_dst.tensor.numpy()).cast("B") if shared_dst is not None else None
     rows = []
     pieces = (src.chunk_bytes, 2**20, src.total_bytes)  # the ceiling is the best of three ways

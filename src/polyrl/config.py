@@ -550,8 +550,8 @@ class TransferConfig(_Section):
     """How the publisher sends a chunk: sendfile has the kernel send from the shared
     buffer (no copy in the publisher process), sendall copies it into the socket.
     sendfile was faster in 18 of 20 pairs at 8-16 streams on a 16-core GPU host (by up
-    to 17 points of the link's ceiling), sendall on a 2-core AMD box (BENCHMARKS.md, "Weight pulls: the receiver's
-    check"). TLS always uses sendall."""
+    to 17 points of the link's ceiling), sendall on a 2-core AMD box (BENCHMARKS.md,
+    "Weight pulls: the receiver's check"). TLS always uses sendall."""
     tls: bool = False
     """Encrypt weight pulls (TLS over each TCP stream) with `manager.tls`'s certificate
     and key; workers verify it against their `worker.tls.ca_file`. Costs CPU on both ends

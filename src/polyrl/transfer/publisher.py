@@ -65,9 +65,10 @@ its mapping. On the 16-core GPU host (Intel, Linux 6.18, xxhash 4.1), three runs
 taking turns put sendfile ahead in 18 of 20 pairs at 8 and 16 streams (by up to 17
 points of the ceiling; 1-2 behind in the other two) and level or ahead at 1 and 4
 streams: the copy into the socket is work the publisher no longer does, and on a real
-NIC CPU and memory bandwidth the trainer's host keeps for the learner. On the 2-core dev machine (AMD) sendfile over loopback is the slower one (2.9
-against 1.4 GB/s for 256 MiB to a receiver process): there, and with TLS (which always
-sends from this process), sendall. `manager.transfer.send_mode` picks."""
+NIC CPU and memory bandwidth the trainer's host keeps for the learner. On the 2-core
+dev machine (AMD) sendfile over loopback is the slower one (2.9 against 1.4 GB/s for
+256 MiB to a receiver process): there, and with TLS (which always sends from this
+process), sendall. `manager.transfer.send_mode` picks."""
 
 
 class _Slot(SharedBuffer):

@@ -20,10 +20,10 @@ import torch
 from pydantic import ValidationError
 
 from polyrl.tls import client_context
+from polyrl.transfer import pull_proc
 from polyrl.transfer.compress import decode_zstd
 from polyrl.transfer.delta import apply_delta
 from polyrl.transfer.manifest import Manifest
-from polyrl.transfer import pull_proc
 from polyrl.transfer.pull_proc import Chunks, Job, run, spare_cores_for_checking
 from polyrl.transfer.quantize import decode_int8
 from polyrl.transfer.receive_pool import MIN_POOL_BYTES, ReceiverPool
