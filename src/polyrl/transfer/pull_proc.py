@@ -26,7 +26,7 @@ import ssl
 import struct
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
@@ -71,9 +71,10 @@ class Job:
     tls: bool = False
     """The publisher speaks TLS: verify it against `ca_file` (None: the system's store)."""
     ca_file: str | None = None
-    hash_piece: int = HASH_PIECE
-    """Bytes received and hashed at a time (the receiving side reads `HASH_PIECE` when it
-    builds the job, so a benchmark can set it for the processes too)."""
+    hash_piece: int = field(default_factory=lambda: HASH_PIECE)
+    """Bytes received and hashed at a time: `HASH_PIECE` as it is when the job is made, in
+    the process that deals out the streams, so a benchmark that sets it reaches the
+    receiver processes too."""
 
 
 class PullFailed(Exception):

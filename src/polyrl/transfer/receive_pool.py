@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from polyrl.transfer import pull_proc
 from polyrl.transfer.pull_proc import Chunks, Job, spare_cores_for_checking
 from polyrl.transfer.shm import SharedBuffer
 from polyrl.transfer.wire import TransferError
@@ -98,7 +97,7 @@ class ReceiverPool:
             try:
                 for i, mine in jobs.items():
                     job = Job(into.id, False, source.host, source.port, timeout_s, mine, chunks, pipelined, source.tls,
-                              source.ca_file, pull_proc.HASH_PIECE)  # fmt: skip
+                              source.ca_file)  # fmt: skip
                     conns.append(self._send(i, job, into))
             except TransferError:
                 self._kill(set(conns))  # their answers must not be read as the next pull's

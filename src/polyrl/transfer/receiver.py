@@ -20,7 +20,6 @@ import torch
 from pydantic import ValidationError
 
 from polyrl.tls import client_context
-from polyrl.transfer import pull_proc
 from polyrl.transfer.compress import decode_zstd
 from polyrl.transfer.delta import apply_delta
 from polyrl.transfer.manifest import Manifest
@@ -174,7 +173,7 @@ def pull(
 def _pull_streams(source: PullSource, requests: list[bytes], chunks: Chunks, buffer: torch.Tensor, timeout_s: float) -> list[int]:
     """The streams on threads of this process (`transfer/pull_proc.py` runs them)."""
     job = Job(0, False, source.host, source.port, timeout_s, requests, chunks, spare_cores_for_checking(len(requests)),
-              source.tls, source.ca_file, pull_proc.HASH_PIECE)  # fmt: skip
+              source.tls, source.ca_file)  # fmt: skip
     error, got = run(job, memoryview(buffer.numpy()).cast("B"))
     if error is not None:
         raise TransferError(error)

@@ -79,7 +79,8 @@ class ServeConfig:
     listener_fds: list[int]
     """The trainer's listening sockets, inherited under these numbers."""
     stats_fd: int
-    send_mode: str = "sendfile"
+    send_mode: str
+    """sendfile or sendall (`publisher.SEND_MODE` says which is the default, and why)."""
     log_level: int = logging.WARNING
     tls_cert_file: str | None = None
     """With its key: every connection is TLS (`manager.transfer.tls`)."""
