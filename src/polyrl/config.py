@@ -15,6 +15,10 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
+SwapPolicy = Literal["recompute", "continue", "abort"]
+"""What an engine's weight update does to its running requests (`EngineConfig.swap_policy`)."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -179,7 +183,18 @@ class RolloutConfig(_Section):
     (remote and hybrid): the batches of the next k steps are submitted ahead, so workers
     generate them while the learner trains, with weights up to k versions old. The loss's
     truncated importance weight (algo.tis_cap) corrects for the lag; every token carries
-    its version. Resuming repeats the batches that were in flight, with the saved weights."""
+    its version. Resuming repeats the batches that were in flight, with the saved weights.
+    With `fully_async`: no token the learner trains on is more than k versions older than
+    the weights it updates (admission control plus a deadline, see `fully_async`)."""
+    fully_async: bool = False
+    """Remote and hybrid: the fleet never drains. Up to (max_staleness + 1) steps' worth of
+    prompts stay in flight; each step trains on the first `train_batch_size` groups to
+    finish, whatever step submitted them; workers take each new version between two decode
+    steps and keep their running samples, which continue under the new weights (a sample
+    may span versions; each token keeps its own). A group whose oldest token would lag more
+    than max_staleness versions at the next update is trained on now, waited for if need
+    be (`async/due_groups`). Needs max_staleness >= 1 (README, "Fully asynchronous
+    training")."""
     n: int = Field(16, ge=1)
     """Samples per prompt (the GRPO group size)."""
     max_new_tokens: int = Field(6, ge=1)
@@ -201,6 +216,23 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _staleness_needs_workers(self) -> RolloutConfig:
+        if self.fully_async:
+            if self.mode == "local":
+                raise ValueError(
+                    "rollout.fully_async needs rollout.mode remote or hybrid: local rollout samples with the "
+                    "learner's own weights, so generation cannot go on while it trains"
+                )
+            if self.deterministic:
+                raise ValueError(
+                    "rollout.fully_async and rollout.deterministic exclude each other: each step trains on the "
+                    "groups that finish first, and samples take new weights mid-generation, so two runs cannot "
+                    "see the same data"
+                )
+            if not self.max_staleness:
+                raise ValueError(
+                    "rollout.fully_async needs rollout.max_staleness >= 1: the versions a token may lag behind "
+                    "the weights it trains (0 would wait for every response, as the synchronous loop does; try 2)"
+                )
         if self.max_staleness and self.mode == "local":
             raise ValueError(
                 f"rollout.max_staleness ({self.max_staleness}) needs rollout.mode remote or hybrid: local rollout "
@@ -232,7 +264,7 @@ class EngineConfig(_Section):
     """Prompt + completion limit; 0: the model's max_position_embeddings."""
     max_queued_requests: int = Field(4096, ge=1)
     """Requests waiting beyond this are refused (HTTP 429)."""
-    swap_policy: Literal["recompute", "continue", "abort"] = "recompute"
+    swap_policy: SwapPolicy = "recompute"
     """What a weight update does to requests in flight (see README, "Weight hot-swap")."""
     dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
     """auto: bfloat16 on CUDA, float32 on CPU (float64 for engines that a
@@ -612,16 +644,23 @@ class ManagerConfig(_Section):
     """A batch unfinished after this long fails with an error instead of hanging."""
     max_body_bytes: int = Field(64 * 2**20, ge=1024)
     """Largest request body (a batch of prompts); control messages are capped at 64 KiB."""
-    local_window: Literal["off", "synced", "learner"] = "off"
+    local_window: Literal["off", "synced", "learner", "idle"] = "off"
     """Hybrid mode's local window (RLBoost's adaptive local rollout): after each published
     version the `local` worker (the trainer's own engine) takes work while the others sync.
     `synced`: it closes when every other worker serves the version, after twice the
     measured sync time (at most `local_window_max_s`), or when the trainer says its
     learner started; the local worker's unfinished samples then move on, token for token.
     `learner`: the local worker is a peer of the others (its share of each batch) until
-    the learner starts, then finishes what it holds. `polyrl train` sets it from
-    `rollout.mode` and `rollout.hybrid_local_until`."""
+    the learner starts, then finishes what it holds. `idle` (fully asynchronous training):
+    it opens whenever the learner waits for groups and closes when the learner trains,
+    handing what is unfinished to the others. `polyrl train` sets it from `rollout.mode`,
+    `rollout.hybrid_local_until` and `rollout.fully_async`."""
     local_window_max_s: float = Field(30.0, gt=0)
+    swap_policy: SwapPolicy | None = None
+    """What a worker does with its running samples when it takes a new version (sent with
+    each sync request; see `engine.swap_policy`). None: each worker's own setting.
+    `polyrl train` sets `continue` for `rollout.fully_async`: a sample keeps its KV cache
+    and goes on under the new weights, so no version update costs a re-prefill."""
     tokenizer: str | None = None
     """A local tokenizer directory for the OpenAI- and vLLM-compatible endpoints (chat
     templates, text in and out). Default: the model path the workers registered with, when

@@ -80,22 +80,29 @@ class PromptSource:
             return self.tokenizer(text, add_special_tokens=False).input_ids
         return self.tokenizer(text).input_ids
 
+    def prompt_at(self, index: int) -> Prompt | None:
+        """Prompt `index` of the stream (None: longer than `max_prompt_tokens`). A pure
+        function of the seed and `index`: a resumed run builds the prompts it had in flight."""
+        rec = self.record(index)
+        budget = self._budget(rec, index)
+        text = str(rec.pop("prompt"))
+        ids = self.encode(text)
+        if len(ids) > self.max_prompt_tokens:
+            log.debug("skipping prompt %d: %d tokens > %d", index, len(ids), self.max_prompt_tokens)
+            return None
+        return Prompt(index=index, text=text, prompt_ids=ids, columns=rec, max_new_tokens=budget)
+
     def take(self, count: int) -> list[Prompt]:
         """The next `count` prompts; over-long ones are skipped (and counted), never cut."""
         prompts: list[Prompt] = []
         skipped_before = self.num_skipped
         skipped_in_a_row = 0
         while len(prompts) < count:
-            index = self.cursor
+            prompt = self.prompt_at(self.cursor)
             self.cursor += 1
-            rec = self.record(index)
-            budget = self._budget(rec, index)
-            text = str(rec.pop("prompt"))
-            ids = self.encode(text)
-            if len(ids) > self.max_prompt_tokens:
+            if prompt is None:
                 self.num_skipped += 1
                 skipped_in_a_row += 1
-                log.debug("skipping prompt %d: %d tokens > %d", index, len(ids), self.max_prompt_tokens)
                 if skipped_in_a_row >= MAX_SKIPS_IN_A_ROW:
                     raise ConfigError(
                         f"config error: data.max_prompt_tokens: {skipped_in_a_row} prompts in a row are longer than "
@@ -103,7 +110,7 @@ class PromptSource:
                     )
                 continue
             skipped_in_a_row = 0
-            prompts.append(Prompt(index=index, text=text, prompt_ids=ids, columns=rec, max_new_tokens=budget))
+            prompts.append(prompt)
         if self.num_skipped > skipped_before:
             log.warning("skipped %d prompts longer than %d tokens", self.num_skipped - skipped_before, self.max_prompt_tokens)
         return prompts

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import torch
 
+from polyrl.config import SwapPolicy
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import (
     EngineFullError,
@@ -169,9 +170,11 @@ class AsyncEngine:
         self._call(self.engine.abort_all)
         return count
 
-    async def update_weights(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> None:
+    async def update_weights(
+        self, weights: Mapping[str, torch.Tensor] | None, version: int, policy: SwapPolicy | None = None
+    ) -> None:
         """Apply new weights between two engine steps (see `Engine.update_weights`)."""
-        await asyncio.wrap_future(self._call(lambda: self.engine.update_weights(weights, version)))
+        await asyncio.wrap_future(self._call(lambda: self.engine.update_weights(weights, version, policy)))
 
     @property
     def num_in_flight(self) -> int:

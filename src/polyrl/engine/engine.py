@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from polyrl.config import EngineConfig
+from polyrl.config import EngineConfig, SwapPolicy
 from polyrl.engine.block_manager import BlockManager, cdiv
 from polyrl.engine.model_runner import ModelRunner, num_kv_blocks_for
 from polyrl.engine.sampler import SamplingBatch, sample, top_logprobs
@@ -379,17 +379,19 @@ class Engine:
 
     # ---- weights -------------------------------------------------------------------------
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> list[SampleDelta]:
-        """Load `weights` (all parameters, by HF name) as `version` and apply `swap_policy`
-        to requests in flight. `weights=None`: the model was already updated in place
-        (the colocated trainer). Returns the deltas of the step still in flight, if any, and
-        of samples aborted by the policy."""
+    def update_weights(
+        self, weights: Mapping[str, torch.Tensor] | None, version: int, policy: SwapPolicy | None = None
+    ) -> list[SampleDelta]:
+        """Load `weights` (all parameters, by HF name) as `version` and apply `policy`
+        (default: `swap_policy`) to requests in flight. `weights=None`: the model was
+        already updated in place (the colocated trainer). Returns the deltas of the step
+        still in flight, if any, and of samples aborted by the policy."""
         if weights is not None:
             self._load_weights(weights)  # after the step in flight on the device's stream
         deltas = self._ready + self._settle()  # the tokens in flight are the old version's
         self._ready = []
         old, self.weight_version = self.weight_version, version
-        policy = self.cfg.swap_policy
+        policy = policy or self.cfg.swap_policy
         num_running = len(self.scheduler.running)
         if policy == "recompute":
             self.scheduler.preempt_all()

@@ -40,6 +40,10 @@ class SampleState:
     """Reported to the batch as finished (exactly once)."""
     placed_at: float | None = None
     finished_at: float | None = None
+    floor_version: int | None = None
+    """The lowest weight version of a worker this sample was placed on: none of its tokens,
+    those generated so far and those to come there, is older (an engine's version only
+    grows). None: never placed. The trainer's staleness deadline reads it."""
     # the running segment
     _seg_worker: str | None = None
     _seg_tokens: list[int] = field(default_factory=list)
@@ -65,9 +69,10 @@ class SampleState:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def start_segment(self, worker_id: str) -> None:
+    def start_segment(self, worker_id: str, worker_version: int) -> None:
         if self.placed_at is None:
             self.placed_at = time.monotonic()
+        self.floor_version = worker_version if self.floor_version is None else min(self.floor_version, worker_version)
         self._seg_worker = worker_id
         self._seg_tokens, self._seg_logprobs, self._seg_versions = [], [], []
 
@@ -130,6 +135,12 @@ class GroupState:
 
     def __repr__(self) -> str:
         return f"<GroupState {self.prompt.id!r} of {self.batch.batch_id}>"
+
+    @property
+    def floor_version(self) -> int | None:
+        """The oldest version any of the group's tokens may have (None: nothing placed yet)."""
+        floors = [s.floor_version for s in self.samples if s.floor_version is not None]
+        return min(floors, default=None)
 
     @property
     def budget(self) -> int:

@@ -167,6 +167,19 @@ class RolloutManager(Membership, Placement, Settlement):
         finally:
             self.close_batch(batch)
 
+    def due_groups(self, max_floor_version: int) -> list[str]:
+        """Prompt ids of the groups of open batches that may hold a token of
+        `max_floor_version` or older (see `SampleState.floor_version`), finished ones
+        included (their result may still be on its way). New work goes only to workers at
+        the latest version, so the answer stays true until the next publish."""
+        return [
+            group.prompt.id
+            for batch in self.batches.values()
+            if not batch.failed
+            for group in batch.groups
+            if group.floor_version is not None and group.floor_version <= max_floor_version
+        ]
+
     def _fail(self, batch: Batch, kind: BatchFailureKind, message: str) -> None:
         if batch.finished:
             return

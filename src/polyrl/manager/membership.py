@@ -104,6 +104,12 @@ class Membership(ManagerState):
         """The trainer's learner has its first mini-batch of the step: the window closes."""
         self.close_local_window("learner starts")
 
+    def learner_waiting(self) -> None:
+        """The trainer's learner waits for groups: the `idle` window opens."""
+        opening = self.window.on_learner_waiting()
+        if opening is not None:
+            self._open_window(opening)
+
     def mark_synced(self, worker_id: str, version: int) -> None:
         """The transfer layer's hook: `worker_id` now serves `version`."""
         record = self.registry.get(worker_id)
@@ -132,7 +138,7 @@ class Membership(ManagerState):
         """Open the local window now, whatever `manager.local_window` says (tests and
         benchmarks; the trainer's windows open at each publish). `until_synced=False`
         makes the local worker a peer that finishes what it holds when the window closes."""
-        self._open_window(self.window.open_now(Opening(max_s, until_synced, hand_back=until_synced)))
+        self._open_window(self.window.open_now(Opening(max_s, until_synced, hand_back=until_synced, peer=not until_synced)))
 
     def _open_window(self, opening: Opening) -> None:
         if self._window_timer is not None:
@@ -213,9 +219,14 @@ class Membership(ManagerState):
 
     def worker_list(self) -> WorkerList:
         now = time.monotonic()
+        cap = self.cfg.max_inflight_per_worker
+        serving = [r for r in self.registry if not r.is_local and r.state in ("syncing", "active") and now >= r.busy_until]
+        free = sum(max(0, r.free_slots(cap)) for r in serving)  # (a syncing worker serves again in a moment)
+        waiting = sum(len(u.samples) for u in self.pending)
         return WorkerList(
             latest_weight_version=self.registry.latest_version,
             workers=[r.info(now) for r in self.registry],
             last_window=self.window.last,
             sync_s={k: round(v, 6) for k, v in self.sync_s.items()},
+            num_free_slots=max(0, free - waiting),
         )

@@ -90,8 +90,8 @@ class Placement(ManagerState):
             sampling=unit.group.batch.request.sampling,
         )
         for sample in unit.samples:
-            sample.start_segment(worker.worker_id)
-        worker.inflight += len(unit.samples)
+            sample.start_segment(worker.worker_id, worker.weight_version)
+        worker.add_inflight(len(unit.samples))
         outcome = Outcome()
         task = asyncio.ensure_future(self._run(unit, worker, call, outcome))
         worker.tasks.add(task)

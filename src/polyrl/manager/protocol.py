@@ -265,6 +265,9 @@ class WorkerInfo(_Message):
     """Unix time of registration."""
     last_heartbeat_age_s: float
     num_failures: int
+    idle_s: float = 0.0
+    """Seconds since registration that the worker was syncing or active with none of this
+    manager's samples to run."""
     usd_per_hour: float | None = None
     node: str | None = None
     instance_type: str | None = None
@@ -283,6 +286,9 @@ class WorkerList(_Message):
     last_window: LocalWindowReport | None = None
     sync_s: dict[str, float] = {}
     """Worker id -> seconds from publishing the latest version to the worker serving it."""
+    num_free_slots: int = 0
+    """Samples the remote workers that serve now could start beyond what they run and
+    what waits for them (0 when work waits): room the trainer leaves unused."""
 
 
 class PublishVersion(_Message):
@@ -292,6 +298,19 @@ class PublishVersion(_Message):
     version: int = Field(ge=0, lt=2**63)
     on_device: bool = False
     """The trainer also holds `version` on its GPU, for same-host workers (NCCL, CUDA IPC)."""
+
+
+class DueGroupsRequest(_Message):
+    """`POST {manager}/v1/groups/due`: which unfinished groups may hold a token of weight
+    version `max_floor_version` or older (the trainer's staleness deadline)."""
+
+    max_floor_version: Int64
+
+
+class DueGroups(_Message):
+    prompt_ids: list[str]
+    """The groups' prompt ids, over every open batch; a group counts once any of its
+    samples was placed on a worker at that version or older."""
 
 
 class PublisherEndpoint(_Message):

@@ -56,9 +56,36 @@ class WorkerRecord:
     device: str | None = None
     node: str | None = None
     instance_type: str | None = None
+    idle_s: float = 0.0
+    """Seconds this worker was syncing or active with none of our samples to run, up to
+    `_counted_at` (`idle_seconds` adds the running interval): what the fleet's capacity
+    waited for work, e.g. the tail of a synchronous step."""
+    _counted_at: float = field(default_factory=time.monotonic)
 
     def __repr__(self) -> str:  # short: task reprs include it (see batch.SampleState)
         return f"<WorkerRecord {self.worker_id} {self.state} v{self.weight_version}>"
+
+    @property
+    def is_idle(self) -> bool:
+        return self.state in ("syncing", "active") and self.inflight == 0
+
+    def _count_idle(self) -> None:
+        """Book the time since the last change; call before changing state or inflight."""
+        now = time.monotonic()
+        if self.is_idle:
+            self.idle_s += now - self._counted_at
+        self._counted_at = now
+
+    def idle_seconds(self) -> float:
+        return self.idle_s + (time.monotonic() - self._counted_at if self.is_idle else 0.0)
+
+    def add_inflight(self, num: int) -> None:
+        self._count_idle()
+        self.inflight += num
+
+    def set_state(self, state: WorkerState) -> None:
+        self._count_idle()
+        self.state = state
 
     def free_slots(self, cap: int) -> int:
         return min(cap, self.max_num_seqs) - self.inflight
@@ -83,6 +110,7 @@ class WorkerRecord:
             joined_at=self.joined_at,
             last_heartbeat_age_s=round(now - self.last_seen, 3),
             num_failures=self.num_failures,
+            idle_s=round(self.idle_seconds(), 6),
             usd_per_hour=self.usd_per_hour,
             node=self.node,
             instance_type=self.instance_type,
@@ -136,7 +164,7 @@ class Registry:
         record.external_load = max(0, beat.num_running + beat.num_waiting - record.inflight)
         if beat.state == "draining" and record.state != "draining":
             log.info("worker %s draining (%d of our samples in flight)", record.worker_id, record.inflight)
-            record.state = "draining"
+            record.set_state("draining")
             self.events.add(record.worker_id, "draining")
         # only forward: a beat sent before a swap may arrive after the transfer layer's
         # mark_synced; a worker that really lost its weights restarts and registers again
@@ -155,7 +183,7 @@ class Registry:
         for record in self:
             if record.state in ("active", "syncing") and record.weight_version < version:
                 if record.state == "active":
-                    record.state = "syncing"
+                    record.set_state("syncing")
                     self.events.add(record.worker_id, "syncing", f"v{record.weight_version} -> v{version}")
                 stale.append(record)
         log.debug("weights v%d published; %d workers to sync", version, len(stale))
@@ -169,10 +197,10 @@ class Registry:
                 log.debug("worker %s synced to v%d", record.worker_id, record.weight_version)
             else:
                 log.info("worker %s active", record.worker_id)
-            record.state = "active"
+            record.set_state("active")
             self.events.add(record.worker_id, "active", f"v{record.weight_version}")
         elif not current and record.state != "syncing":
-            record.state = "syncing"
+            record.set_state("syncing")
             self.events.add(record.worker_id, "syncing", f"v{record.weight_version} -> v{self.latest_version}")
             log.info(
                 "worker %s syncing (has v%d, latest v%d)", record.worker_id, record.weight_version, self.latest_version
@@ -183,7 +211,7 @@ class Registry:
         if self.workers.get(record.worker_id) is record:
             del self.workers[record.worker_id]
         if record.state != "gone":
-            record.state = "gone"
+            record.set_state("gone")
             self.events.add(record.worker_id, "gone", why)
             log.info("worker %s gone (%s)", record.worker_id, why)
 

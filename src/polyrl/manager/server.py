@@ -15,6 +15,8 @@ malformed request gets a 4xx naming the reason and changes nothing.
     POST /v1/publisher                   PublisherEndpoint: where workers pull weights from
     POST /v1/weights/version             PublishVersion
     POST /v1/learner_started             the trainer's learner started on the step: the local window closes
+    POST /v1/learner_waiting             the trainer's learner waits for groups: the `idle` window opens
+    POST /v1/groups/due                  DueGroupsRequest -> DueGroups: unfinished groups with tokens that old
     GET  /health (open), GET /metrics (reader's token)
     GET  /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /generate (vLLM's form):
                                          OpenAI/vLLM-compatible, served by the fleet (`inference.py`)
@@ -46,6 +48,8 @@ from polyrl.manager.protocol import (
     BatchEnd,
     BatchError,
     BatchRequest,
+    DueGroups,
+    DueGroupsRequest,
     Heartbeat,
     LeaveRequest,
     PublisherEndpoint,
@@ -143,6 +147,13 @@ class _Handlers:
         self.manager.learner_started()
         return {}
 
+    async def learner_waiting(self) -> dict[str, Any]:
+        self.manager.learner_waiting()
+        return {}
+
+    async def due_groups(self, body: DueGroupsRequest) -> DueGroups:
+        return DueGroups(prompt_ids=self.manager.due_groups(body.max_floor_version))
+
     async def batches(self, body: BatchRequest) -> Response:
         try:
             batch = self.manager.submit(body)
@@ -215,6 +226,8 @@ def create_app(manager: RolloutManager) -> FastAPI:
     app.post("/v1/weights/version", dependencies=auth)(h.publish)
     app.post("/v1/publisher", dependencies=auth)(h.set_publisher)
     app.post("/v1/learner_started", dependencies=auth)(h.learner_started)
+    app.post("/v1/learner_waiting", dependencies=auth)(h.learner_waiting)
+    app.post("/v1/groups/due", dependencies=auth)(h.due_groups)
     app.get("/health")(h.health)
     app.get("/metrics", dependencies=read)(h.metrics)
     app.get("/v1/models", dependencies=auth)(inference.models)
@@ -223,7 +236,7 @@ def create_app(manager: RolloutManager) -> FastAPI:
     app.post("/generate", dependencies=auth)(_vllm_generate(inference))
 
     def limit_for(path: str) -> int:
-        control = ("/v1/workers", "/v1/weights", "/v1/publisher", "/v1/learner_started")
+        control = ("/v1/workers", "/v1/weights", "/v1/publisher", "/v1/learner_", "/v1/groups")
         return CONTROL_BODY_LIMIT if path.startswith(control) else cfg.max_body_bytes
 
     app.add_middleware(BodyLimit, limit_for=limit_for)

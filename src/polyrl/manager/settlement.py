@@ -80,7 +80,7 @@ class Settlement(ManagerState):
         self._count_if_done(sample)
 
     def _call_done(self, unit: WorkUnit, worker: WorkerRecord, outcome: Outcome, task: asyncio.Task[None]) -> None:
-        worker.inflight -= len(unit.samples)
+        worker.add_inflight(-len(unit.samples))
         worker.tasks.discard(task)
         unit.group.batch.tasks.discard(task)
         cancel = self._cancels.pop(task, None)  # no reason: cancelled because its batch ended

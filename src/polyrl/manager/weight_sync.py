@@ -144,6 +144,8 @@ class PublisherSync:
         }
         if path != "tcp":  # absent otherwise: an SGLang-style worker without the field still works
             body["path"] = path
+        if self.manager.cfg.swap_policy is not None:
+            body["swap_policy"] = self.manager.cfg.swap_policy
         reply = await tell_worker(
             self.manager, record, version, "/update_weights_from_publisher", body, self.pull_timeout_s + 10, self.retries
         )

@@ -14,6 +14,11 @@ Modes (`manager.local_window`):
 * `learner`: opens at each publish as a peer: the local worker takes only its share of
   each batch, so that workers still syncing find theirs waiting; closes when the learner
   starts, and the local worker finishes what it holds (moving it would cost a prefill).
+* `idle` (fully asynchronous training): opens whenever the learner waits for groups, as
+  a full worker (the fleet is never drained, so the work it finds is what the others had
+  no slot for); closes when the learner trains again, and the local worker's unfinished
+  samples move to the others (a re-prefill there is cheap next to the learner's time on
+  this device).
 * `off`: never opens (remote mode); the local worker still serves when no remote worker
   is left, or a batch has waited `local_fallback_s` with none serving its version.
 """
@@ -26,7 +31,7 @@ from typing import Literal
 
 from polyrl.manager.protocol import LocalWindowReport
 
-WindowMode = Literal["off", "synced", "learner"]
+WindowMode = Literal["off", "synced", "learner", "idle"]
 
 SYNC_EMA = 0.5
 """Weight of the newest measured sync time in the window's length estimate."""
@@ -43,6 +48,8 @@ class Opening:
     """Closes once every remote worker serves the version (else: a peer until the learner starts)."""
     hand_back: bool
     """When it closes, the local worker's unfinished samples move to remote workers."""
+    peer: bool = False
+    """The local worker takes only its share of each batch (the rest waits for the others)."""
 
 
 class LocalWindow:
@@ -58,12 +65,18 @@ class LocalWindow:
 
     def on_publish(self) -> Opening | None:
         """The window to open now that a version is published (None: none)."""
-        if self.mode == "off":
+        if self.mode in ("off", "idle"):
             return None
         if self.mode == "learner":
-            return self._open(Opening(None, until_synced=False, hand_back=False))
+            return self._open(Opening(None, until_synced=False, hand_back=False, peer=True))
         estimate = self.sync_estimate_s if self.sync_estimate_s is not None else self.max_s
         return self._open(Opening(min(max(2 * estimate, 1.0), self.max_s), until_synced=True, hand_back=True))
+
+    def on_learner_waiting(self) -> Opening | None:
+        """The window to open now that the learner waits for groups (None: none, or open)."""
+        if self.mode != "idle" or self.is_open:
+            return None
+        return self._open(Opening(None, until_synced=False, hand_back=True))
 
     def open_now(self, opening: Opening) -> Opening:
         """Open a window of the caller's choosing (tests, benchmarks)."""
@@ -89,7 +102,7 @@ class LocalWindow:
     @property
     def is_peer(self) -> bool:
         """Open as a peer: the local worker takes only its share of each batch."""
-        return self.is_open and self.opening is not None and not self.opening.until_synced
+        return self.is_open and self.opening is not None and self.opening.peer
 
     @property
     def closes_when_synced(self) -> bool:

@@ -27,11 +27,18 @@ def rollout_metrics(groups: list[Group], max_new_tokens: int) -> dict[str, float
 
 
 def version_lag_metrics(groups: list[Group], version: int) -> dict[str, float]:
-    """How many versions behind the learner (`version`) the step's tokens were sampled."""
+    """How many versions behind the learner (`version`) the step's tokens were sampled, and
+    the share of samples whose tokens came from more than one version."""
     lags = np.array([version - v for g in groups for s in g.samples for v in s.weight_versions], dtype=float)
     if not lags.size:
         return {}
-    return {"rollout/version_lag/mean": float(lags.mean()), "rollout/version_lag/max": float(lags.max())}
+    samples = [s for g in groups for s in g.samples if s.weight_versions]
+    spanning = sum(len(set(s.weight_versions)) > 1 for s in samples)
+    return {
+        "rollout/version_lag/mean": float(lags.mean()),
+        "rollout/version_lag/max": float(lags.max()),
+        "rollout/multi_version_ratio": spanning / len(samples),
+    }
 
 
 def num_tokens(groups: list[Group]) -> int:

@@ -28,6 +28,8 @@ from polyrl.manager.protocol import (
     BatchError,
     BatchFailed,
     BatchRequest,
+    DueGroups,
+    DueGroupsRequest,
     GroupResult,
     PublisherEndpoint,
     PublishVersion,
@@ -60,6 +62,13 @@ class ManagerLink:
 
     def learner_started(self) -> None:
         self._post("/v1/learner_started", None)
+
+    def learner_waiting(self) -> None:
+        self._post("/v1/learner_waiting", None)
+
+    def due_groups(self, max_floor_version: int) -> list[str]:
+        response = self._call("POST", "/v1/groups/due", DueGroupsRequest(max_floor_version=max_floor_version))
+        return DueGroups.model_validate_json(response.content).prompt_ids
 
     def workers(self) -> WorkerList:
         return WorkerList.model_validate_json(self._call("GET", "/v1/workers", None).content)

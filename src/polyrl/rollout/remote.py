@@ -42,7 +42,7 @@ from polyrl.rollout.local import engine_dtype, learner_weights
 from polyrl.rollout.local_worker import LocalWorker
 from polyrl.rollout.manager_link import BatchStream, ManagerLink, ManagerUnreachable
 from polyrl.rollout.manager_process import ManagerProcess
-from polyrl.rollout.stats import RolloutStats
+from polyrl.rollout.stats import FleetIdle, RolloutStats
 from polyrl.rollout.types import Group, Prompt, Sample
 from polyrl.tls import reachable_host
 from polyrl.transfer.device import DeviceVersions
@@ -57,15 +57,22 @@ RECOVERABLE = ("disconnected", "shutdown")
 
 
 def window_policy(cfg: RunConfig, device: torch.device) -> ManagerConfig:
-    """The manager's config with the hybrid window's mode (see `manager/window.py`)."""
+    """The manager's config with the hybrid window's mode (see `manager/window.py`) and,
+    for fully asynchronous training, workers that keep their running samples across
+    versions (`manager.swap_policy`, unless set)."""
     r = cfg.rollout
     if r.mode != "hybrid":
         mode = "off"
+    elif r.fully_async:
+        mode = "idle"  # the learner never waits for a step's tail: fill only the waits it has
     elif r.hybrid_local_until == "auto":
         mode = "learner" if device.type == "cuda" and not r.max_staleness else "synced"
     else:
         mode = r.hybrid_local_until
-    return cfg.manager.model_copy(update={"local_window": mode, "local_window_max_s": r.hybrid_max_window_s})
+    update: dict[str, object] = {"local_window": mode, "local_window_max_s": r.hybrid_max_window_s}
+    if r.fully_async and cfg.manager.swap_policy is None:
+        update["swap_policy"] = "continue"
+    return cfg.manager.model_copy(update=update)
 
 
 class RemoteRollout:
@@ -80,7 +87,10 @@ class RemoteRollout:
         self.publish_dtype = engine_dtype(model, compute_dtype)
         self.version = 0
         self.stats = RolloutStats()
+        self.fleet_idle = FleetIdle()
         self.num_recoveries = 0
+        self._window_may_be_open = False
+        """A local window may be open (hybrid): the learner's start closes it."""
         self._recover_lock = threading.Lock()
         self._stack = ExitStack()
         try:
@@ -171,11 +181,24 @@ class RemoteRollout:
         self.version = version
         self.local.restart_if_dead()
         self._control(lambda: self.link.publish_version(version, self.publisher.device is not None))
+        self._window_may_be_open = self.mode == "hybrid"  # the synced and learner windows open now
 
     def learner_started(self) -> None:
-        """The learner has its first mini-batch of the step: the local window closes."""
-        if self.mode == "hybrid":
+        """The learner is about to update: the local window closes (a call only when one
+        may be open: this runs before every mini-batch)."""
+        if self._window_may_be_open:
+            self._window_may_be_open = False
             self._control(self.link.learner_started)
+
+    def learner_waiting(self) -> None:
+        """The learner waits for groups: in hybrid mode the `idle` window opens."""
+        if self.mode == "hybrid" and not self._window_may_be_open:
+            self._window_may_be_open = True
+            self._control(self.link.learner_waiting)
+
+    def due_groups(self, max_floor_version: int) -> set[str]:
+        """Prompt ids of unfinished groups that may hold a token of that version or older."""
+        return set(self._control(lambda: self.link.due_groups(max_floor_version)))
 
     def _control(self, call: Callable[[], T]) -> T:
         """A control call; if the manager is gone, bring it back and call once more."""
@@ -203,9 +226,12 @@ class RemoteRollout:
 
     # --------------------------------------------------------------------------- generating
 
-    def generate(self, prompts: list[Prompt], n: int, sampling: BatchSampling) -> Iterator[Group]:
+    def generate(
+        self, prompts: list[Prompt], n: int, sampling: BatchSampling, stats: RolloutStats | None = None
+    ) -> Iterator[Group]:
         """Submits the batch now (workers start on it at once, even ahead of its step); the
-        iterator gives each prompt's group as soon as its last sample is done."""
+        iterator gives each prompt's group as soon as its last sample is done. `stats`:
+        where its groups are booked (default: a new `self.stats`, the step's, once read)."""
         request = BatchRequest(
             prompts=[
                 # seeds from the run's seeded (and checkpointed) RNG, as in local rollout
@@ -218,16 +244,23 @@ class RemoteRollout:
             min_weight_version=self.version,
         )
         stream = self.link.open_batch(request)
-        return self._groups(request, stream, self.num_recoveries, {str(p.index): p for p in prompts})
+        return self._groups(request, stream, self.num_recoveries, {str(p.index): p for p in prompts}, stats)
 
-    def _groups(self, request: BatchRequest, stream: BatchStream, generation: int, by_id: dict[str, Prompt]) -> Iterator[Group]:
-        self.stats = stats = RolloutStats(num_requested=len(by_id) * request.n)  # the step's: set when it starts reading
+    def _groups(
+        self, request: BatchRequest, stream: BatchStream, generation: int, by_id: dict[str, Prompt],
+        stats: RolloutStats | None,
+    ) -> Iterator[Group]:  # fmt: skip
+        is_step = stats is None
+        if stats is None:
+            self.stats = stats = RolloutStats(num_requested=len(by_id) * request.n)  # the step's: set when it starts reading
         received: set[str] = set()
         while True:
             try:
                 for result in stream:
                     received.add(result.prompt_id)
-                    yield self._note(to_group(by_id[result.prompt_id], result, stats), result, stats)
+                    group = to_group(by_id[result.prompt_id], result)
+                    stats.count(group)
+                    yield self._note(group, result, stats)
                 break
             except BatchError as e:
                 if e.kind not in RECOVERABLE:
@@ -237,11 +270,19 @@ class RemoteRollout:
                 rest = [p for p in request.prompts if p.id not in received]
                 log.warning("resubmitting %d of %d prompts after losing the manager (%s)", len(rest), len(by_id), e)
                 stream = self.link.open_batch(request.model_copy(update={"prompts": rest}))
+        if is_step:
+            self.note_fleet(stats)
+
+    def note_fleet(self, stats: RolloutStats) -> WorkerList:
+        """Book the fleet's state at the end of a step into its stats: the last local
+        window, the slowest weight sync, the workers' idle time since the last look."""
         fleet = self.fleet()
         if fleet.last_window is not None and self.mode == "hybrid":
             stats.window_s, stats.window_closed_by = fleet.last_window.open_s, fleet.last_window.closed_by
         remote = [s for w, s in fleet.sync_s.items() if w != LOCAL_WORKER_ID]
         stats.weight_sync_s = max(remote) if remote else None
+        stats.fleet_idle_s = self.fleet_idle.since_last(fleet)
+        return fleet
 
     @staticmethod
     def _note(group: Group, result: GroupResult, stats: RolloutStats) -> Group:
@@ -255,22 +296,17 @@ class RemoteRollout:
         self._stack.close()
 
 
-def to_group(prompt: Prompt, result: GroupResult, stats: RolloutStats) -> Group:
-    samples = []
-    for s in sorted(result.samples, key=lambda s: s.index):
-        for seg in s.segments:
-            stats.tokens_by_worker[seg.worker] += seg.num_tokens
-        stats.num_migrated += len(s.segments) > 1
-        stats.num_local += any(seg.worker == LOCAL_WORKER_ID for seg in s.segments)
-        samples.append(
-            Sample(
-                completion_ids=s.output_ids,
-                logprobs=s.logprobs,
-                finish_reason=s.finish_reason,
-                weight_versions=s.weight_versions,
-                workers=[seg.worker for seg in s.segments],
-                gen_time_s=s.latency_s,
-            )
+def to_group(prompt: Prompt, result: GroupResult) -> Group:
+    samples = [
+        Sample(
+            completion_ids=s.output_ids,
+            logprobs=s.logprobs,
+            finish_reason=s.finish_reason,
+            weight_versions=s.weight_versions,
+            workers=[seg.worker for seg in s.segments],
+            worker_tokens=[seg.num_tokens for seg in s.segments],
+            gen_time_s=s.latency_s,
         )
-    stats.num_received += len(samples)
+        for s in sorted(result.samples, key=lambda s: s.index)
+    ]
     return Group(prompt=prompt, samples=samples)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from polyrl.manager.protocol import WorkerList
 from polyrl.manager.registry import LOCAL_WORKER_ID
+from polyrl.rollout.types import Group
 
 
 @dataclass
@@ -26,6 +28,17 @@ class RolloutStats:
     window_closed_by: str = ""
     weight_sync_s: float | None = None
     """From publishing the step's version to the slowest remote worker serving it."""
+    fleet_idle_s: float | None = None
+    """Seconds the remote workers had none of our samples to run (summed over workers)."""
+
+    def count(self, group: Group) -> None:
+        """Book a received group: its samples, where their tokens came from."""
+        for s in group.samples:
+            for worker, num in zip(s.workers, s.worker_tokens or [len(s.completion_ids)]):
+                self.tokens_by_worker[worker] += num
+            self.num_migrated += len(s.workers) > 1
+            self.num_local += LOCAL_WORKER_ID in s.workers
+        self.num_received += len(group.samples)
 
     def metrics(self) -> dict[str, float]:
         out = {
@@ -43,4 +56,20 @@ class RolloutStats:
             out["timing_s/local_window"] = self.window_s
         if self.weight_sync_s is not None:
             out["timing_s/weight_sync"] = self.weight_sync_s
+        if self.fleet_idle_s is not None:
+            out["rollout/fleet_idle_s"] = self.fleet_idle_s
         return out
+
+
+class FleetIdle:
+    """The remote workers' idle seconds between two looks at the fleet (`WorkerList`
+    carries each worker's running total since it registered)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def since_last(self, fleet: WorkerList) -> float:
+        now = {w.worker_id: w.idle_s for w in fleet.workers if w.worker_id != LOCAL_WORKER_ID}
+        idle = sum(total - self._last.get(worker, 0.0) for worker, total in now.items())
+        self._last = now
+        return max(0.0, idle)

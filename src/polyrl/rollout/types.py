@@ -45,6 +45,9 @@ class Sample:
     finish_reason: FinishReason
     weight_versions: list[int]  # version of the weights that produced each token
     workers: list[str] = field(default_factory=list)
+    """The engines that produced the tokens, in order (more than one: it migrated)."""
+    worker_tokens: list[int] = field(default_factory=list)
+    """Tokens produced by each of `workers` (empty: all of them by the first)."""
     gen_time_s: float = 0.0
     has_logprobs: bool = True
     """False when the producer sent no behaviour log-probs (an Atropos group without

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,8 @@ class TrainState:
     step: int = 0  # steps completed
     cursor: int = 0  # prompts taken from the source
     weight_version: int = 0
+    pending: list[int] = field(default_factory=list)
+    """Fully asynchronous: prompts taken but not trained on (in flight), generated again on resume."""
 
 
 def rng_state() -> dict[str, Any]:

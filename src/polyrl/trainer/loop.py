@@ -4,7 +4,9 @@ Every rollout mode runs this loop. Colocated (`local`), the engine shares the le
 weights, so the whole batch is generated before the first update. Remote and hybrid
 stream: groups are scored and trained on in completion order while workers finish the
 rest of the step's batch with the step's weights (all of a step's samples come from one
-version, as with PPO's mini-batches).
+version, as with PPO's mini-batches). Fully asynchronous (`rollout.fully_async`), only
+`next_batch` differs: the step takes the first groups to finish of those kept in flight,
+and samples span versions (rollout/feed.py).
 
 Departures from textbook GRPO (each switchable in `[algo]`):
 * clip-higher: separate low/high PPO clip bounds (DAPO);
@@ -57,10 +59,10 @@ def train(
                     t0 = time.perf_counter()
                     groups = run.next_batch(step)
                     if run.rollout.shares_weights:
-                        groups = list(groups)  # generated in full before the learner changes the weights
-                    version = run.version
+                        with timer("learner_idle"):
+                            groups = list(groups)  # generated in full before the learner changes the weights
                     result = learn_from_stream(
-                        groups, run.scorer, run.learner, cfg.algo, tcfg.ppo_mini_batch_size, version, run.rollout.learner_started
+                        groups, run.scorer, run.learner, cfg.algo, tcfg.ppo_mini_batch_size, run.version, run.learner_started
                     )
                     with timer("update_weights"):
                         run.publish_weights()

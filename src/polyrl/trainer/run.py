@@ -39,6 +39,7 @@ from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.models.tiny import save_tiny_model
 from polyrl.preflight import check_world_size
 from polyrl.rollout.atropos import AtroposRollout
+from polyrl.rollout.feed import AsyncFeed
 from polyrl.rollout.fleet import Fleet, WorkerFleet
 from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.remote import RemoteRollout
@@ -143,6 +144,8 @@ class Run:
     fleet: Fleet | None = None
     peft: PeftModel | None = None
     """With LoRA: the PEFT wrapper of `model` (whose layers it injected in place)."""
+    feed: AsyncFeed | None = None
+    """rollout.fully_async: the prompts in flight, and each step's first groups to finish."""
     ahead: deque[PendingBatch] = field(default_factory=deque)
     """Submitted batches of the steps to come (rollout.max_staleness of them), oldest first."""
     cleanup: ExitStack = field(default_factory=ExitStack)
@@ -205,16 +208,26 @@ class Run:
             # On resume, metrics past the checkpoint (or all of them, without one) are dropped.
             tracker = Tracker(cfg.logging, run_dir, state.step if resume else None, name, cfg.model_dump(mode="json"))
             cleanup.callback(tracker.close)
+            feed = None
+            if cfg.rollout.fully_async and isinstance(rollout, RemoteRollout):  # (Atropos environments feed themselves)
+                feed = AsyncFeed(rollout, source, sampling, cfg.rollout.n, tcfg.train_batch_size,
+                                 cfg.rollout.max_staleness, resubmit=state.pending)  # fmt: skip
+                cleanup.callback(feed.close)  # before the rollout closes: its batches' ends are expected
             if ckpt:
-                log.info("resumed from %s at step %d", ckpt, state.step)
+                log.info("resumed from %s at step %d%s", ckpt, state.step,
+                         f" ({len(state.pending)} prompts in flight go out again)" if feed and state.pending else "")  # fmt: skip
             return cls(
                 cfg, run_dir, model, tokenizer, source, rollout, GroupScorer(pool, tokenizer), learner, tracker,
-                sampling, state, dp, fleet, peft, cleanup=cleanup.pop_all(), version=state.weight_version,
+                sampling, state, dp, fleet, peft, feed=feed, cleanup=cleanup.pop_all(), version=state.weight_version,
             )  # fmt: skip
 
     def next_batch(self, step: int) -> Iterator[Group]:
         """Step `step`'s groups. With rollout.max_staleness = k, the next k steps' batches
-        are submitted too: workers generate them while the learner trains on this one."""
+        are submitted too: workers generate them while the learner trains on this one.
+        Fully asynchronous: the first groups to finish of those in flight (rollout/feed.py)."""
+        if self.feed is not None:
+            self.feed.top_up(steps_left=self.cfg.trainer.total_steps - step + 1)
+            return self.feed.take(self.version)
         last = min(step + self.cfg.rollout.max_staleness, self.cfg.trainer.total_steps)
         while step + len(self.ahead) <= last:
             cursor, rng = self.source.cursor, rng_state()
@@ -232,9 +245,17 @@ class Run:
 
     def end_step(self, step: int) -> None:
         """Record `step` as done. Batches in flight for later steps are not part of the
-        state: a resumed run takes their prompts and draws their seeds again."""
+        state: a resumed run takes their prompts and draws their seeds again (fully
+        asynchronous: the prompts in flight are listed, and go out again)."""
+        if self.feed is not None:
+            self.state = TrainState(step, self.source.cursor, self.version, self.feed.pending_indices)
+            return
         cursor = self.ahead[0].cursor if self.ahead else self.source.cursor
         self.state = TrainState(step, cursor, self.version)
+
+    def learner_started(self) -> None:
+        """The learner is about to update (before each mini-batch): the local window closes."""
+        self.rollout.learner_started()
 
     def publish_weights(self) -> None:
         """Colocated: a version bump (the engine runs on the trainer's model, adapters
@@ -255,17 +276,23 @@ class Run:
         total_tokens = num_tokens(groups)
         metrics.update(perf_metrics(total_tokens, step_s, world_size=self.dp.world_size))
         metrics.update(cuda_memory_metrics(self.model.device))
-        metrics.update(self.rollout.stats.metrics())
+        stats = self.feed.step.stats if self.feed is not None else self.rollout.stats
+        metrics.update(stats.metrics())
+        if self.feed is not None:
+            metrics.update(self.feed.step.metrics())
         metrics.update({f"timing_s/{k}": v for k, v in timings.items() if k != "step"})
-        metrics["timing_s/gen"] = self.rollout.stats.gen_s
+        metrics["timing_s/gen"] = stats.gen_s
+        metrics["timing_s/learner_idle"] = result.wait_s + timings.get("learner_idle", 0.0)  # (colocated: generating)
         metrics["timing_s/reward"] = result.reward_wait_s
         metrics["timing_s/update_actor"] = result.update_s
-        metrics["training/num_rollout_instances"] = float(self.rollout.num_instances)
+        metrics["training/num_rollout_instances"] = float(len(stats.tokens_by_worker) or self.rollout.num_instances)
         prices: list[float] = []
         if self.cfg.rollout.mode != "local":
             default = self.cfg.cost.worker_usd_per_hour
             prices = [w.usd_per_hour if w.usd_per_hour is not None else default for w in self.rollout.workers()]
             metrics["training/num_workers"] = float(len(prices))
+            if stats.fleet_idle_s is not None and prices:
+                metrics["rollout/fleet_idle_ratio"] = min(1.0, stats.fleet_idle_s / (step_s * len(prices)))
         trainer_usd = self.cfg.cost.trainer_usd_per_hour * self.dp.world_size  # one price per trainer GPU
         metrics.update(cost_metrics(total_tokens, step_s, trainer_usd, prices))
         if self.fleet is not None:

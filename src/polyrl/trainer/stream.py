@@ -84,6 +84,8 @@ class StreamResult:
     """Samples scored 0.0 because a reward function raised, returned a bad value or timed out."""
     version: int | None = None
     """The learner's weight version when the step began."""
+    wait_s: float = 0.0
+    """Seconds the learner waited for the next group (idle: nothing to score or train)."""
 
 
 def learn_from_stream(
@@ -93,12 +95,12 @@ def learn_from_stream(
     algo: AlgoConfig,
     mini_batch_size: int,
     version: int | None = None,
-    on_learner_start: Callable[[], None] | None = None,
+    before_update: Callable[[], None] | None = None,
 ) -> StreamResult:
     """Score and train on groups in arrival order; one optimizer step per mini-batch.
     version: the learner's weight version now; tokens of another version lag behind it.
-    on_learner_start: called once, right before the step's first update (the rollout's
-    local window closes then)."""
+    before_update: called right before each mini-batch's update (the rollout's local
+    window closes then)."""
     out = StreamResult(version=version)
     pending: deque = deque()  # (group, reward future), in arrival order
     scored: list[Group] = []
@@ -119,12 +121,12 @@ def learn_from_stream(
             # Until the step's first update, the learner holds the weights that sampled the
             # step's current-version tokens: there, recomputed log-probs must equal the engine's.
             first = not out.train_metrics
-            if first and on_learner_start is not None:
-                on_learner_start()
+            if before_update is not None:
+                before_update()
             out.train_metrics.append(learner.train_mini_batch(items, weights_as_sampled=first))
         out.update_s += time.perf_counter() - t0
 
-    for group in groups:
+    for group in _timed(groups, out):
         out.groups.append(group)
         pending.append((group, scorer.submit(group)))
         collect(block=False)
@@ -135,6 +137,18 @@ def learn_from_stream(
     for start in range(0, len(scored), mini_batch_size):
         train(scored[start : start + mini_batch_size])
     return out
+
+
+def _timed(groups: Iterable[Group], out: StreamResult) -> Iterator[Group]:
+    """The groups, with the time spent waiting for each added to `out.wait_s`."""
+    source = iter(groups)
+    while True:
+        t0 = time.perf_counter()
+        group = next(source, None)
+        out.wait_s += time.perf_counter() - t0
+        if group is None:
+            return
+        yield group
 
 
 def _items(batch: list[Group], algo: AlgoConfig, out: StreamResult) -> list[SeqItem]:

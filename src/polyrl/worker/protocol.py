@@ -184,6 +184,9 @@ class UpdateWeightsFromPublisherRequest(_Wire):
     if it fails. The reply says which path was taken."""
     tls: bool = False
     """The publisher speaks TLS: verify it against `worker.tls.ca_file` (tcp path only)."""
+    swap_policy: Literal["recompute", "continue", "abort"] | None = None
+    """What the swap does to running requests (`engine.swap_policy`); None: the worker's
+    own setting. `continue` is vLLM's `pause_generation(mode="keep")` in one call."""
 
 
 # --------------------------------------------------------------------------------- responses

@@ -445,7 +445,9 @@ class _Handlers:
         receiver = self.state.weight_receiver
         t0 = time.perf_counter()
         try:
-            pulled = await receiver.sync(source, body.weight_version, body.num_streams, body.timeout_s, body.codec, body.path)
+            pulled = await receiver.sync(
+                source, body.weight_version, body.num_streams, body.timeout_s, body.codec, body.path, body.swap_policy
+            )
         except (TransferError, RequestError) as e:
             message = f"weights not updated: {e}"
             content = UpdateWeightsResponse(success=False, message=message, device=receiver.identity).model_dump()

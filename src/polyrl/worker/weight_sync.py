@@ -26,6 +26,7 @@ from functools import cached_property
 
 import torch
 
+from polyrl.config import SwapPolicy
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.types import RequestError
 from polyrl.transfer.cuda_ipc import IpcVersion
@@ -66,6 +67,8 @@ class WeightReceiver:
         self._nccl = NcclReceiver()
         self._failed_paths: set[str] = set()
         self._lock = asyncio.Lock()
+        self._swap_policy: SwapPolicy | None = None
+        """The running sync's (set under the lock)."""
 
     @cached_property
     def device(self) -> torch.device:
@@ -89,16 +92,19 @@ class WeightReceiver:
         return codec == "delta", "raw" if codec == "delta" else codec
 
     async def sync(
-        self, source: PullSource, version: int, num_streams: int, timeout_s: float, codec: str = "auto", path: WeightPath = "tcp"
-    ) -> Pulled | None:
+        self, source: PullSource, version: int, num_streams: int, timeout_s: float, codec: str = "auto",
+        path: WeightPath = "tcp", swap_policy: SwapPolicy | None = None,
+    ) -> Pulled | None:  # fmt: skip
         """Pull `version` and load it; None if the engine already serves it or a newer one.
         `pulled.codec` says how it came (raw, delta, zstd, int8, nccl, cuda_ipc). Raises
         TransferError (the engine keeps its weights) or RequestError (the version does
-        not fit the model)."""
+        not fit the model). `swap_policy`: what the load does to running requests (None:
+        the engine's own)."""
         async with self._lock:  # one sync at a time; a second caller waits, then no-ops
             if self.engine.engine.weight_version >= version:
                 return None
             self.fallback = None
+            self._swap_policy = swap_policy
             if path != "tcp":
                 try:
                     return await self._sync_gpu(path, source, version, timeout_s)
@@ -131,7 +137,7 @@ class WeightReceiver:
     async def _load(self, pulled: Pulled) -> None:
         """Load a version that lies on our device; returns once the copies are done, so its
         buffer may be reused or released."""
-        await self.engine.update_weights(unflatten(pulled.buffer, pulled.manifest), pulled.manifest.version)
+        await self.engine.update_weights(unflatten(pulled.buffer, pulled.manifest), pulled.manifest.version, self._swap_policy)
         if self.device.type == "cuda":
             await asyncio.to_thread(torch.cuda.synchronize, self.device)
 
@@ -153,7 +159,7 @@ class WeightReceiver:
         if pulled.codec == "raw":
             self._raw_bytes_per_s = pulled.bytes_per_s
         staged = self._staged(pulled.buffer, pulled.manifest.total_bytes)
-        await self.engine.update_weights(unflatten(staged, pulled.manifest), version)
+        await self.engine.update_weights(unflatten(staged, pulled.manifest), version, self._swap_policy)
         if pulled.lossy:  # the exact base stays; this buffer is only the next pull's landing place
             log.warning("serving v%d as a LOSSY int8 copy (transfer.codec = int8)", version)
             self._spare = pulled.buffer

@@ -1,0 +1,211 @@
+"""Fully asynchronous rollout (`rollout.fully_async`): the fleet is never drained.
+
+A synchronous step waits for its longest response, and the fleet idles through that
+tail while the learner idles through generation. Here the trainer keeps (k + 1) steps'
+worth of prompts in flight (k = `rollout.max_staleness`; AReaL's admission rule),
+tops them up after every publish, and trains each step on the first `train_batch_size`
+groups to finish, whichever step submitted them. Workers take each new version between
+two decode steps and keep their running samples (`manager.swap_policy = continue`), so a
+long response spans versions and every token keeps its own (PipelineRL's in-flight
+update). The loss corrects with the behaviour log-probs, as for any lag.
+
+The bound: the step that trains version V takes no token older than V - k. A group
+whose oldest token may be V - k would be too old for the next step, so it is *due*: this
+step takes it, and waits for it if it is still running; if more than a step's worth are
+due, the step takes them all. The manager says which running groups are due
+(`RolloutManager.due_groups`): it knows the lowest version of a worker each sample was
+placed on, and new work goes only to workers at the latest version, so no group becomes
+due between that question and the next publish. Waits for due groups are the bound's
+cost (`async/due_wait_s`); prompts the bound keeps out of a fleet with free slots are the
+other (`async/held_back_samples`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from polyrl.data.source import PromptSource
+from polyrl.manager.protocol import BatchSampling
+from polyrl.rollout.remote import RemoteRollout
+from polyrl.rollout.stats import RolloutStats
+from polyrl.rollout.types import Group, Prompt
+
+log = logging.getLogger("polyrl.rollout")
+
+
+@dataclass
+class FeedStep:
+    """What one step of the feed did, for the step's metrics."""
+
+    stats: RolloutStats = field(default_factory=RolloutStats)
+    num_due: int = 0
+    """Groups taken because the bound required them now (their oldest token is V - k)."""
+    wait_s: float = 0.0
+    """Seconds the learner waited for groups."""
+    due_wait_s: float = 0.0
+    """Seconds the learner waited only for due groups (it had its batch otherwise)."""
+    num_regenerated: int = 0
+    """Groups that came back too old to train on, whose prompts went out again."""
+    held_back_samples: int = 0
+    """Samples the fleet had free slots for at the top-up, which the bound kept out."""
+    in_flight_groups: int = 0
+    """Groups submitted and not trained on, after the top-up."""
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "async/due_groups": float(self.num_due),
+            "async/due_wait_s": self.due_wait_s,
+            "async/held_back_samples": float(self.held_back_samples),
+            "async/in_flight_groups": float(self.in_flight_groups),
+            "async/regenerated_groups": float(self.num_regenerated),
+        }
+
+
+def oldest_version(group: Group, default: int) -> int:
+    return min((v for s in group.samples for v in s.weight_versions), default=default)
+
+
+class AsyncFeed:
+    """Keeps the fleet fed and hands the learner each step's groups (see the module)."""
+
+    def __init__(
+        self, rollout: RemoteRollout, source: PromptSource, sampling: BatchSampling, n: int, batch_size: int,
+        max_staleness: int, resubmit: list[int] | None = None,
+    ) -> None:  # fmt: skip
+        """`resubmit`: prompt indices a resumed run had in flight, submitted again first."""
+        self.rollout, self.source, self.sampling, self.n = rollout, source, sampling, n
+        self.batch_size, self.max_staleness = batch_size, max_staleness
+        self.outstanding: dict[str, Prompt] = {}
+        """Submitted and not trained on, by prompt id."""
+        self.arrived: list[Group] = []
+        """Finished and not trained on, in arrival order."""
+        self._resubmit = list(resubmit or [])
+        self._inbox: queue.SimpleQueue[Group | BaseException] = queue.SimpleQueue()
+        self._closed = False
+        self.step = FeedStep()
+
+    # ------------------------------------------------------------------------------- feeding
+
+    def top_up(self, steps_left: int) -> None:
+        """Submit prompts up to (k + 1) steps' worth in flight, or what the run still needs."""
+        self.step = FeedStep()
+        target = min(self.max_staleness + 1, steps_left) * self.batch_size
+        free = self.rollout.fleet().num_free_slots
+        prompts = self._prompts(max(target - len(self.outstanding), 0))
+        if prompts:
+            self._submit(prompts)
+        self.step.held_back_samples = max(0, free - len(prompts) * self.n)
+        self.step.in_flight_groups = len(self.outstanding)
+
+    def _prompts(self, count: int) -> list[Prompt]:
+        prompts = []
+        while self._resubmit and len(prompts) < count:
+            prompt = self.source.prompt_at(self._resubmit.pop(0))
+            if prompt is not None:
+                prompts.append(prompt)
+        return prompts + self.source.take(count - len(prompts))
+
+    def _submit(self, prompts: list[Prompt]) -> None:
+        for p in prompts:
+            self.outstanding[str(p.index)] = p
+        groups = self.rollout.generate(prompts, self.n, self.sampling, stats=RolloutStats())
+        threading.Thread(target=self._read, args=(groups,), name="polyrl-feed", daemon=True).start()
+
+    def _read(self, groups: Iterator[Group]) -> None:
+        """An I/O thread per submitted batch: its groups go to the learner's inbox."""
+        try:
+            for group in groups:
+                self._inbox.put(group)
+        except BaseException as e:  # the learner raises it (a batch that failed for good)
+            if not self._closed:
+                self._inbox.put(e)
+
+    # ------------------------------------------------------------------------------- taking
+
+    def take(self, version: int) -> Iterator[Group]:
+        """The groups to train version `version` on: every due group, then the first to
+        finish, `batch_size` in all (more if more are due)."""
+        limit = version - self.max_staleness
+        due = self.rollout.due_groups(limit) & self.outstanding.keys()
+        taken = 0
+        while True:
+            self._drain()
+            group = self._pick(limit, due, room=self.batch_size - taken - len(due))
+            if group is None:
+                if taken >= self.batch_size and not due:
+                    break
+                self._wait(only_due=taken + len(due) >= self.batch_size)
+                continue
+            gid = str(group.prompt.index)
+            due.discard(gid)
+            if oldest_version(group, version) < limit:  # should not happen: see _pick
+                self._regenerate(group, version)
+                continue
+            self.step.num_due += oldest_version(group, version) == limit
+            del self.outstanding[gid]
+            self.step.stats.count(group)
+            taken += 1
+            yield group
+        self.step.stats.num_requested = taken * self.n
+        self.step.stats.gen_s = self.step.wait_s
+        self.rollout.note_fleet(self.step.stats)
+
+    def _pick(self, limit: int, due: set[str], room: int) -> Group | None:
+        """A due group that has arrived (oldest tokens first); else, while there is room
+        beside the due groups still running, the first to arrive."""
+        is_due = [g for g in self.arrived if str(g.prompt.index) in due or oldest_version(g, limit + 1) <= limit]
+        if is_due:
+            group = min(is_due, key=lambda g: oldest_version(g, limit + 1))
+        elif self.arrived and room > 0:
+            group = self.arrived[0]
+        else:
+            return None
+        self.arrived.remove(group)
+        return group
+
+    def _regenerate(self, group: Group, version: int) -> None:
+        """A group too old to train on: its prompt goes out again. Only a group whose result
+        was on its way while its batch closed can miss the due list; the bound holds anyway."""
+        log.warning("prompt %d: its oldest token (v%d) is more than %d versions behind v%d; generating it again",
+                    group.prompt.index, oldest_version(group, version), self.max_staleness, version)  # fmt: skip
+        del self.outstanding[str(group.prompt.index)]
+        self._resubmit.append(group.prompt.index)
+        self.step.num_regenerated += 1
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._arrive(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _wait(self, only_due: bool) -> None:
+        """Block for the next group. The learner is idle meanwhile: in hybrid mode the
+        trainer's own engine may take work (the `idle` local window)."""
+        self.rollout.learner_waiting()
+        t0 = time.monotonic()
+        self._arrive(self._inbox.get())
+        waited = time.monotonic() - t0
+        self.step.wait_s += waited
+        if only_due:
+            self.step.due_wait_s += waited
+
+    def _arrive(self, item: Group | BaseException) -> None:
+        if isinstance(item, BaseException):
+            raise item
+        self.arrived.append(item)
+
+    @property
+    def pending_indices(self) -> list[int]:
+        """Prompts in flight or waiting to be trained on (a checkpoint's): a resumed run
+        generates them again."""
+        return sorted([p.index for p in self.outstanding.values()] + self._resubmit)
+
+    def close(self) -> None:
+        """Stop reading (what is in flight is cancelled when the rollout closes)."""
+        self._closed = True
