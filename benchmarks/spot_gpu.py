@@ -1,24 +1,37 @@
-"""The headline experiment on a 2-GPU host: a trainer on GPU 0, with and without a "spot"
-rollout worker on GPU 1.
+"""The headline experiment: a trainer's GPU, with and without a "spot" rollout worker on a
+second GPU, on the long-tail workload where a synchronous step waits for its longest
+response.
 
-    python benchmarks/spot_gpu.py --json out.json                 # every part, one run
-    python benchmarks/spot_gpu.py --one-gpu --prompts 8 --n 4 --new-tokens 256 --tail-median 32 \
-        --tail-p99 320 --warmup 1 --steps 1 --only colocated,hybrid,best_kill    # a check on one GPU
+    python benchmarks/spot_gpu.py --split mps --json out.json     # one H100 split in two halves by MPS
+    python benchmarks/spot_gpu.py --split gpus --json out.json    # a 2-GPU host: trainer GPU 0, spot GPU 1
+    python benchmarks/spot_gpu.py --device cpu --only colocated,fully_async_k2,best_kill   # the orchestration on CPU
 
-Throughput parts, each a real `polyrl train` process on GPU 0 (plus a real `polyrl worker`
-on GPU 1 that joins like a spot VM would, by hand with the manager's URL and token), on
-the long-tail workload:
-* colocated: rollout.mode=local, the veRL-style baseline: generate, then train, one GPU;
-* hybrid: rollout.mode=hybrid, on-policy;
-* hybrid_ahead: hybrid with rollout.max_staleness=1: the worker generates step k+1's
-  batch while the trainer's GPU trains on step k's;
-* best_kill: the faster of hybrid and hybrid_ahead (of this run) again, with the worker
-  killed (-9) in the middle of a measured step and a new one started a few seconds
-  later: nothing may be lost;
-* equal_colocated, equal_hybrid, equal_hybrid_ahead: the same with every response at
-  full length (`--new-tokens`), for comparison;
-* learn_colocated / learn_hybrid / learn_hybrid_ahead: the tiny default model learning
-  the default task from scratch, wall-clock time to a target reward.
+Where the processes run (`--split`):
+* `mps`: one GPU stands in for two. The script starts its own CUDA MPS control daemon (its
+  own pipe and log directories under the work directory) and stops it at the end and on
+  any failure; every process runs at `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50` (the trainer
+  and its own engine on the "trainer's half", the spot worker on the other), except the
+  `colocated_whole` row at 100%. Measured 2026-11-25 on an H100: two such processes at once
+  ran bf16 matmuls at 325 + 322 TFLOP/s and copied at 1.52 + 1.54 TB/s, against 441 and
+  2.78 alone. The `standin` row measures what the stand-in costs the spot half.
+* `gpus`: the trainer on GPU 0, the spot worker on GPU 1 (a 2-GPU host).
+* `one`: the worker shares GPU 0 without MPS (a check of the script, not a measurement).
+
+Throughput rows, each a real `polyrl train` process (plus, for the spot rows, a real
+`polyrl worker` that joins by hand with the manager's URL and token, as a spot VM would):
+* colocated: rollout.mode=local, the veRL-style baseline on the trainer's half: generate,
+  then train; colocated_whole: the same on the whole GPU (`--split mps` only);
+* hybrid: rollout.mode=hybrid, on-policy; hybrid_ahead: with rollout.max_staleness=1,
+  the next step's batch generated while the learner trains;
+* fully_async_k1 / fully_async_k2: rollout.fully_async with max_staleness 1 / 2 (hybrid:
+  the trainer's engine generates whenever its learner waits);
+* best_kill: the fastest spot row of this run again, with the worker killed (-9) in the
+  middle of a measured step and a new one started a few seconds later: nothing may be lost;
+* equal_*: the same with every response at full length (`--new-tokens`), for comparison;
+* learn_*: the tiny default model learning the default task from scratch: wall-clock time
+  to a target reward;
+* standin: a single sequence's decode latency on the spot half, with the other half idle
+  and with it training (the 0.6B shape's forward and backward in a loop).
 
 The long-tail workload gives each prompt its own `max_new_tokens`
 (`data.max_new_tokens_key`), drawn from a log-normal distribution with median
@@ -29,11 +42,13 @@ https://jiahuanglin.xyz/all_lessons/RL/lessons/22b_longtail_rollouts.html; the d
 median is scaled down to 300 so that a step fits the device's time limit. All samples
 of one prompt share its length: the group, not the sample, is what the learner waits on.
 
-The throughput parts use a Qwen3-0.6B-shaped model with random weights. Its generation
+The throughput rows use a Qwen3-0.6B-shaped model with random weights. Its generation
 config names `--stop-ids` extra token ids as end-of-sequence (default none: with random
-weights a response runs to its budget). Prices are the seeds' H100x8 prices per GPU: the
-trainer's GPU on-demand, the worker's spot. `--one-gpu` runs the worker on the trainer's
-GPU (a check of the script, not a measurement).
+weights a response runs to its budget). Each engine's KV cache is a fixed block count
+(`--kv-blocks` for the trainer's engine, `--worker-kv-blocks` for the spot worker), so a
+process that starts later does not get a fraction of what is left. Prices are the
+seeds' H100x8 prices per GPU: the trainer's GPU on-demand, the worker's spot.
+`--device cpu` runs the rows on the tiny model and CPU engines, to check the script.
 """
 
 from __future__ import annotations
@@ -49,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -89,6 +105,18 @@ class Result:
     """Versions the trained-on tokens lagged the learner, mean over measured steps."""
     samples_lost: int = 0
     migrated: int = 0
+    version_lag_max: float = 0.0
+    multi_version: float = 0.0
+    """Share of the trained samples whose tokens came from more than one version."""
+    learner_idle_s: float = 0.0
+    """Seconds a step's learner waited for groups, mean over measured steps."""
+    fleet_idle: float | None = None
+    """Share of the spot workers' time with nothing to run, mean over measured steps."""
+    due_groups: float = 0.0
+    held_back: float = 0.0
+    ready_start: float | None = None
+    """Finished groups waiting for the learner when the first measured step began (async)."""
+    ready_end: float | None = None
     local_share: float = 0.0
     mean_completion_len: float = 0.0
     max_completion_len: float = 0.0
@@ -146,21 +174,58 @@ def make_model(out: Path, num_stop_ids: int, max_positions: int) -> Path:
     return out
 
 
+class Placement:
+    """Where the trainer and the spot worker run, and with what share of the GPU."""
+
+    def __init__(self, split: str, device: str, mps_env: dict[str, str] | None = None) -> None:
+        self.split, self.device, self.mps_env = split, device, mps_env
+
+    def env(self, role: str, whole: bool = False) -> dict[str, str]:
+        """`role`: "trainer" or "worker"; `whole`: the trainer gets the whole GPU."""
+        base = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+        if self.device == "cpu":
+            return base | {"CUDA_VISIBLE_DEVICES": ""}
+        gpu = "1" if role == "worker" and self.split == "gpus" else "0"
+        base["CUDA_VISIBLE_DEVICES"] = gpu
+        if self.mps_env is not None:
+            base |= self.mps_env | {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100" if whole else "50"}
+        return base
+
+
+@contextlib.contextmanager
+def mps_daemon(root: Path) -> Iterator[dict[str, str]]:
+    """A CUDA MPS control daemon of our own (pipe and log directories under `root`),
+    stopped when the block ends, however it ends; yields the environment its clients need."""
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "mps-log")}
+    for path in env.values():
+        Path(path).mkdir(parents=True, exist_ok=True)
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], env=os.environ | env, check=True, timeout=30)
+    print(f"MPS control daemon started (pipe {env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
+    try:
+        yield env
+    finally:
+        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env=os.environ | env, timeout=60, check=False)
+        print("MPS control daemon stopped", flush=True)
+
+
 class Worker:
-    """A `polyrl worker` on its own GPU that joins the trainer's manager, as a spot VM would."""
+    """A `polyrl worker` that joins the trainer's manager, as a spot VM would."""
 
     def __init__(
-        self, model: Path, manager_url: str, worker_id: str, gpu: str, log_dir: Path, fraction: float,
-        extra: tuple[str, ...] = ("engine.max_num_seqs=512",),
+        self, model: Path, manager_url: str, worker_id: str, gpu: str, log_dir: Path, fraction: float | None,
+        extra: tuple[str, ...] = ("engine.max_num_seqs=512",), env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
-        """`gpu`: CUDA_VISIBLE_DEVICES for it ("" hides every GPU); `extra`: more config overrides."""
+        """`gpu`: CUDA_VISIBLE_DEVICES for it ("" hides every GPU); `fraction`: its KV cache's
+        share of the free GPU memory (None: `extra` sizes it); `extra`: more config overrides;
+        `env`: more environment (MPS)."""
         env = os.environ | {"CUDA_VISIBLE_DEVICES": gpu, "POLYRL_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1",
-                            "PYTHONFAULTHANDLER": "1"}  # fmt: skip
+                            "PYTHONFAULTHANDLER": "1"} | (env or {})  # fmt: skip
         self.worker_id = worker_id
         self.log = open(log_dir / f"{worker_id}.log", "ab")  # noqa: SIM115 - closed in stop()
+        kv = [f"engine.kv_cache_memory_fraction={fraction}"] if fraction is not None else []
         cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model), "--port", "0",
-               "--manager", manager_url, "--worker-id", worker_id, f"engine.kv_cache_memory_fraction={fraction}",
-               "worker.heartbeat_interval_s=0.5", *extra]  # fmt: skip
+               "--manager", manager_url, "--worker-id", worker_id, *kv, "worker.heartbeat_interval_s=0.5",
+               *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill(self) -> None:
@@ -193,41 +258,58 @@ def train_command(run_dir: Path, overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir), *overrides]
 
 
+def engine_overrides(args: argparse.Namespace, blocks: int) -> list[str]:
+    """An engine's batch and KV cache: a fixed block count when `blocks`, else a fraction."""
+    if args.device == "cpu":
+        return ['engine.device="cpu"', "engine.max_num_seqs=64", f"engine.num_kv_blocks={blocks or 512}"]
+    kv = f"engine.num_kv_blocks={blocks}" if blocks else f"engine.kv_cache_memory_fraction={args.kv_fraction}"
+    return ["engine.max_num_seqs=512", kv]
+
+
 def throughput_overrides(
     args: argparse.Namespace, model: Path, mode: str, port: int, data: Path, has_budgets: bool
 ) -> list[str]:
     """`data`: the workload's prompt file; `has_budgets`: it has `write_workload`'s
     `max_new_tokens` column, each prompt's own budget."""
     budget = ["data.max_new_tokens_key=max_new_tokens"] if has_budgets else []
+    cuda = args.device == "cuda"
     return [
-        f"model.path={model}", "model.dtype=bfloat16", "trainer.device=cuda", f"rollout.mode={mode}",
-        f"rollout.n={args.n}", f"rollout.max_new_tokens={args.new_tokens}", "data.task=dataset", f"data.path={data}",
-        "data.format=plain", "reward.functions=['polyrl.data.tasks:char_match_reward']", *budget,
+        f"model.path={model}", f"model.dtype={'bfloat16' if cuda else 'float32'}", f"trainer.device={args.device}",
+        f"rollout.mode={mode}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.new_tokens}", "data.task=dataset",
+        f"data.path={data}", "data.format=plain", "reward.functions=['polyrl.data.tasks:char_match_reward']", *budget,
         f"trainer.train_batch_size={args.prompts}", f"trainer.ppo_mini_batch_size={args.prompts // args.mini_batches}",
         f"trainer.total_steps={args.warmup + args.steps}", "trainer.lr=1e-6", "trainer.warmup_steps=0",
         f"trainer.micro_batch_max_tokens={args.micro_batch_tokens}", "trainer.save_every=0",
-        "engine.max_num_seqs=512", f"engine.kv_cache_memory_fraction={args.kv_fraction}",
-        "logging.console=false", "logging.tensorboard=false", "fleet.num_workers=0",
-        f"manager.port={port}", f"manager.token={TOKEN}", "manager.heartbeat_interval_s=0.5",
+        *engine_overrides(args, args.kv_blocks), "logging.console=false", "logging.tensorboard=false",
+        "fleet.num_workers=0", f"manager.port={port}", f"manager.token={TOKEN}", "manager.heartbeat_interval_s=0.5",
+        f"manager.max_inflight_per_worker={512 if cuda else 64}",
         f"cost.trainer_usd_per_hour={ON_DEMAND_USD_PER_GPU_HOUR}", f"cost.worker_usd_per_hour={SPOT_USD_PER_GPU_HOUR}",
     ]  # fmt: skip
 
 
 def run_part(
     part: str, overrides: list[str], run_dir: Path, model: Path | None, port: int, args: argparse.Namespace,
-    spot: bool, kill_step: int | None = None, timeout_s: float = 900,
+    spot: bool, kill_step: int | None = None, timeout_s: float = 900, whole: bool = False,
 ) -> tuple[list[dict[str, float]], float, list[str]]:
     """Run one trainer (and its worker); returns its metrics rows, wall seconds, notes."""
     run_dir.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     workers: list[Worker] = []
     url = f"http://127.0.0.1:{port}"
+    place: Placement = args.placement
+    worker_env = place.env("worker")
+
+    def start_worker(worker_id: str) -> Worker:
+        extra = (*engine_overrides(args, args.worker_kv_blocks), *args.worker_set)
+        return Worker(model, url, worker_id, worker_env["CUDA_VISIBLE_DEVICES"], run_dir, None, extra, worker_env)
+
     if spot:  # started first: it retries registering until the trainer's manager is up
-        workers.append(Worker(model, url, "spot0", args.worker_gpu, run_dir, args.worker_kv_fraction))
+        workers.append(start_worker("spot0"))
+        overrides = [*overrides, "fleet.min_workers=1"]  # the first step waits for it, not the trainer's engine
     t0 = time.monotonic()
-    env = os.environ | {"CUDA_VISIBLE_DEVICES": "0", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     with open(run_dir / "trainer.log", "ab") as log:
-        trainer = subprocess.Popen(train_command(run_dir, overrides), env=env, stdout=log, stderr=subprocess.STDOUT)
+        trainer = subprocess.Popen(train_command(run_dir, overrides), env=os.environ | place.env("trainer", whole),
+                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         killed = False
         try:
             while trainer.poll() is None:
@@ -241,14 +323,14 @@ def run_part(
                     break
                 rows = read_metrics(run_dir / "metrics.jsonl")
                 if kill_step is not None and not killed and len(rows) >= kill_step - 1:
-                    # mid-step: half the previous step's generation time into step `kill_step`
-                    gen = rows[-1].get("timing_s/gen", 1.0) if rows else 1.0
-                    time.sleep(max(gen / 2, 0.2))
+                    # mid-step: half the previous step's time into step `kill_step`
+                    step_s = rows[-1].get("perf/time_per_step", 1.0) if rows else 1.0
+                    time.sleep(max(step_s / 2, 0.2))
                     workers[-1].kill()
                     notes.append(f"spot0 killed -9 in step {kill_step}")
                     killed = True
                     time.sleep(args.restart_after_s)
-                    workers.append(Worker(model, url, "spot1", args.worker_gpu, run_dir, args.worker_kv_fraction))
+                    workers.append(start_worker("spot1"))
                     notes.append(f"spot1 started {args.restart_after_s:.0f}s later")
                 time.sleep(0.2)
         finally:
@@ -284,6 +366,14 @@ def summarise(part: str, rows: list[dict[str, float]], warmup: int, wall: float,
     res.weight_sync_s = sum(syncs) / len(syncs) if syncs else None
     res.logprob_diff = max(r.get("rollout/logprob_diff", 0.0) for r in measured)
     res.version_lag = mean("rollout/version_lag/mean")
+    res.version_lag_max = max(r.get("rollout/version_lag/max", 0.0) for r in measured)
+    res.multi_version = mean("rollout/multi_version_ratio")
+    res.learner_idle_s = mean("timing_s/learner_idle")
+    idles = [r["rollout/fleet_idle_ratio"] for r in measured if "rollout/fleet_idle_ratio" in r]
+    res.fleet_idle = sum(idles) / len(idles) if idles else None
+    res.due_groups, res.held_back = mean("async/due_groups"), mean("async/held_back_samples")
+    if "async/ready_groups" in measured[0]:
+        res.ready_start, res.ready_end = measured[0]["async/ready_groups"], measured[-1]["async/ready_groups"]
     res.samples_lost = int(sum(r["rollout/samples_lost"] for r in rows))
     res.migrated = int(sum(r["rollout/migrated_samples"] for r in rows))
     res.local_share = sum(r["rollout/local_samples"] for r in measured) / max(sum(r["rollout/samples_received"] for r in measured), 1)
@@ -293,13 +383,13 @@ def summarise(part: str, rows: list[dict[str, float]], warmup: int, wall: float,
 
 
 def learning_part(part: str, mode: str, args: argparse.Namespace, work: Path, extra: list[str]) -> Result:
-    """The default task and tiny model, from scratch, on GPU: time to the target reward."""
+    """The default task and tiny model, from scratch: time to the target reward."""
     port = free_port()
     overrides = [*extra,
-        "trainer.device=cuda", f"rollout.mode={mode}", f"trainer.total_steps={args.learn_steps}",
+        f"trainer.device={args.device}", f"rollout.mode={mode}", f"trainer.total_steps={args.learn_steps}",
         "logging.console=false", "logging.tensorboard=false", "fleet.num_workers=0", "trainer.save_every=0",
         f"manager.port={port}", f"manager.token={TOKEN}", "manager.heartbeat_interval_s=0.5",
-        "engine.kv_cache_memory_fraction=0.2",
+        "engine.num_kv_blocks=2048" if args.device == "cuda" else 'engine.device="cpu"',
     ]  # fmt: skip
     run_dir = work / part
     model = None
@@ -308,7 +398,12 @@ def learning_part(part: str, mode: str, args: argparse.Namespace, work: Path, ex
         subprocess.run([sys.executable, "-m", "polyrl.cli", "tiny-model", "--out", str(model)], check=True,
                        capture_output=True)  # fmt: skip
         overrides.append(f"model.path={model}")
-    rows, wall, notes = run_part(part, overrides, run_dir, model, port, args, mode != "local", None, args.part_timeout_s)
+    saved = args.worker_kv_blocks
+    args.worker_kv_blocks = 2048 if args.device == "cuda" else 512
+    try:
+        rows, wall, notes = run_part(part, overrides, run_dir, model, port, args, mode != "local", None, args.part_timeout_s)
+    finally:
+        args.worker_kv_blocks = saved
     res = summarise(part, rows, 0, wall, notes)
     elapsed = 0.0
     window: list[float] = []
@@ -319,6 +414,82 @@ def learning_part(part: str, mode: str, args: argparse.Namespace, work: Path, ex
             res.time_to_target_s = elapsed
     res.final_reward = sum(window) / len(window) if window else None
     return res
+
+
+# ----------------------------------------------------------------------- the stand-in's penalty
+
+
+def decode_latency(model: Path, num_tokens: int) -> float:
+    """Milliseconds per decode step of one sequence on polyrl's engine (CUDA graphs)."""
+    from polyrl.config import EngineConfig
+    from polyrl.engine.engine import Engine
+    from polyrl.engine.types import EngineRequest, EngineSampling
+
+    engine = Engine.from_pretrained(str(model), EngineConfig(max_num_seqs=8, num_kv_blocks=512))
+    times = []
+    for i in range(3):  # the first is a warm-up
+        sampling = EngineSampling(max_new_tokens=num_tokens, temperature=1.0, ignore_eos=True, seed=i)
+        engine.add_request(EngineRequest(f"r{i}", [1, 2, 3, 4], sampling))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while engine.has_work:
+            engine.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1000 / num_tokens)
+    return float(np.median(times[1:]))
+
+
+def train_loop(model: Path, seconds: float) -> None:
+    """The 0.6B shape's forward and backward (bf16, 8 x 2048 tokens) in a loop: a training half."""
+    from transformers import AutoModelForCausalLM
+
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-6)
+    ids = torch.randint(0, 150000, (8, 2048), device="cuda")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        net(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+
+
+def standin_part(args: argparse.Namespace, model: Path, work: Path) -> Result:
+    """The spot half's single-sequence decode latency with the other half idle, then with it
+    training: what the one-GPU stand-in costs a spot worker that a second GPU would not."""
+    res = Result(part="standin")
+    place: Placement = args.placement
+    me = [sys.executable, __file__, "--_role"]
+
+    def latency() -> float:
+        out = subprocess.run([*me, f"decode:{model}"], env=os.environ | place.env("worker"), capture_output=True,
+                             text=True, timeout=300, check=True)  # fmt: skip
+        return float(out.stdout.strip().splitlines()[-1])
+
+    idle_ms = latency()
+    trainer = subprocess.Popen([*me, f"train:{model}"], env=os.environ | place.env("trainer"), stdout=subprocess.DEVNULL,
+                               stderr=open(work / "standin_train.log", "ab"))  # noqa: SIM115  # fmt: skip
+    try:
+        time.sleep(25)  # its model loaded and its loop running
+        busy_ms = latency()
+    finally:
+        trainer.kill()
+        trainer.wait()
+    res.notes = [f"decode step, 1 sequence: {idle_ms:.2f} ms with the other half idle, {busy_ms:.2f} ms with it "
+                 f"training ({busy_ms / idle_ms:.2f}x)"]  # fmt: skip
+    res.gen_s, res.update_actor_s = idle_ms, busy_ms
+    return res
+
+
+def child_role(role: str) -> None:
+    kind, model = role.split(":", 1)
+    if kind == "decode":
+        print(f"{decode_latency(Path(model), 256):.4f}", flush=True)
+    else:
+        train_loop(Path(model), seconds=120)
+
+
+# ---------------------------------------------------------------------------------------- main
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -335,114 +506,167 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-after-s", type=float, default=3.0)
 
 
-THROUGHPUT_PARTS = {  # part: (workload, rollout mode, generating one step ahead)
-    "colocated": ("longtail", "local", False),
-    "hybrid": ("longtail", "hybrid", False),
-    "hybrid_ahead": ("longtail", "hybrid", True),
-    "equal_colocated": ("equal", "local", False),
-    "equal_hybrid": ("equal", "hybrid", False),
-    "equal_hybrid_ahead": ("equal", "hybrid", True),
+THROUGHPUT_PARTS: dict[str, tuple[str, str, list[str]]] = {  # part: (workload, rollout mode, overrides)
+    "colocated": ("longtail", "local", []),
+    "colocated_whole": ("longtail", "local", []),
+    "hybrid": ("longtail", "hybrid", []),
+    "hybrid_ahead": ("longtail", "hybrid", ["rollout.max_staleness=1"]),
+    "fully_async_k1": ("longtail", "hybrid", ["rollout.fully_async=true", "rollout.max_staleness=1"]),
+    "fully_async_k2": ("longtail", "hybrid", ["rollout.fully_async=true", "rollout.max_staleness=2"]),
+    "equal_colocated": ("equal", "local", []),
+    "equal_hybrid": ("equal", "hybrid", []),
+    "equal_hybrid_ahead": ("equal", "hybrid", ["rollout.max_staleness=1"]),
+    "equal_fully_async": ("equal", "hybrid", ["rollout.fully_async=true", "rollout.max_staleness=2"]),
 }
-LEARN_PARTS = {"learn_colocated": ("local", False), "learn_hybrid": ("hybrid", False), "learn_hybrid_ahead": ("hybrid", True)}
+LEARN_PARTS = {  # part: (rollout mode, overrides)
+    "learn_colocated": ("local", []),
+    "learn_hybrid": ("hybrid", []),
+    "learn_hybrid_ahead": ("hybrid", ["rollout.max_staleness=1"]),
+    "learn_fully_async": ("hybrid", ["rollout.fully_async=true", "rollout.max_staleness=1"]),
+}
+KILLABLE = ("hybrid", "hybrid_ahead", "fully_async_k1", "fully_async_k2")
+DEFAULT_PARTS = ("colocated,colocated_whole,hybrid,hybrid_ahead,fully_async_k1,fully_async_k2,best_kill,equal_colocated,"
+                 "equal_fully_async,learn_colocated,learn_fully_async,standin")  # fmt: skip
 
 
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--_role":  # a child of the standin row
+        child_role(sys.argv[2])
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=Path)
-    p.add_argument("--only", default="colocated,hybrid,hybrid_ahead,best_kill,equal_colocated,equal_hybrid,"
-                   "equal_hybrid_ahead,learn_colocated,learn_hybrid,learn_hybrid_ahead")  # fmt: skip
+    p.add_argument("--only", default=DEFAULT_PARTS, help="comma-separated rows (default: %(default)s)")
     add_workload_args(p)
+    p.add_argument("--split", choices=("mps", "gpus", "one"), default="gpus")
+    p.add_argument("--one-gpu", action="store_true", help="the same as --split one")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--kv-blocks", type=int, default=8192, help="the trainer's engine (16-token blocks; 0: --kv-fraction)")
+    p.add_argument("--worker-kv-blocks", type=int, default=12288, help="the spot worker's engine (0: --worker-kv-fraction)")
     p.add_argument("--tail-median", type=float, default=300, help="long-tail workload: median budget (tokens)")
     p.add_argument("--tail-p99", type=float, default=3000, help="long-tail workload: 99th-percentile budget")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
     p.add_argument("--learn-steps", type=int, default=80)
     p.add_argument("--part-timeout-s", type=float, default=900, help="a part still running then is stopped")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more trainer overrides")
+    p.add_argument("--worker-set", action="append", default=[], metavar="KEY=VALUE", help="more spot-worker overrides")
     p.add_argument("--keep", type=Path, help="keep the logs and run directories here")
     p.add_argument("--target-reward", type=float, default=0.8)
-    p.add_argument("--one-gpu", action="store_true", help="the worker shares GPU 0 (checks the script; no headline)")
     args = p.parse_args()
-    args.worker_gpu = "0" if args.one_gpu else "1"
-    if torch.cuda.device_count() < (1 if args.one_gpu else 2):
-        sys.exit(f"needs 2 GPUs (or --one-gpu), found {torch.cuda.device_count()}")
+    if args.one_gpu:
+        args.split = "one"
     parts = args.only.split(",")
-    unknown = [x for x in parts if x not in THROUGHPUT_PARTS and x not in LEARN_PARTS and x != "best_kill"]
+    known = {*THROUGHPUT_PARTS, *LEARN_PARTS, "best_kill", "standin"}
+    unknown = [x for x in parts if x not in known]
     if unknown:
-        sys.exit(f"unknown parts {unknown}")
-    results: list[Result] = []
-    with tempfile.TemporaryDirectory(prefix="spot_gpu_") as tmp:
+        sys.exit(f"unknown parts {unknown}; known: {sorted(known)}")
+    if args.device == "cuda" and torch.cuda.device_count() < (2 if args.split == "gpus" else 1):
+        sys.exit(f"--split {args.split} needs {2 if args.split == 'gpus' else 1} GPUs, found {torch.cuda.device_count()}")
+    if args.device == "cpu":
+        parts = [x for x in parts if x not in ("standin", "colocated_whole")]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stop still runs the clean-ups (the MPS daemon's)
+    with tempfile.TemporaryDirectory(prefix="spot_gpu_") as tmp, contextlib.ExitStack() as stack:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        model = None
-        if any(not part.startswith("learn") for part in parts):
-            model = make_model(work / "qwen3-0.6b-shape", args.stop_ids, args.new_tokens + 512)
-        count = args.prompts * (args.warmup + args.steps)  # one pass: no prompt repeats
-        budgets = longtail_budgets(count, args.tail_median, args.tail_p99, args.new_tokens)
-        data = {"longtail": write_workload(work / "longtail.jsonl", count, budgets),
-                "equal": write_workload(work / "equal.jsonl", count, None)}  # fmt: skip
-        print(f"long-tail budgets: median {np.median(budgets):.0f}, p90 {np.percentile(budgets, 90):.0f}, "
-              f"p99 {np.percentile(budgets, 99):.0f}, max {max(budgets)}, mean {np.mean(budgets):.0f}", flush=True)
-        for part in parts:
-            print(f"== {part}", flush=True)
-            if part in LEARN_PARTS:
-                mode, ahead = LEARN_PARTS[part]
-                res = learning_part(part, mode, args, work, ["rollout.max_staleness=1"] if ahead else [])
-                results.append(res)
-                print(json.dumps(asdict(res)), flush=True)
-                continue
-            kill = None
-            if part == "best_kill":  # the faster hybrid row of this run, with a kill
-                hybrids = [r for r in results if r.part in ("hybrid", "hybrid_ahead") and r.steps]
-                if not hybrids:
-                    print("best_kill: run hybrid and/or hybrid_ahead first", flush=True)
-                    continue
-                best = max(hybrids, key=lambda r: r.tokens_per_s)
-                workload, mode, ahead = THROUGHPUT_PARTS[best.part]
-                kill = args.warmup + 2 if args.steps >= 2 else args.warmup + 1
-            else:
-                workload, mode, ahead = THROUGHPUT_PARTS[part]
-            port = free_port()
-            overrides = throughput_overrides(args, model, mode, port, data[workload], workload == "longtail") + args.set
-            overrides += ["rollout.max_staleness=1"] if ahead else []
-            rows, wall, notes = run_part(part, overrides, work / part, model, port, args, mode != "local", kill,
-                                         args.part_timeout_s)  # fmt: skip
-            if part == "best_kill":
-                notes.insert(0, f"as {best.part}")
-            res = summarise(part, rows, args.warmup, wall, notes)
-            res.workload = workload
-            results.append(res)
-            print(json.dumps(asdict(res)), flush=True)
+        mps = stack.enter_context(mps_daemon(work)) if args.split == "mps" and args.device == "cuda" else None
+        args.placement = Placement(args.split, args.device, mps)
+        results = run_parts(parts, args, work)
     report(results, args)
 
 
+def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Result]:
+    results: list[Result] = []
+    model = None
+    if any(x in THROUGHPUT_PARTS or x in ("best_kill", "standin") for x in parts):
+        if args.device == "cuda":
+            model = make_model(work / "qwen3-0.6b-shape", args.stop_ids, args.new_tokens + 512)
+        else:  # the tiny model, long enough for the budgets
+            model = work / "tiny"
+            subprocess.run([sys.executable, "-m", "polyrl.cli", "tiny-model", "--out", str(model),
+                            f"max_position_embeddings={args.new_tokens + 128}"], check=True, capture_output=True)  # fmt: skip
+    count = args.prompts * (args.warmup + args.steps + 3)  # one pass (fully async takes up to 2 steps' more)
+    budgets = longtail_budgets(count, args.tail_median, args.tail_p99, args.new_tokens)
+    data = {"longtail": write_workload(work / "longtail.jsonl", count, budgets),
+            "equal": write_workload(work / "equal.jsonl", count, None)}  # fmt: skip
+    print(f"long-tail budgets: median {np.median(budgets):.0f}, p90 {np.percentile(budgets, 90):.0f}, "
+          f"p99 {np.percentile(budgets, 99):.0f}, max {max(budgets)}, mean {np.mean(budgets):.0f}", flush=True)
+    for part in parts:
+        print(f"== {part}", flush=True)
+        if part == "standin":
+            res = standin_part(args, model, work)
+        elif part in LEARN_PARTS:
+            mode, extra = LEARN_PARTS[part]
+            res = learning_part(part, mode, args, work, extra)
+        else:
+            res = throughput_part(part, args, work, model, data, results)
+            if res is None:
+                continue
+        results.append(res)
+        print(json.dumps(asdict(res)), flush=True)
+    return results
+
+
+def throughput_part(
+    part: str, args: argparse.Namespace, work: Path, model: Path, data: dict[str, Path], done: list[Result]
+) -> Result | None:
+    kill = None
+    if part == "best_kill":  # the fastest spot row of this run, with a kill
+        spot_rows = [r for r in done if r.part in KILLABLE and r.steps]
+        if not spot_rows:
+            print("best_kill: run one of " + ", ".join(KILLABLE) + " first", flush=True)
+            return None
+        best = max(spot_rows, key=lambda r: r.tokens_per_s)
+        workload, mode, extra = THROUGHPUT_PARTS[best.part]
+        kill = args.warmup + 2 if args.steps >= 2 else args.warmup + 1
+    else:
+        workload, mode, extra = THROUGHPUT_PARTS[part]
+    port = free_port()
+    overrides = [*throughput_overrides(args, model, mode, port, data[workload], workload == "longtail"), *extra, *args.set]
+    whole = part == "colocated_whole"
+    rows, wall, notes = run_part(part, overrides, work / part, model, port, args, mode != "local", kill,
+                                 args.part_timeout_s, whole)  # fmt: skip
+    if part == "best_kill":
+        notes.insert(0, f"as {best.part}")
+    res = summarise(part, rows, args.warmup, wall, notes)
+    res.workload = workload
+    return res
+
+
 def report(results: list[Result], args: argparse.Namespace) -> None:
-    """One table; each throughput row is compared with the colocated row of its workload."""
+    """One table; each throughput row is compared with the colocated rows of its workload
+    (on the trainer's half, and on the whole GPU)."""
     bases = {r.workload: r for r in results if r.part in ("colocated", "equal_colocated") and r.steps}
-    print(f"\n{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}, "
-          f"{platform.node()}; {args.prompts} prompts x {args.n}, <= {args.new_tokens} new tokens, long tail: median "
-          f"{args.tail_median:g}, p99 {args.tail_p99:g}; {args.stop_ids} extra stop ids"
-          f"{'; ONE GPU (worker shares GPU 0): a check, not a result' if args.one_gpu else ''}")  # fmt: skip
-    head = ("part", "workload", "s/step", "tok/s", "gen tok/s", "vs coloc", "$/h", "tok/$", "tok/$ gain", "gen s", "train s",
-            "publish s", "sync s", "lp diff", "lag", "lost", "migr", "local", "resp len", "max len", "to target s",
-            "final reward")
+    whole = next((r for r in results if r.part == "colocated_whole" and r.steps), None)
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu"
+    split = {"mps": "ONE GPU split in two halves by MPS (50% of the SMs each)", "gpus": "trainer GPU 0, spot GPU 1",
+             "one": "ONE GPU shared without MPS: a check, not a result"}[args.split]  # fmt: skip
+    print(f"\n{device}, torch {torch.__version__}, {platform.node()}; {split}; {args.prompts} prompts x {args.n}, "
+          f"<= {args.new_tokens} new tokens, long tail: median {args.tail_median:g}, p99 {args.tail_p99:g}; "
+          f"{args.warmup} warm-up + {args.steps} measured steps")  # fmt: skip
+    head = ("part", "workload", "s/step", "tok/s", "vs coloc", "vs whole", "$/h", "tok/$", "tok/$ gain", "gen s",
+            "train s", "learner idle s", "fleet idle", "lag mean/max", "multi-version", "due", "held back", "ready",
+            "sync s", "lp diff", "lost", "migr", "local", "resp len", "to target s", "final reward")  # fmt: skip
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in results:
         base = bases.get(r.workload)
         speed = r.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s and r.tokens_per_s else None
+        vs_whole = r.tokens_per_s / whole.tokens_per_s if whole and r.workload == "longtail" and r.tokens_per_s else None
         gain = r.tokens_per_usd / base.tokens_per_usd - 1 if base and base.tokens_per_usd and r.tokens_per_usd else None
-        cells = (r.part, r.workload or "-", fmt(r.s_per_step, ".2f"), fmt(r.tokens_per_s, ".0f"), fmt(r.gen_tokens_per_s, ".0f"),
-                 fmt(speed, ".2f"), fmt(r.usd_per_hour, ".2f"), fmt(r.tokens_per_usd, ".3g"),
+        ready = "-" if r.ready_start is None else f"{r.ready_start:.0f}->{r.ready_end:.0f}"
+        cells = (r.part, r.workload or "-", fmt(r.s_per_step, ".2f"), fmt(r.tokens_per_s, ".0f"), fmt(speed, ".2f"),
+                 fmt(vs_whole, ".2f"), fmt(r.usd_per_hour, ".2f"), fmt(r.tokens_per_usd, ".3g"),
                  "-" if gain is None else f"{100 * gain:+.0f}%", fmt(r.gen_s, ".2f"), fmt(r.update_actor_s, ".2f"),
-                 fmt(r.publish_s, ".2f"), fmt(r.weight_sync_s, ".2f"), fmt(r.logprob_diff, ".2g"),
-                 fmt(r.version_lag, ".2f"), str(r.samples_lost),
-                 str(r.migrated), fmt(r.local_share, ".2f"), fmt(r.mean_completion_len, ".0f"),
-                 fmt(r.max_completion_len, ".0f"), fmt(r.time_to_target_s, ".0f"), fmt(r.final_reward, ".2f"))  # fmt: skip
+                 fmt(r.learner_idle_s, ".2f"), fmt(r.fleet_idle, ".2f"), f"{r.version_lag:.2f}/{r.version_lag_max:.0f}",
+                 fmt(r.multi_version, ".2f"), fmt(r.due_groups, ".1f"), fmt(r.held_back, ".0f"), ready,
+                 fmt(r.weight_sync_s, ".2f"), fmt(r.logprob_diff, ".2g"), str(r.samples_lost), str(r.migrated),
+                 fmt(r.local_share, ".2f"), fmt(r.mean_completion_len, ".0f"), fmt(r.time_to_target_s, ".0f"),
+                 fmt(r.final_reward, ".2f"))  # fmt: skip
         print("| " + " | ".join(cells) + " |")
         for note in r.notes:
             print(f"    {r.part}: {note}")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args), "results": [asdict(r) for r in results]}, indent=1, default=str))
+        out = {k: v for k, v in vars(args).items() if k != "placement"}
+        args.json.write_text(json.dumps({"args": out, "results": [asdict(r) for r in results]}, indent=1, default=str))
 
 
 if __name__ == "__main__":

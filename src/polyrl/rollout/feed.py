@@ -55,6 +55,9 @@ class FeedStep:
     """Samples the fleet had free slots for at the top-up, which the bound kept out."""
     in_flight_groups: int = 0
     """Groups submitted and not trained on, after the top-up."""
+    ready_groups: int = 0
+    """Groups finished and waiting for the learner when the step began (a backlog: the
+    fleet is ahead of the learner)."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -62,6 +65,7 @@ class FeedStep:
             "async/due_wait_s": self.due_wait_s,
             "async/held_back_samples": float(self.held_back_samples),
             "async/in_flight_groups": float(self.in_flight_groups),
+            "async/ready_groups": float(self.ready_groups),
             "async/regenerated_groups": float(self.num_regenerated),
         }
 
@@ -101,6 +105,8 @@ class AsyncFeed:
             self._submit(prompts)
         self.step.held_back_samples = max(0, free - len(prompts) * self.n)
         self.step.in_flight_groups = len(self.outstanding)
+        self._drain()
+        self.step.ready_groups = len(self.arrived)
 
     def _prompts(self, count: int) -> list[Prompt]:
         prompts = []
