@@ -59,6 +59,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -626,6 +627,8 @@ def throughput_part(
                                  args.part_timeout_s, whole)  # fmt: skip
     if part == "best_kill":
         notes.insert(0, f"as {best.part}")
+    for saved in ("checkpoints", "final_model"):  # gigabytes per row at this size: the disk would fill
+        shutil.rmtree(work / part / saved, ignore_errors=True)
     res = summarise(part, rows, args.warmup, wall, notes)
     res.workload = workload
     return res
