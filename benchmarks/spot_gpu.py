@@ -268,10 +268,11 @@ def engine_overrides(args: argparse.Namespace, blocks: int) -> list[str]:
 
 
 def throughput_overrides(
-    args: argparse.Namespace, model: Path, mode: str, port: int, data: Path, has_budgets: bool
+    args: argparse.Namespace, model: Path, mode: str, port: int, data: Path, has_budgets: bool, cooldown: int = 0
 ) -> list[str]:
     """`data`: the workload's prompt file; `has_budgets`: it has `write_workload`'s
-    `max_new_tokens` column, each prompt's own budget."""
+    `max_new_tokens` column, each prompt's own budget; `cooldown`: steps run after the
+    measured ones and not counted."""
     budget = ["data.max_new_tokens_key=max_new_tokens"] if has_budgets else []
     cuda = args.device == "cuda"
     return [
@@ -279,7 +280,7 @@ def throughput_overrides(
         f"rollout.mode={mode}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.new_tokens}", "data.task=dataset",
         f"data.path={data}", "data.format=plain", "reward.functions=['polyrl.data.tasks:char_match_reward']", *budget,
         f"trainer.train_batch_size={args.prompts}", f"trainer.ppo_mini_batch_size={args.prompts // args.mini_batches}",
-        f"trainer.total_steps={args.warmup + args.steps}", "trainer.lr=1e-6", "trainer.warmup_steps=0",
+        f"trainer.total_steps={args.warmup + args.steps + cooldown}", "trainer.lr=1e-6", "trainer.warmup_steps=0",
         f"trainer.micro_batch_max_tokens={args.micro_batch_tokens}", "trainer.save_every=0",
         *engine_overrides(args, args.kv_blocks), "logging.console=false", "logging.tensorboard=false",
         "fleet.num_workers=0", f"manager.port={port}", f"manager.token={TOKEN}", "manager.heartbeat_interval_s=0.5",
@@ -347,8 +348,11 @@ def run_part(
     return read_metrics(run_dir / "metrics.jsonl"), wall, notes
 
 
-def summarise(part: str, rows: list[dict[str, float]], warmup: int, wall: float, notes: list[str]) -> Result:
-    measured = [r for r in rows if r["step"] > warmup]
+def summarise(
+    part: str, rows: list[dict[str, float]], warmup: int, wall: float, notes: list[str], last: int | None = None
+) -> Result:
+    """The measured steps (after `warmup`, up to `last`) summed up."""
+    measured = [r for r in rows if warmup < r["step"] <= (last or r["step"])]
     res = Result(part=part, steps=len(measured), wall_s=wall, notes=notes)
     res.step_s = [round(r["perf/time_per_step"], 3) for r in rows]
     if not measured:
@@ -471,7 +475,7 @@ def standin_part(args: argparse.Namespace, model: Path, work: Path) -> Result:
     trainer = subprocess.Popen([*me, f"train:{model}"], env=os.environ | place.env("trainer"), stdout=subprocess.DEVNULL,
                                stderr=open(work / "standin_train.log", "ab"))  # noqa: SIM115  # fmt: skip
     try:
-        time.sleep(25)  # its model loaded and its loop running
+        time.sleep(15)  # its model loaded and its loop running
         busy_ms = latency()
     finally:
         trainer.kill()
@@ -501,7 +505,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-ids", type=int, default=0, help="extra end-of-sequence ids (0: every response is full length)")
     p.add_argument("--mini-batches", type=int, default=2)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--kv-fraction", type=float, default=0.45, help="the trainer's engine on its (first) GPU (fixed split)")
     p.add_argument("--worker-kv-fraction", type=float, default=0.8)
     p.add_argument("--restart-after-s", type=float, default=3.0)
@@ -546,6 +550,7 @@ def main() -> None:
     p.add_argument("--tail-median", type=float, default=300, help="long-tail workload: median budget (tokens)")
     p.add_argument("--tail-p99", type=float, default=3000, help="long-tail workload: 99th-percentile budget")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--cooldown", type=int, default=2, help="fully asynchronous rows: steps after the measured ones")
     p.add_argument("--learn-steps", type=int, default=80)
     p.add_argument("--part-timeout-s", type=float, default=900, help="a part still running then is stopped")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more trainer overrides")
@@ -584,7 +589,7 @@ def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Re
             model = work / "tiny"
             subprocess.run([sys.executable, "-m", "polyrl.cli", "tiny-model", "--out", str(model),
                             f"max_position_embeddings={args.new_tokens + 128}"], check=True, capture_output=True)  # fmt: skip
-    count = args.prompts * (args.warmup + args.steps + 3)  # one pass (fully async takes up to 2 steps' more)
+    count = args.prompts * (args.warmup + args.steps + args.cooldown + 4)  # one pass (fully async runs ahead)
     budgets = longtail_budgets(count, args.tail_median, args.tail_p99, args.new_tokens)
     data = {"longtail": write_workload(work / "longtail.jsonl", count, budgets),
             "equal": write_workload(work / "equal.jsonl", count, None)}  # fmt: skip
@@ -621,7 +626,11 @@ def throughput_part(
     else:
         workload, mode, extra = THROUGHPUT_PARTS[part]
     port = free_port()
-    overrides = [*throughput_overrides(args, model, mode, port, data[workload], workload == "longtail"), *extra, *args.set]
+    # Fully asynchronous runs submit less as they near their end: steps after the measured
+    # ones keep the measured ones in the steady state.
+    cooldown = args.cooldown if "rollout.fully_async=true" in extra else 0
+    overrides = [*throughput_overrides(args, model, mode, port, data[workload], workload == "longtail", cooldown),
+                 *extra, *args.set]  # fmt: skip
     whole = part == "colocated_whole"
     rows, wall, notes = run_part(part, overrides, work / part, model, port, args, mode != "local", kill,
                                  args.part_timeout_s, whole)  # fmt: skip
@@ -629,7 +638,7 @@ def throughput_part(
         notes.insert(0, f"as {best.part}")
     for saved in ("checkpoints", "final_model"):  # gigabytes per row at this size: the disk would fill
         shutil.rmtree(work / part / saved, ignore_errors=True)
-    res = summarise(part, rows, args.warmup, wall, notes)
+    res = summarise(part, rows, args.warmup, wall, notes, args.warmup + args.steps)
     res.workload = workload
     return res
 

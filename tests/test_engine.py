@@ -193,10 +193,13 @@ def test_stop_tokens_and_eos(model):
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
-@pytest.mark.parametrize("policy", ["recompute", "continue", "abort"])
-def test_weight_hot_swap_mid_run(model, tmp_path, policy, overlap_decode):
+@pytest.mark.parametrize("policy,per_update", [("recompute", False), ("continue", False), ("abort", False),
+                                               ("continue", True)])  # fmt: skip
+def test_weight_hot_swap_mid_run(model, tmp_path, policy, per_update, overlap_decode):
+    """`per_update`: the policy comes with the update (as the manager sends it for fully
+    asynchronous training) and overrides the engine's own "recompute"."""
     new_model = spicy_model(save_tiny_model(tmp_path / "m2", TinyModelConfig(arch=model.config.model_type, hidden_size=64, intermediate_size=128)), seed=1)
-    engine = Engine(spicy_model(model.name_or_path), SMALL.model_copy(update={"swap_policy": policy}))
+    engine = Engine(spicy_model(model.name_or_path), SMALL.model_copy(update={"swap_policy": "recompute" if per_update else policy}))
     part = SampleResult("r", 0, len(PROMPTS[0]))
     engine.add_request(EngineRequest("r", PROMPTS[0], GREEDY))
     while len(part.token_ids) < 4:
@@ -204,7 +207,7 @@ def test_weight_hot_swap_mid_run(model, tmp_path, policy, overlap_decode):
             part.add(d)
     # The new version arrives as a flat buffer + manifest, the transfer layer's format.
     buffer, manifest = flatten(new_model.state_dict(), version=1)
-    for d in engine.update_weights(unflatten(buffer, manifest), version=1):
+    for d in engine.update_weights(unflatten(buffer, manifest), version=1, policy=policy if per_update else None):
         part.add(d)
     while engine.has_work:
         for d in engine.step():

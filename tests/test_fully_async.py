@@ -16,7 +16,17 @@ from pathlib import Path
 import httpx
 import pytest
 from test_e2e import QUICK
-from test_manager import Consumer, _start_worker, batch, fast_cfg, long_context_model, wait_active, workers_of  # noqa: F401
+from test_manager import (  # noqa: F401 - long_context_model is a fixture
+    Consumer,
+    FakeWorker,
+    _start_worker,
+    batch,
+    check_exact,
+    fast_cfg,
+    long_context_model,
+    wait_active,
+    workers_of,
+)
 from test_train import Crash, _metrics
 from test_worker import _tiny, _wait_until
 
@@ -61,6 +71,7 @@ class ScriptedRollout:
         self.due: set[str] = set()
         self.free_slots = free_slots
         self.num_waits = 0
+        self.waited_for: list[set[str]] = []
         self._finished: dict[int, queue.SimpleQueue] = {}
 
     def fleet(self) -> WorkerList:
@@ -86,8 +97,9 @@ class ScriptedRollout:
     def due_groups(self, max_floor_version: int) -> set[str]:
         return set(self.due)
 
-    def learner_waiting(self) -> None:
+    def learner_waiting(self, due: set[str]) -> None:
         self.num_waits += 1
+        self.waited_for.append(set(due))
 
     def note_fleet(self, stats: RolloutStats) -> None:
         pass
@@ -153,7 +165,7 @@ def test_a_due_group_is_waited_for_and_the_bound_holds() -> None:
     assert taken == [1, 0] and not thread.is_alive()
     assert feed.step.num_due == 1 and feed.step.due_wait_s >= 0.2
     assert [g.prompt.index for g in feed.arrived] == [2]  # for the next step
-    assert rollout.num_waits >= 1  # the learner said it waited (the hybrid window opens)
+    assert {"0"} in rollout.waited_for  # the learner said it waited, and for which group (it moves)
 
 
 def test_more_due_groups_than_a_step_are_all_taken() -> None:
@@ -200,6 +212,26 @@ def test_due_groups_follow_the_lowest_version_a_sample_was_placed_at() -> None:
     assert manager.due_groups(2) == []
     assert manager.due_groups(3) == ["p0"]
     assert sorted(manager.due_groups(5)) == ["p0", "p1"]
+
+
+def test_a_group_the_learner_waits_for_moves_to_the_trainers_engine() -> None:
+    """Hybrid, fully asynchronous: while the learner waits for group p0, its unfinished
+    samples leave the (busy) remote worker for the trainer's idle engine and continue
+    there token for token; p1 stays where it runs."""
+    with ManagerThread(fast_cfg(local_window="idle")) as mt:
+        with FakeWorker(mt.url, "w1", token_delay_s=0.02) as w1, FakeWorker(mt.url, "local", local=True):
+            wait_active(mt, "w1", "local")
+            request = batch(2, 2, 150)
+            consumer = Consumer(mt, request)
+            _wait_until(lambda: w1.running >= 2, 20, "both groups run on w1")
+            time.sleep(0.3)
+            mt.call(mt.manager.learner_waiting, ["p0"])
+            groups = consumer.join_ok(60)
+            window_open = mt.call(lambda: mt.manager.window.is_open)
+    check_exact(request, groups)
+    workers = {g.prompt_id: [[seg.worker for seg in s.segments] for s in g.samples] for g in groups}
+    assert workers["p0"] == [["w1", "local"]] * 2 and workers["p1"] == [["w1"]] * 2, workers
+    assert window_open  # until the learner trains again
 
 
 def test_the_idle_window_opens_while_the_learner_waits() -> None:

@@ -64,6 +64,7 @@ class RolloutManager(Membership, Placement, Settlement):
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._cancels = {}
+        self.units = {}
         self._background: set[asyncio.Task[None]] = set()
         self._failed_before: dict[str, tuple[int, float]] = {}
         """Worker id or URL -> (failures in a row, back-off end) of a worker that failed

@@ -104,11 +104,29 @@ class Membership(ManagerState):
         """The trainer's learner has its first mini-batch of the step: the window closes."""
         self.close_local_window("learner starts")
 
-    def learner_waiting(self) -> None:
-        """The trainer's learner waits for groups: the `idle` window opens."""
+    def learner_waiting(self, prompt_ids: list[str] | None = None) -> None:
+        """The trainer's learner waits for groups: the `idle` window opens. The unfinished
+        samples of `prompt_ids` (the groups it waits for) move to the trainer's engine,
+        which now has its device to itself: a long response's last tokens decode there at
+        a small batch's latency instead of inside a full remote batch."""
         opening = self.window.on_learner_waiting()
         if opening is not None:
             self._open_window(opening)
+        local = self.local_record
+        if not prompt_ids or not self.window.is_open or local is None or local.state != "active":
+            return
+        wanted = set(prompt_ids)
+        moved = 0
+        for task, unit in list(self.units.items()):
+            if unit.group.prompt.id not in wanted or task in local.tasks or task in self._cancels:
+                continue
+            for sample in unit.samples:
+                sample.to_local = True
+            self._cancels[task] = Cancel("the learner waits for it: moved to the trainer's engine", is_failure=False)
+            task.cancel()
+            moved += len(unit.samples)
+        if moved:
+            log.debug("learner waits: %d samples move to the trainer's engine", moved)
 
     def mark_synced(self, worker_id: str, version: int) -> None:
         """The transfer layer's hook: `worker_id` now serves `version`."""

@@ -29,7 +29,7 @@ class Placement(ManagerState):
         if self.pending and not self._any_free_slot(now) and (self.local_wanted or self.local_record is None):
             return  # the common case under load: every worker is full (a lazy local worker is asked below)
         waiting: deque[WorkUnit] = deque()
-        no_worker: set[tuple[int, bool]] = set()  # (version, stalled) with nothing free right now
+        no_worker: set[tuple[int, bool, bool]] = set()  # (version, stalled, to_local) with nothing free right now
         while self.pending:
             unit = self.pending.popleft()
             batch = unit.group.batch
@@ -37,8 +37,9 @@ class Placement(ManagerState):
                 continue
             version = batch.required_version
             stalled = now - batch.submitted_at > self.cfg.local_fallback_s
-            key = (version, stalled)
-            picked = None if key in no_worker else self._pick(version, now, stalled)
+            to_local = unit.samples[0].to_local
+            key = (version, stalled, to_local)
+            picked = None if key in no_worker else self._pick(version, now, stalled, to_local)
             if picked is None:
                 no_worker.add(key)
                 waiting.append(unit)
@@ -54,19 +55,23 @@ class Placement(ManagerState):
         cap = self.cfg.max_inflight_per_worker
         return any(r.state == "active" and now >= r.busy_until and r.free_slots(cap) > 0 for r in self.registry)
 
-    def _pick(self, version: int, now: float, stalled: bool = False) -> tuple[WorkerRecord, int] | None:
+    def _pick(self, version: int, now: float, stalled: bool = False, to_local: bool = False) -> tuple[WorkerRecord, int] | None:
         """(worker, free slots): the least loaded remote worker with a free slot; the local
         engine only while the local window is open, when no remote worker is left (none
         registering, syncing or active), or when the batch is `stalled` (older than
         `local_fallback_s`) and no remote worker serves its version: a fleet that is merely
-        syncing is waited for, one that cannot sync is not."""
+        syncing is waited for, one that cannot sync is not. `to_local`: the learner waits
+        for this work, so the local engine comes first while the window is open."""
         cap = self.cfg.max_inflight_per_worker
+        local = self.local_record
+        if to_local and self.window.is_open and local is not None and local.serves(version, now):
+            if local.free_slots(cap) > 0:
+                return local, local.free_slots(cap)
         serving = [r for r in self.registry if not r.is_local and r.serves(version, now)]
         free = [r for r in serving if r.free_slots(cap) > 0]
         if free:
             worker = min(free, key=lambda r: (r.load(), r.inflight))
             return worker, worker.free_slots(cap)
-        local = self.local_record
         alive = self._alive_remote()
         use_local = self.window.is_open or not alive or (stalled and not serving)
         if use_local and local is not None:
@@ -96,6 +101,7 @@ class Placement(ManagerState):
         task = asyncio.ensure_future(self._run(unit, worker, call, outcome))
         worker.tasks.add(task)
         unit.group.batch.tasks.add(task)
+        self.units[task] = unit
         # a done-callback, not a `finally`: a task cancelled before its first step never
         # runs its body, and its samples and slots must come back all the same
         task.add_done_callback(functools.partial(self._call_done, unit, worker, outcome))

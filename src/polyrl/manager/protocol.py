@@ -300,6 +300,14 @@ class PublishVersion(_Message):
     """The trainer also holds `version` on its GPU, for same-host workers (NCCL, CUDA IPC)."""
 
 
+class LearnerWaiting(_Message):
+    """`POST {manager}/v1/learner_waiting`: the trainer's learner waits for groups; in
+    hybrid fully asynchronous training the local window opens, and the unfinished samples
+    of `prompt_ids` (groups the step cannot do without) move to the trainer's engine."""
+
+    prompt_ids: list[str] = Field([], max_length=65536)
+
+
 class DueGroupsRequest(_Message):
     """`POST {manager}/v1/groups/due`: which unfinished groups may hold a token of weight
     version `max_floor_version` or older (the trainer's staleness deadline)."""

@@ -51,6 +51,7 @@ from polyrl.manager.protocol import (
     DueGroups,
     DueGroupsRequest,
     Heartbeat,
+    LearnerWaiting,
     LeaveRequest,
     PublisherEndpoint,
     PublishVersion,
@@ -147,8 +148,8 @@ class _Handlers:
         self.manager.learner_started()
         return {}
 
-    async def learner_waiting(self) -> dict[str, Any]:
-        self.manager.learner_waiting()
+    async def learner_waiting(self, body: LearnerWaiting) -> dict[str, Any]:
+        self.manager.learner_waiting(body.prompt_ids)
         return {}
 
     async def due_groups(self, body: DueGroupsRequest) -> DueGroups:

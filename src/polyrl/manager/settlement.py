@@ -83,6 +83,7 @@ class Settlement(ManagerState):
         worker.add_inflight(-len(unit.samples))
         worker.tasks.discard(task)
         unit.group.batch.tasks.discard(task)
+        self.units.pop(task, None)
         cancel = self._cancels.pop(task, None)  # no reason: cancelled because its batch ended
         self._settle(unit, worker, outcome.error, cancel)
 

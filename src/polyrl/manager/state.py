@@ -41,6 +41,8 @@ class ManagerState:
     """Worker id -> seconds from `publish_version` of the latest version to the worker
     serving it (the weight update as the trainer sees it)."""
     _cancels: dict[asyncio.Task[None], Cancel]
+    units: dict[asyncio.Task[None], WorkUnit]
+    """The work of each running generation call."""
     _failed_before: dict[str, tuple[int, float]]
     """Worker id or URL -> (failures in a row, back-off end) of a worker that failed
     lately, for when it registers again."""

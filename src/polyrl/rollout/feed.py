@@ -145,7 +145,7 @@ class AsyncFeed:
             if group is None:
                 if taken >= self.batch_size and not due:
                     break
-                self._wait(only_due=taken + len(due) >= self.batch_size)
+                self._wait(due, only_due=taken + len(due) >= self.batch_size)
                 continue
             gid = str(group.prompt.index)
             due.discard(gid)
@@ -190,10 +190,10 @@ class AsyncFeed:
             except queue.Empty:
                 return
 
-    def _wait(self, only_due: bool) -> None:
+    def _wait(self, due: set[str], only_due: bool) -> None:
         """Block for the next group. The learner is idle meanwhile: in hybrid mode the
-        trainer's own engine may take work (the `idle` local window)."""
-        self.rollout.learner_waiting()
+        trainer's own engine takes work (the `idle` local window), the `due` groups first."""
+        self.rollout.learner_waiting(due)
         t0 = time.monotonic()
         self._arrive(self._inbox.get())
         waited = time.monotonic() - t0

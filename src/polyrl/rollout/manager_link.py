@@ -31,6 +31,7 @@ from polyrl.manager.protocol import (
     DueGroups,
     DueGroupsRequest,
     GroupResult,
+    LearnerWaiting,
     PublisherEndpoint,
     PublishVersion,
     WorkerList,
@@ -63,8 +64,8 @@ class ManagerLink:
     def learner_started(self) -> None:
         self._post("/v1/learner_started", None)
 
-    def learner_waiting(self) -> None:
-        self._post("/v1/learner_waiting", None)
+    def learner_waiting(self, prompt_ids: list[str]) -> None:
+        self._post("/v1/learner_waiting", LearnerWaiting(prompt_ids=prompt_ids))
 
     def due_groups(self, max_floor_version: int) -> list[str]:
         response = self._call("POST", "/v1/groups/due", DueGroupsRequest(max_floor_version=max_floor_version))

@@ -91,6 +91,8 @@ class RemoteRollout:
         self.num_recoveries = 0
         self._window_may_be_open = False
         """A local window may be open (hybrid): the learner's start closes it."""
+        self._moved: set[str] = set()
+        """Groups `learner_waiting` asked to move to the trainer's engine in this window."""
         self._recover_lock = threading.Lock()
         self._stack = ExitStack()
         try:
@@ -188,13 +190,21 @@ class RemoteRollout:
         may be open: this runs before every mini-batch)."""
         if self._window_may_be_open:
             self._window_may_be_open = False
+            self._moved = set()
             self._control(self.link.learner_started)
 
-    def learner_waiting(self) -> None:
-        """The learner waits for groups: in hybrid mode the `idle` window opens."""
-        if self.mode == "hybrid" and not self._window_may_be_open:
-            self._window_may_be_open = True
-            self._control(self.link.learner_waiting)
+    def learner_waiting(self, due: set[str]) -> None:
+        """The learner waits for groups: in hybrid mode the `idle` window opens, and the
+        groups in `due` (the step cannot do without them) move to the trainer's engine.
+        A call only when the window may be closed or there is a group to move."""
+        if self.mode != "hybrid":
+            return
+        new = due - self._moved
+        if self._window_may_be_open and not new:
+            return
+        self._window_may_be_open = True
+        self._moved |= new
+        self._control(lambda: self.link.learner_waiting(sorted(new)))
 
     def due_groups(self, max_floor_version: int) -> set[str]:
         """Prompt ids of unfinished groups that may hold a token of that version or older."""
