@@ -238,7 +238,7 @@ def test_the_idle_window_opens_while_the_learner_waits() -> None:
     window = LocalWindow("idle", 30.0)
     assert window.on_publish() is None and not window.is_open
     opening = window.on_learner_waiting()
-    assert opening is not None and opening.hand_back and not window.is_peer
+    assert opening is not None and not opening.hand_back and not window.is_peer and not window.takes_any
     assert window.on_learner_waiting() is None  # already open
     assert window.close("learner starts") is opening and not window.is_open
     assert LocalWindow("learner", 30.0).on_learner_waiting() is None  # only the idle mode

@@ -73,7 +73,7 @@ class Placement(ManagerState):
             worker = min(free, key=lambda r: (r.load(), r.inflight))
             return worker, worker.free_slots(cap)
         alive = self._alive_remote()
-        use_local = self.window.is_open or not alive or (stalled and not serving)
+        use_local = self.window.takes_any or not alive or (stalled and not serving)
         if use_local and local is not None:
             peers = [r for r in alive if r.state != "registering"]  # one still starting may take a minute
             if self.window.is_peer and peers and not stalled:

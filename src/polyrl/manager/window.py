@@ -14,11 +14,14 @@ Modes (`manager.local_window`):
 * `learner`: opens at each publish as a peer: the local worker takes only its share of
   each batch, so that workers still syncing find theirs waiting; closes when the learner
   starts, and the local worker finishes what it holds (moving it would cost a prefill).
-* `idle` (fully asynchronous training): opens whenever the learner waits for groups, as
-  a full worker (the fleet is never drained, so the work it finds is what the others had
-  no slot for); closes when the learner trains again, and the local worker's unfinished
-  samples move to the others (a re-prefill there is cheap next to the learner's time on
-  this device).
+* `idle` (fully asynchronous training): opens whenever the learner waits for groups, for
+  the groups it waits for only: their samples move to the local worker, which has the
+  trainer's device to itself and decodes the few of them at a small batch's latency
+  instead of inside a full remote batch; closes when the learner trains again, and the
+  local worker finishes what it holds (handing it back would cost a re-prefill and the
+  tokens not yet streamed, and it would come back at the next wait). Measured on one H100
+  split by MPS: letting it take any work while open, and hand it back at each close, made
+  steps 2-5x slower than not using it at all (BENCHMARKS.md).
 * `off`: never opens (remote mode); the local worker still serves when no remote worker
   is left, or a batch has waited `local_fallback_s` with none serving its version.
 """
@@ -50,6 +53,8 @@ class Opening:
     """When it closes, the local worker's unfinished samples move to remote workers."""
     peer: bool = False
     """The local worker takes only its share of each batch (the rest waits for the others)."""
+    moved_only: bool = False
+    """The local worker takes only the samples moved to it (`SampleState.to_local`)."""
 
 
 class LocalWindow:
@@ -76,7 +81,7 @@ class LocalWindow:
         """The window to open now that the learner waits for groups (None: none, or open)."""
         if self.mode != "idle" or self.is_open:
             return None
-        return self._open(Opening(None, until_synced=False, hand_back=True))
+        return self._open(Opening(None, until_synced=False, hand_back=False, moved_only=True))
 
     def open_now(self, opening: Opening) -> Opening:
         """Open a window of the caller's choosing (tests, benchmarks)."""
@@ -103,6 +108,11 @@ class LocalWindow:
     def is_peer(self) -> bool:
         """Open as a peer: the local worker takes only its share of each batch."""
         return self.is_open and self.opening is not None and self.opening.peer
+
+    @property
+    def takes_any(self) -> bool:
+        """Open, and the local worker takes any work (not only what was moved to it)."""
+        return self.is_open and self.opening is not None and not self.opening.moved_only
 
     @property
     def closes_when_synced(self) -> bool:
