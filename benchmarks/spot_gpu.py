@@ -518,6 +518,8 @@ THROUGHPUT_PARTS: dict[str, tuple[str, str, list[str]]] = {  # part: (workload, 
     "hybrid_ahead": ("longtail", "hybrid", ["rollout.max_staleness=1"]),
     "fully_async_k1": ("longtail", "hybrid", ["rollout.fully_async=true", "rollout.max_staleness=1"]),
     "fully_async_k2": ("longtail", "hybrid", ["rollout.fully_async=true", "rollout.max_staleness=2"]),
+    "fully_async_k3": ("longtail", "hybrid", ["rollout.fully_async=true", "rollout.max_staleness=3"]),
+    "fully_async_k4": ("longtail", "hybrid", ["rollout.fully_async=true", "rollout.max_staleness=4"]),
     "equal_colocated": ("equal", "local", []),
     "equal_hybrid": ("equal", "hybrid", []),
     "equal_hybrid_ahead": ("equal", "hybrid", ["rollout.max_staleness=1"]),
@@ -529,7 +531,7 @@ LEARN_PARTS = {  # part: (rollout mode, overrides)
     "learn_hybrid_ahead": ("hybrid", ["rollout.max_staleness=1"]),
     "learn_fully_async": ("hybrid", ["rollout.fully_async=true", "rollout.max_staleness=1"]),
 }
-KILLABLE = ("hybrid", "hybrid_ahead", "fully_async_k1", "fully_async_k2")
+KILLABLE = ("hybrid", "hybrid_ahead", "fully_async_k1", "fully_async_k2", "fully_async_k3", "fully_async_k4")
 DEFAULT_PARTS = ("colocated,colocated_whole,hybrid,hybrid_ahead,fully_async_k1,fully_async_k2,best_kill,equal_colocated,"
                  "equal_fully_async,learn_colocated,learn_fully_async,standin")  # fmt: skip
 
