@@ -276,7 +276,7 @@ def test_churn_schedule_follows_the_seeds() -> None:
     assert counts == [1, 2, 3, 2, 1, 2, 3, 2, 1, 2]
 
 
-TIMING_KEYS = ("timing_s/", "perf/", "cost/", "fleet/")
+TIMING_KEYS = ("timing_s/", "perf/", "cost/", "fleet/", "rollout/fleet_idle")
 PLACEMENT_KEYS = ("rollout/local_samples", "rollout/migrated_samples", "training/num_rollout_instances")
 """Metrics of when and where samples ran: they differ between identical runs."""
 

@@ -179,8 +179,7 @@ class AsyncFeed:
         was on its way while its batch closed can miss the due list; the bound holds anyway."""
         log.warning("prompt %d: its oldest token (v%d) is more than %d versions behind v%d; generating it again",
                     group.prompt.index, oldest_version(group, version), self.max_staleness, version)  # fmt: skip
-        del self.outstanding[str(group.prompt.index)]
-        self._resubmit.append(group.prompt.index)
+        self._submit([group.prompt])  # now: the step may be waiting for it
         self.step.num_regenerated += 1
 
     def _drain(self) -> None:

@@ -209,10 +209,13 @@ class Run:
             tracker = Tracker(cfg.logging, run_dir, state.step if resume else None, name, cfg.model_dump(mode="json"))
             cleanup.callback(tracker.close)
             feed = None
-            if cfg.rollout.fully_async and isinstance(rollout, RemoteRollout):  # (Atropos environments feed themselves)
+            if cfg.rollout.fully_async and isinstance(rollout, RemoteRollout):
                 feed = AsyncFeed(rollout, source, sampling, cfg.rollout.n, tcfg.train_batch_size,
                                  cfg.rollout.max_staleness, resubmit=state.pending)  # fmt: skip
                 cleanup.callback(feed.close)  # before the rollout closes: its batches' ends are expected
+            elif cfg.rollout.fully_async:  # Atropos environments feed themselves
+                log.info("rollout.fully_async with Atropos data: workers keep their running samples across "
+                         "versions; how far groups lag is the environments' max_batches_offpolicy")  # fmt: skip
             if ckpt:
                 log.info("resumed from %s at step %d%s", ckpt, state.step,
                          f" ({len(state.pending)} prompts in flight go out again)" if feed and state.pending else "")  # fmt: skip
