@@ -323,6 +323,7 @@ def _kill_a_busy_worker(run_dir: Path, killed: list[str]) -> None:
         busy = [w.worker_id for w in WorkerList.model_validate_json(reply.content).workers
                 if w.worker_id != "local" and w.num_inflight > 0]  # fmt: skip
         time.sleep(0.01)
+    time.sleep(0.05)  # a few tokens streamed (manager.stream_interval_s=0): the samples have some to carry
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             args = cmdline.read_bytes().split(b"\0")
@@ -343,7 +344,7 @@ def test_fully_async_survives_a_kill_and_resumes_within_the_bound(tmp_path: Path
     continue elsewhere."""
     run_dir = tmp_path / "run"
     overrides = [*QUICK, *ASYNC, *LONG, "rollout.max_staleness=1", "trainer.total_steps=10", "trainer.save_every=4",
-                 "fleet.num_workers=2"]  # fmt: skip
+                 "fleet.num_workers=2", "manager.stream_interval_s=0"]  # fmt: skip
     killed: list[str] = []
 
     killer = threading.Thread(target=_kill_a_busy_worker, args=(run_dir, killed), daemon=True)

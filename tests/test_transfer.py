@@ -765,7 +765,7 @@ class _Engine:
         self.engine = SimpleNamespace(weight_version=0, device=torch.device("cpu"))
         self.loaded: dict[str, torch.Tensor] = {}
 
-    async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+    async def update_weights(self, tensors: dict[str, torch.Tensor], version: int, policy: str | None = None) -> None:
         self.loaded = {k: t.clone() for k, t in tensors.items()}
         self.engine.weight_version = version
 

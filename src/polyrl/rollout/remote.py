@@ -89,6 +89,7 @@ class RemoteRollout:
         self.stats = RolloutStats()
         self.fleet_idle = FleetIdle()
         self.num_recoveries = 0
+        self._closing = False
         self._window_may_be_open = False
         """A local window may be open (hybrid): the learner's start closes it."""
         self._moved: set[str] = set()
@@ -273,7 +274,7 @@ class RemoteRollout:
                     yield self._note(group, result, stats)
                 break
             except BatchError as e:
-                if e.kind not in RECOVERABLE:
+                if e.kind not in RECOVERABLE or self._closing:
                     raise
                 self._recover(generation, str(e))
                 generation = self.num_recoveries
@@ -303,6 +304,7 @@ class RemoteRollout:
         return group
 
     def close(self) -> None:
+        self._closing = True  # batches still read (fully asynchronous ones) fail now: not a lost manager
         self._stack.close()
 
 
