@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 from test_manager import fast_cfg, wait_active, workers_of
 from test_worker import CONTEXT, InProcessWorker, WorkerProcess, _tiny, _wait_until
 
@@ -231,13 +232,30 @@ def test_vllm_generate_and_sglang_generate_share_the_path(worker: InProcessWorke
 
 
 def test_atroposlib_vllm_server_class_against_a_worker(worker: InProcessWorker, model_dir: Path) -> None:
-    tokens, logprobs, finishes = asyncio.run(_atropos_vllm_call(worker.http.url, str(model_dir)))
-    assert len(tokens) == 2 and all(len(t) == 4 for t in tokens)
-    assert all(math.isfinite(lp) and lp <= 0 for sample in logprobs for lp in sample)
-    assert finishes == ["length", "length"]
+    _check_atropos_call(model_dir, *asyncio.run(_atropos_vllm_call(worker.http.url, str(model_dir))))
 
 
-async def _atropos_vllm_call(url: str, model_dir: str) -> tuple[list[list[int]], list[list[float]], list[Any]]:
+def _check_atropos_call(model_dir: Path, prompt: list[int], tokens: list[list[int]], logprobs: list[list[float]],
+                        finishes: list[Any]) -> None:  # fmt: skip
+    """What atroposlib read back is what the model gives: each sample's log-probs are those
+    of its own tokens after the prompt, recomputed here by the model itself (float32 on
+    CPU: equal to 1e-4), so a route that returned another token's or another position's
+    log-prob fails, not only one that returned a positive number."""
+    from transformers import AutoModelForCausalLM
+
+    assert len(tokens) == 2 and all(len(t) == 4 for t in tokens) and finishes == ["length", "length"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for sample, lps in zip(tokens, logprobs, strict=True):
+        ids = torch.tensor([prompt + sample])
+        with torch.no_grad():
+            log_q = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)  # [4, V] (temperature 1)
+        expected = log_q.gather(-1, torch.tensor(sample).unsqueeze(-1)).squeeze(-1).tolist()
+        assert lps == pytest.approx(expected, abs=1e-4)
+
+
+async def _atropos_vllm_call(
+    url: str, model_dir: str
+) -> tuple[list[int], list[list[int]], list[list[float]], list[Any]]:
     from atroposlib.envs.server_handling.managed_server import ManagedServer
     from atroposlib.envs.server_handling.openai_server import OpenAIServer
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
@@ -254,7 +272,7 @@ async def _atropos_vllm_call(url: str, model_dir: str) -> tuple[list[list[int]],
         if server.check_task is not None:
             server.check_task.cancel()
     assert len(nodes) == 2
-    _, out_tokens, out_logprobs, finishes = await server.tokens_and_logprobs_completion(
+    prompt_tokens, out_tokens, out_logprobs, finishes = await server.tokens_and_logprobs_completion(
         prompt=PROMPT, n=2, max_tokens=4, temperature=1.0, ignore_eos=True
     )
     if server.check_task is not None:
@@ -268,7 +286,7 @@ async def _atropos_vllm_call(url: str, model_dir: str) -> tuple[list[list[int]],
             openai_server.check_task.cancel()
     assert len(chat.choices) == 2 and len(completion.choices) == 2
     assert all(c.finish_reason in ("stop", "length") for c in chat.choices + completion.choices)
-    return out_tokens, out_logprobs, finishes
+    return list(prompt_tokens), out_tokens, out_logprobs, finishes
 
 
 # ------------------------------------------------------------------------ the manager
@@ -324,10 +342,7 @@ def test_manager_serves_completions_and_chat_through_the_fleet(fleet: ManagerThr
 
 
 def test_atroposlib_vllm_server_class_against_the_manager(fleet: ManagerThread, model_dir: Path) -> None:
-    tokens, logprobs, finishes = asyncio.run(_atropos_vllm_call(fleet.url, str(model_dir)))
-    assert len(tokens) == 2 and all(len(t) == 4 for t in tokens)
-    assert all(math.isfinite(lp) and lp <= 0 for sample in logprobs for lp in sample)
-    assert finishes == ["length", "length"]
+    _check_atropos_call(model_dir, *asyncio.run(_atropos_vllm_call(fleet.url, str(model_dir))))
 
 
 def test_manager_without_workers_answers_503_in_bounded_time() -> None:

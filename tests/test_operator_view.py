@@ -35,6 +35,8 @@ from polyrl.report import PANELS, ReportError, report
 from polyrl.status import status
 
 RUNS = Path(__file__).parent / "data" / "runs"
+RUN_COLORS = ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E))
+"""matplotlib's C0 and C1: the first and second run's lines in a panel."""
 DOCS_SCREENSHOT = Path(__file__).parent.parent / "docs" / "operator-page.png"
 PNG = b"\x89PNG\r\n\x1a\n"
 Worker = subprocess.Popen[bytes]
@@ -137,6 +139,25 @@ def test_status_prints_the_workers_and_refuses_a_wrong_token() -> None:
 # ------------------------------------------------------------------------------ polyrl report
 
 
+def _pixels_of(png: Path, rgb: tuple[float, ...]) -> int:
+    """How many pixels of the image are within a few levels of `rgb` (a run's line)."""
+    from matplotlib.image import imread
+
+    image = (imread(png)[..., :3] * 255).round()  # [H, W, 3]
+    return int((abs(image - rgb).max(axis=-1) <= 8).sum())
+
+
+def _check_drawn(path: Path, num_runs: int) -> None:
+    """The runs' colours cover far more than their legend handles would: lines across the
+    plot are hundreds of pixels; an empty plot, or one of empty data, has a few dozen at
+    most. (Together, not each: two runs' lines may lie on each other, e.g. both at 0.)"""
+    colors = RUN_COLORS[:num_runs]
+    if path.stem == "time_split":  # stacks colour by phase, at alpha 0.85 over white
+        colors = (tuple(0.85 * c + 0.15 * 255 for c in RUN_COLORS[0]),)
+    drawn = sum(_pixels_of(path, rgb) for rgb in colors)
+    assert drawn > 500, (path.name, drawn)
+
+
 def test_report_draws_two_real_runs_side_by_side(tmp_path: Path) -> None:
     paths = report([RUNS / "remote", RUNS / "colocated"], tmp_path / "out")
     names = {p.name for p in paths}
@@ -147,6 +168,7 @@ def test_report_draws_two_real_runs_side_by_side(tmp_path: Path) -> None:
         assert len(data) > 5000, path
         if path.suffix == ".png":
             assert data.startswith(PNG)
+            _check_drawn(path, num_runs=2)
     page = (tmp_path / "out" / "report.html").read_text()
     assert page.count("data:image/png;base64,") == len(PANELS) and "src=\"http" not in page
     assert "<td>remote</td><td>40</td>" in page and "<td>colocated</td><td>40</td>" in page
@@ -162,6 +184,7 @@ def test_report_draws_what_a_run_has_and_names_a_bad_run_dir(
     (run / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 6, "critic/sc')  # torn last line
     paths = report([run], tmp_path / "out")
     assert "cost.png" not in {p.name for p in paths} and "reward.png" in {p.name for p in paths}
+    _check_drawn(tmp_path / "out" / "reward.png", num_runs=1)
     (tmp_path / "empty").mkdir()
     (tmp_path / "blank").mkdir()
     (tmp_path / "blank" / "metrics.jsonl").write_text("")
@@ -189,6 +212,8 @@ def test_report_on_a_short_run_of_the_main_job(tmp_path: Path, caplog: pytest.Lo
     for name in ("reward", "throughput", "time_split", "workers", "cost", "tokens_per_usd", "logprob_diff", "report"):
         path = out / (f"{name}.html" if name == "report" else f"{name}.png")
         assert path.stat().st_size > 5000, path
+        if path.suffix == ".png":
+            _check_drawn(path, num_runs=1)
 
 
 # ------------------------------------------------------------------------------ the live page

@@ -20,23 +20,43 @@ from polyrl.trainer.packing import collate_packed, pack_by_tokens
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("fused", [False, True])
-def test_head_logprobs_match_full_logits(monkeypatch, temperature, fused):
+@pytest.mark.parametrize("path", ["eager", "compiled", "triton"])
+def test_head_logprobs_match_full_logits(monkeypatch, temperature, path):
     """Values and gradients (of a random mix of logp and entropy) against autograd through
-    the full logits, with the chunk forced to 5 tokens. fused: the per-chunk math traced by
-    torch.compile (aot_eager here: inductor's C++ build is too slow for CI)."""
+    the full logits, with the chunk forced to 5 tokens, on each path of the per-chunk math:
+    eager; `compiled`, torch.compile's (aot_eager here: inductor's C++ build is too slow for
+    CI), as on a GPU without Triton; `triton`, the kernels (in Triton's interpreter on CPU).
+    Each fused path counts its calls, so a test that ran another path fails."""
     monkeypatch.setattr(lm_head, "HEAD_CHUNK_ELEMS", 5 * 50)
-    traced = functools.cache(lambda fn: torch.compile(fn, dynamic=True, backend="aot_eager"))
-    monkeypatch.setattr(lm_head, "_fused", traced)
+    calls = {"compiled": 0, "triton": 0}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    compiled = functools.cache(lambda fn: counted("compiled", torch.compile(fn, dynamic=True, backend="aot_eager")))
+    monkeypatch.setattr(lm_head, "_fused", compiled)
+    for name in ("chunk_forward", "chunk_backward"):
+        monkeypatch.setattr(lm_head.head_kernels, name, counted("triton", getattr(lm_head.head_kernels, name)))
+    if path == "compiled":
+        monkeypatch.setattr(lm_head, "USE_TRITON", False)
+    elif path == "triton" and not lm_head.head_kernels.usable(torch.empty(1, 1)):
+        pytest.skip("Triton is not installed")
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(23, 16, generator=g, requires_grad=True)  # [N, H]
     weight = torch.randn(50, 16, generator=g, requires_grad=True)  # [V, H]
     targets = torch.randint(0, 50, (23,), generator=g)
     a, b = torch.randn(23, generator=g), torch.randn(23, generator=g)
 
-    logp, ent = head_logprobs(hidden, weight, targets, temperature, fused=fused)
+    logp, ent = head_logprobs(hidden, weight, targets, temperature, fused=path != "eager")
     (logp * a + ent * b).sum().backward()
     got = [logp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone()]
+    expected_calls = {"eager": {"compiled": 0, "triton": 0}, "compiled": {"compiled": 2, "triton": 0},
+                      "triton": {"compiled": 0, "triton": 2}}[path]  # fmt: skip
+    assert {k: min(v, 2) for k, v in calls.items()} == expected_calls, calls  # (forward and backward, per chunk)
 
     hidden.grad = weight.grad = None
     log_q = torch.log_softmax(hidden @ weight.t() / temperature, dim=-1)  # [N, V]
@@ -53,10 +73,13 @@ def _rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def test_pack_by_tokens_respects_budget():
+    """Greedy in arrival order: a micro-batch takes sequences while their tokens fit the
+    budget; a longer one gets its own. Checked micro-batch by micro-batch, so a packer
+    that never packs (or one that overfills) fails."""
     items = [SeqItem([1] * n, 1, [0.0] * (n - 1), 0.0) for n in (3, 5, 2, 9, 4, 4, 12)]
     batches = pack_by_tokens(items, max_tokens=10)
     assert [x for b in batches for x in b] == items
-    assert all(len(b) == 1 or sum(len(x.token_ids) for x in b) <= 10 for b in batches)
+    assert [[len(x.token_ids) for x in b] for b in batches] == [[3, 5, 2], [9], [4, 4], [12]]
 
 
 def _model(tiny_model_dir, arch_tied: tuple[str, bool]) -> torch.nn.Module:

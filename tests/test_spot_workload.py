@@ -40,8 +40,13 @@ def test_the_workload_file_becomes_prompts_with_those_budgets(tmp_path: Path, ti
     _check_data(cfg)
     prompts = PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), seed=0).take(24)
     assert sorted(p.max_new_tokens for p in prompts) == sorted(budgets)  # one epoch, shuffled
-    # the reward the benchmark names takes the remaining columns
-    scores = char_match_reward([p.text for p in prompts], ["x"] * 24, answer=[p.columns["answer"] for p in prompts])
-    assert len(scores) == 24
+    # the reward the benchmark names takes the remaining columns: the answer itself scores
+    # 1, its first half scores half the answer's length over the answer's length
+    answers = [p.columns["answer"] for p in prompts]
+    assert all(answers) and len(set(answers)) > 1
+    assert char_match_reward([p.text for p in prompts], answers, answer=answers) == [1.0] * 24
+    halves = [a[: len(a) // 2] for a in answers]
+    expected = [(len(a) // 2) / len(a) for a in answers]
+    assert char_match_reward([p.text for p in prompts], halves, answer=answers) == pytest.approx(expected)
     equal = write_workload(tmp_path / "e.jsonl", 4, None)
     assert "max_new_tokens" not in equal.read_text()

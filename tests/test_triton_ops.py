@@ -24,7 +24,12 @@ from polyrl.engine.types import EngineRequest, EngineSampling
 from polyrl.models.tiny import save_tiny_model
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def needs_cuda(test):
+    """GPU-only: marked `gpu` (so `-m "not gpu"` leaves it out on a CPU machine instead of
+    skipping it) and skipped where CUDA is missing."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 def reference_attention(q, k_cache, v_cache, table, ctx, scale):
@@ -37,7 +42,7 @@ def reference_attention(q, k_cache, v_cache, table, ctx, scale):
     return torch.einsum("hc,chd->hd", weights, v)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
 def test_paged_decode_attention_matches_the_reference(dtype):
     if dtype == torch.bfloat16 and DEVICE.type == "cpu":
         pytest.skip("bf16 tl.dot needs a GPU")
