@@ -287,8 +287,8 @@ class WorkerList(_Message):
     sync_s: dict[str, float] = {}
     """Worker id -> seconds from publishing the latest version to the worker serving it."""
     num_free_slots: int = 0
-    """Samples the remote workers that serve now could start beyond what they run and
-    what waits for them (0 when work waits): room the trainer leaves unused."""
+    """Samples the remote workers (active, or syncing and about to serve again) could
+    start beyond what they run and what waits for them: room the trainer leaves unused."""
 
 
 class PublishVersion(_Message):
