@@ -1,13 +1,18 @@
 """Encrypted links and bounded connections: `polyrl train` through a TLS manager and TLS
-workers with a self-signed CA (weights pulled over TLS too), clients without the CA
-refused; the weight data plane over TLS bit-exact, a plaintext receiver refused; and
-slow-drip clients closed on time while the number of open connections stays bounded."""
+workers with a self-signed CA (weights pulled over TLS too: nothing but TLS records on
+the wire), clients without the CA refused; the weight data plane over TLS bit-exact, a
+plaintext receiver refused; and slow-drip clients closed on time while the number of
+open connections stays bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import socket
+import socketserver
 import ssl
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +24,10 @@ from test_manager import TOKEN, fast_cfg
 from test_train import _metrics
 from test_transfer import CHUNK, assert_same, pool, weights  # noqa: F401 - a fixture
 
+import polyrl.rollout.remote
 from polyrl.config import HttpLimitsConfig, TlsConfig, load_config
 from polyrl.manager.main import ManagerThread
+from polyrl.manager.protocol import PublisherEndpoint
 from polyrl.status import StatusError, fetch
 from polyrl.tls import http_client
 from polyrl.trainer.loop import train
@@ -31,16 +38,90 @@ from polyrl.transfer.receiver import PullSource, pull
 from polyrl.transfer.wire import TransferError
 
 
+class _Tap(socketserver.ThreadingTCPServer):
+    """A relay between the workers and the weight publisher (a NAT or port forward would
+    sit there) that keeps what the publisher sent on each connection: the bytes on the wire,
+    as an eavesdropper on the link reads them."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        super().__init__(("127.0.0.1", 0), _Relay)
+        self.upstream, self.port = upstream, self.server_address[1]
+        self.sent: list[bytes] = []
+        """Per connection, every byte the publisher sent, once it closed."""
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self.serve_forever, args=(0.1,), name="tls-tap", daemon=True).start()
+
+    def close(self) -> None:
+        self.shutdown()
+        for sock in self.sockets:  # unblocks a relay still reading, so server_close's join returns
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self.server_close()
+
+
+class _Relay(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        tap: _Tap = self.server  # type: ignore[assignment]
+        with socket.create_connection(tap.upstream, timeout=30) as upstream:
+            tap.sockets += [self.request, upstream]
+            to_publisher = threading.Thread(target=_pump, args=(self.request, upstream, bytearray()))
+            to_publisher.start()
+            tap.sent.append(_pump(upstream, self.request, bytearray()))
+            to_publisher.join()
+
+
+def _pump(src: socket.socket, dst: socket.socket, kept: bytearray) -> bytes:
+    """Forward until `src` ends, keeping what passed; then end that way of `dst` too."""
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            kept += data
+            dst.sendall(data)
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_WR)
+    return bytes(kept)
+
+
+def _tls_records(stream: bytes) -> list[tuple[int, int]]:
+    """(content type, length) of the TLS records `stream` is made of, end to end (the last
+    may be cut short: a pull the run's end cut off); fails at the first byte that is not a
+    record header (plaintext: a status byte, JSON, weights)."""
+    records, i = [], 0
+    while i < len(stream):
+        head = stream[i : i + 5]
+        # handshake 0x16, application data 0x17, alert 0x15, change cipher spec 0x14; version 3.1-3.4
+        assert head[0] in (0x14, 0x15, 0x16, 0x17) and head[1:2] in (b"", b"\x03") and head[2:3] <= b"\x04", (
+            f"not a TLS record at byte {i} of {len(stream)}: {stream[i : i + 16]!r}"
+        )
+        length = int.from_bytes(head[3:], "big")
+        assert length <= 2**14 + 2048, f"a TLS record of {length} bytes at byte {i}"
+        records.append((head[0], length))
+        i += 5 + length
+    return records
+
+
 @pytest.mark.slow
-def test_train_through_a_tls_manager_and_workers(tmp_path: Path, tls_files: dict[str, str]) -> None:
+def test_train_through_a_tls_manager_and_workers(
+    tmp_path: Path, tls_files: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Manager, local worker and a launched worker serve HTTPS with a certificate of our
-    own CA; the trainer and the workers verify it; weights travel over TLS. A client
-    without the CA is refused, and plain HTTP on the HTTPS port gets nothing."""
+    own CA; the trainer and the workers verify it; weights travel over TLS: every byte the
+    publisher sends is inside a TLS record (a relay between it and the workers reads the
+    wire). A client without the CA is refused, and plain HTTP on the HTTPS port gets nothing."""
     run_dir = tmp_path / "run"
     tls = [f'manager.tls.{k}_file="{tls_files[v]}"' for k, v in (("cert", "cert"), ("key", "key"), ("ca", "ca"))]
     overrides = [*QUICK, "trainer.total_steps=2", "fleet.num_workers=1", "manager.transfer.tls=true",
                  f'manager.token="{TOKEN}"', *tls]  # fmt: skip
     seen: dict[str, object] = {}
+    taps: list[_Tap] = []
+
+    def through_a_tap(**fields: object) -> PublisherEndpoint:
+        """The trainer's endpoint, its one group's address replaced by a relay's: the
+        manager sends every worker there, so every pull crosses the tap."""
+        (publisher,) = fields["groups"]  # type: ignore[misc]
+        taps.append(_Tap(tuple(publisher)))
+        return PublisherEndpoint(**{**fields, "groups": [("127.0.0.1", taps[-1].port)]})  # type: ignore[arg-type]
+
+    monkeypatch.setattr(polyrl.rollout.remote, "PublisherEndpoint", through_a_tap)
 
     def on_step_end(step: int, metrics: dict[str, float]) -> None:
         if step != 1:
@@ -56,14 +137,29 @@ def test_train_through_a_tls_manager_and_workers(tmp_path: Path, tls_files: dict
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url.replace('https://', 'http://')}/health")
 
-    train(load_config(None, overrides), run_dir, on_step_end=on_step_end)
+    try:
+        train(load_config(None, overrides), run_dir, on_step_end=on_step_end)
+    finally:
+        for tap in taps:
+            tap.close()
     rows = _metrics(run_dir)
     _check_every_step(rows)
     assert [r["rollout/local_samples"] for r in rows] == [0, 0]  # the launched worker served every sample
     assert str(seen["url"]).startswith("https://127.0.0.1:")
     assert {w.worker_id for w in seen["fleet"].workers} >= {"w0", "local"}  # type: ignore[attr-defined]
     worker_log = (run_dir / "workers" / "w0.log").read_text()
-    assert "serving on https://" in worker_log and "pulled v1" in worker_log
+    assert "serving on https://" in worker_log
+    pulled = re.search(r"pulled v1(?: as \S+)?: ([\d.]+) MB", worker_log)
+    assert pulled, worker_log
+    # the weights: every connection to the publisher opens with its handshake (0x16) and
+    # carries only TLS records, no plaintext manifest; they hold at least w0's v1
+    (tap,) = taps
+    assert tap.sent
+    records = [_tls_records(stream) for stream in tap.sent]
+    assert all(r[0][0] == 0x16 for r in records), [stream[:16] for stream in tap.sent]
+    assert not [stream for stream in tap.sent if b'"tensors"' in stream or b'"dtype"' in stream]
+    encrypted = sum(length for r in records for kind, length in r if kind == 0x17)
+    assert encrypted >= float(pulled[1]) * 1e6 * 0.95, (encrypted, pulled[0])
 
 
 @pytest.fixture

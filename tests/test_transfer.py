@@ -585,6 +585,31 @@ def test_sendfile_serves_the_same_bytes() -> None:
         wait_for_count(lambda: pub.bytes_sent, got.manifest.total_bytes)
 
 
+def test_sendall_without_tls_serves_the_same_bytes_and_waits_for_no_receiver() -> None:
+    """The other way to send chunks, `manager.transfer.send_mode="sendall"`, which otherwise
+    runs only under TLS: bit-exact over several streams. Its chunks are copies in the socket,
+    so a stream ends at CHUNKS_END and the publisher closes it without waiting for the
+    receiver, where sendfile's must wait for the receiver to close (the test below): the
+    publisher closing first shows the sendall path served the stream."""
+    with WeightPublisher(chunk_bytes=CHUNK, send_mode="sendall") as pub:
+        pub.publish(weights(), 1)
+        got = pull(source(pub, 1), 1, num_streams=4)
+        assert_same(unflatten(got.buffer, got.manifest), weights())
+        wait_for_count(lambda: pub.bytes_sent, got.manifest.total_bytes)
+        stream = b""
+        with socket.create_connection(pub.address, timeout=3) as sock:
+            sock.sendall(encode_request(OP_CHUNKS, 1, "w2", pub.grant("w2", 1), 0, 1))
+            try:
+                while data := sock.recv(65536):  # to the publisher's close: we never close first
+                    stream += data
+            except TimeoutError:
+                pytest.fail(f"the publisher waited for our close after {len(stream)} bytes, as sendfile does")
+        total, num_chunks = got.manifest.total_bytes, -(-got.manifest.total_bytes // CHUNK)
+        assert len(stream) == 1 + total + CHUNK_INDEX.size * (num_chunks + 1)  # status, then each chunk after its index
+        assert stream.startswith(bytes([STATUS_OK])) and stream.endswith(CHUNK_INDEX.pack(CHUNKS_END))
+        wait_for_count(lambda: pub.bytes_sent, 2 * total)
+
+
 def test_sendfile_keeps_the_version_until_the_receiver_has_closed() -> None:
     """With sendfile the socket's queue still holds the slot's pages when the last call
     returns: the version's slot must not be rewritten until the receiver has everything
@@ -601,22 +626,51 @@ def test_sendfile_keeps_the_version_until_the_receiver_has_closed() -> None:
         _wait_for(lambda: slot in pub._free, 5, "v1's slot to come free once its receiver closed")
 
 
+def _memfds(pids: list[int] | None = None) -> dict[tuple[str, int, int], set[int]]:
+    """polyrl's shared memory (memfds named polyrl-*: `transfer/shm.py`, the publisher's stats
+    page) that `pids` hold (default: every process we may look at), through an open fd or a
+    mapping: either keeps a memfd alive. (name, device, inode) -> the pids holding it; the
+    inode tells one run's buffers from another's of the same name."""
+    held: dict[tuple[str, int, int], set[int]] = {}
+    for pid in pids if pids is not None else [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to look at
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if (link := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("/memfd:polyrl"):
+                        stat = os.stat(f"/proc/{pid}/fd/{fd}")
+                        held.setdefault((link.split()[0][7:], stat.st_dev, stat.st_ino), set()).add(pid)
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:  # address perms offset major:minor inode path
+                    fields = line.split()
+                    if len(fields) >= 6 and fields[5].startswith("/memfd:polyrl"):
+                        major, minor = (int(x, 16) for x in fields[3].split(":"))
+                        held.setdefault((fields[5][7:], os.makedev(major, minor), int(fields[4])), set()).add(pid)
+    return held
+
+
 def test_publisher_process_dies_with_the_trainer() -> None:
     """kill -9 of the trainer: the publisher process goes too (PR_SET_PDEATHSIG), leaving
-    no process and no shared memory (memfds die with their last holder)."""
+    no process and no shared memory (memfds die with their last holder, so none of the
+    trainer's may be held by any process after)."""
     trainer = subprocess.Popen([sys.executable, "-c", _TRAINER], stdout=subprocess.PIPE, text=True)
+    child = None
     try:
         line = trainer.stdout.readline()  # type: ignore[union-attr]
         assert line.strip().isdigit(), line
         child = int(line)
         assert _alive(child)
+        held = set(_memfds([trainer.pid]))
+        assert {name for name, _, _ in held} == {"polyrl-publisher-stats", "polyrl-weights-1"}, held
+        assert held <= set(_memfds([child]))  # the publisher process has them too: the scan sees another's
         trainer.kill()
         trainer.wait(10)
+        _wait_for(lambda: not held & set(_memfds()), 10, "no process to hold the dead trainer's memfds")
         _wait_for(lambda: not _alive(child), 10, "the publisher process to die with its trainer")
     finally:
         trainer.kill()
         trainer.wait(10)
-    assert not [name for name in os.listdir("/dev/shm") if "polyrl" in name]
+        if child is not None and _alive(child):  # it outlived the trainer (the test failed): not left behind
+            os.kill(child, 9)
 
 
 _RECEIVER = """
