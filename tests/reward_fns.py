@@ -49,7 +49,9 @@ def kill_own_worker(prompts: list[str], completions: list[str], **_) -> list[flo
 def one_plus_length(prompts: list[str], completions: list[str], **_) -> list[float]:
     """1 + length / 100: every score this function gives is >= 1, so a 0.0 in a run's metrics
     came from somewhere else. If $POLYRL_TEST_CRASH_ONCE names a file that does not exist
-    yet, the first call creates it and ends its worker (a crash the pool must retry)."""
+    yet, the first call creates it and ends its worker (a crash the pool must retry). While
+    the file $POLYRL_TEST_HOLD names exists, a call creates that name + ".held" and waits
+    (up to 60 s): the step that needs the score stays in progress until the test lets go."""
     marker = os.environ.get("POLYRL_TEST_CRASH_ONCE")
     if marker:
         try:
@@ -57,4 +59,10 @@ def one_plus_length(prompts: list[str], completions: list[str], **_) -> list[flo
             os._exit(3)
         except FileExistsError:
             pass
+    hold = os.environ.get("POLYRL_TEST_HOLD")
+    if hold and os.path.exists(hold):
+        open(hold + ".held", "w").close()  # noqa: SIM115 - an empty marker
+        deadline = time.monotonic() + 60
+        while os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.01)
     return [1.0 + len(c) / 100 for c in completions]

@@ -14,6 +14,7 @@ fault proxy itself; and regression tests for what the chaos runs found:
 from __future__ import annotations
 
 import json
+import re
 import socket
 import socketserver
 import threading
@@ -195,21 +196,39 @@ def test_standalone_manager_restart_workers_come_back(chaos_model: Path, tmp_pat
     assert max(row.recovery_s) < 5
 
 
+RESUBMITTED = re.compile(r"resubmitting (\d+) of (\d+) prompts after losing the manager")
+"""The trainer's warning when a batch's stream broke with the manager (`rollout/remote.py`)."""
+
+
 @pytest.mark.slow
 def test_trainers_manager_process_killed_mid_step_nothing_lost(chaos_model: Path, tmp_path: Path) -> None:
-    """The trainer starts its manager again, tells it the publisher and the version, and
-    resubmits what was unfinished: every step complete, each logged once."""
+    """Killed while workers hold samples: the trainer starts its manager again, tells it the
+    publisher and the version, and resubmits the prompts whose groups had not arrived;
+    every step complete, each logged once."""
     row = manager_killed(chaos_model, tmp_path, SCALE)
     assert row.ok, row.summary()
     assert row.samples > 0 and row.lost == 0
+    log = (tmp_path / "trainer.log").read_text(errors="replace")
+    resubmitted = [(int(n), int(m)) for n, m in RESUBMITTED.findall(log)]
+    assert "rollout manager" in log and "starting it again" in log, log[-2000:]  # exited, or unreachable first
+    assert sum(n for n, _ in resubmitted) > 0 and all(n <= m for n, m in resubmitted), resubmitted  # work was in flight
 
 
 @pytest.mark.slow
 def test_local_worker_killed_mid_window_nothing_lost(chaos_model: Path, tmp_path: Path) -> None:
-    """Its samples move to the workers token for token; the trainer starts it again."""
+    """Its samples move to the workers with the tokens it streamed (it is started again).
+    The scenario is a `polyrl train` process, which keeps no token ids: what the data
+    shows is that samples migrated, and that the learner's log-probs of every sample's
+    ids, the migrated ones included, are the engines' (a continuation generated after
+    other tokens than the sample's breaks them). That a migrated sample's seed gives the
+    uninterrupted tokens is checked against a reference generation by `test_e2e.py`'s
+    `test_hybrid_window_hands_local_samples_to_a_worker_token_exact`."""
     row = local_worker_killed(chaos_model, tmp_path, SCALE)
     assert row.ok, row.summary()
     assert row.samples > 0 and row.lost == 0
+    assert row.migrated > 0, row.summary()  # the kill hit samples with tokens, which went on elsewhere
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["rollout/logprob_diff"] for r in rows) < 1e-4, [r["rollout/logprob_diff"] for r in rows]
 
 
 @pytest.mark.slow

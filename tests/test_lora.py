@@ -4,9 +4,12 @@ from disk by workers the way vLLM and SGLang do."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -21,11 +24,14 @@ from polyrl.config import ConfigError, EngineConfig, LoraConfig, load_config
 from polyrl.engine.engine import Engine
 from polyrl.engine.lora import META_KEY, AdapterError, AdapterMerger, base_fingerprint, expected_spec, unpack
 from polyrl.engine.types import EngineRequest, EngineSampling
+from polyrl.manager.protocol import WorkerList
 from polyrl.trainer.checkpoint import latest_checkpoint
 from polyrl.trainer.grpo import token_logprobs
 from polyrl.trainer.loop import train
 from polyrl.trainer.lora import adapter_version, apply_lora
-from polyrl.transfer.manifest import layout
+from polyrl.transfer.manifest import Manifest, layout
+from polyrl.transfer.publisher import WeightPublisher
+from polyrl.transfer.wire import TransferInfo
 
 ON_POLICY = 1e-4
 """fp32 on CPU: the engine's log-probs equal the learner's within this after every sync."""
@@ -273,37 +279,91 @@ def _child_pid(worker_id: str) -> int:
     raise AssertionError(f"no worker {worker_id} among this process's children")
 
 
+def _kill_when_busy(run_dir: Path, worker_id: str, killed: list[int]) -> None:
+    """kill -9 the launched `worker_id` once the manager has samples in flight on it and
+    they streamed a few tokens (`manager.stream_interval_s=0`): samples with tokens to
+    carry, so that they migrate (one killed before its first chunk restarts whole)."""
+    info = json.loads((run_dir / "manager.json").read_text())
+    headers, deadline = {"Authorization": f"Bearer {info['token']}"}, time.monotonic() + 60
+    while time.monotonic() < deadline:
+        reply = httpx.get(f"{info['url']}/v1/workers", headers=headers, timeout=10)
+        workers = WorkerList.model_validate_json(reply.content).workers
+        if any(w.worker_id == worker_id and w.num_inflight > 0 for w in workers):
+            time.sleep(0.05)
+            pid = _child_pid(worker_id)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        time.sleep(0.01)
+
+
+def _record_shipped(monkeypatch: pytest.MonkeyPatch) -> dict[int, Manifest]:
+    """Version -> the manifest the trainer's publisher serves for it (what workers pull):
+    the real `WeightPublisher.publish`, with its answer kept."""
+    shipped: dict[int, Manifest] = {}
+    publish = WeightPublisher.publish
+
+    def recording(self: WeightPublisher, state_dict: dict, version: int, timeout_s: float = 120.0) -> TransferInfo:
+        info = publish(self, state_dict, version, timeout_s)
+        shipped[version] = info.manifest
+        return info
+
+    monkeypatch.setattr(WeightPublisher, "publish", recording)
+    return shipped
+
+
+PULLED = re.compile(r"pulled v(\d+)(?: as [^:]+:.* for|:) ([\d.]+) MB in")
+"""A worker's log line for a version pulled over TCP, whole or as a delta: (version, MB)."""
+
+
 @pytest.mark.slow
-def test_adapter_versions_reach_two_workers_and_survive_a_kill(tmp_path: Path) -> None:
-    """Remote mode with LoRA: every version ships as adapters only, over the publisher's TCP
-    path, to 2 launched workers that merge it into their own base; one is killed (kill -9)
-    while step 4 generates. Every step gets every sample, and every sync leaves the
-    engines on the learner's log-probs."""
+def test_adapter_versions_reach_two_workers_and_survive_a_kill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remote mode with LoRA: every version ships as adapters only (the A/B matrices and
+    the spec: a seventh of the model's bytes), over the publisher's TCP path, to 2
+    launched workers that merge it into their own base; one is killed (kill -9) with
+    samples in flight after step 3, and they finish on the other. Every step gets every
+    sample, and every sync leaves the engines on the learner's log-probs."""
     overrides = [
         "logging.console=false", "logging.tensorboard=false", "manager.port=0", "trainer.save_every=0",
         "trainer.total_steps=7", "trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=8", "rollout.n=8",
         "fleet.num_workers=2", "fleet.ready_timeout_s=120", "model.lora.enabled=true", "model.lora.rank=8",
         "algo.kl_coef=0.01",
+        "rollout.max_new_tokens=24", "manager.stream_interval_s=0",  # samples long enough to be killed mid-way
     ]  # fmt: skip
     run_dir = tmp_path / "run"
     killed: list[int] = []
+    killer = threading.Thread(target=_kill_when_busy, args=(run_dir, "w0", killed), daemon=True)
+    shipped = _record_shipped(monkeypatch)
 
-    def kill_w0_during_step_4(step: int, metrics: dict) -> None:
+    def kill_w0_once_busy(step: int, metrics: dict) -> None:
         if step == 3:
-            pid = _child_pid("w0")
-            threading.Timer(0.3, lambda: (os.kill(pid, signal.SIGKILL), killed.append(pid))).start()
+            killer.start()
 
-    train(load_config(None, overrides), run_dir, on_step_end=kill_w0_during_step_4)
+    train(load_config(None, overrides), run_dir, on_step_end=kill_w0_once_busy)
+    killer.join(60)
     rows = _metrics(run_dir)
     assert killed and [r["step"] for r in rows] == list(range(1, 8))
     for r in rows:
         assert r["rollout/samples_received"] == r["rollout/samples_requested"] > 0 and r["rollout/samples_lost"] == 0
         assert r["rollout/logprob_diff"] < ON_POLICY, (r["step"], r["rollout/logprob_diff"])
+    assert sum(r["rollout/migrated_samples"] for r in rows[3:]) > 0  # w0's samples, tokens and all, went on w1
     assert all(r["rollout/local_samples"] == 0 for r in rows[:3])  # the workers served, not the trainer's engine
     assert max(r["training/num_rollout_instances"] for r in rows[:3]) == 2
     assert rows[-1]["training/num_workers"] == 1
+
+    # adapters only: 2 matrices for each of 7 linear layers in each of 2 layers, and the spec
+    model_bytes = sum(p.numel() * p.element_size() for p in _load(run_dir / "init_model").parameters())
+    assert sorted(shipped) == list(range(8))  # v0: the initial adapters
+    for version, manifest in shipped.items():
+        names = [t.name for t in manifest.tensors]
+        assert len(names) == 1 + 2 * 7 * 2 and META_KEY in names, (version, len(names), names[:3])
+        assert all(n == META_KEY or n.endswith((".lora_A", ".lora_B")) for n in names), names[:3]
+        assert manifest.total_bytes < model_bytes / 6, (version, manifest.total_bytes, model_bytes)
     logs = {w: (run_dir / "workers" / f"{w}.log").read_text() for w in ("w0", "w1")}
-    assert "pulled v3" in logs["w0"] and "pulled v6" in logs["w1"], logs  # adapter versions over TCP, to both
+    pulled = {w: [(int(v), float(mb)) for v, mb in PULLED.findall(text)] for w, text in logs.items()}
+    assert 3 in dict(pulled["w0"]) and 6 in dict(pulled["w1"]), logs  # adapter versions over TCP, to both
+    for v, mb in pulled["w0"] + pulled["w1"]:  # what the workers took is what was served (logged to 0.1 MB)
+        assert abs(mb * 1e6 - shipped[v].total_bytes) <= 0.05e6, (v, mb, shipped[v].total_bytes)
     assert all("accepting LoRA adapters of rank 8" in text for text in logs.values())  # the run's model.lora
 
 

@@ -19,6 +19,7 @@ import termios
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from polyrl.config import load_config
 from polyrl.lifetime import HURRY, wait_unless_hurried
-from polyrl.trainer.checkpoint import MODEL_DIR, latest_checkpoint, read_trainer_state
+from polyrl.trainer.checkpoint import MODEL_DIR, STATE_FILE, latest_checkpoint, read_trainer_state
 from polyrl.trainer.loop import StopRequest, train
 
 TOTAL_STEPS = 14
@@ -112,6 +113,20 @@ def _wait_for_step(trainer: Trainer, run_dir: Path, step: int, timeout_s: float 
         time.sleep(0.05)
 
 
+def _wait_until(trainer: Trainer, condition: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert trainer.proc.poll() is None, trainer.text()[-3000:]
+        assert time.monotonic() < deadline, f"not {what} in {timeout_s:.0f}s: {trainer.text()[-3000:]}"
+        time.sleep(0.01)
+
+
+def _checkpoint_files(run_dir: Path) -> dict[str, int]:
+    """Each checkpoint's trainer state file -> its modification time (ns): a save, or a save
+    again of the same step, changes it."""
+    return {p.parent.name: p.stat().st_mtime_ns for p in (run_dir / "checkpoints").glob(f"step_*/{STATE_FILE}")}
+
+
 def _run_processes(tag: str) -> dict[int, str]:
     """Every live process whose environment carries the run's tag (children inherit it, and
     an orphan keeps it): pid -> command line."""
@@ -158,9 +173,10 @@ def test_ctrl_c_twice_and_kill_minus_9_leave_a_resumable_run_and_no_process(tmp_
     run_dir, tag = tmp_path / "run", f"polyrl-test-{uuid.uuid4().hex}"
     tests_dir = Path(__file__).parent
     src_dir = tests_dir.parent / "src"
+    hold, held = tmp_path / "hold", tmp_path / "hold.held"
     env = os.environ | {
         "POLYRL_TEST_RUN": tag, "PYTHONPATH": f"{src_dir}{os.pathsep}{tests_dir}", "COLUMNS": "200",
-        "POLYRL_TEST_CRASH_ONCE": str(tmp_path / "crashed"),
+        "POLYRL_TEST_CRASH_ONCE": str(tmp_path / "crashed"), "POLYRL_TEST_HOLD": str(hold),
     }  # fmt: skip
     try:
         # One Ctrl-C: the step in progress finishes and is saved; exit 130.
@@ -175,16 +191,32 @@ def test_ctrl_c_twice_and_kill_minus_9_leave_a_resumable_run_and_no_process(tmp_
         assert step == _rows(run_dir)[-1]["step"] >= 3  # the interrupted step was finished and saved
         _assert_none_left(tag)
 
-        # --resume goes on; two Ctrl-Cs: stop now, without saving the step in progress.
+        # --resume goes on; two Ctrl-Cs: stop now, without saving the step in progress. A step
+        # takes ~50 ms here, so its scoring is held (reward_fns.one_plus_length) for the second
+        # Ctrl-C to find it unfinished, and the first to be handled before the second is typed.
+        first_step = step
         second = Trainer(["--resume", str(run_dir)], env, terminal=True)
         _wait_for_step(second, run_dir, step + 1)
+        hold.touch()
+        _wait_until(second, lambda: held.exists(), "a step held in its scoring")
+        saved = _checkpoint_files(run_dir)  # every earlier step's save is done: a held step comes after it
         second.type_ctrl_c()
-        time.sleep(0.3)
+        _wait_until(second, lambda: "Ctrl-C: finishing this step" in second.text(), "the first Ctrl-C handled")
         second.type_ctrl_c()
         assert second.wait() == 130, second.text()[-3000:]
-        assert "Ctrl-C again: stopping now" in second.text() and "its worker died" not in second.text()
+        hold.unlink()
+        assert "Ctrl-C again: stopping now without saving this step" in second.text(), second.text()[-3000:]
+        assert "its worker died" not in second.text()
         step = _check_stopped_run(run_dir, second.text())
         _assert_none_left(tag)
+        # the checkpoint is the last one saved before the interrupted step, written by no one since
+        rows = _rows(run_dir)
+        assert _checkpoint_files(run_dir) == saved, (saved, _checkpoint_files(run_dir))
+        logged = [int(r["step"]) for r in rows]
+        assert logged == list(range(1, logged[-1] + 1)) and logged[-1] > first_step  # the held step: logged[-1] + 1
+        assert step == max([first_step] + [s for s in logged if s > first_step and s % 2 == 0])  # trainer.save_every=2
+        state = read_trainer_state(latest_checkpoint(run_dir))["state"]
+        assert state["cursor"] == step * 8 and state["weight_version"] == rows[step - 1]["training/weight_version"]
 
         # kill -9 of a training trainer: every process of the run is gone 5 s later.
         third = Trainer(["--resume", str(run_dir)], env, terminal=False)

@@ -5,9 +5,10 @@ A real `polyrl train` runs with workers started outside it; a child of the train
 killed with SIGKILL mid-step, `injections` times. The trainer must notice, bring the
 role back, and finish every step with every sample it asked for, each step logged once.
 
-* manager: killed mid-step; the trainer starts it again on its port, tells it the
-  publisher and the version, and resubmits the prompts whose groups had not arrived.
-  Recovery: the kill until the new manager serves every worker again.
+* manager: killed mid-step, while workers hold samples; the trainer starts it again on
+  its port, tells it the publisher and the version, and resubmits the prompts whose
+  groups had not arrived. Recovery: the kill until the new manager serves every worker
+  again.
 * local worker (hybrid, as a peer of the workers, so it holds work in every step's
   window): killed while it holds samples; they migrate to the workers token for token,
   and the trainer starts it again at the next publish. Recovery: the kill until the
@@ -113,7 +114,7 @@ def manager_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
         for i in range(scale.injections):
             done = len(run.steps())
             run.until(lambda: len(run.steps()) > done + 2, 300, "steps served")
-            time.sleep(0.1)  # into the next step's generation
+            run.until(lambda: _generating(run.url), 120, "samples in flight", poll_s=0.005)  # unfinished groups
             pids = pids_with("polyrl.cli", " manager ", str(run.run_dir / "manager.toml"))
             if not pids:
                 raise RuntimeError("no manager process found")
@@ -134,7 +135,9 @@ def manager_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
 
 def local_worker_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
     row = FaultRow("local worker kill -9 mid-window")
-    extra = ["rollout.mode=hybrid", "rollout.hybrid_local_until=learner", "rollout.max_new_tokens=64"]
+    # every engine step streamed: a killed sample has tokens to carry, so it migrates (not restarts)
+    extra = ["rollout.mode=hybrid", "rollout.hybrid_local_until=learner", "rollout.max_new_tokens=64",
+             "manager.stream_interval_s=0"]  # fmt: skip
     run = TrainRun(model_dir, work, scale, total_steps=10 + 25 * scale.injections, extra=extra)  # a restart takes ~5 s
     started = time.monotonic()
 
@@ -163,6 +166,11 @@ def local_worker_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
         run.stop()
     row.wall_s = round(time.monotonic() - started, 2)
     return row
+
+
+def _generating(url: str) -> bool:
+    """A worker holds samples: killing the manager now leaves groups the trainer lacks."""
+    return any(w["num_inflight"] > 0 for w in _workers(url))
 
 
 def _local_active(url: str) -> bool:
