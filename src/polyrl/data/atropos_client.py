@@ -101,7 +101,8 @@ class AtroposClient:
                 response = self.http.request(method, path, **kwargs)
             except httpx.TransportError as e:  # refused, reset, timed out
                 reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-                if time.monotonic() + wait_s > deadline:
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:  # (the last wait ends at the deadline: the message's time is true)
                     raise AtroposUnreachable(
                         f"Atropos API at {self.url} unreachable for {self.cfg.unreachable_timeout_s:g}s "
                         f"(data.atropos.unreachable_timeout_s): {reason}"
@@ -110,7 +111,7 @@ class AtroposClient:
                     log.warning("Atropos API at %s unreachable (%s): retrying for up to %.0fs",
                                 self.url, reason, self.cfg.unreachable_timeout_s)  # fmt: skip
                     warned = True
-                time.sleep(wait_s)
+                time.sleep(min(wait_s, remaining_s))
                 wait_s = min(wait_s * 2, self.cfg.max_poll_interval_s)
                 continue
             if warned:
