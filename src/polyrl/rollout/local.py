@@ -123,10 +123,9 @@ class LocalRollout:
                     elapsed = time.perf_counter() - t0
                     stats.first_group_s = stats.first_group_s or elapsed
                     stats.gen_s = elapsed
-                    stats.num_received += n
-                    stats.num_local += n
-                    stats.tokens_by_worker[LOCAL_WORKER_ID] += sum(len(r.token_ids) for r in results)
-                    yield Group(prompt=prompt, samples=[to_sample(r, LOCAL_WORKER_ID, elapsed) for r in results])
+                    group = Group(prompt=prompt, samples=[to_sample(r, LOCAL_WORKER_ID, elapsed) for r in results])
+                    stats.count(group)
+                    yield group
 
     def learner_started(self) -> None:
         pass  # the whole batch was generated before it (`shares_weights`)
