@@ -280,15 +280,16 @@ def _child_pid(worker_id: str) -> int:
 
 
 def _kill_when_busy(run_dir: Path, worker_id: str, killed: list[int]) -> None:
-    """kill -9 the launched `worker_id` once the manager has samples in flight on it and
-    they streamed a few tokens (`manager.stream_interval_s=0`): samples with tokens to
+    """kill -9 the launched `worker_id` once the manager has a batch's worth of samples in
+    flight on it (not the last few of a batch, which can finish before the signal lands)
+    and they streamed a few tokens (`manager.stream_interval_s=0`): samples with tokens to
     carry, so that they migrate (one killed before its first chunk restarts whole)."""
     info = json.loads((run_dir / "manager.json").read_text())
     headers, deadline = {"Authorization": f"Bearer {info['token']}"}, time.monotonic() + 60
     while time.monotonic() < deadline:
         reply = httpx.get(f"{info['url']}/v1/workers", headers=headers, timeout=10)
         workers = WorkerList.model_validate_json(reply.content).workers
-        if any(w.worker_id == worker_id and w.num_inflight > 0 for w in workers):
+        if any(w.worker_id == worker_id and w.num_inflight >= 8 for w in workers):
             time.sleep(0.05)
             pid = _child_pid(worker_id)
             os.kill(pid, signal.SIGKILL)

@@ -133,32 +133,47 @@ def manager_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
     return row
 
 
-def local_worker_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
+def local_worker_killed(model_dir: Path, work: Path, scale: Scale, tries: int = 3) -> FaultRow:
+    """Each injection kills the local worker while it holds samples. A kill can still miss
+    (its samples finished between the look and the signal, which a slow machine makes
+    likely), so an injection counts once the run's metrics show samples moved after it;
+    it is tried again, up to `tries` kills, while enough steps remain."""
     row = FaultRow("local worker kill -9 mid-window")
     # every engine step streamed: a killed sample has tokens to carry, so it migrates (not restarts)
     extra = ["rollout.mode=hybrid", "rollout.hybrid_local_until=learner", "rollout.max_new_tokens=64",
              "manager.stream_interval_s=0"]  # fmt: skip
-    run = TrainRun(model_dir, work, scale, total_steps=10 + 25 * scale.injections, extra=extra)  # a restart takes ~5 s
+    total_steps = 10 + 25 * scale.injections + 15 * (tries - 1)  # a restart takes ~5-10 s
+    run = TrainRun(model_dir, work, scale, total_steps=total_steps, extra=extra)
     started = time.monotonic()
 
     def local(key: str) -> float:
         return next((w[key] for w in _workers(run.url) if w["worker_id"] == "local"), -1)
 
+    def migrated() -> int:
+        return sum(int(r.get("rollout/migrated_samples", 0)) for r in run.steps())
+
     try:
         for _ in range(scale.injections):
-            done = len(run.steps())
-            run.until(lambda: len(run.steps()) > done + 1, 300, "steps served")
-            run.until(lambda: local("num_inflight") > 0, 120, "the local worker holding samples", poll_s=0.005)
-            pids = pids_with("polyrl.cli", " worker ", "worker.local=true", f"--manager {run.url}")
-            if not pids:
-                raise RuntimeError("no local worker process found")
-            for pid in pids:
-                _kill(pid)
-            row.injected += 1
-            killed = time.monotonic()
-            run.until(lambda: local("num_inflight") < 0, 60, "the manager dropping the local worker")
-            run.until(lambda: local("weight_version") >= 0 and _local_active(run.url), 180, "the local worker back")
-            row.recovery_s.append(time.monotonic() - killed)
+            before = migrated()
+            for _ in range(tries):
+                done = len(run.steps())
+                run.until(lambda: len(run.steps()) > done + 1, 300, "steps served")
+                # looked up first, so the signal follows the sight of samples at once
+                pids = pids_with("polyrl.cli", " worker ", "worker.local=true", f"--manager {run.url}")
+                if not pids:
+                    raise RuntimeError("no local worker process found")
+                run.until(lambda: local("num_inflight") > 0, 120, "the local worker holding samples", poll_s=0.005)
+                for pid in pids:
+                    _kill(pid)
+                row.injected += 1
+                killed, at = time.monotonic(), len(run.steps())
+                run.until(lambda: local("num_inflight") < 0, 60, "the manager dropping the local worker")
+                run.until(lambda: local("weight_version") >= 0 and _local_active(run.url), 180, "the local worker back")
+                row.recovery_s.append(time.monotonic() - killed)
+                # the batch the kill hit is logged within a step or two
+                wait_for(lambda: len(run.steps()) > at + 2 or run.trainer.poll() is not None, 120, "steps after")
+                if migrated() > before or total_steps - len(run.steps()) < 20:
+                    break
         run.finish(row)
     except Exception as e:
         row.errors.append(f"{type(e).__name__}: {e}")
