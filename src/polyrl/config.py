@@ -317,7 +317,8 @@ class TrainerConfig(_Section):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int = Field(0, ge=0)
-    """torch intra-op threads; 0 keeps torch's default."""
+    """torch intra-op threads of a CPU learner; 0: up to one per core, fewer while other
+    processes keep cores busy (`polyrl/cpu_threads.py`; metric `perf/cpu_threads`)."""
     save_every: int = Field(50, ge=0)
     """Checkpoint every K steps (and always at the end); 0 saves only at the end."""
     gradient_checkpointing: bool = False

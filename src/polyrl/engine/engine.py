@@ -33,6 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from polyrl.config import EngineConfig, SwapPolicy
+from polyrl.cpu_threads import measured
 from polyrl.engine.block_manager import BlockManager, cdiv
 from polyrl.engine.model_runner import ModelRunner, num_kv_blocks_for
 from polyrl.engine.sampler import SamplingBatch, sample, top_logprobs
@@ -214,6 +215,10 @@ class Engine:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[SampleDelta]:
+        with measured(self.device):  # on a CPU another process may hold: torch's threads follow
+            return self._step()
+
+    def _step(self) -> list[SampleDelta]:
         self.wake()
         deltas, self._ready = self._ready, []
         chained = self._launch_chained() if self._in_flight is not None else None

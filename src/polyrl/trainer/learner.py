@@ -21,6 +21,7 @@ from torch.profiler import record_function
 from transformers import PreTrainedModel
 
 from polyrl.config import AlgoConfig, TrainerConfig
+from polyrl.cpu_threads import measured
 from polyrl.models.precision import autocast
 from polyrl.trainer.batching import MicroBatch, SeqItem, collate
 from polyrl.trainer.distributed import DataParallel, is_sharded
@@ -309,7 +310,7 @@ class Learner:
         mismatch alone.
         On several ranks, rank 0's call runs on all of them, each on its share of `items`.
         """
-        with self.dp.command("train", items, weights_as_sampled):
+        with self.dp.command("train", items, weights_as_sampled), measured(self.model.device):
             return self._train(items, weights_as_sampled)
 
     def _train(self, items: list[SeqItem], weights_as_sampled: bool) -> dict[str, float]:

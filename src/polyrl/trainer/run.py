@@ -22,6 +22,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.config import ConfigError, EngineConfig, RunConfig, TrainerConfig, save_config
+from polyrl.cpu_threads import process_threads
 from polyrl.data.rewards import RewardPool
 from polyrl.data.source import PromptSource
 from polyrl.metrics.step_stats import (
@@ -79,7 +80,7 @@ def seed_everything(seed: int) -> None:
 def prepare_process(cfg: TrainerConfig) -> None:
     seed_everything(cfg.seed)
     if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+        process_threads().fix(cfg.num_threads)
 
 
 def load_model(path: str | Path, device: torch.device) -> PreTrainedModel:
@@ -279,6 +280,8 @@ class Run:
         total_tokens = num_tokens(groups)
         metrics.update(perf_metrics(total_tokens, step_s, world_size=self.dp.world_size))
         metrics.update(cuda_memory_metrics(self.model.device))
+        if self.model.device.type == "cpu":
+            metrics["perf/cpu_threads"] = float(process_threads().threads)
         stats = self.feed.step.stats if self.feed is not None else self.rollout.stats
         metrics.update(stats.metrics())
         if self.feed is not None:

@@ -1,0 +1,145 @@
+"""How many intra-op threads a CPU process uses on a machine it may share.
+
+torch's CPU pool has a thread per core, and every parallel op ends when its slowest thread
+does. When another process holds one of the cores, each op waits for a thread the kernel
+has not run yet; the tiny model's ops take microseconds and a scheduler slice takes
+milliseconds, so on 2 cores one other busy process made the main job's update step 5-7 s
+instead of 0.25 s (20x, not the 2x of losing a core). Fewer threads than the cores the
+other processes leave free cost only the share those processes take.
+
+`CpuThreads` watches the process while it works (`with threads.measure(): ...`):
+  * time its threads spent runnable but not running (the kernel's run-queue wait,
+    /proc/self/task/*/schedstat) means the cores are oversubscribed: one thread goes;
+  * cores left idle meanwhile (/proc/stat) mean room: one thread comes back, up to the
+    number it started with.
+One step at a time, each after a measured stretch of work, so that a short burst of
+load moves it by one thread at most. Linux only; elsewhere the count stays as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+OVERSUBSCRIBED = 0.2
+"""Run-queue wait per thread, as a share of the measured wall time, above which a thread
+goes (idle: under 0.02 on 2 cores; beside one busy process at 2 threads: about 0.5)."""
+ROOM = 0.8
+"""Idle cores during the measurement from which a thread comes back."""
+MIN_MEASURE_S = 0.05
+"""Shorter stretches of work add up to one measurement: /proc/stat counts in 10 ms."""
+MAX_GAP_S = 0.005
+"""Stretches further apart than this do not add up (an engine's steps do)."""
+
+
+@dataclass
+class _Sample:
+    wall_s: float
+    idle_s: float
+    """All cores' idle time since boot (/proc/stat), in seconds."""
+    wait_s: float
+    """This process's threads' run-queue wait since they started, in seconds."""
+
+
+def _clock_ticks() -> int:
+    try:
+        return os.sysconf("SC_CLK_TCK")
+    except (ValueError, OSError, AttributeError):
+        return 100
+
+
+def _sample(ticks: int) -> _Sample | None:
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        idle = (int(fields[4]) + int(fields[5])) / ticks  # idle + iowait
+        wait_ns = 0
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                wait_ns += int((task / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # a thread that ended meanwhile
+    except (OSError, IndexError, ValueError):
+        return None
+    return _Sample(time.monotonic(), idle, wait_ns / 1e9)
+
+
+class CpuThreads:
+    """torch's intra-op thread count for this process, kept to what the machine leaves it."""
+
+    def __init__(self, max_threads: int | None = None) -> None:
+        self.max_threads = max_threads or torch.get_num_threads()
+        self.threads = torch.get_num_threads()
+        self._ticks = _clock_ticks()
+        self._start: _Sample | None = None
+        self._last_exit = 0.0
+        self.is_adaptive = self.max_threads > 1 and _sample(self._ticks) is not None
+        """False where nothing can move: one thread at most, a fixed count, or no /proc."""
+        self.last_wait_ratio = 0.0
+        """Run-queue wait per thread over wall time, in the latest measurement."""
+        self.last_idle_cores = 0.0
+
+    def fix(self, threads: int) -> None:
+        """A count the user chose (`trainer.num_threads`): set, and left alone."""
+        torch.set_num_threads(threads)
+        self.threads = self.max_threads = threads
+        self.is_adaptive = False
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        """Work inside counts; after it, the thread count may move by one."""
+        if not self.is_adaptive:
+            yield
+            return
+        if self._start is None or time.monotonic() - self._last_exit > MAX_GAP_S:
+            self._start = _sample(self._ticks)  # (a pause between stretches would count as idle cores)
+        try:
+            yield
+        finally:
+            self._last_exit = time.monotonic()
+            if self._start is not None and self._last_exit - self._start.wall_s >= MIN_MEASURE_S:
+                self._adjust(self._start)  # shorter: the next stretch of work adds to this one
+
+    def _adjust(self, start: _Sample) -> None:
+        self._start = None
+        end = _sample(self._ticks)
+        if end is None:
+            return
+        wall = end.wall_s - start.wall_s
+        self.last_wait_ratio = (end.wait_s - start.wait_s) / (wall * self.threads)
+        self.last_idle_cores = max(0.0, (end.idle_s - start.idle_s) / wall)
+        before = self.threads
+        if self.last_wait_ratio > OVERSUBSCRIBED and self.threads > 1:
+            self.threads -= 1
+        elif self.last_idle_cores >= ROOM and self.threads < self.max_threads:
+            self.threads += 1
+        if self.threads != before:
+            torch.set_num_threads(self.threads)
+            log.debug("cpu threads %d -> %d (run-queue wait %.0f%% of each thread's time, %.1f cores idle)",
+                      before, self.threads, 100 * self.last_wait_ratio, self.last_idle_cores)  # fmt: skip
+
+
+_process: CpuThreads | None = None
+
+
+def process_threads() -> CpuThreads:
+    """The process's one governor: the learner and an engine in the same process share
+    torch's one thread pool, so they must not steer it apart."""
+    global _process
+    if _process is None:
+        _process = CpuThreads()
+    return _process
+
+
+def measured(device: torch.device) -> contextlib.AbstractContextManager:
+    """`process_threads().measure()` for work on the CPU; nothing for work on a GPU."""
+    return process_threads().measure() if device.type == "cpu" else contextlib.nullcontext()
