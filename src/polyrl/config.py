@@ -318,7 +318,9 @@ class TrainerConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int = Field(0, ge=0)
     """torch intra-op threads of a CPU learner; 0: up to one per core, fewer while other
-    processes keep cores busy (`polyrl/cpu_threads.py`; metric `perf/cpu_threads`)."""
+    processes keep cores busy (`polyrl/cpu_threads.py`; metric `perf/cpu_threads`), except
+    in local mode and with `rollout.deterministic`, whose bits must not depend on it (they
+    keep torch's count)."""
     save_every: int = Field(50, ge=0)
     """Checkpoint every K steps (and always at the end); 0 saves only at the end."""
     gradient_checkpointing: bool = False

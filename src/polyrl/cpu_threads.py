@@ -107,11 +107,10 @@ class CpuThreads:
         finally:
             self._last_exit = time.monotonic()
             if self._start is not None and self._last_exit - self._start.wall_s >= MIN_MEASURE_S:
-                self._adjust(self._start)  # shorter: the next stretch of work adds to this one
+                self._adjust(self._start, _sample(self._ticks))  # shorter: the next stretch adds to it
 
-    def _adjust(self, start: _Sample) -> None:
+    def _adjust(self, start: _Sample, end: _Sample | None) -> None:
         self._start = None
-        end = _sample(self._ticks)
         if end is None:
             return
         wall = end.wall_s - start.wall_s

@@ -21,7 +21,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from polyrl.config import ConfigError, EngineConfig, RunConfig, TrainerConfig, save_config
+from polyrl.config import ConfigError, EngineConfig, RunConfig, save_config
 from polyrl.cpu_threads import process_threads
 from polyrl.data.rewards import RewardPool
 from polyrl.data.source import PromptSource
@@ -77,10 +77,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare_process(cfg: TrainerConfig) -> None:
-    seed_everything(cfg.seed)
-    if cfg.num_threads:
-        process_threads().fix(cfg.num_threads)
+def prepare_process(cfg: RunConfig) -> None:
+    seed_everything(cfg.trainer.seed)
+    if cfg.trainer.num_threads:
+        process_threads().fix(cfg.trainer.num_threads)
+    elif cfg.rollout.deterministic or cfg.rollout.mode == "local":
+        # a reduction's bits depend on how many threads split it: runs that promise the same
+        # bits for the same config (and exact resume) keep torch's count
+        process_threads().fix(torch.get_num_threads())
 
 
 def load_model(path: str | Path, device: torch.device) -> PreTrainedModel:
@@ -161,7 +165,7 @@ class Run:
         check_world_size(cfg, dp.world_size)
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.toml")
-        prepare_process(tcfg)
+        prepare_process(cfg)
 
         init_path = Path(cfg.model.path) if cfg.model.path else run_dir / "init_model"
         ckpt = latest_checkpoint(run_dir) if resume else None
@@ -383,7 +387,7 @@ def build_learner(
 def load_learner(dp: DataParallel, cfg: RunConfig, init_path: Path, pad_id: int, ckpt: Path | None) -> Learner:
     """The learner from the initial model or a checkpoint: what a rank > 0 builds from rank
     0's "start" command (rank 0 loads its model earlier, for the rollout)."""
-    prepare_process(cfg.trainer)
+    prepare_process(cfg)
     model = load_model(ckpt / MODEL_DIR if ckpt else init_path, pick_device(cfg.trainer.device))
     return build_learner(cfg, model, init_path, pad_id, read_trainer_state(ckpt) if ckpt else None, dp)
 
