@@ -40,12 +40,12 @@ every process the run starts inherits it. A value the user set wins."""
 
 
 def _setup_logging(verbose: bool) -> None:
-    """rich for a terminal; one plain line per event for a file (a launched worker's log,
-    `polyrl train > train.log`): rich wraps at 80 columns there and pads lines with spaces."""
+    """rich's colours for a terminal; one plain line per event for a file (a launched
+    worker's log, `polyrl train > train.log`). Neither breaks a line (`polyrl.console`)."""
     if sys.stdout.isatty():
-        from rich.logging import RichHandler
+        from polyrl.console import TerminalHandler
 
-        handler: logging.Handler = RichHandler(show_path=False, rich_tracebacks=False)
+        handler: logging.Handler = TerminalHandler()
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     else:
         handler = logging.StreamHandler(sys.stdout)  # where rich's console writes too
