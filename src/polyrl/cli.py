@@ -195,6 +195,11 @@ def worker_config(args: argparse.Namespace) -> WorkerRunConfig:
 def cmd_worker(args: argparse.Namespace) -> int:
     cfg = worker_config(args)
     sock = _listen_socket(cfg.worker.host, cfg.worker.port, "worker.port")  # before seconds of imports
+    if cfg.worker.manager_url:  # the manager too: a wrong token or URL is told before the engine loads
+        from polyrl.worker.manager_client import check_manager
+
+        if (code := check_manager(cfg.worker)) is not None:
+            return code
     from polyrl.worker.main import run_worker
 
     return run_worker(cfg, sock)
