@@ -149,7 +149,8 @@ def _discard_unstarted_run(run_dir: Path, before: set[str] | None) -> None:
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from polyrl.models.tiny import save_tiny_model
 
-    cfg = load_config(None, [f"model.tiny.{o}" for o in args.overrides]).model.tiny
+    overrides = [*args.overrides, *(["chat_template=true"] if args.chat_template else [])]
+    cfg = load_config(None, [f"model.tiny.{o}" for o in overrides]).model.tiny
     save_tiny_model(args.out, cfg)
     print(args.out)
     return 0
@@ -267,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-model", help="build a tiny random model + tokenizer as an HF directory")
     p.add_argument("--out", required=True)
+    p.add_argument("--chat-template", action="store_true", help="give the tokenizer a chat template (chat_template=true)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="model.tiny keys, e.g. arch=llama hidden_size=64")
     p.set_defaults(func=cmd_tiny_model)
 
