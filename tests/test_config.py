@@ -99,6 +99,10 @@ CLI_ERRORS = {
     "unknown task": (["train", "data.task=nosuchtask"], "data.task: unknown task 'nosuchtask'"),
     "missing data file": (["train", "data.task=dataset", "data.path={tmp}/none.jsonl"], "data.path: file not found"),
     "wrong columns": (["train", "data.task=dataset", "data.path={tmp}/qa.jsonl"], "needs column 'prompt'"),
+    "malformed jsonl": (["train", "data.task=dataset", "data.path={tmp}/bad.jsonl"],
+                        "config error: data.path: {tmp}/bad.jsonl line 1 is not JSON: Expecting value (column 1)"),
+    "malformed jsonl, later line": (["train", "data.task=dataset", "data.path={tmp}/bad3.jsonl"],
+                                    "data.path: {tmp}/bad3.jsonl line 3 is not JSON: Expecting ',' delimiter"),
     "wrong columns, parquet": (["train", "data.task=dataset", "data.path={tmp}/qa.parquet", "data.format=openr1"],
                                "needs column 'problem'"),
     "reward module": (["train", "reward.functions=['no_such_module:score']"], "cannot import module 'no_such_module'"),
@@ -119,6 +123,8 @@ def test_cli_config_errors_are_one_fast_line_before_anything_is_written(case, tm
     import pyarrow.parquet as pq
 
     (tmp_path / "qa.jsonl").write_text('{"q": "1+1=", "a": "2"}\n')
+    (tmp_path / "bad.jsonl").write_text('not json\n{"prompt": "1+1=", "answer": "2"}\n')  # issue 38's file
+    (tmp_path / "bad3.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "2+2=", "answer": "4"\n')
     pq.write_table(pa.table({"question": ["1+1="], "answer": ["2"]}), tmp_path / "qa.parquet")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")

@@ -165,6 +165,24 @@ def test_the_quick_file_check_reads_what_datasets_reads(tmp_path):
         peek(tmp_path / "empty.json")
 
 
+def test_a_bad_json_line_past_the_quick_check_is_named_once(tmp_path, capfd, caplog):
+    """A bad line after the first MiB, which `polyrl.preflight` reads: the full load names
+    the file and the line, and `datasets`' own report of the failure (an error line, then
+    its copy through the run's logging) stays out."""
+    from polyrl.data.files import _PEEK_BYTES
+
+    row = json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n"
+    num_good = _PEEK_BYTES // len(row) + 100
+    path = tmp_path / "big.jsonl"
+    path.write_text(row * num_good + "not json\n" + row)
+    with pytest.raises(ValueError) as err:
+        load_prompt_dataset(DataConfig(task="dataset", path=str(path)))
+    assert str(err.value) == f"data.path: {path} line {num_good + 1} is not JSON: Expecting value (column 1)"
+    out, errors = capfd.readouterr()
+    assert "JSON" not in out + errors, out + errors
+    assert not [r for r in caplog.records if r.name.startswith("datasets")], caplog.records
+
+
 def test_each_prompt_can_carry_its_own_generation_budget(tmp_path, tiny_model_dir):
     """`data.max_new_tokens_key` names a column that becomes each prompt's budget (a
     long-tail workload); it does not reach the rewards, and a bad value is one clear error."""

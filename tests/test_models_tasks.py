@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -34,6 +37,25 @@ def test_tiny_model_is_seeded(tmp_path):
     c = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "c", TinyModelConfig(hidden_size=32, seed=1)))
     wa, wb, wc = (m.model.embed_tokens.weight for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+
+
+def test_tiny_model_command_writes_a_chat_template(tmp_path, tiny_model_dir):
+    """`polyrl tiny-model --chat-template` (issue 38): the tokenizer then applies a chat
+    template in its own alphabet, as a chat client does (Atropos' chat path); without the
+    flag it has none."""
+    out = tmp_path / "chat"
+    command = [sys.executable, "-m", "polyrl.cli", "tiny-model", "--out", str(out), "--chat-template", "hidden_size=32",
+               "intermediate_size=64"]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "chat_template.jinja").is_file()  # where transformers, vLLM and SGLang look
+    tok = AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "abc>"}, {"role": "assistant", "content": "abc"}, {"role": "user", "content": "ba>"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<bos>user: abc>|assistant: abc|user: ba>|assistant: "
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.pad_token_id not in ids and tok.decode(ids) == text  # every character is in the vocabulary
+    assert AutoTokenizer.from_pretrained(tiny_model_dir).chat_template is None
 
 
 def test_bad_tiny_shape():

@@ -28,11 +28,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from polyrl.chaos.harness import chaos_manager_config
 from polyrl.config import EngineConfig, TinyModelConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest, EngineSampling, SampleDelta, SampleResult
-from polyrl.httpapi import checksum
+from polyrl.httpapi import checksum, error_body
+from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import Heartbeat, RegisterRequest
 from polyrl.models.tiny import save_tiny_model
 from polyrl.worker import manager_client
@@ -615,6 +617,7 @@ class FakeManager:
         self.calls: list[tuple[str, str | None, dict[str, Any]]] = []
         self.reject_status = reject_status
         app = FastAPI()
+        app.get("/v1/workers/register")(lambda: {})  # what `polyrl worker` asks before it loads its engine
         app.post("/v1/workers/register")(self._register)
         app.post("/v1/workers/{worker_id}/heartbeat")(self._record)
         app.post("/v1/workers/{worker_id}/leave")(self._record)
@@ -623,7 +626,7 @@ class FakeManager:
     async def _register(self, request: Request) -> JSONResponse:
         body = await self._record(request)
         if self.reject_status is not None:
-            return JSONResponse({"detail": "bad token"}, status_code=self.reject_status)
+            return JSONResponse(error_body("bad token", "unauthorized"), status_code=self.reject_status)
         return JSONResponse({"worker_id": body["worker_id"], "heartbeat_interval_s": 0.2})
 
     async def _record(self, request: Request) -> dict[str, Any]:
@@ -763,13 +766,46 @@ def test_sigterm_drains_hands_back_partial_results_and_leaves(model_dir: Path) -
 
 
 def test_manager_refusal_stops_the_worker(model_dir: Path) -> None:
+    """A refusal at registration (the token checked before the engine loaded, then changed)."""
     manager = FakeManager(reject_status=401)
     with manager.http:
         worker = WorkerProcess(model_dir, "--manager", manager.http.url, "--token", "wrong")
         exit_code = worker.wait_exit(timeout_s=120)
     assert exit_code != 0, worker.text
-    assert "manager refused registration: HTTP 401" in worker.text and "POLYRL_TOKEN" in worker.text
+    said = f"the manager at {manager.http.url} refused the registration: bad token (HTTP 401); check worker.token"
+    assert said in worker.text, worker.text
     assert len(manager.seen("register")) == 1  # a refusal is not retried
+
+
+HEAVY = ("torch", "transformers")
+"""What `polyrl worker` imports to load its engine: seconds of imports, before minutes of loading."""
+
+
+def _run_worker_unloaded(model_dir: Path, url: str, *args: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """`polyrl worker --manager URL ...` run to its end, output to pipes, and the errors on
+    stderr; asserts it never imported the engine's libraries nor said `serving on`."""
+    command = [sys.executable, "-X", "importtime", "-m", "polyrl.cli", "worker", "--model", str(model_dir),
+               "--port", "0", "--manager", url, *args]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, env=os.environ | {"POLYRL_TOKEN": ""})
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert not [m for m in imported if m.split(".")[0] in HEAVY], "the engine's imports came first"
+    assert "serving on" not in proc.stdout, proc.stdout
+    return proc, errors
+
+
+def test_a_wrong_token_is_one_line_before_the_worker_loads_anything(model_dir: Path) -> None:
+    """`polyrl worker --manager URL --token WRONG` (issue 38): the manager is asked first,
+    so the refusal comes before the engine's imports, its loading and `serving on`, as one
+    line with the manager's message (not its JSON body) and exit code 2."""
+    with ManagerThread(chaos_manager_config()) as mt:
+        proc, errors = _run_worker_unloaded(model_dir, mt.url, "--token", "wrong")
+        assert not mt.worker_list().workers
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + "\n".join(errors)
+    assert errors == [
+        f"config error: the manager at {mt.url} refused the worker: missing or wrong bearer token (HTTP 401); "
+        "check worker.token / POLYRL_TOKEN"
+    ]
 
 
 @pytest.mark.slow
@@ -793,28 +829,18 @@ def test_worker_survives_the_manager_going_away(model_dir: Path) -> None:
         manager.http.__exit__()
 
 
-@pytest.mark.slow
 def test_wrong_manager_url_is_said_and_given_up_on(model_dir: Path) -> None:
     """A worker pointed at nothing says so at once, and with worker.manager_timeout_s gives
-    up with one line and a nonzero exit. Its output goes to a pipe, as a launched worker's
-    goes to RUN_DIR/workers/<id>.log: one plain line per event, nothing wrapped or padded."""
+    up with one line and exit code 1, before it loads its engine (issue 38). Its output
+    goes to a pipe, as a launched worker's goes to RUN_DIR/workers/<id>.log: one plain
+    line per event, nothing wrapped or padded."""
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{closed.getsockname()[1]}"  # bound, not listening: refused
-        worker = WorkerProcess(model_dir, "--manager", url, "--token", "t", "worker.manager_timeout_s=2")
-        try:
-            worker.wait_ready()
-            ready = time.monotonic()
-            exit_code = worker.wait_exit(timeout_s=60)
-            gave_up_s = time.monotonic() - ready
-        finally:
-            worker.kill()
-    assert exit_code == 1, worker.text
-    assert gave_up_s < 10, worker.text  # 2 s of retries, then the drain of an idle engine
-    lines = worker.text.splitlines()
-    [said] = [line for line in lines if f"cannot reach the manager at {url}: " in line]
-    assert "retrying (giving up after 2s)" in said
-    [gave_up] = [line for line in lines if "gave up" in line]
+        proc, errors = _run_worker_unloaded(model_dir, url, "--token", "t", "worker.manager_timeout_s=2")
+    assert proc.returncode == 1 and errors == [], proc.stdout + "\n".join(errors)
+    said, gave_up = proc.stdout.splitlines()
+    assert f"cannot reach the manager at {url}: ConnectError" in said and "retrying (giving up after 2s)" in said
     assert re.search(rf"the manager at {url} was unreachable for [2-9]s \(worker.manager_timeout_s=2\)", gave_up)
-    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ERROR polyrl\.worker\.main: gave up", gave_up)
-    assert not [line for line in lines if line != line.rstrip()], "padded lines"
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ERROR polyrl\.worker\.manager_client: gave up", gave_up)
+    assert said == said.rstrip() and gave_up == gave_up.rstrip(), "padded lines"

@@ -40,12 +40,12 @@ every process the run starts inherits it. A value the user set wins."""
 
 
 def _setup_logging(verbose: bool) -> None:
-    """rich for a terminal; one plain line per event for a file (a launched worker's log,
-    `polyrl train > train.log`): rich wraps at 80 columns there and pads lines with spaces."""
+    """rich's colours for a terminal; one plain line per event for a file (a launched
+    worker's log, `polyrl train > train.log`). Neither breaks a line (`polyrl.console`)."""
     if sys.stdout.isatty():
-        from rich.logging import RichHandler
+        from polyrl.console import TerminalHandler
 
-        handler: logging.Handler = RichHandler(show_path=False, rich_tracebacks=False)
+        handler: logging.Handler = TerminalHandler()
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     else:
         handler = logging.StreamHandler(sys.stdout)  # where rich's console writes too
@@ -149,7 +149,8 @@ def _discard_unstarted_run(run_dir: Path, before: set[str] | None) -> None:
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from polyrl.models.tiny import save_tiny_model
 
-    cfg = load_config(None, [f"model.tiny.{o}" for o in args.overrides]).model.tiny
+    overrides = [*args.overrides, *(["chat_template=true"] if args.chat_template else [])]
+    cfg = load_config(None, [f"model.tiny.{o}" for o in overrides]).model.tiny
     save_tiny_model(args.out, cfg)
     print(args.out)
     return 0
@@ -195,6 +196,11 @@ def worker_config(args: argparse.Namespace) -> WorkerRunConfig:
 def cmd_worker(args: argparse.Namespace) -> int:
     cfg = worker_config(args)
     sock = _listen_socket(cfg.worker.host, cfg.worker.port, "worker.port")  # before seconds of imports
+    if cfg.worker.manager_url:  # the manager too: a wrong token or URL is told before the engine loads
+        from polyrl.worker.manager_client import check_manager
+
+        if (code := check_manager(cfg.worker)) is not None:
+            return code
     from polyrl.worker.main import run_worker
 
     return run_worker(cfg, sock)
@@ -262,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-model", help="build a tiny random model + tokenizer as an HF directory")
     p.add_argument("--out", required=True)
+    p.add_argument("--chat-template", action="store_true", help="give the tokenizer a chat template (chat_template=true)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="model.tiny keys, e.g. arch=llama hidden_size=64")
     p.set_defaults(func=cmd_tiny_model)
 

@@ -40,6 +40,10 @@ class TinyModelConfig(_Section):
     intermediate_size: int = Field(192, ge=8)
     max_position_embeddings: int = Field(256, ge=16)
     seed: int = 0
+    chat_template: bool = False
+    """Give the tokenizer a chat template (`polyrl.models.tiny.CHAT_TEMPLATE`), for chat
+    endpoints and clients that apply one (Atropos' chat path). Off by default: with a
+    template, `data.apply_chat_template`'s automatic mode wraps the tasks' prompts in it."""
 
 
 class LoraConfig(_Section):

@@ -7,6 +7,7 @@ job's log, or a cluster without a browser.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import httpx
@@ -15,6 +16,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from polyrl.console import console_on
 from polyrl.manager.fleet import FleetStatus
 from polyrl.tls import http_client
 
@@ -88,18 +90,24 @@ def status(
     console: Console | None = None,
     ca_file: str | None = None,
 ) -> int:
-    """Print the fleet once (or until interrupted, with `watch`); 1 if it cannot be read."""
-    console = console or Console()
+    """Print the fleet once (or until interrupted, with `watch`); 1 if it cannot be read.
+    Errors go to stderr, unless `console` is given. Off a terminal nothing is wrapped
+    (`polyrl.console`), and `watch` prints one table per refresh: rich's live display
+    would show only the last, once stopped."""
+    out = console or console_on(sys.stdout)
     try:
-        if not watch:
-            console.print(render(fetch(url, token, ca_file=ca_file), url))
-            return 0
-        with Live(render(fetch(url, token, ca_file=ca_file), url), console=console, auto_refresh=False) as live:
-            while True:
-                time.sleep(interval_s)
-                live.update(render(fetch(url, token, ca_file=ca_file), url), refresh=True)
+        if watch and out.is_terminal:
+            with Live(render(fetch(url, token, ca_file=ca_file), url), console=out, auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval_s)
+                    live.update(render(fetch(url, token, ca_file=ca_file), url), refresh=True)
+        while True:
+            out.print(render(fetch(url, token, ca_file=ca_file), url))
+            if not watch:
+                return 0
+            time.sleep(interval_s)
     except StatusError as e:
-        console.print(f"[red]{e}[/red]")
+        (console or console_on(sys.stderr)).print(Text(str(e), style="red"))
         return 1
     except KeyboardInterrupt:
         return 0

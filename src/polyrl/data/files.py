@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,9 +106,11 @@ def _peek_csv(file: Path) -> tuple[list[str], list[dict[str, Any]]]:
 
 def _peek_json(file: Path) -> tuple[list[str], list[dict[str, Any]]] | None:
     """JSON lines, or one JSON array of objects (the two layouts `datasets` reads without
-    a `field`); the first rows of either are decoded from the file's first MiB."""
+    a `field`); the first rows of either are decoded from the file's first MiB. Every line
+    of that MiB is checked: a bad one is named here, by number, not after the imports."""
     with file.open() as f:
         head = f.read(_PEEK_BYTES)
+    is_cut = len(head) == _PEEK_BYTES
     text = head.lstrip()
     decoder = json.JSONDecoder()
     rows: list[Any] = []
@@ -120,25 +123,70 @@ def _peek_json(file: Path) -> tuple[list[str], list[dict[str, Any]]] | None:
             try:
                 row, pos = decoder.raw_decode(text, pos)
             except json.JSONDecodeError:
-                if len(head) < _PEEK_BYTES or not rows:
+                if not is_cut or not rows:
                     raise
                 break  # cut at the peek limit: the rows so far will do
             rows.append(row)
-    else:
-        lines = [line for line in text.splitlines() if line.strip()]
-        if len(head) == _PEEK_BYTES:
-            lines = lines[:-1]  # the last one may be cut at the peek limit
-            if not lines:
-                return None  # one long line: not worth reading further here
-        lines = lines[:SNIFF_ROWS]
+    elif _opens_one_object(text):  # pretty-printed (`datasets`' `field` layout)
+        if is_cut:
+            return None  # the full load decides
         try:
-            rows = [json.loads(line) for line in lines]
-        except json.JSONDecodeError:
-            return None  # a pretty-printed object (`datasets`' `field` layout): the full load decides
+            json.loads(head)
+        except json.JSONDecodeError as e:
+            raise ValueError(_bad_line(file, e.lineno, e)) from None
+        return None
+    else:
+        lines = head.split("\n")
+        if is_cut:
+            lines = lines[:-1]  # the last one may be cut at the peek limit
+        rows = list(json_lines(file, lines))
+        if not rows and is_cut:
+            return None  # one long line: not worth reading further here
+        rows = rows[:SNIFF_ROWS]
     if not all(isinstance(row, dict) for row in rows):
         return None
     columns = list(dict.fromkeys(key for row in rows for key in row))  # `datasets` takes their union
     return columns, _non_empty(file, rows)
+
+
+def json_lines(file: Path, lines: Iterable[str]) -> Iterator[Any]:
+    """The values of JSON `lines` (blank ones skipped); ValueError naming `file` and the
+    number of the first line that is not JSON."""
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(_bad_line(file, number, e)) from None
+
+
+def check_json_lines(file: Path) -> None:
+    """ValueError naming the first line of a JSON-lines `file` that is not JSON. The full
+    load's own error (pyarrow's, through `datasets`) names neither the file nor the line;
+    a file that opens an array or one pretty-printed object is not checked here."""
+    with file.open() as f:
+        first = next((line for line in f if line.strip()), "")
+    if first.lstrip().startswith("[") or _opens_one_object(first):
+        return
+    with file.open() as f:
+        for _ in json_lines(file, f):
+            pass
+
+
+def _opens_one_object(text: str) -> bool:
+    """The first line opens an object that it does not close: not JSON lines."""
+    first = text.lstrip().split("\n", 1)[0]
+    if not first.startswith("{"):
+        return False
+    try:
+        json.loads(first)
+    except json.JSONDecodeError:
+        return True
+    return False
+
+
+def _bad_line(file: Path, number: int, error: json.JSONDecodeError) -> str:
+    return f"data.path: {file} line {number} is not JSON: {error.msg} (column {error.colno})"
 
 
 def _skip(text: str, pos: int, chars: str) -> int:

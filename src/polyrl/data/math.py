@@ -6,14 +6,17 @@ file's other columns), so the rest of the pipeline never needs to know the sourc
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import datasets
 
 from polyrl.config import DataConfig
-from polyrl.data.files import BUILDERS, SNIFF_ROWS, check_columns, data_file, detect_format, required_columns
+from polyrl.data.files import BUILDERS, SNIFF_ROWS, check_columns, check_json_lines, data_file, detect_format, required_columns
 
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 
@@ -29,15 +32,38 @@ def extract_gsm8k_answer(solution: str) -> str:
 
 
 def _read_file(path: str | None) -> datasets.Dataset:
-    """Read a local file through `datasets` so large files are memory-mapped, not loaded."""
+    """Read a local file through `datasets` so large files are memory-mapped, not loaded.
+    Any failure is one ValueError naming the file (and for JSON lines, the bad line), so
+    `datasets`' log is held back while it reads: it printed the error twice before ours."""
     file = data_file(path)
     builder = BUILDERS[file.suffix.lower()]
     try:
-        return datasets.load_dataset(builder, data_files=str(file), split="train")
+        with _quiet(logging.getLogger("datasets")):
+            return datasets.load_dataset(builder, data_files=str(file), split="train")
     except Exception as e:
+        if builder == "json":
+            check_json_lines(file)  # past the first MiB that `polyrl.preflight` checked
         # An empty file surfaces as 'Instruction "train" corresponds to no data!'.
-        why = "holds no rows" if "no data" in str(e) else f"cannot be read as {builder}: {e}"
+        why = "holds no rows" if "no data" in str(e) else f"cannot be read as {builder}: {_root_cause(e)}"
         raise ValueError(f"data.path: {file} {why}") from e
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost cause: `datasets` wraps the reader's error in "An error occurred while
+    generating the dataset", which says nothing."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return " ".join(str(error).split())
 
 
 def _detect_format(ds: datasets.Dataset) -> str:

@@ -6,6 +6,7 @@ address range; bodies are size-limited (control messages to 64 KiB). A refused o
 malformed request gets a 4xx naming the reason and changes nothing.
 
     POST /v1/workers/register            RegisterRequest -> RegisterResponse
+    GET  /v1/workers/register            {} if a registration would be taken (token, address): a worker asks first
     POST /v1/workers/{id}/heartbeat      Heartbeat (404: unknown, register again)
     POST /v1/workers/{id}/leave          LeaveRequest
     GET  /v1/workers                     WorkerList (with the latest local window and sync times)
@@ -108,6 +109,11 @@ class _Handlers:
     async def register(self, body: RegisterRequest, request: Request) -> RegisterResponse:
         self._check_peer(request)
         return self.manager.register(body)
+
+    async def may_register(self, request: Request) -> dict[str, Any]:
+        """`polyrl worker` asks before it loads its engine: a refusal costs it a second, not a model's load."""
+        self._check_peer(request)
+        return {}
 
     async def heartbeat(self, worker_id: str, body: Heartbeat) -> dict[str, Any]:
         if not self.manager.heartbeat(worker_id, body):
@@ -220,6 +226,7 @@ def create_app(manager: RolloutManager) -> FastAPI:
     app.get("/", include_in_schema=False)(page)
     app.get("/v1/fleet", dependencies=read)(h.fleet)
     app.post("/v1/workers/register", dependencies=auth)(h.register)
+    app.get("/v1/workers/register", dependencies=auth)(h.may_register)
     app.post("/v1/workers/{worker_id}/heartbeat", dependencies=auth)(h.heartbeat)
     app.post("/v1/workers/{worker_id}/leave", dependencies=auth)(h.leave)
     app.get("/v1/workers", dependencies=read)(h.workers)

@@ -36,8 +36,9 @@ CHAT_TEMPLATE = (
 )
 """A chat template written in the alphabet (no newline token), for chat endpoints and
 clients that apply templates themselves (atroposlib's ManagedServer). Opt-in
-(`add_chat_template`): with a template, `data.apply_chat_template`'s automatic mode would
-wrap the synthetic tasks' prompts in it."""
+(`model.tiny.chat_template`, `polyrl tiny-model --chat-template`, `add_chat_template`):
+with a template, `data.apply_chat_template`'s automatic mode would wrap the synthetic
+tasks' prompts in it."""
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen3": Qwen3Config,
@@ -82,6 +83,8 @@ def save_tiny_model(out_dir: str | Path, cfg: TinyModelConfig = TinyModelConfig(
     """Build a randomly initialised tiny model + tokenizer and save them as an HF directory."""
     out = Path(out_dir)
     tokenizer = build_tokenizer()
+    if cfg.chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE  # saved as chat_template.jinja, where transformers looks
     model_cfg = build_model_config(cfg, tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)

@@ -44,6 +44,7 @@ class ManagerProcess(Child):
     def __init__(self, cfg: ManagerConfig, token: str, run_dir: Path) -> None:
         """Binds the manager's address now: OSError if it is taken."""
         self.sock = bind(cfg.host, cfg.port)
+        self.sock.listen()  # a worker that asks before the child serves waits in the backlog: not refused, not warned
         port = self.sock.getsockname()[1]
         self.url = base_url(cfg.host, port, cfg.tls.enabled)
         self.public_url = base_url(reachable_host(cfg.host, cfg.advertise_host), port, cfg.tls.enabled)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rich import get_console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from polyrl.config import RunConfig
@@ -159,11 +160,13 @@ class StopRequest:
 
 
 def _progress(enabled: bool) -> Progress:
+    """The step bar, for a terminal only: to a file, rich prints the bar once when it
+    stops, a stray line after the run's last."""
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
-        disable=not enabled,
+        disable=not (enabled and get_console().is_terminal),
     )

@@ -28,7 +28,7 @@ from polyrl.engine.lora import AdapterMerger, expected_spec
 from polyrl.manager.protocol import Heartbeat, RegisterRequest, RegisterResponse
 from polyrl.serving import QuietServer, bind, server_config, wait_started
 from polyrl.tls import base_url, reachable_host
-from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession, ManagerUnreachable
+from polyrl.worker.manager_client import ManagerRejected, ManagerSession, ManagerUnreachable, worker_client
 from polyrl.worker.server import WorkerState, create_app
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
     w = cfg.worker
     assert w.manager_url is not None
     advertise = w.advertise_url or base_url(reachable_host(w.host), port, w.tls.enabled)
-    client = ManagerClient(w.manager_url, w.token or os.environ.get("POLYRL_TOKEN"), w.manager_request_timeout_s, w.tls.ca_file)
+    client = worker_client(w)
 
     def registration() -> RegisterRequest:
         return RegisterRequest(
