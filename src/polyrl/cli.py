@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from polyrl.config import ConfigError, ManagerRunConfig, RunConfig, WorkerRunConfig, load_config
+from polyrl.pipes import survive_closed_pipes
 
 if TYPE_CHECKING:
     from polyrl.trainer.distributed import DataParallel
@@ -303,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "train":  # a Ctrl-C that kills `| tee` must not cost the save
+        survive_closed_pipes()
     _setup_logging(args.verbose)
     try:
         return args.func(args)
