@@ -322,6 +322,68 @@ def _drain(fd: int, into: bytearray) -> None:
         into += chunk
 
 
+POOL_IN_A_TERMINAL = """
+import signal, sys, time
+from polyrl.data.rewards import RewardPool
+interrupted = []
+signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))  # as the trainer: Ctrl-C is its to handle
+pool = RewardPool(["reward_fns:length_reward"])
+assert pool.score(["p"], ["abc"]) == [3.0]
+print("ready", flush=True)
+while not interrupted:
+    time.sleep(0.01)
+print("interrupted", flush=True)
+sys.stdin.readline()
+assert pool.score(["p"], ["abcd"]) == [4.0]
+"""
+
+
+def _session_and_group(pid: int) -> tuple[int, int]:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[3]), int(fields[2])  # session, process group
+
+
+def test_the_resource_tracker_shares_the_trainers_session_ignores_ctrl_c_and_leaves_with_it() -> None:
+    """What README says of multiprocessing's resource tracker, the one child Python starts
+    for the trainer (with the reward pool's first worker) in the trainer's session: a
+    Ctrl-C typed into the terminal reaches it and changes nothing, and it is gone once
+    the trainer is."""
+    tag = f"polyrl-test-{uuid.uuid4().hex}"
+    tests_dir = Path(__file__).parent
+    env = os.environ | {"POLYRL_TEST_RUN": tag, "PYTHONPATH": f"{tests_dir.parent / 'src'}{os.pathsep}{tests_dir}"}
+    master, slave = os.openpty()
+    owner = subprocess.Popen([sys.executable, "-c", POOL_IN_A_TERMINAL], env=env, stdin=slave, stdout=slave,
+                             stderr=slave, start_new_session=True, preexec_fn=_take_terminal)  # fmt: skip
+    os.close(slave)
+    output = bytearray()
+    reader = threading.Thread(target=_drain, args=(master, output), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while b"ready" not in output:
+            assert owner.poll() is None and time.monotonic() < deadline, output.decode(errors="replace")
+            time.sleep(0.02)
+        trackers = [pid for pid, cmd in _run_processes(tag).items() if "multiprocessing.resource_tracker" in cmd]
+        assert len(trackers) == 1, _run_processes(tag)
+        tracker = trackers[0]
+        assert _session_and_group(tracker) == _session_and_group(owner.pid) == (owner.pid, owner.pid)
+        os.write(master, b"\x03")
+        while b"interrupted" not in output:
+            assert owner.poll() is None and time.monotonic() < deadline, output.decode(errors="replace")
+            time.sleep(0.02)
+        time.sleep(0.5)
+        assert tracker in _run_processes(tag)  # the Ctrl-C reached it too, and it lives on
+        os.write(master, b"\n")  # the pool scores again, then the owner exits
+        assert owner.wait(timeout=30) == 0, output.decode(errors="replace")
+        _assert_none_left(tag)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        reader.join(5)
+        os.close(master)
+
+
 def test_ctrl_c_during_the_cleanup_hurries_it_instead_of_cutting_it_short() -> None:
     """In the loop: the first Ctrl-C asks for a stop, the second stops at once. During the
     start-up the first stops at once. In a cleanup, Ctrl-C only hurries the children's end
