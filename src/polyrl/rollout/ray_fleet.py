@@ -287,8 +287,12 @@ def ray_listeners() -> list[tuple[str, int, str]]:
     """Where Ray's processes on this machine listen: (address, port, process name), sorted."""
     import psutil
 
+    try:
+        connections = psutil.net_connections(kind="inet")  # another user's sockets come without a pid
+    except psutil.AccessDenied:  # macOS without root: nothing to tell
+        return []
     found = set()
-    for conn in psutil.net_connections(kind="inet"):  # another user's sockets come without a pid
+    for conn in connections:
         if conn.status != psutil.CONN_LISTEN or conn.pid is None:
             continue
         try:
@@ -296,9 +300,15 @@ def ray_listeners() -> list[tuple[str, int, str]]:
             name, cmdline = process.name(), process.cmdline()
         except psutil.Error:  # gone meanwhile
             continue
-        if name in ("gcs_server", "raylet") or any("/ray/" in part or part.startswith(("ray::", "ray.")) for part in cmdline):
+        if _is_ray_process(name, cmdline):
             found.add((conn.laddr.ip, conn.laddr.port, name))
     return sorted(found)
+
+
+def _is_ray_process(name: str, cmdline: list[str]) -> bool:
+    """Ray's binaries, its Python services (`.../ray/dashboard/agent.py`, `-m
+    ray.util.client.server`) and its workers (`ray::IDLE`, `ray::WorkerHost`)."""
+    return name in ("gcs_server", "raylet") or any("/ray/" in p or p.startswith(("ray::", "ray.")) for p in cmdline)
 
 
 def exposed_ray_listeners() -> list[str]:
