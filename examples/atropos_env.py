@@ -3,7 +3,7 @@ letter word) scored by its partial-credit reward, served by polyrl's manager or 
 
     python examples/atropos_env.py --api http://127.0.0.1:8000 \
         --inference http://127.0.0.1:5000/v1 --model init_model --tokenizer RUN_DIR/init_model \
-        --token "$(python -c 'import json;print(json.load(open("RUN_DIR/manager.json"))["token"])')"
+        --token-file RUN_DIR/manager.json
 
 It subclasses atroposlib's `BaseEnv` and talks to polyrl through atroposlib's own server
 classes: `--server-type vllm` (the default) goes through its ManagedServer to vLLM's
@@ -28,6 +28,7 @@ from typing import Any
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 
 from polyrl.data.tasks import char_match_reward, get_task, task_record
+from polyrl.preflight import shared_token
 
 TASK = get_task("copy")
 
@@ -67,14 +68,14 @@ class CopyEnv(BaseEnv):
             include_messages=False,
             inference_url=args.inference,
             model_name=args.model,
-            api_key=args.token,
+            api_key=args.api_key,
             server_type=args.server_type,
             temperature=args.temperature,
             max_new_tokens=args.max_new_tokens,
             seed=args.seed,
         )
         server = APIServerConfig(
-            model_name=args.model, tokenizer_name=args.tokenizer, base_url=args.inference, api_key=args.token,
+            model_name=args.model, tokenizer_name=args.tokenizer, base_url=args.inference, api_key=args.api_key,
             server_type=args.server_type, health_check=False, timeout=120, num_max_requests_at_once=64,
         )  # fmt: skip
         return cls(config, [server])  # a list: a single config would lose its base_url
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--inference", required=True, help="polyrl's manager or worker, with /v1 (http://HOST:PORT/v1)")
     p.add_argument("--model", default="init_model", help="the served model's name (its directory's name)")
     p.add_argument("--tokenizer", required=True, help="the model's local directory")
-    p.add_argument("--token", default="", help="polyrl's bearer token (RUN_DIR/manager.json)")
+    p.add_argument("--token", help="polyrl's bearer token (default: $POLYRL_TOKEN; shown by ps: prefer --token-file)")
+    p.add_argument("--token-file", help="a file holding it, e.g. RUN_DIR/manager.json (default: $POLYRL_TOKEN_FILE)")
     p.add_argument("--server-type", choices=["vllm", "openai"], default="vllm")
     p.add_argument("--group-size", type=int, default=8, help="= the trainer's rollout.n")
     p.add_argument("--max-new-tokens", type=int, default=6)
@@ -155,6 +157,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="batches queued ahead of the trainer (each one a weight version older)")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
+    try:
+        args.api_key = shared_token(args.token, args.token_file, "--token-file") or ""
+    except ValueError as e:
+        p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("atroposlib.envs.base").setLevel(logging.WARNING)  # it logs its status ten times a second
     asyncio.run(CopyEnv.for_args(args).env_manager())

@@ -244,6 +244,146 @@ def test_ctrl_c_twice_and_kill_minus_9_leave_a_resumable_run_and_no_process(tmp_
                 pass
 
 
+PIPED_JOB = """
+import signal, subprocess, sys
+signal.signal(signal.SIGINT, lambda *_: None)  # the shell: outside the job's group, the Ctrl-C is not for it
+tee = subprocess.Popen(["tee", sys.argv[1]], stdin=subprocess.PIPE)
+trainer = subprocess.Popen(sys.argv[3:], stdout=tee.stdin, stderr=subprocess.STDOUT)
+tee.stdin.close()
+codes = f"{trainer.wait()} {tee.wait()}"
+with open(sys.argv[2], "w") as f:
+    f.write(codes)
+"""
+"""`polyrl train ... 2>&1 | tee LOG` as a shell runs it in a terminal: the trainer and tee
+in one process group, the terminal's foreground group, so a typed Ctrl-C reaches both.
+argv: LOG, where to write "<trainer's exit code> <tee's>", the trainer's command."""
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_exits_130_although_tee_died_of_it(tmp_path: Path) -> None:
+    """One Ctrl-C to `polyrl train ... 2>&1 | tee log`: tee dies of it, and from then on the
+    trainer's stdout and stderr are a pipe nobody reads (EPIPE). The step in progress still
+    finishes, is saved, and the trainer exits 130. The console is on, as by default: its
+    step line is what hit the broken pipe first."""
+    run_dir, tag = tmp_path / "run", f"polyrl-test-{uuid.uuid4().hex}"
+    tests_dir = Path(__file__).parent
+    hold, held, log_file, codes = tmp_path / "hold", tmp_path / "hold.held", tmp_path / "train.log", tmp_path / "codes"
+    env = os.environ | {
+        "POLYRL_TEST_RUN": tag, "PYTHONPATH": f"{tests_dir.parent / 'src'}{os.pathsep}{tests_dir}",
+        "POLYRL_TEST_HOLD": str(hold),
+    }  # fmt: skip
+    overrides = [o for o in OVERRIDES if not o.startswith("logging.console")] + ["trainer.save_every=1000"]
+    train = [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir), *overrides]
+    master, slave = os.openpty()
+    hold.touch()  # the first step waits in its scoring: the Ctrl-C comes mid-step
+    job = subprocess.Popen([sys.executable, "-c", PIPED_JOB, str(log_file), str(codes), *train], env=env,
+                           stdin=slave, stdout=slave, stderr=slave, start_new_session=True, preexec_fn=_take_terminal)  # fmt: skip
+    os.close(slave)
+    output = bytearray()
+    reader = threading.Thread(target=_drain, args=(master, output), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not held.exists():
+            assert job.poll() is None and time.monotonic() < deadline, output.decode(errors="replace")[-3000:]
+            time.sleep(0.05)
+        os.write(master, b"\x03")
+        time.sleep(1.0)  # the Ctrl-C is handled, tee is gone
+        hold.unlink()
+        job.wait(timeout=90)
+        trainer_code, tee_code = (int(c) for c in codes.read_text().split())
+        assert tee_code == -signal.SIGINT  # the pipe's reader died of the Ctrl-C
+        assert trainer_code == 130, log_file.read_text()[-3000:]
+        assert _check_stopped_run(run_dir, log_file.read_text()) == _rows(run_dir)[-1]["step"] == 1
+        assert "run directory" in log_file.read_text()  # tee kept what came before
+        _assert_none_left(tag)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        reader.join(5)
+        os.close(master)
+        for pid in _run_processes(tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _drain(fd: int, into: bytearray) -> None:
+    """What the terminal shows, until its last writer is gone (EIO)."""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            return
+        if not chunk:
+            return
+        into += chunk
+
+
+POOL_IN_A_TERMINAL = """
+import signal, sys, time
+from polyrl.data.rewards import RewardPool
+interrupted = []
+signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))  # as the trainer: Ctrl-C is its to handle
+pool = RewardPool(["reward_fns:length_reward"])
+assert pool.score(["p"], ["abc"]) == [3.0]
+print("ready", flush=True)
+while not interrupted:
+    time.sleep(0.01)
+print("interrupted", flush=True)
+sys.stdin.readline()
+assert pool.score(["p"], ["abcd"]) == [4.0]
+"""
+
+
+def _session_and_group(pid: int) -> tuple[int, int]:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[3]), int(fields[2])  # session, process group
+
+
+def test_the_resource_tracker_shares_the_trainers_session_ignores_ctrl_c_and_leaves_with_it() -> None:
+    """What README says of multiprocessing's resource tracker, the one child Python starts
+    for the trainer (with the reward pool's first worker) in the trainer's session: a
+    Ctrl-C typed into the terminal reaches it and changes nothing, and it is gone once
+    the trainer is."""
+    tag = f"polyrl-test-{uuid.uuid4().hex}"
+    tests_dir = Path(__file__).parent
+    env = os.environ | {"POLYRL_TEST_RUN": tag, "PYTHONPATH": f"{tests_dir.parent / 'src'}{os.pathsep}{tests_dir}"}
+    master, slave = os.openpty()
+    owner = subprocess.Popen([sys.executable, "-c", POOL_IN_A_TERMINAL], env=env, stdin=slave, stdout=slave,
+                             stderr=slave, start_new_session=True, preexec_fn=_take_terminal)  # fmt: skip
+    os.close(slave)
+    output = bytearray()
+    reader = threading.Thread(target=_drain, args=(master, output), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while b"ready" not in output:
+            assert owner.poll() is None and time.monotonic() < deadline, output.decode(errors="replace")
+            time.sleep(0.02)
+        trackers = [pid for pid, cmd in _run_processes(tag).items() if "multiprocessing.resource_tracker" in cmd]
+        assert len(trackers) == 1, _run_processes(tag)
+        tracker = trackers[0]
+        assert _session_and_group(tracker) == _session_and_group(owner.pid) == (owner.pid, owner.pid)
+        os.write(master, b"\x03")
+        while b"interrupted" not in output:
+            assert owner.poll() is None and time.monotonic() < deadline, output.decode(errors="replace")
+            time.sleep(0.02)
+        time.sleep(0.5)
+        assert tracker in _run_processes(tag)  # the Ctrl-C reached it too, and it lives on
+        os.write(master, b"\n")  # the pool scores again, then the owner exits
+        assert owner.wait(timeout=30) == 0, output.decode(errors="replace")
+        _assert_none_left(tag)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        reader.join(5)
+        os.close(master)
+
+
 def test_ctrl_c_during_the_cleanup_hurries_it_instead_of_cutting_it_short() -> None:
     """In the loop: the first Ctrl-C asks for a stop, the second stops at once. During the
     start-up the first stops at once. In a cleanup, Ctrl-C only hurries the children's end

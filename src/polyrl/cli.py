@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from polyrl.config import ConfigError, ManagerRunConfig, RunConfig, WorkerRunConfig, load_config
+from polyrl.pipes import survive_closed_pipes
 
 if TYPE_CHECKING:
     from polyrl.trainer.distributed import DataParallel
@@ -160,13 +161,16 @@ _WORKER_FLAGS = {
     "model": "model.path",
     "manager": "worker.manager_url",
     "token": "worker.token",
+    "token_file": "worker.token_file",
     "host": "worker.host",
     "port": "worker.port",
     "worker_id": "worker.worker_id",
 }
 
 
-_MANAGER_FLAGS = {"host": "manager.host", "port": "manager.port", "token": "manager.token"}
+_MANAGER_FLAGS = {
+    "host": "manager.host", "port": "manager.port", "token": "manager.token", "token_file": "manager.token_file",
+}  # fmt: skip
 
 
 def _flag_overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
@@ -184,13 +188,14 @@ def worker_config(args: argparse.Namespace) -> WorkerRunConfig:
             "config error: model.path: the worker needs a model directory: pass --model PATH "
             "(for a tiny offline one: polyrl tiny-model --out DIR)"
         )
-    from polyrl.preflight import check_model_dir
+    from polyrl.preflight import check_model_dir, shared_token
 
     try:
         check_model_dir(cfg.model.path)
+        token = shared_token(cfg.worker.token, cfg.worker.token_file, "worker.token_file")
     except ValueError as e:
         raise ConfigError(f"config error: {e}") from None
-    return cfg
+    return cfg.model_copy(update={"worker": cfg.worker.model_copy(update={"token": token})})
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -249,9 +254,20 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from polyrl.preflight import shared_token
     from polyrl.status import status
 
-    return status(args.url, args.token or os.environ.get("POLYRL_TOKEN"), args.watch, args.interval, ca_file=args.ca_file)
+    try:
+        token = shared_token(args.token, args.token_file, "--token-file")
+    except ValueError as e:
+        raise ConfigError(f"polyrl status: {e}") from None
+    return status(args.url, token, args.watch, args.interval, ca_file=args.ca_file)
+
+
+TOKEN_FILE_HELP = (
+    "a file holding the token, or a run's manager.json; unlike --token, ps does not show it "
+    "({key}; default: $POLYRL_TOKEN_FILE)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -277,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="PATH", help="local HF model directory (model.path)")
     p.add_argument("--manager", metavar="URL", help="rollout manager to register with (worker.manager_url)")
     p.add_argument("--token", help="shared secret for the manager (worker.token; default: $POLYRL_TOKEN)")
+    p.add_argument("--token-file", metavar="FILE", help=TOKEN_FILE_HELP.format(key="worker.token_file"))
     p.add_argument("--host", help="address to listen on (worker.host)")
     p.add_argument("--port", type=int, help="port to listen on, 0 = any free one (worker.port)")
     p.add_argument("--worker-id", help="id to register under (worker.worker_id; default: <hostname>-<port>)")
@@ -288,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="address to listen on (manager.host)")
     p.add_argument("--port", type=int, help="port to listen on, 0 = any free one (manager.port; default 5000)")
     p.add_argument("--token", help="shared secret (manager.token; default: $POLYRL_TOKEN)")
+    p.add_argument("--token-file", metavar="FILE", help=TOKEN_FILE_HELP.format(key="manager.token_file"))
     p.add_argument("--ready-file", help="write the URL there once serving (for a parent process)")
     p.add_argument("--listen-fd", type=int, help="serve on this inherited, bound socket (for a parent process)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. manager.retry_budget=3")
@@ -301,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="the fleet of a running manager as a table")
     p.add_argument("url", metavar="URL", help="the manager, e.g. http://127.0.0.1:5000")
     p.add_argument("--token", help="the manager's token or read token (default: $POLYRL_TOKEN)")
+    p.add_argument("--token-file", metavar="FILE", help=TOKEN_FILE_HELP.format(key="e.g. RUN_DIR/manager.json"))
     p.add_argument("--watch", action="store_true", help="refresh until interrupted")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
     p.add_argument("--ca-file", help="PEM CA bundle to verify an https manager against (default: the system's)")
@@ -310,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "train":  # a Ctrl-C that kills `| tee` must not cost the save
+        survive_closed_pipes()
     _setup_logging(args.verbose)
     try:
         return args.func(args)

@@ -375,7 +375,7 @@ class TrainerConfig(_Section):
 class FleetConfig(_Section):
     """Rollout workers the trainer starts itself, as `polyrl worker` subprocesses on this
     machine (remote and hybrid modes). Workers on other machines join with
-    `polyrl worker --manager URL --token T` at any time, on top of these."""
+    `polyrl worker --manager URL --token-file F` at any time, on top of these."""
 
     num_workers: int = Field(2, ge=0)
     """Workers launched at start (with churn: the most alive at once)."""
@@ -408,7 +408,8 @@ class FleetConfig(_Section):
     so `num_workers` stay alive (`polyrl.rollout.ray_fleet`)."""
     ray_address: str | None = None
     """The Ray cluster to join: "HOST:6379", "auto" (the one `ray start` left on this
-    machine), or None: the RAY_ADDRESS variable, else that one, else a new local cluster."""
+    machine), or None: the RAY_ADDRESS variable, else that one, else a new local cluster
+    that listens on loopback only (Ray's single-machine mode, `rollout/ray_fleet.py`)."""
     ray_num_cpus: float = Field(1.0, ge=0)
     """Ray CPUs each worker reserves."""
     ray_num_gpus: float = Field(0.0, ge=0)
@@ -512,6 +513,10 @@ class WorkerConfig(_Section):
     """Register with this rollout manager and heartbeat; without it the worker serves alone."""
     token: str | None = None
     """Shared secret for the manager (default: the POLYRL_TOKEN environment variable)."""
+    token_file: str | None = None
+    """A file that holds `token` instead: the token alone, or a run's manager.json. A token
+    on a command line is visible to every user of the machine (`ps`); a file or the
+    environment is not. Default: the file the POLYRL_TOKEN_FILE environment variable names."""
     worker_id: str | None = None
     """Default: <hostname>-<port>."""
     advertise_url: str | None = None
@@ -616,9 +621,14 @@ class ManagerConfig(_Section):
     token: str | None = None
     """Shared secret for every mutating endpoint (default: the POLYRL_TOKEN environment
     variable). Required when `host` is not a loopback address."""
+    token_file: str | None = None
+    """A file that holds `token` instead (kept off command lines, which `ps` shows to every
+    user): the token alone, or a run's manager.json. Default: POLYRL_TOKEN_FILE."""
     read_token: str | None = None
     """A second token that may only read the fleet (`GET /`, `/v1/fleet`, `/v1/workers`,
     `/metrics`): for dashboards and Prometheus. Those also accept `token`."""
+    read_token_file: str | None = None
+    """A file that holds `read_token` instead."""
     allowed_worker_cidrs: list[str] = ["0.0.0.0/0", "::/0"]
     """Address ranges a worker may register from (the seeds' `allowed_sender_ips`)."""
     heartbeat_interval_s: float = Field(2.0, gt=0)

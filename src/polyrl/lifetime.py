@@ -10,7 +10,10 @@ from threads that live as long as they should); elsewhere this is a no-op.
 Each child also runs in a session of its own: a terminal sends Ctrl-C to its whole
 foreground process group, and the trainer alone decides what it means (trainer/loop.py:
 finish the step and save; a second Ctrl-C sets `HURRY`, and children are killed instead of
-drained).
+drained). The exception is multiprocessing's resource tracker, which Python starts itself
+(with `util.spawnv_passfds`, no session option) when the reward pool spawns its first
+worker: it ignores SIGINT and SIGTERM (blocked across its start), and exits once every
+holder of its pipe, the trainer and the pool's workers, is gone.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import json
 import os
 import socket
 from pathlib import Path
@@ -35,6 +36,7 @@ def preflight(cfg: RunConfig) -> None:
         _check_data(cfg.data)
         _check_rewards(cfg.reward.functions)
         _check_ports(cfg)
+        _check_tokens(cfg)
         _check_launcher(cfg)
     except (ValueError, OSError) as e:
         raise ConfigError(f"config error: {e}") from None
@@ -60,16 +62,55 @@ def check_world_size(cfg: RunConfig, world_size: int) -> None:
 
 
 def resolve_token(cfg: ManagerConfig) -> ManagerConfig:
-    """The manager's config with its token taken from POLYRL_TOKEN when it has none;
-    ConfigError for a non-loopback address without one (the manager serves only loopback
-    without a secret)."""
-    token = cfg.token or os.environ.get("POLYRL_TOKEN") or None
+    """The manager's config with its tokens read (`shared_token`, and `read_token_file`);
+    ConfigError for a non-loopback address without a token (the manager serves only
+    loopback without a secret), or for a token file without one."""
+    read_token = cfg.read_token
+    try:
+        token = shared_token(cfg.token, cfg.token_file, "manager.token_file")
+        if not read_token and cfg.read_token_file:
+            read_token = read_token_file(cfg.read_token_file, "manager.read_token_file")
+    except ValueError as e:
+        raise ConfigError(f"config error: {e}") from None
     if token is None and not is_loopback(cfg.host):
         raise ConfigError(
             f"config error: manager.token: required when listening on {cfg.host} "
-            "(set manager.token, --token or POLYRL_TOKEN)"
+            "(set manager.token_file, --token-file, POLYRL_TOKEN or POLYRL_TOKEN_FILE)"
         )
-    return cfg.model_copy(update={"token": token})
+    return cfg.model_copy(update={"token": token, "read_token": read_token or None})
+
+
+def shared_token(token: str | None, token_file: str | None, file_key: str) -> str | None:
+    """A service's token: as given, else the one in `token_file`, else $POLYRL_TOKEN, else
+    the one in the file $POLYRL_TOKEN_FILE names; None when none is set. ValueError naming
+    the key for a token file without a token."""
+    if token:
+        return token
+    if token_file:
+        return read_token_file(token_file, file_key)
+    if os.environ.get("POLYRL_TOKEN"):
+        return os.environ["POLYRL_TOKEN"]
+    if os.environ.get("POLYRL_TOKEN_FILE"):
+        return read_token_file(os.environ["POLYRL_TOKEN_FILE"], "POLYRL_TOKEN_FILE")
+    return None
+
+
+def read_token_file(path: str, key: str) -> str:
+    """The token that the file `path` holds: its text, without the line end, or the "token"
+    of a JSON object (a run's manager.json). ValueError naming `key` if it holds none (the
+    message never quotes the file: it may hold a secret)."""
+    try:
+        text = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{key}: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    if text.startswith("{"):
+        try:
+            text = str(json.loads(text).get("token") or "")
+        except (ValueError, AttributeError):
+            text = ""
+    if not text or any(c.isspace() for c in text):
+        raise ValueError(f"{key}: {path} holds no token (expected the token alone, or a run's manager.json)")
+    return text
 
 
 def check_model_dir(path: str | None) -> None:
@@ -115,6 +156,15 @@ def _check_rewards(functions: list[str]) -> None:
             load_callable(path)
         except ValueError as e:
             raise ValueError(f"reward.functions: {e}") from None
+
+
+def _check_tokens(cfg: RunConfig) -> None:
+    """The manager's token files hold a token (the run reads them again when it starts it)."""
+    if cfg.rollout.mode == "local":
+        return
+    shared_token(cfg.manager.token, cfg.manager.token_file, "manager.token_file")
+    if cfg.manager.read_token_file and not cfg.manager.read_token:
+        read_token_file(cfg.manager.read_token_file, "manager.read_token_file")
 
 
 def _check_ports(cfg: RunConfig) -> None:

@@ -184,9 +184,11 @@ def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1, as an IPv6 socket bound to 127.0.0.1 shows
+    return (mapped or address).is_loopback
 
 
 async def wait_started(server: uvicorn.Server, serving: asyncio.Task[None]) -> None:

@@ -1,4 +1,4 @@
-"""`polyrl status URL --token T`: the operator page's fleet summary in the terminal.
+"""`polyrl status URL --token-file F`: the operator page's fleet summary in the terminal.
 
 Reads `GET /v1/fleet` once (or every `--interval` seconds with `--watch`) and prints
 the counters and one row per worker as a rich table: for a terminal over ssh, a cron
@@ -40,8 +40,11 @@ def fetch(url: str, token: str | None, timeout_s: float = 10.0, ca_file: str | N
             response = client.get(f"{url.rstrip('/')}/v1/fleet")
     except httpx.HTTPError as e:
         raise StatusError(f"cannot reach the manager at {url}: {type(e).__name__}: {e}") from None
+    if response.status_code == 401 and not token:
+        raise StatusError(f"no token given, and {url} wants one: pass --token-file RUN_DIR/manager.json "
+                          "(polyrl train writes its manager's token there), or set POLYRL_TOKEN")  # fmt: skip
     if response.status_code == 401:
-        raise StatusError(f"{url} refused the token (pass --token, or set POLYRL_TOKEN; RUN_DIR/manager.json has it)")
+        raise StatusError(f"{url} refused the token (pass --token-file, or set POLYRL_TOKEN; RUN_DIR/manager.json has it)")
     if response.status_code != 200:
         raise StatusError(f"{url}/v1/fleet answered HTTP {response.status_code}: {response.text[:200]}")
     return FleetStatus.model_validate_json(response.content)

@@ -93,7 +93,7 @@ async def _serve(cfg: ManagerConfig, ready_file: str | None = None, listen_fd: i
         print(f"config error: manager: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     print(f"polyrl manager serving on {url}", flush=True)
-    log.info("operator page: %s/?token=<manager.token> (also: polyrl status %s --token <manager.token>)", url, url)
+    log.info("operator page: %s/?token=<manager.token> (also: polyrl status %s --token-file <file with it>)", url, url)
     if ready_file:
         tmp = f"{ready_file}.tmp"
         with open(tmp, "w") as f:

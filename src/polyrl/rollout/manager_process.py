@@ -50,7 +50,7 @@ class ManagerProcess(Child):
         self.public_url = base_url(reachable_host(cfg.host, cfg.advertise_host), port, cfg.tls.enabled)
         """Where workers on other machines reach it (`manager.advertise_host`)."""
         # the token goes by environment; the port is the socket's, also for a restart
-        self.cfg = cfg.model_copy(update={"token": None, "url": None, "port": port})
+        self.cfg = cfg.model_copy(update={"token": None, "token_file": None, "url": None, "port": port})
         self.token, self.run_dir = token, run_dir
         self.num_restarts = 0
         self._ready = self.run_dir / "manager.url"

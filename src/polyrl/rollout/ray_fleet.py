@@ -144,11 +144,11 @@ class RayFleet(Fleet):
         lora: LoraConfig | None = None, tls: TlsConfig | None = None,
     ) -> None:  # fmt: skip
         super().__init__(cfg)
-        ray = import_ray()
-        self._ray = ray
-        self._owns_connection = not ray.is_initialized()
+        ray = sys.modules.get("ray")  # not imported yet: `connect` may set Ray's environment first
+        self._owns_connection = ray is None or not ray.is_initialized()
         if self._owns_connection:
-            ray.init(address=cfg.ray_address, namespace="polyrl", log_to_driver=False)
+            ray = connect(cfg.ray_address)
+        self._ray = ray
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         log.info("Ray cluster: %d nodes, %s", len(nodes), _resources(ray.cluster_resources()))
         elsewhere = {n["NodeManagerAddress"] for n in nodes} - {ray.util.get_node_ip_address()}
@@ -156,6 +156,9 @@ class RayFleet(Fleet):
             log.warning("the Ray cluster has nodes on other machines (%s), but the manager is at %s, which they "
                         "cannot reach: set manager.host=0.0.0.0 (and manager.advertise_host)",
                         ", ".join(sorted(elsewhere)), manager_url)  # fmt: skip
+        if not elsewhere and (exposed := exposed_ray_listeners()):
+            log.warning("the Ray cluster runs on this machine alone, but listens beyond loopback: %s; for loopback "
+                        "only, see README, 'Ray on one machine'", ", ".join(exposed))  # fmt: skip
         self.command = worker_command(Path(model_path), manager_url, None, engine, [
             f"worker.usd_per_hour={cfg.usd_per_hour}", f"worker.drain_timeout_s={cfg.drain_timeout_s}",
             *lora_overrides(lora), *tls_overrides(tls),
@@ -244,6 +247,77 @@ class RayFleet(Fleet):
             t.join(timeout=self.cfg.drain_timeout_s + 35)
         if self._owns_connection:
             self._ray.shutdown()
+
+
+SINGLE_MACHINE = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Ray's single-machine mode (its default on Windows and macOS): the node's address is
+127.0.0.1 and every Ray server listens there. Ray's other ways fall short: it turns
+`ray.init(_node_ip_address="127.0.0.1")` and `ray start --node-ip-address=127.0.0.1` into
+the machine's own address, and its gRPC servers then listen on all interfaces (`::`). Ray
+reads the variable when it is imported, in this process and in each process of the
+cluster (they inherit it)."""
+
+
+def connect(address: str | None) -> Any:
+    """Import ray and join the cluster at `address`; without one, the one `ray.init()` finds
+    (RAY_ADDRESS, else the cluster whose address the last `ray start` on this machine left
+    in Ray's temp directory), else start a local cluster in Ray's single-machine mode, on
+    loopback only. Returns the ray module."""
+    starts_one = address is None and not os.environ.get("RAY_ADDRESS") and not _ray_start_left_a_cluster()
+    if starts_one and "ray" not in sys.modules:  # imported already: too late, exposed_ray_listeners tells
+        for name, value in SINGLE_MACHINE.items():
+            os.environ.setdefault(name, value)
+    ray = import_ray()
+    if starts_one:
+        ray.init(address="local", namespace="polyrl", log_to_driver=False)
+        log.info("started a local Ray cluster (node %s)", ray.util.get_node_ip_address())
+    else:
+        ray.init(address=address, namespace="polyrl", log_to_driver=False)
+    return ray
+
+
+def _ray_start_left_a_cluster() -> bool:
+    """Ray's temp directory holds the address of the cluster `ray start` started last (Ray's
+    own rule, `ray.init`'s docstring); $RAY_TMPDIR, else $TMPDIR, else /tmp holds that one."""
+    temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    return Path(temp, "ray", "ray_current_cluster").exists()
+
+
+def ray_listeners() -> list[tuple[str, int, str]]:
+    """Where Ray's processes on this machine listen: (address, port, process name), sorted."""
+    import psutil
+
+    try:
+        connections = psutil.net_connections(kind="inet")  # another user's sockets come without a pid
+    except psutil.AccessDenied:  # macOS without root: nothing to tell
+        return []
+    found = set()
+    for conn in connections:
+        if conn.status != psutil.CONN_LISTEN or conn.pid is None:
+            continue
+        try:
+            process = psutil.Process(conn.pid)
+            name, cmdline = process.name(), process.cmdline()
+        except psutil.Error:  # gone meanwhile
+            continue
+        if _is_ray_process(name, cmdline):
+            found.add((conn.laddr.ip, conn.laddr.port, name))
+    return sorted(found)
+
+
+def _is_ray_process(name: str, cmdline: list[str]) -> bool:
+    """Ray's binaries, its Python services (`.../ray/dashboard/agent.py`, `-m
+    ray.util.client.server`) and its workers (`ray::IDLE`, `ray::WorkerHost`)."""
+    return name in ("gcs_server", "raylet") or any("/ray/" in p or p.startswith(("ray::", "ray.")) for p in cmdline)
+
+
+def exposed_ray_listeners() -> list[str]:
+    """`ray_listeners` beyond loopback, as "ADDRESS:PORT (process)"."""
+    return [
+        f"{f'[{address}]' if ':' in address else address}:{port} ({name})"
+        for address, port, name in ray_listeners()
+        if not is_loopback(address)
+    ]
 
 
 def _resources(resources: dict[str, float]) -> str:

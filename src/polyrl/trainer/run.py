@@ -38,7 +38,7 @@ from polyrl.models.precision import DTYPES
 from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.models.tiny import save_tiny_model
-from polyrl.preflight import check_world_size
+from polyrl.preflight import check_world_size, shared_token
 from polyrl.rollout.atropos import AtroposRollout
 from polyrl.rollout.feed import AsyncFeed
 from polyrl.rollout.fleet import Fleet, WorkerFleet
@@ -410,7 +410,10 @@ def start_remote(
     any). The manager always has a token (a random one unless given), so that workers
     from anywhere can be added later; it goes to RUN_DIR/manager.json (owner-only), not
     to the log."""
-    token = cfg.manager.token or os.environ.get("POLYRL_TOKEN") or secrets.token_hex(16)
+    try:
+        token = shared_token(cfg.manager.token, cfg.manager.token_file, "manager.token_file") or secrets.token_hex(16)
+    except ValueError as e:  # the file went away since the preflight
+        raise ConfigError(f"config error: {e}") from None
     cfg = cfg.model_copy(update={"engine": started_engines(cfg)})
     try:
         rollout = RemoteRollout(model, cfg, run_dir, token, init_path, compute_dtype)
@@ -424,10 +427,10 @@ def start_remote(
     extra = f" worker.tls.ca_file={cfg.manager.tls.ca_file}" if cfg.manager.tls.ca_file else ""
     if cfg.engine.dtype == "float64":  # as the run's own workers (rollout.deterministic)
         extra += " engine.dtype=float64"
-    log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token <token in %s>%s",
+    log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token-file %s%s",
              rollout.url, init_path, rollout.public_url, info, extra)  # fmt: skip
-    log.info("operator page: %s/?token=<token in %s> (terminal: polyrl status %s --token <token>)",
-             rollout.url, info, rollout.url)  # fmt: skip
+    log.info("operator page: %s/?token=<token in %s> (terminal: polyrl status %s --token-file %s)",
+             rollout.url, info, rollout.url, info)  # fmt: skip
     fleet = None
     if cfg.fleet.num_workers:
         fleet = launcher(cfg, init_path, rollout, token, run_dir)
