@@ -127,7 +127,7 @@ def test_the_add_a_worker_command_is_one_line_on_a_120_column_terminal(tmp_path:
     os.close(master)
     text = _plain(bytes(output))
     assert code == 0, text[-3000:]
-    match = re.search(r"add a worker: (polyrl worker --model .*?manager\.json>)", text, re.S)
+    match = re.search(r"add a worker: (polyrl worker --model .*?manager\.json)", text, re.S)
     assert match is not None, text[-3000:]
     assert "\n" not in match.group(1), match.group(1)
 
