@@ -85,6 +85,11 @@ class RolloutManager(Membership, Placement, Settlement):
         record = self.registry.get(LOCAL_WORKER_ID)
         return record if record is not None and record.is_local else None
 
+    @property
+    def closed(self) -> bool:
+        """Shutting down: new work is refused (a 503 to the OpenAI and vLLM routes)."""
+        return self._closed
+
     # ------------------------------------------------------------------------ life of the service
 
     async def start(self) -> None:
