@@ -73,6 +73,9 @@ class FleetWorker(_View):
     num_failures: int
     last_heartbeat_age_s: float
     is_local: bool
+    pid: int | None = None
+    log_path: str | None = None
+    """Where to find the process on its node."""
 
 
 class FleetStatus(_View):
@@ -132,7 +135,8 @@ def _worker(record: WorkerRecord, now_unix: float, now: float) -> FleetWorker:
         weight_version=record.weight_version, tokens_per_s=record.gen_throughput,
         usd_per_hour=record.usd_per_hour, uptime_s=round(max(0.0, now_unix - record.joined_at), 3),
         num_inflight=record.inflight, num_running=record.num_running, num_failures=record.num_failures,
-        last_heartbeat_age_s=round(now - record.last_seen, 3), is_local=record.is_local,
+        last_heartbeat_age_s=round(now - record.last_seen, 3), is_local=record.is_local, pid=record.pid,
+        log_path=record.log_path,
     )  # fmt: skip
 
 

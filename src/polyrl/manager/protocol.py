@@ -58,6 +58,10 @@ class RegisterRequest(_Message):
     """The machine the worker runs on (hostname, or its Ray node)."""
     instance_type: str | None = Field(None, max_length=256)
     """The machine's kind (e.g. "g6e.xlarge"), for costs per node type."""
+    pid: int | None = Field(None, ge=1, lt=2**63)
+    log_path: str | None = Field(None, max_length=4096)
+    """The worker's process id and log file on its node, so that an operator can find the
+    process (None: not given, or its output is no file)."""
     local: bool = False
     """The trainer's own engine (`polyrl worker --local`, on the trainer's device): the
     manager registers it as `local` and uses it only in the local window, when no other
@@ -271,6 +275,9 @@ class WorkerInfo(_Message):
     usd_per_hour: float | None = None
     node: str | None = None
     instance_type: str | None = None
+    pid: int | None = None
+    log_path: str | None = None
+    """The process and its log file on `node` (as the worker registered them)."""
 
 
 class LocalWindowReport(_Message):
