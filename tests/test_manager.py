@@ -280,6 +280,9 @@ def test_killed_worker_mid_stream_migrates_token_exact(manager: ManagerThread) -
         # the chunk in flight when the connection dropped may be lost: it is regenerated
         assert 1 <= s.segments[0].num_tokens <= 3 and s.num_failures == 1
     assert dying.calls and "dying" not in workers_of(manager)
+    fleet = manager.worker_list()  # what a trainer reads of the loss (issue 38: it saw none of it)
+    assert fleet.num_lost_workers == 1 and fleet.lost_workers[0].worker_id == "dying"
+    assert fleet.lost_workers[0].num_samples >= len(moved) and fleet.num_migrations >= len(moved)
     # the resumed requests carried the prompt + partial tokens and a reduced budget
     assert all(len(c["input_ids"]) == 3 for c in dying.calls)  # only fresh samples went there
 

@@ -143,12 +143,11 @@ def _worker(record: WorkerRecord, now_unix: float, now: float) -> FleetWorker:
 def fleet_status(manager: RolloutManager) -> FleetStatus:
     now_unix, now = time.time(), time.monotonic()
     counters = manager.metrics.registry
-    migrations = sum(counters.get_sample_value("polyrl_manager_migrations_total", {"cause": c}) or 0.0
-                     for c in ("failure", "handback"))  # fmt: skip
     return FleetStatus(
         now=now_unix, started_at=manager.started_at, latest_weight_version=manager.registry.latest_version,
         num_open_batches=len(manager.batches), num_inflight_samples=sum(r.inflight for r in manager.registry),
-        num_waiting_samples=sum(len(u.samples) for u in manager.pending), num_migrations=int(migrations),
+        num_waiting_samples=sum(len(u.samples) for u in manager.pending),
+        num_migrations=manager.metrics.num_migrations,
         num_lost_samples=int(counters.get_sample_value("polyrl_manager_lost_samples_total") or 0),
         num_generated_tokens=int(counters.get_sample_value("polyrl_manager_generated_tokens_total") or 0),
         workers=[_worker(r, now_unix, now) for r in manager.registry],

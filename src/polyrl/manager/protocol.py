@@ -287,6 +287,21 @@ class LocalWindowReport(_Message):
     closed_by: str
 
 
+class LostWorker(_Message):
+    """A worker that went without leaving: killed, crashed, cut off, silent."""
+
+    worker_id: str
+    lost_at: float
+    """Unix time."""
+    why: str
+    num_samples: int
+    """This manager's samples in flight on it then (any client's): they move to other workers."""
+
+
+MAX_LOST_WORKERS = 16
+"""How many of the latest lost workers a WorkerList names (it counts them all)."""
+
+
 class WorkerList(_Message):
     latest_weight_version: int
     workers: list[WorkerInfo]
@@ -296,6 +311,13 @@ class WorkerList(_Message):
     num_free_slots: int = 0
     """Samples the remote workers (active, or syncing and about to serve again) could
     start beyond what they run and what waits for them: room the trainer leaves unused."""
+    num_migrations: int = 0
+    """Sample moves to another worker since the manager started, for every client: the
+    trainer's batches and the OpenAI/vLLM requests of environments (Atropos)."""
+    num_lost_workers: int = 0
+    """Workers gone without leaving since the manager started."""
+    lost_workers: list[LostWorker] = Field([], max_length=MAX_LOST_WORKERS)
+    """The latest of them, oldest first."""
 
 
 class PublishVersion(_Message):
