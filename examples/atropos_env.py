@@ -16,6 +16,14 @@ wrong tokens.
 Two traps of atroposlib 0.4.0 are avoided here: `config_init` returns a list of server
 configs (a single one loses its `base_url`), and health checks are off (an unhealthy
 server would make the environment wait forever instead of failing its requests).
+
+It stops by itself, with one line: exit code 0 once the trainer has taken its last batch
+(the API's step reaches the trainer's `num_steps`), 1 when the API is gone (a restarted
+API forgets its environments too). atroposlib's own loop stops only once the API holds a
+batch more than the trainer will take, which nothing fills once the trainer (and its
+inference server) are gone: it logged an error per failed group until killed. A failing
+inference server is one line here, and one when it answers again; its groups are tried
+again (a resumed trainer brings the manager back on the same port).
 """
 
 from __future__ import annotations
@@ -23,14 +31,51 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from typing import Any
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from tenacity import RetryError
 
 from polyrl.data.tasks import char_match_reward, get_task, task_record
 from polyrl.preflight import shared_token
 
 TASK = get_task("copy")
+log = logging.getLogger("atropos_env")
+
+
+class Stop(Exception):
+    """Leaves atroposlib's `env_manager` loop, with the process's exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def reason(e: BaseException) -> str:
+    """The error behind atroposlib's retries (tenacity wraps the last attempt's)."""
+    if isinstance(e, RetryError) and e.last_attempt.exception() is not None:
+        e = e.last_attempt.exception()  # type: ignore[assignment]
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+class Outage:
+    """A failing inference server: one line when it starts and one when it ends, where
+    atroposlib logs an ERROR per failed group."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.num_failed = url, 0
+
+    def failed(self, e: BaseException) -> None:
+        if not self.num_failed:
+            log.warning("the inference server at %s fails (%s); groups are tried again until it answers",
+                        self.url, reason(e))  # fmt: skip
+        self.num_failed += 1
+
+    def answered(self) -> None:
+        if self.num_failed:
+            log.info("the inference server at %s answers again (%d groups failed meanwhile)", self.url, self.num_failed)
+            self.num_failed = 0
 
 
 class CopyEnvConfig(BaseEnvConfig):
@@ -50,6 +95,7 @@ class CopyEnv(BaseEnv):
     def __init__(self, config: CopyEnvConfig, server_configs: list[APIServerConfig], **kwargs: Any) -> None:
         super().__init__(config, server_configs, **kwargs)
         self.num_items = 0
+        self.outage = Outage(config.inference_url)
 
     @classmethod
     def for_args(cls, args: argparse.Namespace) -> CopyEnv:
@@ -83,6 +129,19 @@ class CopyEnv(BaseEnv):
     async def setup(self) -> None:
         pass
 
+    async def get_status(self) -> None:
+        """atroposlib's poll of the API (three tries), each turn of its loop; then whether
+        to stop."""
+        try:
+            await super().get_status()
+        except Exception as e:
+            raise Stop(f"the Atropos API at {self.config.rollout_server_url} is gone ({reason(e)}): stopping", 1) from e
+        step, total = self.status_dict["current_step"], self.config.total_steps
+        queued = self.status_dict["queue_size"] * self.config.group_size // self.config.batch_size
+        if step >= total or step + queued > total:  # taken, or (atroposlib's own rule) queued
+            raise Stop(f"the trainer's batches are all taken or queued (step {step} of {total}, {queued} more "
+                       "queued): stopping", 0)  # fmt: skip
+
     async def evaluate(self, *args: Any, **kwargs: Any) -> None:
         pass
 
@@ -92,6 +151,17 @@ class CopyEnv(BaseEnv):
         return record
 
     async def collect_trajectories(self, item: dict[str, str]) -> tuple[ScoredDataGroup | None, list]:
+        """A scored group; when the inference server fails, none, and the item goes back
+        to the backlog."""
+        try:
+            group = await self._scored_group(item)
+        except Exception as e:
+            self.outage.failed(e)
+            return None, [item]
+        self.outage.answered()
+        return group, []
+
+    async def _scored_group(self, item: dict[str, str]) -> ScoredDataGroup:
         if self.config.server_type == "openai":
             sequences = await self._sample_by_text(item["prompt"])
         else:
@@ -103,7 +173,7 @@ class CopyEnv(BaseEnv):
         group = ScoredDataGroup(tokens=[s[0] for s in sequences], masks=[s[1] for s in sequences], scores=scores)
         if all(s[2] is not None for s in sequences):
             group["inference_logprobs"] = [s[2] for s in sequences]
-        return group, []
+        return group
 
     def _sampling(self) -> dict[str, Any]:
         return {"n": self.config.group_size, "max_tokens": self.config.max_new_tokens,
@@ -139,7 +209,18 @@ class CopyEnv(BaseEnv):
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def main(argv: list[str] | None = None) -> None:
+async def run(env: CopyEnv) -> int:
+    """The environment until `get_status` stops it (before atroposlib's own check, whose
+    condition it includes); its exit code."""
+    try:
+        await env.env_manager()
+    except Stop as e:
+        log.log(logging.INFO if e.code == 0 else logging.ERROR, "%s", e)
+        return e.code
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--api", required=True, help="the Atropos API server, e.g. http://127.0.0.1:8000")
     p.add_argument("--inference", required=True, help="polyrl's manager or worker, with /v1 (http://HOST:PORT/v1)")
@@ -163,8 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("atroposlib.envs.base").setLevel(logging.WARNING)  # it logs its status ten times a second
-    asyncio.run(CopyEnv.for_args(args).env_manager())
+    return asyncio.run(run(CopyEnv.for_args(args)))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

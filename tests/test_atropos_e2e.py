@@ -1,15 +1,20 @@
 """`polyrl train` learning from a real Atropos stack on CPU: the API server (`run-api`),
 the offline environment in examples/atropos_env.py (a `BaseEnv` on polyrl's copy task)
 calling polyrl through atroposlib's own server classes, and the trainer publishing
-every step's weights to the fleet that serves the environment."""
+every step's weights to the fleet that serves the environment. The environment stops by
+itself when the trainer is done or the API is gone; a worker killed mid-run shows in the
+trainer's log and metrics."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +27,7 @@ from atropos_api import AtroposAPI, free_port  # noqa: E402
 from test_train import _metrics  # noqa: E402
 
 from polyrl.config import TinyModelConfig, load_config  # noqa: E402
+from polyrl.data.atropos import Registration  # noqa: E402
 from polyrl.models.tiny import save_tiny_model  # noqa: E402
 from polyrl.trainer.loop import train  # noqa: E402
 
@@ -43,8 +49,8 @@ class Processes:
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         return self.procs[name]
 
-    def log(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+    def log(self, name: str, tail: int = 3000) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")[-tail:]
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -67,12 +73,28 @@ def api(tmp_path: Path) -> Iterator[AtroposAPI]:
     server.stop()
 
 
-def start_env(procs: Processes, api_url: str, inference_url: str, model_dir: Path, server_type: str) -> None:
+def start_env(procs: Processes, api_url: str, inference_url: str, model_dir: Path, server_type: str,
+              *extra: str) -> None:  # fmt: skip
     procs.start("env", [
         sys.executable, str(ENV_SCRIPT), "--api", api_url, "--inference", inference_url, "--model", model_dir.name,
         "--tokenizer", str(model_dir), "--token", TOKEN, "--server-type", server_type,
-        "--group-size", str(GROUP_SIZE), "--max-num-workers", "8",
+        "--group-size", str(GROUP_SIZE), "--max-num-workers", "8", *extra,
     ])  # fmt: skip
+
+
+def check_env_stopped(procs: Processes, code: int, line: str, timeout_s: float = 60) -> str:
+    """The environment exits by itself with `code` and the one `line` saying why: no
+    traceback, no error line per failed group (ClientConnectorError after the trainer left)."""
+    try:
+        rc = procs.procs["env"].wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the environment did not stop within {timeout_s}s:\n{procs.log('env')}") from None
+    log = procs.log("env", tail=10**7)
+    assert rc == code, log[-3000:]
+    assert log.count(line) == 1, log[-3000:]
+    errors = [x for x in log.splitlines() if " ERROR " in x and " atropos_env: " not in x]
+    assert "Traceback" not in log and not errors, log[-3000:]
+    return log
 
 
 def start_worker(procs: Processes, model_dir: Path, manager_url: str, port: int) -> None:
@@ -126,6 +148,7 @@ def run_training(tmp_path: Path, api: AtroposAPI, procs: Processes, model_dir: P
     except BaseException:
         print("env:", procs.log("env"), sep="\n")
         raise
+    check_env_stopped(procs, 0, "the trainer's batches are all taken or queued")
     rows = _metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["rollout/samples_received"] == 32 * GROUP_SIZE for r in rows)
@@ -157,6 +180,103 @@ def test_openai_class_through_the_manager_trains(tmp_path, api, procs, model_dir
     pairs of class and target are covered request by request in tests/test_inference.py."""
     rows, _ = run_training(tmp_path, api, procs, model_dir, "openai", "manager", steps=4)
     assert len(rows) == 4 and all(r["actor/grad_norm"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_request_shows_in_the_trainers_log_and_metrics(tmp_path, api, procs, model_dir,
+                                                                          caplog) -> None:  # fmt: skip
+    """kill -9 of a launched worker while it runs the environment's requests, found by the
+    pid that /v1/workers gives (as an operator would): the manager moves its samples to
+    the other worker, and the trainer says so, with one line and in its metrics
+    (`fleet/lost_workers`, `rollout/migrated_samples`); they showed in manager.log only."""
+    manager_port, run_dir = free_port(), tmp_path / "run"
+    manager_url = f"http://127.0.0.1:{manager_port}"
+    # long samples (16 tokens), so that a worker seen busy is still busy when the signal lands
+    start_env(procs, api.url, f"{manager_url}/v1", model_dir, "vllm", "--max-new-tokens", "16")
+    steps = 3
+    cfg = trainer_config(api.url, model_dir, manager_port, steps, "fleet.num_workers=2", "engine.max_num_seqs=64",
+                         "trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=8")  # fmt: skip
+    killed: list[dict] = []
+
+    def kill_a_busy_worker() -> None:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            try:
+                workers = httpx.get(f"{manager_url}/v1/workers", headers=headers, timeout=5).json()["workers"]
+            except (httpx.HTTPError, ValueError):
+                workers = []  # not serving yet
+            remote = [w for w in workers if w["worker_id"] != "local" and w["state"] == "active"]
+            busy = [w for w in remote if w["num_inflight"] >= GROUP_SIZE]
+            if len(remote) == 2 and busy:
+                os.kill(busy[0]["pid"], signal.SIGKILL)
+                killed.append(busy[0])
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_a_busy_worker, daemon=True)
+    killer.start()
+    with caplog.at_level(logging.WARNING, logger="polyrl"):
+        try:
+            train(cfg, run_dir)
+        except BaseException:
+            print("env:", procs.log("env"), sep="\n")
+            raise
+    killer.join(10)
+    assert killed, "no worker was seen busy"
+    worker_id = killed[0]["worker_id"]
+    assert Path(killed[0]["log_path"]).resolve() == (run_dir / "workers" / f"{worker_id}.log").resolve()
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert sum(r["rollout/migrated_samples"] for r in rows) >= 1, [r["rollout/migrated_samples"] for r in rows]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"worker {worker_id} lost")]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    assert "samples in flight continue on other workers" in lines[0] and " 0 samples" not in lines[0], lines
+    assert rows[-1]["fleet/lost_workers"] == 1
+    check_env_stopped(procs, 0, "the trainer's batches are all taken or queued")
+
+
+def start_env_without_a_trainer(api: AtroposAPI, procs: Processes, model_dir: Path, num_steps: int) -> None:
+    """The test registers with the API as a trainer of `num_steps` steps of one group
+    would, and polls once (then environments may register); the environment's inference
+    server is gone (a trainer that finished took its manager along). Returns once the
+    environment's first groups failed."""
+    registration = Registration(wandb_group="polyrl", wandb_project="polyrl", batch_size=GROUP_SIZE,
+                                max_token_len=256, checkpoint_dir=str(model_dir), save_checkpoint_interval=0,
+                                starting_step=0, num_steps=num_steps)  # fmt: skip
+    api.post("/register", registration.model_dump())
+    api.get("/batch")
+    start_env(procs, api.url, f"http://127.0.0.1:{free_port()}/v1", model_dir, "vllm")
+    deadline = time.monotonic() + 120
+    while not any(failed in procs.log("env") for failed in ("the inference server at", "collect_trajectories")):
+        assert time.monotonic() < deadline and procs.procs["env"].poll() is None, procs.log("env")
+        time.sleep(0.2)
+    time.sleep(3)  # more groups fail meanwhile: still the one line
+
+
+@pytest.mark.slow
+def test_the_environment_stops_once_the_trainer_took_its_last_batch(api, procs, model_dir) -> None:
+    """The trainer takes its last batch, then leaves with its inference server: the
+    environment exits 0 with one line. (atroposlib's loop waited for one batch more than
+    the trainer takes, which nothing could generate: an ERROR line per failed group until
+    killed.)"""
+    start_env_without_a_trainer(api, procs, model_dir, num_steps=1)
+    tokens = [[random.randrange(3, 40) for _ in range(7)] for _ in range(GROUP_SIZE)]  # within the tiny alphabet
+    api.post("/scored_data", {"tokens": tokens, "masks": [[-100] * 3 + t[3:] for t in tokens],
+                              "scores": [0.5] * GROUP_SIZE})  # fmt: skip
+    assert api.get("/batch")["batch"], "the pushed group makes the trainer's last batch"
+    log = check_env_stopped(procs, 0, "the trainer's batches are all taken or queued (step 1 of 1, 0 more queued)",
+                            timeout_s=30)  # fmt: skip
+    assert log.count("the inference server at") == 1, log[-3000:]
+
+
+@pytest.mark.slow
+def test_the_environment_stops_with_one_line_when_the_api_is_gone(api, procs, model_dir) -> None:
+    """Its inference server never answers (one line, not an error per group), then the API
+    goes: the environment exits 1 with one line and no traceback."""
+    start_env_without_a_trainer(api, procs, model_dir, num_steps=10)
+    api.stop()
+    log = check_env_stopped(procs, 1, f"the Atropos API at {api.url} is gone")
+    assert log.count("the inference server at") == 1, log[-3000:]
 
 
 class GroupPusher:

@@ -280,6 +280,9 @@ def test_killed_worker_mid_stream_migrates_token_exact(manager: ManagerThread) -
         # the chunk in flight when the connection dropped may be lost: it is regenerated
         assert 1 <= s.segments[0].num_tokens <= 3 and s.num_failures == 1
     assert dying.calls and "dying" not in workers_of(manager)
+    fleet = manager.worker_list()  # what a trainer reads of the loss (issue 38: it saw none of it)
+    assert fleet.num_lost_workers == 1 and fleet.lost_workers[0].worker_id == "dying"
+    assert fleet.lost_workers[0].num_samples >= len(moved) and fleet.num_migrations >= len(moved)
     # the resumed requests carried the prompt + partial tokens and a reduced budget
     assert all(len(c["input_ids"]) == 3 for c in dying.calls)  # only fresh samples went there
 
@@ -742,3 +745,45 @@ def test_the_manager_and_publisher_processes_import_no_torch() -> None:
             "print(sorted(m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_requests_open_at_shutdown_get_503_and_the_manager_exits_at_once(tmp_path: Path) -> None:
+    """The end of an Atropos run: the workers are gone and the environments' requests wait
+    for one when the manager gets SIGTERM. Each gets a 503 at once and the manager exits
+    0 well inside uvicorn's graceful timeout (5 s), with no 'Cancel N running task(s)'
+    line and no CancelledError traceback."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    ready, log_path = tmp_path / "url", tmp_path / "manager.log"
+    cmd = [sys.executable, "-m", "polyrl.cli", "manager", "--host", "127.0.0.1", "--port", "0", "--token", TOKEN,
+           "--ready-file", str(ready)]  # fmt: skip
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=os.environ | {"POLYRL_TOKEN": ""})
+    try:
+        _wait_until(ready.exists, 30, "the manager serves")
+        url = ready.read_text()
+
+        def ask() -> httpx.Response:  # vLLM's /generate, as atroposlib's VLLMServer sends it
+            body = {"prompt": {"prompt_token_ids": [5, 6, 7]}, "max_tokens": 4, "logprobs": 0}
+            return httpx.post(f"{url}/generate", json=body, headers=AUTH, timeout=30)
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = [pool.submit(ask) for _ in range(8)]
+            time.sleep(2.0)  # all 8 wait for a worker (manager.inference_wait_s: 30 s)
+            assert not any(a.done() for a in answers)
+            stopped_at = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            responses = [a.result(timeout=10) for a in answers]
+        assert proc.wait(timeout=10) == 0
+        exit_s = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = log_path.read_text()
+    assert [r.status_code for r in responses] == [503] * 8, log
+    assert all("shutting down" in r.json()["error"]["message"] for r in responses)
+    assert exit_s < 3.0, (exit_s, log)
+    assert "Traceback" not in log and "CancelledError" not in log and "running task" not in log, log

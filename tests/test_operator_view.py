@@ -270,7 +270,7 @@ def test_page_shows_two_real_workers_then_one_gone_after_kill_9(
     fleet_of_two: tuple[ManagerThread, dict[str, Worker]], tmp_path: Path
 ) -> None:
     """Two `polyrl worker` processes under load; one is killed with -9 mid-traffic (its
-    samples migrate). The page lists both with their version and price, then only the
+    samples migrate). The page lists both with their version, price, pid and log file, then only the
     survivor, with the kill on the timeline. The screenshot is README's
     (POLYRL_UPDATE_DOCS=1 refreshes docs/operator-page.png)."""
     binary = chromium()
@@ -286,6 +286,8 @@ def test_page_shows_two_real_workers_then_one_gone_after_kill_9(
             row = worker_row(dom, worker_id)
             assert row and 'data-state="active"' in row and 'data-version="0"' in row and ">v0<" in row, row
             assert f">{price}<" in row
+            # where an operator finds the process: its pid and its log file (issue 38)
+            assert f"pid {procs[worker_id].pid}" in row and str(tmp_path / f"{worker_id}.log") in row, row
 
         procs["spot-b"].kill()  # kill -9, no notice
         wait_for(lambda: "spot-b" not in {w.worker_id for w in mt.worker_list().workers}, 30, "the manager noticing")

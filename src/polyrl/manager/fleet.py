@@ -73,6 +73,9 @@ class FleetWorker(_View):
     num_failures: int
     last_heartbeat_age_s: float
     is_local: bool
+    pid: int | None = None
+    log_path: str | None = None
+    """Where to find the process on its node."""
 
 
 class FleetStatus(_View):
@@ -132,19 +135,19 @@ def _worker(record: WorkerRecord, now_unix: float, now: float) -> FleetWorker:
         weight_version=record.weight_version, tokens_per_s=record.gen_throughput,
         usd_per_hour=record.usd_per_hour, uptime_s=round(max(0.0, now_unix - record.joined_at), 3),
         num_inflight=record.inflight, num_running=record.num_running, num_failures=record.num_failures,
-        last_heartbeat_age_s=round(now - record.last_seen, 3), is_local=record.is_local,
+        last_heartbeat_age_s=round(now - record.last_seen, 3), is_local=record.is_local, pid=record.pid,
+        log_path=record.log_path,
     )  # fmt: skip
 
 
 def fleet_status(manager: RolloutManager) -> FleetStatus:
     now_unix, now = time.time(), time.monotonic()
     counters = manager.metrics.registry
-    migrations = sum(counters.get_sample_value("polyrl_manager_migrations_total", {"cause": c}) or 0.0
-                     for c in ("failure", "handback"))  # fmt: skip
     return FleetStatus(
         now=now_unix, started_at=manager.started_at, latest_weight_version=manager.registry.latest_version,
         num_open_batches=len(manager.batches), num_inflight_samples=sum(r.inflight for r in manager.registry),
-        num_waiting_samples=sum(len(u.samples) for u in manager.pending), num_migrations=int(migrations),
+        num_waiting_samples=sum(len(u.samples) for u in manager.pending),
+        num_migrations=manager.metrics.num_migrations,
         num_lost_samples=int(counters.get_sample_value("polyrl_manager_lost_samples_total") or 0),
         num_generated_tokens=int(counters.get_sample_value("polyrl_manager_generated_tokens_total") or 0),
         workers=[_worker(r, now_unix, now) for r in manager.registry],

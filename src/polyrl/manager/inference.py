@@ -41,8 +41,13 @@ class ManagerBackend:
         return records[0].model_path, min(r.max_model_len for r in records)
 
     async def served(self) -> Served:
+        """What serves now; with no active worker, wait for one (up to `inference_wait_s`)
+        unless the manager shuts down: a request left waiting there held the shutdown for
+        uvicorn's graceful timeout, then died with a CancelledError traceback."""
         deadline = time.monotonic() + self.manager.cfg.inference_wait_s
         while (model := self._serving_model()) is None:
+            if self.manager.closed:
+                raise _shutting_down()
             if time.monotonic() >= deadline:
                 counts = self.manager.registry.counts()
                 raise ApiError(
@@ -82,10 +87,9 @@ class ManagerBackend:
                 top_logprobs=sampling.top_logprobs,
             ),
         )  # fmt: skip
-        try:
-            batch = self.manager.submit(request, watch=True)
-        except RuntimeError as e:
-            raise ApiError(503, str(e), "service_unavailable", None, "shutting_down") from None
+        if self.manager.closed:
+            raise _shutting_down()
+        batch = self.manager.submit(request, watch=True)
         assert batch.progress is not None
         remaining = set(range(sampling.n))
         try:
@@ -102,6 +106,10 @@ class ManagerBackend:
                     raise _as_api_error(failure)
         finally:
             self.manager.close_batch(batch)
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the rollout manager is shutting down", "service_unavailable", None, "shutting_down")
 
 
 def _as_api_error(failure: BatchFailed) -> ApiError:

@@ -36,7 +36,14 @@ from polyrl.manager.fleet import History
 from polyrl.manager.membership import Membership
 from polyrl.manager.metrics import ManagerMetrics
 from polyrl.manager.placement import Placement
-from polyrl.manager.protocol import BatchError, BatchFailed, BatchFailureKind, BatchRequest, GroupResult
+from polyrl.manager.protocol import (
+    MAX_LOST_WORKERS,
+    BatchError,
+    BatchFailed,
+    BatchFailureKind,
+    BatchRequest,
+    GroupResult,
+)
 from polyrl.manager.registry import LOCAL_WORKER_ID, Registry, WorkerRecord
 from polyrl.manager.settlement import Settlement
 from polyrl.manager.state import SyncHook
@@ -69,6 +76,8 @@ class RolloutManager(Membership, Placement, Settlement):
         self._failed_before: dict[str, tuple[int, float]] = {}
         """Worker id or URL -> (failures in a row, back-off end) of a worker that failed
         lately, for when it registers again."""
+        self.lost_workers = deque(maxlen=MAX_LOST_WORKERS)
+        self.num_lost_workers = 0
         self._wake: asyncio.Event | None = None
         self._closed = False
         self.window = LocalWindow(cfg.local_window, cfg.local_window_max_s)
@@ -84,6 +93,11 @@ class RolloutManager(Membership, Placement, Settlement):
         """The trainer's own engine, while it is registered."""
         record = self.registry.get(LOCAL_WORKER_ID)
         return record if record is not None and record.is_local else None
+
+    @property
+    def closed(self) -> bool:
+        """Shutting down: new work is refused (a 503 to the OpenAI and vLLM routes)."""
+        return self._closed
 
     # ------------------------------------------------------------------------ life of the service
 

@@ -13,7 +13,7 @@ from collections.abc import Awaitable
 
 import httpx
 
-from polyrl.manager.protocol import Heartbeat, RegisterRequest, RegisterResponse, WorkerList
+from polyrl.manager.protocol import Heartbeat, LostWorker, RegisterRequest, RegisterResponse, WorkerList
 from polyrl.manager.registry import LOCAL_WORKER_ID, WorkerRecord
 from polyrl.manager.settlement import Cancel
 from polyrl.manager.state import ManagerState
@@ -216,16 +216,21 @@ class Membership(ManagerState):
         if served is not None and record.state != "gone":
             self.mark_synced(record.worker_id, served)
 
-    def _worker_gone(self, record: WorkerRecord, why: str, is_failure: bool) -> None:
-        """Forget the worker and move its unfinished work to others."""
+    def _worker_gone(self, record: WorkerRecord, why: str, is_failure: bool, num_moving: int = 0) -> None:
+        """Forget the worker and move its unfinished work to others. `num_moving`: samples
+        of a call that just ended on it, requeued by the caller (no longer `inflight`)."""
         if record.state == "gone":
             return
         self.registry.remove(record, why)
+        num_samples = record.inflight + num_moving
         if is_failure:
             record.num_failures += 1
             self.metrics.worker_events.labels("failed").inc()
-        if record.tasks:
-            log.info("worker %s: migrating %d samples (%s)", record.worker_id, record.inflight, why)
+            self.lost_workers.append(LostWorker(worker_id=record.worker_id, lost_at=time.time(), why=why,
+                                                num_samples=num_samples))  # fmt: skip
+            self.num_lost_workers += 1
+        if num_samples:
+            log.info("worker %s: migrating %d samples (%s)", record.worker_id, num_samples, why)
         for task in list(record.tasks):
             self._cancels[task] = Cancel(why, is_failure)
             task.cancel()
@@ -247,4 +252,7 @@ class Membership(ManagerState):
             last_window=self.window.last,
             sync_s={k: round(v, 6) for k, v in self.sync_s.items()},
             num_free_slots=max(0, free - waiting),
+            num_migrations=self.metrics.num_migrations,
+            num_lost_workers=self.num_lost_workers,
+            lost_workers=list(self.lost_workers),
         )

@@ -58,8 +58,14 @@ class ManagerMetrics:
         self.lost_samples = Counter(
             "polyrl_manager_lost_samples", "Unfinished samples of failed batches (deadline, retry budget)", registry=r
         )
+        self.num_migrations = 0
+        """Both causes of `migrations` together, read on every /v1/workers."""
         self.worker_events = Counter("polyrl_manager_worker_events", "Worker registrations, failures, leaves", ["event"], registry=r)
         r.register(_StateCollector(manager))
+
+    def migrated(self, cause: str, num: int) -> None:
+        self.migrations.labels(cause).inc(num)
+        self.num_migrations += num
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

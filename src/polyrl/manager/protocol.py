@@ -58,6 +58,10 @@ class RegisterRequest(_Message):
     """The machine the worker runs on (hostname, or its Ray node)."""
     instance_type: str | None = Field(None, max_length=256)
     """The machine's kind (e.g. "g6e.xlarge"), for costs per node type."""
+    pid: int | None = Field(None, ge=1, lt=2**63)
+    log_path: str | None = Field(None, max_length=4096)
+    """The worker's process id and log file on its node, so that an operator can find the
+    process (None: not given, or its output is no file)."""
     local: bool = False
     """The trainer's own engine (`polyrl worker --local`, on the trainer's device): the
     manager registers it as `local` and uses it only in the local window, when no other
@@ -271,6 +275,9 @@ class WorkerInfo(_Message):
     usd_per_hour: float | None = None
     node: str | None = None
     instance_type: str | None = None
+    pid: int | None = None
+    log_path: str | None = None
+    """The process and its log file on `node` (as the worker registered them)."""
 
 
 class LocalWindowReport(_Message):
@@ -278,6 +285,21 @@ class LocalWindowReport(_Message):
 
     open_s: float
     closed_by: str
+
+
+class LostWorker(_Message):
+    """A worker that went without leaving: killed, crashed, cut off, silent."""
+
+    worker_id: str
+    lost_at: float
+    """Unix time."""
+    why: str
+    num_samples: int
+    """This manager's samples in flight on it then (any client's): they move to other workers."""
+
+
+MAX_LOST_WORKERS = 16
+"""How many of the latest lost workers a WorkerList names (it counts them all)."""
 
 
 class WorkerList(_Message):
@@ -289,6 +311,13 @@ class WorkerList(_Message):
     num_free_slots: int = 0
     """Samples the remote workers (active, or syncing and about to serve again) could
     start beyond what they run and what waits for them: room the trainer leaves unused."""
+    num_migrations: int = 0
+    """Sample moves to another worker since the manager started, for every client: the
+    trainer's batches and the OpenAI/vLLM requests of environments (Atropos)."""
+    num_lost_workers: int = 0
+    """Workers gone without leaving since the manager started."""
+    lost_workers: list[LostWorker] = Field([], max_length=MAX_LOST_WORKERS)
+    """The latest of them, oldest first."""
 
 
 class PublishVersion(_Message):

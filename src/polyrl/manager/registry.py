@@ -56,6 +56,8 @@ class WorkerRecord:
     device: str | None = None
     node: str | None = None
     instance_type: str | None = None
+    pid: int | None = None
+    log_path: str | None = None
     idle_s: float = 0.0
     """Seconds this worker was syncing or active with none of our samples to run, up to
     `_counted_at` (`idle_seconds` adds the running interval): what the fleet's capacity
@@ -114,6 +116,8 @@ class WorkerRecord:
             usd_per_hour=self.usd_per_hour,
             node=self.node,
             instance_type=self.instance_type,
+            pid=self.pid,
+            log_path=self.log_path,
         )
 
 
@@ -145,6 +149,8 @@ class Registry:
             device=request.device,
             node=request.node,
             instance_type=request.instance_type,
+            pid=request.pid,
+            log_path=request.log_path,
             is_local=request.local,
         )
         self.workers[worker_id] = record

@@ -96,7 +96,7 @@ class Settlement(ManagerState):
         unfinished = [s for s in unit.samples if not s.done]
         is_failure, why = False, "handed back"
         if isinstance(error, WorkerUnreachable):
-            self._worker_gone(worker, str(error), is_failure=True)
+            self._worker_gone(worker, str(error), is_failure=True, num_moving=len(unfinished))
             is_failure, why = True, str(error)
         elif isinstance(error, WorkerFailed):
             worker.num_failures += 1
@@ -134,7 +134,7 @@ class Settlement(ManagerState):
                 )  # fmt: skip
                 return
         batch.num_migrated += len(unfinished)
-        self.metrics.migrations.labels("failure" if is_failure else "handback").inc(len(unfinished))
+        self.metrics.migrated("failure" if is_failure else "handback", len(unfinished))
         for sample in reversed(unfinished):  # to the front: the oldest work goes first
             self.pending.appendleft(WorkUnit(unit.group, [sample]))
         self.wake()

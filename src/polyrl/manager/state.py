@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from polyrl.manager.backends import RemoteBackend
     from polyrl.manager.batch import Batch, WorkUnit
     from polyrl.manager.metrics import ManagerMetrics
+    from polyrl.manager.protocol import LostWorker
     from polyrl.manager.registry import Registry
     from polyrl.manager.settlement import Cancel
     from polyrl.manager.window import LocalWindow
@@ -46,6 +47,9 @@ class ManagerState:
     _failed_before: dict[str, tuple[int, float]]
     """Worker id or URL -> (failures in a row, back-off end) of a worker that failed
     lately, for when it registers again."""
+    lost_workers: deque[LostWorker]
+    """The latest workers gone without leaving, for the trainer's log (`WorkerList`)."""
+    num_lost_workers: int
     local_wanted: bool
     """Placement has needed the local worker (no local window: it syncs only from then on)."""
     _ids: itertools.count[int]

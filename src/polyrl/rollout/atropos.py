@@ -25,7 +25,7 @@ from polyrl.config import RunConfig
 from polyrl.data.atropos import Registration, ScoredGroup, check_group, to_group
 from polyrl.data.atropos_client import AtroposClient
 from polyrl.rollout.stats import RolloutStats
-from polyrl.rollout.types import Group, Prompt, Rollout
+from polyrl.rollout.types import Group, Prompt
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from polyrl.manager.protocol import BatchSampling, WorkerInfo
+    from polyrl.rollout.remote import RemoteRollout
 
 log = logging.getLogger("polyrl.atropos")
 
@@ -59,20 +60,22 @@ class AtroposRollout:
 
     shares_weights = False
 
-    def __init__(self, inner: Rollout, client: AtroposClient, vocab_size: int, temperature: float,
+    def __init__(self, inner: RemoteRollout, client: AtroposClient, vocab_size: int, temperature: float,
                  steps_done: int) -> None:  # fmt: skip
         self.inner, self.client = inner, client
         self.vocab_size, self.temperature = vocab_size, temperature
         self.steps_done = steps_done
         """Batches taken, the resumed run's too: the `starting_step` of a re-registration."""
         self.stats = RolloutStats()
+        self._migrations_seen = 0
+        """The manager's count of sample moves at the last look."""
         self.num_groups = 0
         self.num_dropped = 0
         self._warned_temperatures: set[float] = set()
 
     @classmethod
     def start(
-        cls, inner: Rollout, cfg: RunConfig, run_dir: Path, model: PreTrainedModel, steps_done: int
+        cls, inner: RemoteRollout, cfg: RunConfig, run_dir: Path, model: PreTrainedModel, steps_done: int
     ) -> AtroposRollout:
         """Register with the API (it then waits for the trainer's first `/batch` call
         before it lets environments register)."""
@@ -84,7 +87,9 @@ class AtroposRollout:
             client.close()
             raise
         vocab_size = model.get_input_embeddings().num_embeddings
-        return cls(inner, client, vocab_size, cfg.rollout.temperature, steps_done)
+        rollout = cls(inner, client, vocab_size, cfg.rollout.temperature, steps_done)
+        rollout._migrations_seen = inner.fleet().num_migrations  # a standalone manager's past is not ours
+        return rollout
 
     @property
     def weight_version(self) -> int:
@@ -110,8 +115,20 @@ class AtroposRollout:
             groups = self._convert(self.client.next_batch(self.steps_done))
             self.steps_done += 1
         num_samples = sum(len(g.samples) for g in groups)
-        self.stats = RolloutStats(gen_s=time.perf_counter() - t0, num_requested=num_samples, num_received=num_samples)
+        self.stats = stats = RolloutStats(gen_s=time.perf_counter() - t0, num_requested=num_samples,
+                                          num_received=num_samples)  # fmt: skip
         yield from groups
+        self._note_fleet(stats)
+
+    def _note_fleet(self, stats: RolloutStats) -> None:
+        """The fleet's side of the step, as in remote mode (lost workers, weight sync, idle
+        time). Samples migrated: those of the environments' requests that moved to another
+        worker since the last batch arrived (the groups do not say which workers generated
+        them)."""
+        fleet = self.inner.note_fleet(stats)
+        moved = fleet.num_migrations - self._migrations_seen
+        stats.num_migrated = moved if moved >= 0 else fleet.num_migrations  # a restarted manager counts from 0
+        self._migrations_seen = fleet.num_migrations
 
     def _convert(self, batch: list[dict[str, Any]]) -> list[Group]:
         max_token_len = self.client.registration.max_token_len

@@ -42,7 +42,7 @@ from polyrl.rollout.local import engine_dtype, learner_weights
 from polyrl.rollout.local_worker import LocalWorker
 from polyrl.rollout.manager_link import BatchStream, ManagerLink, ManagerUnreachable
 from polyrl.rollout.manager_process import ManagerProcess
-from polyrl.rollout.stats import FleetIdle, RolloutStats
+from polyrl.rollout.stats import FleetIdle, LostWorkers, RolloutStats
 from polyrl.rollout.types import Group, Prompt, Sample
 from polyrl.tls import reachable_host
 from polyrl.transfer.device import DeviceVersions
@@ -88,6 +88,7 @@ class RemoteRollout:
         self.version = 0
         self.stats = RolloutStats()
         self.fleet_idle = FleetIdle()
+        self.lost_workers = LostWorkers()
         self.num_recoveries = 0
         self._closing = False
         self._window_may_be_open = False
@@ -147,6 +148,7 @@ class RemoteRollout:
         if self.manager is not None:
             self.manager.wait_ready()
         self.link.set_publisher(self.endpoint)
+        self.lost_workers = LostWorkers(seen=self.fleet().num_lost_workers)  # a standalone manager's past is not ours
 
     @property
     def weight_version(self) -> int:
@@ -286,8 +288,11 @@ class RemoteRollout:
 
     def note_fleet(self, stats: RolloutStats) -> WorkerList:
         """Book the fleet's state at the end of a step into its stats: the last local
-        window, the slowest weight sync, the workers' idle time since the last look."""
+        window, the slowest weight sync, the workers' idle time and the workers lost since
+        the last look."""
         fleet = self.fleet()
+        self.lost_workers.since_last(fleet)
+        stats.num_lost_workers = self.lost_workers.num_lost
         if fleet.last_window is not None and self.mode == "hybrid":
             stats.window_s, stats.window_closed_by = fleet.last_window.open_s, fleet.last_window.closed_by
         remote = [s for w, s in fleet.sync_s.items() if w != LOCAL_WORKER_ID]

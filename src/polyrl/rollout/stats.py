@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
 from polyrl.manager.protocol import WorkerList
 from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.rollout.types import Group
+
+log = logging.getLogger("polyrl.rollout")
 
 
 @dataclass
@@ -30,6 +33,9 @@ class RolloutStats:
     """From publishing the step's version to the slowest remote worker serving it."""
     fleet_idle_s: float | None = None
     """Seconds the remote workers had none of our samples to run (summed over workers)."""
+    num_lost_workers: int | None = None
+    """Workers the manager lost without notice (kill -9, crash, cut off) since the run
+    started: `fleet/lost_workers`."""
 
     def count(self, group: Group) -> None:
         """Book a received group: its samples, where their tokens came from."""
@@ -58,7 +64,31 @@ class RolloutStats:
             out["timing_s/weight_sync"] = self.weight_sync_s
         if self.fleet_idle_s is not None:
             out["rollout/fleet_idle_s"] = self.fleet_idle_s
+        if self.num_lost_workers is not None:
+            out["fleet/lost_workers"] = float(self.num_lost_workers)
         return out
+
+
+class LostWorkers:
+    """The workers the manager lost without notice, between two looks at the fleet: one
+    log line each (a kill -9 showed in the manager's log only) and the run's count."""
+
+    def __init__(self, seen: int = 0) -> None:
+        self.num_lost = 0
+        self._seen = seen
+        """The manager's count at the last look (it counts from 0 again after a restart)."""
+
+    def since_last(self, fleet: WorkerList) -> int:
+        now = fleet.num_lost_workers
+        new = now - self._seen if now >= self._seen else now  # a restarted manager counts from 0
+        self._seen = now
+        for lost in fleet.lost_workers[-new:] if new else []:
+            log.warning("worker %s lost (%s); its %d samples in flight continue on other workers",
+                        lost.worker_id, lost.why, lost.num_samples)  # fmt: skip
+        if new > len(fleet.lost_workers):
+            log.warning("%d more workers lost (see the manager's log)", new - len(fleet.lost_workers))
+        self.num_lost += new
+        return new
 
 
 class FleetIdle:

@@ -133,6 +133,8 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
             device=device_name(state.engine.engine.device),
             node=w.node or socket.gethostname(),
             instance_type=w.instance_type or os.environ.get("POLYRL_INSTANCE_TYPE") or None,
+            pid=os.getpid(),
+            log_path=log_file(),
             local=cfg.worker.local,
         )
 
@@ -143,6 +145,17 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
         client, registration, lambda: _heartbeat(state), w.heartbeat_interval_s, on_registered=on_registered,
         give_up_after_s=w.manager_timeout_s,
     )  # fmt: skip
+
+
+def log_file() -> str | None:
+    """The file this process logs to (stderr), when it is one: a launched worker's
+    RUN_DIR/workers/<id>.log, or wherever a worker started by hand was redirected. Linux
+    only (/proc); None elsewhere, or on a terminal or a pipe."""
+    try:
+        path = os.readlink("/proc/self/fd/2")
+    except OSError:
+        return None
+    return path if os.path.isfile(path) else None
 
 
 def device_name(device: torch.device) -> str:
