@@ -58,11 +58,11 @@ def worker_row(dom: str, worker_id: str) -> str | None:
     return match.group(0) if match else None
 
 
-def register_fake(mt: ManagerThread, worker_id: str, usd_per_hour: float | None = None) -> None:
+def register_fake(mt: ManagerThread, worker_id: str, usd_per_hour: float | None = None, local: bool = False) -> None:
     """A worker record that serves nothing (no batch dials it): fast tests of the views."""
     request = RegisterRequest(worker_id=worker_id, url=f"http://127.0.0.1:{free_port()}", model_path="m",
                               weight_version=0, max_num_seqs=4, max_model_len=64, usd_per_hour=usd_per_hour,
-                              device="cpu")  # fmt: skip
+                              device="cpu", local=local)  # fmt: skip
 
     def add() -> None:
         registry = mt.manager.registry
@@ -232,6 +232,46 @@ def test_page_renders_a_fleet_in_a_browser() -> None:
     assert row_b and "<td class=\"num\">-</td>" in row_b  # no price: "-"
     assert 'data-worker="a" data-state="registering"' in dom
     assert "updated" in dom and "worker-a" not in refused and "<form" in refused
+
+
+def test_page_says_a_wrong_token_was_refused() -> None:
+    """A link with a wrong `?token=` gets the form again, and a notice that the token was
+    refused (the same blank form alone looks as if the link had lost it); no token at all
+    gets the form alone."""
+    binary = chromium()
+    with ManagerThread(chaos_manager_config(heartbeat_timeout_s=3600.0)) as mt:
+        register_fake(mt, "a")
+        refused = dump_dom(binary, f"{mt.url}/?token=not-the-token-42", budget_ms=500)
+        blank = dump_dom(binary, f"{mt.url}/", budget_ms=500)
+    notice = re.search(r'<p id="refused" role="alert"[^>]*>(.*?)</p>', refused, re.S)
+    assert notice and "refused that token" in notice.group(1), refused
+    assert "<form" in refused and "worker-a" not in refused and "not-the-token-42" not in refused
+    assert "<form" in blank and 'id="refused"' not in blank
+
+
+def test_an_idle_local_worker_shows_as_standby_not_syncing() -> None:
+    """Remote mode: the trainer's own engine is synced only when the fleet needs it. While
+    the workers serve version after version, the page, its timeline and `polyrl status`
+    show it on standby at v0, not `syncing v0` with a syncing bar for the whole run."""
+    binary = chromium()
+    with ManagerThread(chaos_manager_config(heartbeat_timeout_s=3600.0)) as mt:
+        register_fake(mt, "local", local=True)
+        register_fake(mt, "a")
+        registry = mt.manager.registry
+        for version in (1, 2, 3):
+            mt.publish_version(version)
+            mt.call(lambda v=version: registry.heartbeat(registry.get("a"), _beat(v, 900.0)))
+        dom = dump_dom(binary, f"{mt.url}/?token={TOKEN}")
+        out = io.StringIO()
+        assert status(mt.url, TOKEN, console=Console(file=out, width=160)) == 0
+    row = worker_row(dom, "local")
+    assert row and 'data-state="standby"' in row and ">standby<" in row and 'data-version="0"' in row, row
+    assert 'data-state="active"' in (worker_row(dom, "a") or "")
+    local_events = re.findall(r'<li data-worker="local" data-state="(\w+)">', dom)
+    assert local_events == ["standby", "active", "registering"], local_events  # newest first
+    assert "<title>local syncing" not in dom and "<title>local standby" in dom  # the timeline's bars
+    local_line = next(line for line in out.getvalue().splitlines() if "(local)" in line)
+    assert "standby" in local_line and "syncing" not in local_line, out.getvalue()
 
 
 @pytest.fixture
