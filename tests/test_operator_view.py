@@ -31,7 +31,7 @@ from polyrl.config import load_config
 from polyrl.manager.fleet import FleetStatus, fleet_status
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import BatchError, RegisterRequest
-from polyrl.report import PANELS, ReportError, report
+from polyrl.report import PANELS, ReportError, draw, load_runs, report
 from polyrl.status import status
 
 RUNS = Path(__file__).parent / "data" / "runs"
@@ -193,6 +193,51 @@ def test_report_draws_what_a_run_has_and_names_a_bad_run_dir(
             report([tmp_path / bad], tmp_path / "x")
         assert cli_main(["report", str(tmp_path / bad), "--out", str(tmp_path / "x")]) == 2
         assert why in capsys.readouterr().err
+
+
+def test_report_reads_flat_panels_from_zero_with_whole_number_ticks() -> None:
+    """The main job's fleet never changed: two workers all run long, nothing migrated or
+    lost. Those panels start at 0 with whole-number ticks, the level on a tick, instead of
+    1.900-2.100 and -0.04-0.04 around a line in the middle."""
+    runs = load_runs([RUNS / "remote"])
+    for name, level in (("workers", 2), ("migrations", 0), ("version_lag", 0)):
+        fig = draw(next(p for p in PANELS if p.name == name), runs)
+        assert fig is not None
+        ax = fig.axes[0]
+        low, high = ax.get_ylim()
+        ticks = [t for t in ax.get_yticks() if low <= t <= high]
+        assert -0.1 * high < low <= 0 and level < high < 1.5 * max(1, level), (name, low, high)
+        assert all(t == round(t) for t in ticks) and 0 in ticks and level in ticks, (name, ticks)
+    cost = draw(next(p for p in PANELS if p.name == "cost"), runs)  # $15.79/h all run long
+    assert cost is not None and cost.axes[0].get_ylim()[0] <= 0
+
+
+def test_report_keeps_identical_series_visible(tmp_path: Path) -> None:
+    """Series that lie on each other all show. Two runs alike (the same run twice): each
+    run's colour covers far more of every panel than its legend handle. One run's two
+    equal keys (workers = rollout instances, same colour): different markers, at
+    different steps."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        shutil.copyfile(RUNS / "remote" / "metrics.jsonl", tmp_path / name / "metrics.jsonl")
+    report([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    for panel in PANELS:
+        if panel.name != "time_split":  # one subplot per run: nothing to hide
+            seen = [_pixels_of(tmp_path / "out" / f"{panel.name}.png", rgb) for rgb in RUN_COLORS]
+            assert min(seen) > 200, (panel.name, seen)  # its legend handle alone: 44-72 pixels
+    fig = draw(next(p for p in PANELS if p.name == "workers"), load_runs([RUNS / "remote"]))
+    assert fig is not None
+    lines = fig.axes[0].get_lines()
+    assert len(lines) == 2 and list(lines[0].get_ydata()) == list(lines[1].get_ydata())
+    assert lines[0].get_marker() != lines[1].get_marker() and "None" not in {line.get_marker() for line in lines}
+    marked = [set(range(len(line.get_xdata()))[slice(*_start_stride(line.get_markevery()))]) for line in lines]
+    assert marked[0] and marked[1] and not marked[0] & marked[1], marked
+
+
+def _start_stride(markevery: object) -> tuple[int, None, int]:
+    assert isinstance(markevery, tuple), markevery
+    start, stride = markevery
+    return start, None, stride
 
 
 @pytest.mark.slow
