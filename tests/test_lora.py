@@ -10,6 +10,7 @@ import re
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -185,6 +186,18 @@ def test_lora_run_checkpoints_adapters_and_resumes_exactly(tmp_path: Path) -> No
     ids = torch.randint(0, merged.config.vocab_size, (2, 8))
     with torch.no_grad():
         assert (adapted(ids).logits - merged(ids).logits).abs().max() < 1e-5
+
+
+def test_a_lora_run_prints_no_future_warning(tmp_path: Path) -> None:
+    """Every LoRA run printed transformers' FutureWarning that `is_gradient_checkpointing` is
+    deprecated (PEFT reads it when it wraps the model): a short run warns of nothing now."""
+    cfg = load_config(None, [*SMALL, "trainer.total_steps=1"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(cfg, tmp_path / "run")
+    assert (tmp_path / "run" / "final_model" / "adapter_model.safetensors").is_file()
+    future = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, FutureWarning)]
+    assert not future, future
 
 
 @pytest.mark.slow

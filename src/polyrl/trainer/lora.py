@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,7 +33,12 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=cfg.target_modules, bias="none"
     )
-    peft = get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
+    with warnings.catch_warnings():
+        # PEFT reads `model.is_gradient_checkpointing` (off here: the learner enables it
+        # later, its own way), a property that transformers 5 deprecated: every LoRA run
+        # printed its FutureWarning
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        peft = get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     num_total = sum(p.numel() for p in model.parameters())
     log.info("LoRA r=%d alpha=%g on %s: %d trainable parameters of %d (%.3f%%)", cfg.rank, cfg.alpha,
