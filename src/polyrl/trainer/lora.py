@@ -26,6 +26,13 @@ from polyrl.engine.lora import LoraSpec, base_fingerprint, pack, pairs_from_peft
 log = logging.getLogger(__name__)
 
 ADAPTER = "default"
+RANDOM_BASE = (
+    "model.lora on the offline tiny model (no model.path), a random init: LoRA trains the decoder's linear layers only, "
+    "the embeddings (tied to the LM head) stay random, and it barely learns (README \"LoRA\"); give it a model that "
+    "knows the task as model.path, e.g. a full fine-tuning run's final_model"
+)
+"""Measured on the main job's task, 40 steps: reward 0.040 with LoRA against 0.39 with full
+fine-tuning, and 0.057 with full fine-tuning that kept the embeddings frozen."""
 
 
 def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
