@@ -5,11 +5,13 @@ from disk by workers the way vLLM and SGLang do."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -185,6 +187,29 @@ def test_lora_run_checkpoints_adapters_and_resumes_exactly(tmp_path: Path) -> No
     ids = torch.randint(0, merged.config.vocab_size, (2, 8))
     with torch.no_grad():
         assert (adapted(ids).logits - merged(ids).logits).abs().max() < 1e-5
+
+
+def test_lora_out_of_the_box_says_why_it_barely_learns_and_no_future_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The main job with `model.lora.enabled=true` barely learns: its model is a random init
+    and LoRA leaves the embeddings random (README "LoRA" has the numbers). Such a run says
+    so, and nothing else: every LoRA run also printed transformers' FutureWarning that
+    `is_gradient_checkpointing` is deprecated (PEFT reads it when it wraps the model). On a
+    model given as model.path, the notice is not given."""
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="polyrl"):
+        warnings.simplefilter("always")
+        train(load_config(None, [*SMALL, "trainer.total_steps=1"]), tmp_path / "random")
+    assert (tmp_path / "random" / "final_model" / "adapter_model.safetensors").is_file()
+    future = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, FutureWarning)]
+    assert not future, future
+    notices = [r.getMessage() for r in caplog.records if "barely learns" in r.getMessage()]
+    assert len(notices) == 1 and "model.path" in notices[0] and "embeddings" in notices[0], notices
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="polyrl"):
+        given = f"model.path={tmp_path / 'random' / 'init_model'}"
+        train(load_config(None, [*SMALL, "trainer.total_steps=1", given]), tmp_path / "given")
+    assert not [r for r in caplog.records if "barely learns" in r.getMessage()]
 
 
 @pytest.mark.slow

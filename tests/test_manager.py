@@ -26,6 +26,7 @@ from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest, EngineSampling
 from polyrl.manager.backends import GenerationCall, generate_body
 from polyrl.manager.client import BatchClient
+from polyrl.manager.fleet import fleet_status
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import BatchError, BatchPrompt, BatchRequest, BatchSampling, GroupResult
 from polyrl.worker.protocol import GenerateRequest
@@ -494,6 +495,39 @@ def test_local_worker_serves_only_when_no_worker_is_left() -> None:
     for g in groups:
         for s in g.samples:
             assert len(s.output_ids) == 6 and [seg.worker for seg in s.segments] == ["local"]
+
+
+def test_an_idle_local_worker_is_on_standby_until_the_fleet_needs_it() -> None:
+    """Remote mode (no local window): while remote workers serve, the trainer's engine is
+    not synced, and says so: `standby`, not `syncing v0` for the whole run (issue 38).
+    Once no remote worker is left, a batch wakes it: it syncs to the latest version and
+    serves the rest."""
+    with ManagerThread(fast_cfg()) as mt, FakeWorker(mt.url, "local", local=True) as local:
+        fakes, pulls = {"local": local}, []
+
+        def deliver(record: Any, version: int) -> int:  # the transfer layer, at once
+            pulls.append((record.worker_id, version))
+            fakes[record.worker_id].version = version
+            return version
+
+        mt.add_sync_hook(deliver)
+        wait_active(mt, "local")
+        fakes["w1"] = FakeWorker(mt.url, "w1")
+        with fakes["w1"]:
+            wait_active(mt, "w1")
+            for version in (1, 2):
+                mt.publish_version(version)
+                wait_active(mt, "w1")
+            assert _state(mt, "local") == "standby" and workers_of(mt)["local"]["weight_version"] == 0
+            groups = list(mt.generate(batch(2, 2, 4, min_weight_version=2)))
+            assert {seg.worker for g in groups for s in g.samples for seg in s.segments} == {"w1"}
+            assert _state(mt, "local") == "standby" and pulls == [("w1", 1), ("w1", 2)]
+        _wait_until(lambda: "w1" not in workers_of(mt), 10, "w1 gone")
+        groups = list(mt.generate(batch(2, 2, 4, min_weight_version=2)))
+        events = [e.state for e in mt.call(fleet_status, mt.manager).events if e.worker_id == "local"]
+    assert {seg.worker for g in groups for s in g.samples for seg in s.segments} == {"local"}
+    assert pulls[2:] == [("local", 2)]
+    assert events == ["registering", "active", "standby", "syncing", "active"]
 
 
 def test_a_worker_may_not_take_the_local_id() -> None:

@@ -31,7 +31,7 @@ from polyrl.config import load_config
 from polyrl.manager.fleet import FleetStatus, fleet_status
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import BatchError, RegisterRequest
-from polyrl.report import PANELS, ReportError, report
+from polyrl.report import PANELS, ReportError, draw, load_runs, report
 from polyrl.status import status
 
 RUNS = Path(__file__).parent / "data" / "runs"
@@ -58,11 +58,11 @@ def worker_row(dom: str, worker_id: str) -> str | None:
     return match.group(0) if match else None
 
 
-def register_fake(mt: ManagerThread, worker_id: str, usd_per_hour: float | None = None) -> None:
+def register_fake(mt: ManagerThread, worker_id: str, usd_per_hour: float | None = None, local: bool = False) -> None:
     """A worker record that serves nothing (no batch dials it): fast tests of the views."""
     request = RegisterRequest(worker_id=worker_id, url=f"http://127.0.0.1:{free_port()}", model_path="m",
                               weight_version=0, max_num_seqs=4, max_model_len=64, usd_per_hour=usd_per_hour,
-                              device="cpu")  # fmt: skip
+                              device="cpu", local=local)  # fmt: skip
 
     def add() -> None:
         registry = mt.manager.registry
@@ -195,6 +195,51 @@ def test_report_draws_what_a_run_has_and_names_a_bad_run_dir(
         assert why in capsys.readouterr().err
 
 
+def test_report_reads_flat_panels_from_zero_with_whole_number_ticks() -> None:
+    """The main job's fleet never changed: two workers all run long, nothing migrated or
+    lost. Those panels start at 0 with whole-number ticks, the level on a tick, instead of
+    1.900-2.100 and -0.04-0.04 around a line in the middle."""
+    runs = load_runs([RUNS / "remote"])
+    for name, level in (("workers", 2), ("migrations", 0), ("version_lag", 0)):
+        fig = draw(next(p for p in PANELS if p.name == name), runs)
+        assert fig is not None
+        ax = fig.axes[0]
+        low, high = ax.get_ylim()
+        ticks = [t for t in ax.get_yticks() if low <= t <= high]
+        assert -0.1 * high < low <= 0 and level < high < 1.5 * max(1, level), (name, low, high)
+        assert all(t == round(t) for t in ticks) and 0 in ticks and level in ticks, (name, ticks)
+    cost = draw(next(p for p in PANELS if p.name == "cost"), runs)  # $15.79/h all run long
+    assert cost is not None and cost.axes[0].get_ylim()[0] <= 0
+
+
+def test_report_keeps_identical_series_visible(tmp_path: Path) -> None:
+    """Series that lie on each other all show. Two runs alike (the same run twice): each
+    run's colour covers far more of every panel than its legend handle. One run's two
+    equal keys (workers = rollout instances, same colour): different markers, at
+    different steps."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        shutil.copyfile(RUNS / "remote" / "metrics.jsonl", tmp_path / name / "metrics.jsonl")
+    report([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    for panel in PANELS:
+        if panel.name != "time_split":  # one subplot per run: nothing to hide
+            seen = [_pixels_of(tmp_path / "out" / f"{panel.name}.png", rgb) for rgb in RUN_COLORS]
+            assert min(seen) > 200, (panel.name, seen)  # its legend handle alone: 44-72 pixels
+    fig = draw(next(p for p in PANELS if p.name == "workers"), load_runs([RUNS / "remote"]))
+    assert fig is not None
+    lines = fig.axes[0].get_lines()
+    assert len(lines) == 2 and list(lines[0].get_ydata()) == list(lines[1].get_ydata())
+    assert lines[0].get_marker() != lines[1].get_marker() and "None" not in {line.get_marker() for line in lines}
+    marked = [set(range(len(line.get_xdata()))[slice(*_start_stride(line.get_markevery()))]) for line in lines]
+    assert marked[0] and marked[1] and not marked[0] & marked[1], marked
+
+
+def _start_stride(markevery: object) -> tuple[int, None, int]:
+    assert isinstance(markevery, tuple), markevery
+    start, stride = markevery
+    return start, None, stride
+
+
 @pytest.mark.slow
 def test_report_on_a_short_run_of_the_main_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The default main job (remote mode, two launched workers), three steps: its run
@@ -232,6 +277,46 @@ def test_page_renders_a_fleet_in_a_browser() -> None:
     assert row_b and "<td class=\"num\">-</td>" in row_b  # no price: "-"
     assert 'data-worker="a" data-state="registering"' in dom
     assert "updated" in dom and "worker-a" not in refused and "<form" in refused
+
+
+def test_page_says_a_wrong_token_was_refused() -> None:
+    """A link with a wrong `?token=` gets the form again, and a notice that the token was
+    refused (the same blank form alone looks as if the link had lost it); no token at all
+    gets the form alone."""
+    binary = chromium()
+    with ManagerThread(chaos_manager_config(heartbeat_timeout_s=3600.0)) as mt:
+        register_fake(mt, "a")
+        refused = dump_dom(binary, f"{mt.url}/?token=not-the-token-42", budget_ms=500)
+        blank = dump_dom(binary, f"{mt.url}/", budget_ms=500)
+    notice = re.search(r'<p id="refused" role="alert"[^>]*>(.*?)</p>', refused, re.S)
+    assert notice and "refused that token" in notice.group(1), refused
+    assert "<form" in refused and "worker-a" not in refused and "not-the-token-42" not in refused
+    assert "<form" in blank and 'id="refused"' not in blank
+
+
+def test_an_idle_local_worker_shows_as_standby_not_syncing() -> None:
+    """Remote mode: the trainer's own engine is synced only when the fleet needs it. While
+    the workers serve version after version, the page, its timeline and `polyrl status`
+    show it on standby at v0, not `syncing v0` with a syncing bar for the whole run."""
+    binary = chromium()
+    with ManagerThread(chaos_manager_config(heartbeat_timeout_s=3600.0)) as mt:
+        register_fake(mt, "local", local=True)
+        register_fake(mt, "a")
+        registry = mt.manager.registry
+        for version in (1, 2, 3):
+            mt.publish_version(version)
+            mt.call(lambda v=version: registry.heartbeat(registry.get("a"), _beat(v, 900.0)))
+        dom = dump_dom(binary, f"{mt.url}/?token={TOKEN}")
+        out = io.StringIO()
+        assert status(mt.url, TOKEN, console=Console(file=out, width=160)) == 0
+    row = worker_row(dom, "local")
+    assert row and 'data-state="standby"' in row and ">standby<" in row and 'data-version="0"' in row, row
+    assert 'data-state="active"' in (worker_row(dom, "a") or "")
+    local_events = re.findall(r'<li data-worker="local" data-state="(\w+)">', dom)
+    assert local_events == ["standby", "active", "registering"], local_events  # newest first
+    assert "<title>local syncing" not in dom and "<title>local standby" in dom  # the timeline's bars
+    local_line = next(line for line in out.getvalue().splitlines() if "(local)" in line)
+    assert "standby" in local_line and "syncing" not in local_line, out.getvalue()
 
 
 @pytest.fixture

@@ -7,6 +7,13 @@ panel is drawn when any run has one of its keys: a colocated run has no cost, an
 run may lack a newer key. Several runs share each panel's axes, one colour per run, so
 colocated against hybrid reads at a glance.
 
+Many series are flat: two workers all run long, zero samples lost. A non-negative panel's
+y-axis starts at 0, so a flat series reads as its level (matplotlib would centre it in
+1.900-2.100, or -0.04-0.04 for zeros), and counts get whole-number ticks. Flat series also
+lie on each other (both runs lost nothing; workers = rollout instances): with several
+lines in a panel, each gets its own marker shape, the lines' markers at different steps,
+so one drawn over another still shows.
+
 Figures are built with matplotlib's object API on the Agg canvas (no pyplot): no
 display, no global figure state.
 """
@@ -20,9 +27,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P")
+MARKS_PER_LINE = 10
 
 
 class ReportError(Exception):
@@ -38,6 +49,8 @@ class Panel:
     band: tuple[str, str] | None = None
     """(low, high) keys drawn as a shaded spread around the first key."""
     log_y: bool = False
+    is_count: bool = False
+    """Whole numbers (workers, samples, versions): ticks at integers."""
 
 
 PANELS = (
@@ -47,14 +60,16 @@ PANELS = (
           band=("response_length/min", "response_length/max")),
     Panel("throughput", "Throughput", ("perf/throughput", "perf/tokens_per_s_per_worker"), "tokens/s"),
     Panel("time_split", "Time per step, by phase", ("perf/time_per_step",), "seconds"),
-    Panel("workers", "Rollout workers", ("training/num_workers", "training/num_rollout_instances"), "workers"),
+    Panel("workers", "Rollout workers", ("training/num_workers", "training/num_rollout_instances"), "workers",
+          is_count=True),
     Panel("cost", "Cost", ("cost/usd_per_hour",), "$/h"),
     Panel("tokens_per_usd", "Tokens per dollar", ("cost/tokens_per_usd",), "tokens/$"),
     Panel("logprob_diff", "rollout/logprob_diff (engine vs learner)", ("rollout/logprob_diff",), "mean |diff|",
           log_y=True),
     Panel("version_lag", "Weight-version lag of the samples", ("rollout/version_lag/mean", "rollout/version_lag/max"),
-          "versions"),
-    Panel("migrations", "Samples migrated / lost", ("rollout/migrated_samples", "rollout/samples_lost"), "samples"),
+          "versions", is_count=True),
+    Panel("migrations", "Samples migrated / lost", ("rollout/migrated_samples", "rollout/samples_lost"), "samples",
+          is_count=True),
 )  # fmt: skip
 
 
@@ -143,6 +158,7 @@ def draw(panel: Panel, runs: list[Run]) -> Figure | None:
         return None
     fig = Figure(figsize=(7.5, 3.8), layout="constrained")
     ax = fig.subplots()
+    num_lines = sum(run.has(k) for run in runs for k in keys)
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
         if panel.band is not None and run.has(panel.band[0]) and run.has(panel.band[1]):
@@ -155,16 +171,40 @@ def draw(panel: Panel, runs: list[Run]) -> Figure | None:
             if steps:
                 label = run.name if len(keys) == 1 else f"{run.name}: {key}"
                 style = LINESTYLES[j % len(LINESTYLES)]
-                ax.plot(steps, values, color=color, linestyle=style, label=label, linewidth=1.4)
+                marks = _marks(len(ax.lines), num_lines, len(steps))
+                ax.plot(steps, values, color=color, linestyle=style, label=label, linewidth=1.4, **marks)
     ax.set_title(panel.title, fontsize=11)
     ax.set_xlabel("step")
     ax.set_ylabel(panel.ylabel)
     if panel.log_y and all(v > 0 for run in runs for k in keys for v in run.series(k)[1]):
         ax.set_yscale("log")
+    else:
+        _from_zero(ax, panel.is_count)
     ax.grid(alpha=0.3)
     if len(runs) > 1 or len(keys) > 1:
         ax.legend(fontsize=8)
     return fig
+
+
+def _marks(index: int, num_lines: int, num_points: int) -> dict[str, object]:
+    """Line `index` of `num_lines`: its marker shape, at about MARKS_PER_LINE of its points,
+    offset from the other lines' markers so that lines lying on each other all show."""
+    if num_lines < 2:
+        return {}
+    stride = max(num_lines, -(-num_points // MARKS_PER_LINE))
+    return {"marker": MARKERS[index % len(MARKERS)], "markersize": 5, "markevery": (index * stride // num_lines, stride)}
+
+
+def _from_zero(ax: Axes, is_count: bool) -> None:
+    """A non-negative panel's y-axis from 0 (a hair below, so a line at 0 is not cut by
+    the frame), at least 0-1 when everything is 0; counts get whole-number ticks."""
+    low, high = ax.dataLim.y0, ax.dataLim.y1
+    if not math.isfinite(low) or low < 0:
+        return
+    top = high * 1.08 if high > 0 else 1.0
+    ax.set_ylim(-0.03 * top, top)
+    if is_count:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _summary(run: Run) -> list[str]:

@@ -21,7 +21,7 @@ from polyrl.manager.fleet import FleetStatus
 from polyrl.tls import http_client
 
 STATE_STYLE = {
-    "registering": "magenta", "syncing": "yellow", "active": "green", "draining": "dark_orange", "gone": "red",
+    "registering": "magenta", "standby": "dim", "syncing": "yellow", "active": "green", "draining": "dark_orange", "gone": "red",
 }
 COLUMNS = (
     "worker", "state", "version", "node", "instance", "device", "tokens/s", "$/h", "uptime", "in flight", "failures",

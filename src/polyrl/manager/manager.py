@@ -61,6 +61,7 @@ class RolloutManager(Membership, Placement, Settlement):
         self.cfg = cfg
         self.started_at = time.time()
         self.registry = Registry()
+        self.registry.local_on_demand = cfg.local_window == "off"
         self.history = History()
         """Fleet throughput and price over time, for the operator page."""
         self.metrics = ManagerMetrics(self)

@@ -84,9 +84,12 @@ class Membership(ManagerState):
     def want_local(self) -> None:
         """Placement needs the local worker: sync it if it is behind (from now on)."""
         self.local_wanted = True
+        self.registry.local_on_demand = False
         local = self.local_record
-        if local is not None and local.state == "syncing":
-            self._call_sync_hooks(local, self.registry.latest_version)
+        if local is not None:
+            self.registry.wake_local(local)
+            if local.state == "syncing":
+                self._call_sync_hooks(local, self.registry.latest_version)
 
     def publish_version(self, version: int) -> None:
         """The trainer has weights `version`: batches need it from now on by default."""
@@ -192,12 +195,10 @@ class Membership(ManagerState):
 
     def _call_sync_hooks(self, record: WorkerRecord, version: int) -> None:
         """Once per (worker, version): a heartbeat during a long transfer starts no other.
-        The local worker of a run with no local window syncs only once placement wants it
-        (`want_local`): it is only the fallback then, and a pull per step on the trainer's
-        host cost the 2-core main job's learner CPU it needed."""
-        if record.sync_requested >= version:
-            return
-        if record.is_local and self.window.mode == "off" and not self.local_wanted:
+        The local worker of a run with no local window stays on `standby` until placement
+        wants it (`want_local`): it is only the fallback then, and a pull per step on the
+        trainer's host cost the 2-core main job's learner CPU it needed."""
+        if record.sync_requested >= version or record.state == "standby":
             return
         record.sync_requested = version
         for hook in self.sync_hooks:

@@ -28,14 +28,19 @@ HEADERS = {
     "connect-src 'self'; img-src data:; frame-ancestors 'none'",
 }
 
-LOGIN_HEADERS = HEADERS | {"Content-Security-Policy": "default-src 'none'"}
+LOGIN_HEADERS = HEADERS | {"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'"}
 LOGIN = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>polyrl fleet: token</title></head>
 <body style="font:15px system-ui,sans-serif;margin:40px">
 <h1 style="font-size:18px">polyrl fleet</h1>
-<p>This page needs the manager's token (<code>manager.token</code>, or <code>manager.read_token</code>;
+{notice}<p>This page needs the manager's token (<code>manager.token</code>, or <code>manager.read_token</code>;
 the main job writes it to <code>RUN_DIR/manager.json</code>).</p>
 <form method="get" action=""><input name="token" type="password" size="40" autofocus> <button>open</button></form>
 </body></html>"""
+REFUSED = """<p id="refused" role="alert" style="color:#b3261e;font-weight:600">The manager refused that token:
+it is neither <code>manager.token</code> nor <code>manager.read_token</code>.</p>
+"""
+"""Shown above the form when a token was given and is wrong: the same blank form again
+would look as if the link had lost it."""
 
 
 @cache
@@ -70,8 +75,9 @@ class Readers:
     def page(self, request: Request) -> HTMLResponse:
         """The page for a reader (bearer header or `?token=`), else a 401: a form asking
         for the token to a browser, the API's error body to anything else."""
-        if not self.allows(bearer(request) or request.query_params.get("token")):
+        given = bearer(request) or request.query_params.get("token")
+        if not self.allows(given):
             if "text/html" not in request.headers.get("accept", ""):
                 raise ApiError(401, "missing or wrong token (bearer header or ?token=)", "unauthorized")
-            return HTMLResponse(LOGIN, status_code=401, headers=LOGIN_HEADERS)
+            return HTMLResponse(LOGIN.format(notice=REFUSED if given else ""), status_code=401, headers=LOGIN_HEADERS)
         return HTMLResponse(page_html(), headers=HEADERS)

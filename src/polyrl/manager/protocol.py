@@ -114,7 +114,9 @@ class LeaveRequest(_Message):
 # either was cut, and the client treats it as a failure. In-process,
 # `RolloutManager.generate` yields the same GroupResult objects and raises BatchError.
 
-WorkerState = Literal["registering", "syncing", "active", "draining", "gone"]
+WorkerState = Literal["registering", "standby", "syncing", "active", "draining", "gone"]
+"""`standby`: the trainer's own engine (the `local` worker) behind the latest version in a
+run with no local window; it is synced only once placement needs it (registry.py)."""
 
 
 class BatchSampling(_Message):

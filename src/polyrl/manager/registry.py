@@ -3,7 +3,10 @@
 `registering -> syncing -> active -> draining -> gone` (DESIGN.md). Every transition is
 one log line. A worker serves a batch only while `active` and at the batch's weight
 version or newer; `syncing` means it is below the latest version and waits for the
-transfer layer (or a heartbeat showing the new version).
+transfer layer (or a heartbeat showing the new version). The trainer's own engine in a
+run with no local window is synced only once placement needs it (`local_on_demand`):
+until then, behind the latest version, it is on `standby`, not `syncing` (an operator
+would otherwise see it "syncing v0" for a whole run).
 
 Pure state, no I/O: the RolloutManager drives it and owns the tasks.
 """
@@ -129,6 +132,8 @@ class Registry:
         self.workers: dict[str, WorkerRecord] = {}
         self.latest_version = 0
         self.events = EventLog()
+        self.local_on_demand = False
+        """The local worker syncs only when placement needs it: behind, it waits on `standby`."""
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(list(self.workers.values()))
@@ -179,7 +184,7 @@ class Registry:
     def set_version(self, record: WorkerRecord, version: int) -> None:
         if version != record.weight_version:
             record.weight_version = version
-            if record.state in ("syncing", "active"):
+            if record.state in ("standby", "syncing", "active"):
                 self._to_version_state(record)
 
     def publish(self, version: int) -> list[WorkerRecord]:
@@ -187,16 +192,33 @@ class Registry:
         self.latest_version = version
         stale = []
         for record in self:
-            if record.state in ("active", "syncing") and record.weight_version < version:
+            if record.state in ("active", "syncing", "standby") and record.weight_version < version:
                 if record.state == "active":
-                    record.set_state("syncing")
-                    self.events.add(record.worker_id, "syncing", f"v{record.weight_version} -> v{version}")
-                stale.append(record)
+                    behind = self._behind(record)
+                    record.set_state(behind)
+                    self.events.add(record.worker_id, behind, self._behind_detail(record))
+                if record.state == "syncing":
+                    stale.append(record)
         log.debug("weights v%d published; %d workers to sync", version, len(stale))
         return stale
 
+    def wake_local(self, record: WorkerRecord) -> None:
+        """Placement needs the local worker: from now on it syncs like any other."""
+        self.local_on_demand = False
+        if record.state == "standby":
+            self._to_version_state(record)
+
+    def _behind(self, record: WorkerRecord) -> WorkerState:
+        return "standby" if record.is_local and self.local_on_demand else "syncing"
+
+    def _behind_detail(self, record: WorkerRecord) -> str:
+        if self._behind(record) == "standby":
+            return f"v{record.weight_version}, synced when the fleet needs it"
+        return f"v{record.weight_version} -> v{self.latest_version}"
+
     def _to_version_state(self, record: WorkerRecord) -> None:
         current = record.weight_version >= self.latest_version
+        behind = self._behind(record)
         if current and record.state != "active":
             # a sync happens every training step: routine, not an operator's event
             if record.state == "syncing":
@@ -205,12 +227,11 @@ class Registry:
                 log.info("worker %s active", record.worker_id)
             record.set_state("active")
             self.events.add(record.worker_id, "active", f"v{record.weight_version}")
-        elif not current and record.state != "syncing":
-            record.set_state("syncing")
-            self.events.add(record.worker_id, "syncing", f"v{record.weight_version} -> v{self.latest_version}")
-            log.info(
-                "worker %s syncing (has v%d, latest v%d)", record.worker_id, record.weight_version, self.latest_version
-            )
+        elif not current and record.state != behind:
+            record.set_state(behind)
+            self.events.add(record.worker_id, behind, self._behind_detail(record))
+            log.info("worker %s %s (has v%d, latest v%d)", record.worker_id, "on standby" if behind == "standby" else behind,
+                     record.weight_version, self.latest_version)  # fmt: skip
 
     def remove(self, record: WorkerRecord, why: str) -> None:
         """The worker is gone; the caller migrates its in-flight work."""
@@ -222,7 +243,7 @@ class Registry:
             log.info("worker %s gone (%s)", record.worker_id, why)
 
     def counts(self) -> dict[str, int]:
-        counts = dict.fromkeys(("registering", "syncing", "active", "draining"), 0)
+        counts = dict.fromkeys(("registering", "standby", "syncing", "active", "draining"), 0)
         for record in self:
             counts[record.state] += 1
         return counts

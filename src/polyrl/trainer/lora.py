@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,6 +26,13 @@ from polyrl.engine.lora import LoraSpec, base_fingerprint, pack, pairs_from_peft
 log = logging.getLogger(__name__)
 
 ADAPTER = "default"
+RANDOM_BASE = (
+    "model.lora on the offline tiny model (no model.path), a random init: LoRA trains the decoder's linear layers only, "
+    "the embeddings (tied to the LM head) stay random, and it barely learns (README \"LoRA\"); give it a model that "
+    "knows the task as model.path, e.g. a full fine-tuning run's final_model"
+)
+"""Measured on the main job's task, 40 steps: reward 0.040 with LoRA against 0.39 with full
+fine-tuning, and 0.057 with full fine-tuning that kept the embeddings frozen."""
 
 
 def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
@@ -32,7 +40,12 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=cfg.target_modules, bias="none"
     )
-    peft = get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
+    with warnings.catch_warnings():
+        # PEFT reads `model.is_gradient_checkpointing` (off here: the learner enables it
+        # later, its own way), a property that transformers 5 deprecated: every LoRA run
+        # printed its FutureWarning
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        peft = get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     num_total = sum(p.numel() for p in model.parameters())
     log.info("LoRA r=%d alpha=%g on %s: %d trainable parameters of %d (%.3f%%)", cfg.rank, cfg.alpha,

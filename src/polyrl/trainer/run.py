@@ -57,7 +57,7 @@ from polyrl.trainer.checkpoint import (
 )
 from polyrl.trainer.distributed import DataParallel, gather_state, gather_weights, load_optimizer_state, shard_model
 from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing
-from polyrl.trainer.lora import adapter_version, adapters_off, apply_lora, load_adapter, save_merged
+from polyrl.trainer.lora import RANDOM_BASE, adapter_version, adapters_off, apply_lora, load_adapter, save_merged
 from polyrl.trainer.stream import GroupScorer, StreamResult, in_prompt_order
 
 log = logging.getLogger(__name__)
@@ -346,6 +346,8 @@ def load_policy(
     (always the initial model) with adapters injected, the checkpoint's adapters loaded."""
     if not cfg.model.lora.enabled:
         return load_model(ckpt / MODEL_DIR if ckpt else init_path, device), None
+    if not cfg.model.path:
+        log.warning(RANDOM_BASE)
     model = load_model(init_path, device)
     peft = apply_lora(model, cfg.model.lora)
     if ckpt:
