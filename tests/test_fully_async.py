@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import queue
 import signal
 import threading
@@ -336,12 +337,16 @@ def _kill_a_busy_worker(run_dir: Path, killed: list[str]) -> None:
 
 
 @pytest.mark.slow
-def test_fully_async_survives_a_kill_and_resumes_within_the_bound(tmp_path: Path) -> None:
+def test_fully_async_survives_a_kill_and_resumes_within_the_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Long responses in flight across steps, k = 1, two workers; one is killed -9 with
     samples in flight after step 3, and the trainer dies after step 6 (checkpoint at 4,
     with prompts in flight) and resumes. Every step trains on a full batch, no token lags
     more than one version, samples span versions, and the killed worker's samples
-    continue elsewhere."""
+    continue elsewhere (with their tokens when it had streamed some: whether it had at the
+    signal is timing, so the count of moved samples is not asserted; the migration
+    itself is checked token for token by `test_manager.py::test_killed_worker_mid_stream_migrates_token_exact`)."""
     run_dir = tmp_path / "run"
     overrides = [*QUICK, *ASYNC, *LONG, "rollout.max_staleness=1", "trainer.total_steps=10", "trainer.save_every=4",
                  "fleet.num_workers=2", "manager.stream_interval_s=0"]  # fmt: skip
@@ -363,7 +368,9 @@ def test_fully_async_survives_a_kill_and_resumes_within_the_bound(tmp_path: Path
     assert saved["step"] == 4 and 0 < len(saved["pending"]) <= 2 * 8  # in flight at the save
     trained = sum(int(r["rollout/samples_received"]) // 4 for r in first[:4])
     assert saved["cursor"] - len(saved["pending"]) == trained  # every prompt taken is trained on or pending
-    assert killed and sum(r["rollout/migrated_samples"] for r in first[2:]) > 0  # the killed worker's samples moved
+    assert killed and first[-1]["fleet/lost_workers"] == 1, [r.get("fleet/lost_workers") for r in first]
+    moved = [int(n) for n in re.findall(rf"worker {killed[0]} lost \(.*\); its (\d+) samples in flight", caplog.text)]
+    assert len(moved) == 1 and moved[0] > 0, caplog.text[-2000:]  # it held samples, and every step got all of its own
     state = train(load_config(run_dir / "config.toml"), run_dir, resume=True)
     rows = _metrics(run_dir)
     assert state.step == 10 and [r["step"] for r in rows] == list(range(1, 11))
