@@ -93,8 +93,8 @@ def test_a_chosen_count_is_kept() -> None:
 def _update_s(run_dir: Path, extra: list[str]) -> tuple[float, list[float]]:
     """The main job (its CPU learner, and workers of one thread each), a few steps: the
     median update time after the first step, and the thread counts it logged."""
-    overrides = ["trainer.total_steps=4", "trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=8",
-                 "trainer.save_every=0", "logging.console=false", "logging.tensorboard=false", *extra]  # fmt: skip
+    overrides = ["trainer.total_steps=4", "trainer.save_every=0", "logging.console=false", "logging.tensorboard=false",
+                 *extra]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     done = subprocess.run(
         [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir), *overrides],
@@ -109,11 +109,12 @@ def _update_s(run_dir: Path, extra: list[str]) -> tuple[float, list[float]]:
 @needs_cores
 def test_a_busy_cpu_costs_the_learner_its_share(tmp_path: Path) -> None:
     """Beside processes that keep all cores but one busy, the update takes about what one
-    core less costs (the issue saw 20x: 0.25 s became 5-7 s on 2 cores with one other job)."""
+    core less costs (the issue saw 20x: 0.25 s became 5-7 s on 2 cores with one other job).
+    On the idle 2-core box: 1.14x with the governor, 4.5x with a fixed 2 threads."""
     idle_s, _ = _update_s(tmp_path / "idle", [])
     with busy_cores(CORES - 1):
         busy_s, busy_threads = _update_s(tmp_path / "busy", [])
-    assert busy_s < 4 * idle_s, (busy_s, idle_s, busy_threads)
+    assert busy_s < 2.5 * idle_s, (busy_s, idle_s, busy_threads)
     assert min(busy_threads) < CORES, busy_threads  # it let the busy cores go
 
 
