@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from terminal import read_terminal
 from test_operator_view import register_fake
 
 from polyrl.chaos.harness import TOKEN, chaos_manager_config
@@ -120,7 +121,7 @@ def test_the_add_a_worker_command_is_one_line_on_a_120_column_terminal(tmp_path:
         proc = _train(tmp_path / "run", stdout=slave)
     finally:
         os.close(slave)
-    reader = threading.Thread(target=_read_pty, args=(master, output), daemon=True)
+    reader = threading.Thread(target=read_terminal, args=(master, output), daemon=True)
     reader.start()
     code = _wait(proc)
     reader.join(10)
@@ -160,13 +161,3 @@ def _wait(proc: subprocess.Popen[bytes], timeout_s: float = 240) -> int:
             proc.kill()
             proc.wait()
 
-
-def _read_pty(fd: int, into: bytearray) -> None:
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:  # EIO: the pty's last writer is gone
-            return
-        if not chunk:
-            return
-        into += chunk

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from terminal import read_terminal
 from transformers import AutoModelForCausalLM
 
 from polyrl.config import load_config
@@ -57,18 +58,8 @@ class Trainer:
         if terminal:
             os.close(slave)
         source = self.master if terminal else self.proc.stdout.fileno()
-        self._reader = threading.Thread(target=self._read, args=(source,), daemon=True)
+        self._reader = threading.Thread(target=read_terminal, args=(source, self.output), daemon=True)
         self._reader.start()
-
-    def _read(self, fd: int) -> None:
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:  # EIO: the pty's last writer is gone
-                return
-            if not chunk:
-                return
-            self.output += chunk
 
     def type_ctrl_c(self) -> None:
         assert self.master is not None
@@ -280,7 +271,7 @@ def test_ctrl_c_saves_and_exits_130_although_tee_died_of_it(tmp_path: Path) -> N
                            stdin=slave, stdout=slave, stderr=slave, start_new_session=True, preexec_fn=_take_terminal)  # fmt: skip
     os.close(slave)
     output = bytearray()
-    reader = threading.Thread(target=_drain, args=(master, output), daemon=True)
+    reader = threading.Thread(target=read_terminal, args=(master, output), daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + 120
@@ -308,18 +299,6 @@ def test_ctrl_c_saves_and_exits_130_although_tee_died_of_it(tmp_path: Path) -> N
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-
-
-def _drain(fd: int, into: bytearray) -> None:
-    """What the terminal shows, until its last writer is gone (EIO)."""
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:
-            return
-        if not chunk:
-            return
-        into += chunk
 
 
 POOL_IN_A_TERMINAL = """
@@ -356,7 +335,7 @@ def test_the_resource_tracker_shares_the_trainers_session_ignores_ctrl_c_and_lea
                              stderr=slave, start_new_session=True, preexec_fn=_take_terminal)  # fmt: skip
     os.close(slave)
     output = bytearray()
-    reader = threading.Thread(target=_drain, args=(master, output), daemon=True)
+    reader = threading.Thread(target=read_terminal, args=(master, output), daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + 60
