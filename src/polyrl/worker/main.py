@@ -26,6 +26,7 @@ from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.engine.lora import AdapterMerger, expected_spec
 from polyrl.manager.protocol import Heartbeat, RegisterRequest, RegisterResponse
+from polyrl.preflight import shared_token
 from polyrl.serving import QuietServer, bind, server_config, wait_started
 from polyrl.tls import base_url, reachable_host
 from polyrl.worker.manager_client import ManagerRejected, ManagerSession, ManagerUnreachable, worker_client
@@ -81,7 +82,7 @@ async def _serve(cfg: WorkerRunConfig, engine: AsyncEngine, tokenizer: Any | Non
         tokenizer=tokenizer,
         block_size=cfg.engine.block_size,
         max_num_seqs=cfg.engine.max_num_seqs,
-        token=cfg.worker.token or os.environ.get("POLYRL_TOKEN") or None,
+        token=shared_token(cfg.worker.token, cfg.worker.token_file, "worker.token_file"),
         stream_interval_s=cfg.worker.stream_interval_s,
         ca_file=cfg.worker.tls.ca_file,
     )

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from collections.abc import Awaitable, Callable
 
@@ -30,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from polyrl.config import ConfigError, WorkerConfig
 from polyrl.manager.protocol import Heartbeat, LeaveRequest, RegisterRequest, RegisterResponse
+from polyrl.preflight import shared_token
 from polyrl.tls import async_http_client, certificate_error
 
 log = logging.getLogger(__name__)
@@ -267,9 +267,10 @@ def _describe(error: httpx.TransportError) -> str:
 
 
 def worker_client(w: WorkerConfig) -> ManagerClient:
-    """The client of `w.manager_url`, with the worker's token (worker.token, else POLYRL_TOKEN)."""
+    """The client of `w.manager_url`, with the worker's token (`preflight.shared_token`)."""
     assert w.manager_url is not None
-    return ManagerClient(w.manager_url, w.token or os.environ.get("POLYRL_TOKEN"), w.manager_request_timeout_s, w.tls.ca_file)
+    token = shared_token(w.token, w.token_file, "worker.token_file")
+    return ManagerClient(w.manager_url, token, w.manager_request_timeout_s, w.tls.ca_file)
 
 
 def check_manager(w: WorkerConfig) -> int | None:
