@@ -55,10 +55,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -93,6 +95,23 @@ class Result:
     tokens_per_s: float = 0.0
     """Prompt + completion tokens trained on per second (veRL's count)."""
     gen_tokens_per_s: float = 0.0
+    delivered_tokens_per_s: float | None = None
+    """Fully asynchronous rows: prompt + completion tokens the fleet delivered per second
+    (`async/arrived_tokens`); lumpy, and held back by the staleness bound when the fleet
+    is ahead."""
+    produced_tokens_per_s: float | None = None
+    """Fully asynchronous rows: tokens the engines generated per second in the measured
+    steps (their own counters, read at each step's end), plus the prompts' share."""
+    steady_tokens_per_s: float = 0.0
+    """What the run keeps up: the slower of the learner (`tokens_per_s`) and the fleet
+    (`produced_tokens_per_s`). A backlog of finished groups built during the warm-up (the
+    learner's first step compiles for a while, the fleet does not wait) lets the learner
+    train faster than the fleet produces for many steps; a run cannot keep that up. The
+    comparisons use this."""
+    backlog_used: float = 0.0
+    """Finished groups waiting at the window's start less those waiting after it."""
+    local_made: float | None = None
+    """Share of the produced tokens that the trainer's own engine generated."""
     usd_per_hour: float = 0.0
     tokens_per_usd: float = 0.0
     gen_s: float = 0.0
@@ -121,6 +140,9 @@ class Result:
     local_share: float = 0.0
     mean_completion_len: float = 0.0
     max_completion_len: float = 0.0
+    capacity: dict[str, dict] | None = None
+    """standin: generation tok/s, preemptions and mean batch by sequences in flight, with the
+    other half idle and training."""
     time_to_target_s: float | None = None
     final_reward: float | None = None
     wall_s: float = 0.0
@@ -255,6 +277,42 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     return rows
 
 
+class FleetTokens:
+    """Tokens every engine of the run has generated (the workers' own counters, from
+    `/get_server_info`), read at each step's end: the fleet's production per step, counted
+    as it decodes rather than when groups finish (which comes in waves)."""
+
+    def __init__(self, manager_url: str) -> None:
+        import httpx
+
+        self.client = httpx.Client(timeout=2.0, headers={"Authorization": f"Bearer {TOKEN}"})
+        self.manager_url = manager_url
+        self.last: dict[str, int] = {}
+        self.by_step: dict[int, dict[str, int]] = {}
+        """step -> worker -> tokens generated since the previous step's reading."""
+
+    def read(self, step: int) -> None:
+        import httpx
+
+        got: dict[str, int] = {}
+        try:
+            fleet = self.client.get(f"{self.manager_url}/v1/workers").json()["workers"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return
+        for w in fleet:
+            try:
+                info = self.client.get(f"{w['url']}/get_server_info").json()
+            except (httpx.HTTPError, ValueError):
+                continue  # a worker gone: what it made before its last reading is counted
+            total = int(info["num_generated_tokens"])
+            got[w["worker_id"]] = max(0, total - self.last.get(w["worker_id"], 0))
+            self.last[w["worker_id"]] = total
+        self.by_step[step] = got
+
+    def close(self) -> None:
+        self.client.close()
+
+
 def train_command(run_dir: Path, overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir), *overrides]
 
@@ -309,6 +367,8 @@ def run_part(
         workers.append(start_worker("spot0"))
         overrides = [*overrides, "fleet.min_workers=1"]  # the first step waits for it, not the trainer's engine
     t0 = time.monotonic()
+    counter = FleetTokens(url)
+    seen = 0
     with open(run_dir / "trainer.log", "ab") as log:
         trainer = subprocess.Popen(train_command(run_dir, overrides), env=os.environ | place.env("trainer", whole),
                                    stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
@@ -324,6 +384,9 @@ def run_part(
                     notes.append(f"timed out after {timeout_s:.0f}s (stacks in the logs)")
                     break
                 rows = read_metrics(run_dir / "metrics.jsonl")
+                if len(rows) > seen:
+                    seen = len(rows)
+                    counter.read(int(rows[-1]["step"]))
                 if kill_step is not None and not killed and len(rows) >= kill_step - 1:
                     # mid-step: half the previous step's time into step `kill_step`
                     step_s = rows[-1].get("perf/time_per_step", 1.0) if rows else 1.0
@@ -340,18 +403,34 @@ def run_part(
                 trainer.wait()
             for w in workers:
                 w.stop()
+            counter.close()
     wall = time.monotonic() - t0
+    (run_dir / "fleet_tokens.json").write_text(json.dumps(counter.by_step))
+    for path in sorted(run_dir.glob("*.log")):  # the engine logs its preemptions at 1, 10, 100, ...
+        counts = re.findall(r"KV cache full.*?\((\d+) so far", path.read_text(errors="replace"))
+        if counts:
+            notes.append(f"{path.stem}: over {counts[-1]} KV preemptions (recomputed sequences)")
     if trainer.returncode != 0:
         tail = (run_dir / "trainer.log").read_text(errors="replace")[-3000:]
         notes.append(f"trainer exit {trainer.returncode}")
         print(f"[{part}] trainer failed:\n{tail}", flush=True)
-    return read_metrics(run_dir / "metrics.jsonl"), wall, notes
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    read_at = sorted(int(k) for k in counter.by_step)
+    for r in rows:
+        made = counter.by_step.get(int(r["step"]))
+        if made is None and read_at and read_at[-1] > r["step"]:
+            made = {}  # steps that ended between two readings: the later one counts their tokens
+        if made is not None:
+            r["bench/fleet_tokens"] = float(sum(made.values()))
+            r["bench/fleet_tokens_local"] = float(made.get("local", 0))
+    return rows, wall, notes
 
 
 def summarise(
-    part: str, rows: list[dict[str, float]], warmup: int, wall: float, notes: list[str], last: int | None = None
+    part: str, rows: list[dict[str, float]], warmup: int, wall: float, notes: list[str], last: int | None = None,
+    n: int = 1,
 ) -> Result:
-    """The measured steps (after `warmup`, up to `last`) summed up."""
+    """The measured steps (after `warmup`, up to `last`) summed up; `n`: samples per group."""
     measured = [r for r in rows if warmup < r["step"] <= (last or r["step"])]
     res = Result(part=part, steps=len(measured), wall_s=wall, notes=notes)
     res.step_s = [round(r["perf/time_per_step"], 3) for r in rows]
@@ -362,9 +441,21 @@ def summarise(
     gen_tokens = sum(r["response_length/mean"] * r["rollout/samples_received"] for r in measured)
     res.s_per_step = step_s / len(measured)
     res.tokens_per_s = tokens / step_s
+    res.steady_tokens_per_s = res.tokens_per_s
+    if all("async/arrived_tokens" in r for r in measured):
+        res.delivered_tokens_per_s = sum(r["async/arrived_tokens"] for r in measured) / step_s
+    after = [r for r in rows if r["step"] == measured[-1]["step"] + 1]
+    if "async/ready_groups" in measured[0] and after:
+        res.backlog_used = measured[0]["async/ready_groups"] - after[0]["async/ready_groups"]
+    if "async/ready_groups" in measured[0] and all("bench/fleet_tokens" in r for r in measured) and gen_tokens:
+        # the engines' completion tokens, with the prompts' share of what was trained
+        made = sum(r["bench/fleet_tokens"] for r in measured) * tokens / gen_tokens
+        res.produced_tokens_per_s = made / step_s
+        res.steady_tokens_per_s = min(res.tokens_per_s, res.produced_tokens_per_s)
+        res.local_made = sum(r["bench/fleet_tokens_local"] for r in measured) / max(sum(r["bench/fleet_tokens"] for r in measured), 1)
     res.gen_tokens_per_s = gen_tokens / step_s
     res.usd_per_hour = sum(r["cost/usd_per_hour"] for r in measured) / len(measured)
-    res.tokens_per_usd = tokens / (step_s * res.usd_per_hour / 3600)
+    res.tokens_per_usd = res.steady_tokens_per_s * 3600 / res.usd_per_hour
     mean = lambda key: sum(r.get(key, 0.0) for r in measured) / len(measured)  # noqa: E731
     res.gen_s, res.update_actor_s, res.publish_s = mean("timing_s/gen"), mean("timing_s/update_actor"), mean("timing_s/update_weights")
     syncs = [r["timing_s/weight_sync"] for r in measured if "timing_s/weight_sync" in r]
@@ -444,13 +535,59 @@ def decode_latency(model: Path, num_tokens: int) -> float:
     return float(np.median(times[1:]))
 
 
+def decode_capacity(
+    model: Path, blocks: int, levels: list[int], budgets: list[int], warm_s: float = 3.0, measure_s: float = 6.0
+) -> dict[int, dict[str, float]]:
+    """Generated tokens/s of one engine kept at `c` sequences in flight for each `c` in
+    `levels` (each finished sequence replaced at once by one with the next long-tail
+    budget), with the spot worker's KV cache (`blocks`): the most a spot worker of this
+    shape can give the fleet, whatever the scheduling above it."""
+    from polyrl.config import EngineConfig
+    from polyrl.engine.engine import Engine
+    from polyrl.engine.types import EngineRequest, EngineSampling
+
+    engine = Engine.from_pretrained(str(model), EngineConfig(max_num_seqs=max(levels), num_kv_blocks=blocks))
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    out: dict[int, dict[str, float]] = {}
+    next_id = 0
+    for c in levels:
+        active: set[str] = set()
+        t0, first = time.monotonic(), None
+        running: list[int] = []
+        while time.monotonic() - t0 < warm_s + measure_s:
+            while len(active) < c:
+                sampling = EngineSampling(max_new_tokens=budgets[next_id % len(budgets)], ignore_eos=True, seed=next_id)
+                engine.add_request(EngineRequest(f"c{next_id}", [1 + next_id % 40, 2, 3, 4, 5, 6, 7, 8], sampling))
+                active.add(f"c{next_id}")
+                next_id += 1
+            for delta in engine.step():
+                if delta.finish_reason is not None:
+                    active.discard(delta.rid)
+            if first is None and time.monotonic() - t0 >= warm_s:
+                sync()
+                stats = engine.stats()
+                first = (time.monotonic(), stats.num_generated_tokens, stats.num_preemptions)
+            if first is not None:
+                running.append(len(engine.scheduler.running))
+        sync()
+        stats = engine.stats()
+        span = time.monotonic() - first[0]
+        out[c] = {"tok_s": (stats.num_generated_tokens - first[1]) / span, "preemptions": stats.num_preemptions - first[2],
+                  "mean_running": float(np.mean(running)) if running else 0.0}  # fmt: skip
+        engine.abort_all()
+        while engine.has_work:
+            engine.step()
+    return out
+
+
 def train_loop(model: Path, seconds: float) -> None:
-    """The 0.6B shape's forward and backward (bf16, 8 x 2048 tokens) in a loop: a training half."""
+    """The 0.6B shape's forward and backward (bf16, 4 x 2048 tokens) in a loop: a training half
+    (the spot half's KV cache must fit beside it)."""
     from transformers import AutoModelForCausalLM
 
     net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-6)
-    ids = torch.randint(0, 150000, (8, 2048), device="cuda")
+    ids = torch.randint(0, 150000, (4, 2048), device="cuda")
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         net(input_ids=ids, labels=ids).loss.backward()
@@ -460,36 +597,56 @@ def train_loop(model: Path, seconds: float) -> None:
 
 
 def standin_part(args: argparse.Namespace, model: Path, work: Path) -> Result:
-    """The spot half's single-sequence decode latency with the other half idle, then with it
-    training: what the one-GPU stand-in costs a spot worker that a second GPU would not."""
+    """The spot half with the other half idle, then with it training: a single sequence's
+    decode latency, and the generation throughput at several batch sizes (long-tail
+    budgets, the spot worker's KV cache). What the one-GPU stand-in costs a spot worker
+    that a second GPU would not, and the most generation a spot half can give."""
     res = Result(part="standin")
     place: Placement = args.placement
+    budgets = longtail_budgets(4096, args.tail_median, args.tail_p99, args.new_tokens, seed=1)
+    (work / "standin_budgets.json").write_text(json.dumps(budgets))
+    role = f"decode:{model}:{args.worker_kv_blocks}:{args.capacity_levels}:{work / 'standin_budgets.json'}"
     me = [sys.executable, __file__, "--_role"]
 
-    def latency() -> float:
-        out = subprocess.run([*me, f"decode:{model}"], env=os.environ | place.env("worker"), capture_output=True,
-                             text=True, timeout=300, check=True)  # fmt: skip
-        return float(out.stdout.strip().splitlines()[-1])
+    def measure() -> dict:
+        out = subprocess.run([*me, role], env=os.environ | place.env("worker"), capture_output=True, text=True,
+                             timeout=400)  # fmt: skip
+        if out.returncode != 0:
+            raise RuntimeError(f"standin child failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
 
-    idle_ms = latency()
+    idle = measure()
     trainer = subprocess.Popen([*me, f"train:{model}"], env=os.environ | place.env("trainer"), stdout=subprocess.DEVNULL,
                                stderr=open(work / "standin_train.log", "ab"))  # noqa: SIM115  # fmt: skip
     try:
         time.sleep(15)  # its model loaded and its loop running
-        busy_ms = latency()
+        busy = measure()
     finally:
         trainer.kill()
         trainer.wait()
+    idle_ms, busy_ms = idle["latency_ms"], busy["latency_ms"]
     res.notes = [f"decode step, 1 sequence: {idle_ms:.2f} ms with the other half idle, {busy_ms:.2f} ms with it "
                  f"training ({busy_ms / idle_ms:.2f}x)"]  # fmt: skip
+    for c, alone in idle["capacity"].items():
+        beside = busy["capacity"][c]
+        res.notes.append(f"{c} sequences in flight: {alone['tok_s']:.0f} tok/s alone, {beside['tok_s']:.0f} beside "
+                         f"training ({alone['tok_s'] / max(beside['tok_s'], 1):.2f}x); mean running "
+                         f"{alone['mean_running']:.0f}/{beside['mean_running']:.0f}; preemptions "
+                         f"{alone['preemptions']}/{beside['preemptions']}")  # fmt: skip
     res.gen_s, res.update_actor_s = idle_ms, busy_ms
+    res.capacity = {"idle": idle["capacity"], "training": busy["capacity"]}
     return res
 
 
 def child_role(role: str) -> None:
-    kind, model = role.split(":", 1)
+    kind, model, *rest = role.split(":")
     if kind == "decode":
-        print(f"{decode_latency(Path(model), 256):.4f}", flush=True)
+        blocks, levels, budgets = int(rest[0]), [int(c) for c in rest[1].split(",")], json.loads(Path(rest[2]).read_text())
+        latency = decode_latency(Path(model), 256)
+        gc.collect()
+        torch.cuda.empty_cache()
+        capacity = decode_capacity(Path(model), blocks, levels, budgets)
+        print(json.dumps({"latency_ms": latency, "capacity": capacity}), flush=True)
     else:
         train_loop(Path(model), seconds=120)
 
@@ -558,7 +715,10 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more trainer overrides")
     p.add_argument("--worker-set", action="append", default=[], metavar="KEY=VALUE", help="more spot-worker overrides")
     p.add_argument("--keep", type=Path, help="keep the logs and run directories here")
+    p.add_argument("--model", type=Path, help="the throughput rows' model, made by an earlier run of this script "
+                   "(its --keep directory's qwen3-0.6b-shape; default: made anew)")
     p.add_argument("--target-reward", type=float, default=0.8)
+    p.add_argument("--capacity-levels", default="128,256,512", help="standin: sequences in flight to measure")
     args = p.parse_args()
     if args.one_gpu:
         args.split = "one"
@@ -585,7 +745,9 @@ def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Re
     results: list[Result] = []
     model = None
     if any(x in THROUGHPUT_PARTS or x in ("best_kill", "standin") for x in parts):
-        if args.device == "cuda":
+        if args.model is not None:
+            model = args.model
+        elif args.device == "cuda":
             model = make_model(work / "qwen3-0.6b-shape", args.stop_ids, args.new_tokens + 512)
         else:  # the tiny model, long enough for the budgets
             model = work / "tiny"
@@ -600,7 +762,10 @@ def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Re
     for part in parts:
         print(f"== {part}", flush=True)
         if part == "standin":
-            res = standin_part(args, model, work)
+            try:
+                res = standin_part(args, model, work)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other rows still count
+                res = Result(part="standin", notes=[f"failed: {e}"])
         elif part in LEARN_PARTS:
             mode, extra = LEARN_PARTS[part]
             res = learning_part(part, mode, args, work, extra)
@@ -622,7 +787,7 @@ def throughput_part(
         if not spot_rows:
             print("best_kill: run one of " + ", ".join(KILLABLE) + " first", flush=True)
             return None
-        best = max(spot_rows, key=lambda r: r.tokens_per_s)
+        best = max(spot_rows, key=lambda r: r.steady_tokens_per_s)
         workload, mode, extra = THROUGHPUT_PARTS[best.part]
         kill = args.warmup + 2 if args.steps >= 2 else args.warmup + 1
     else:
@@ -640,7 +805,7 @@ def throughput_part(
         notes.insert(0, f"as {best.part}")
     for saved in ("checkpoints", "final_model"):  # gigabytes per row at this size: the disk would fill
         shutil.rmtree(work / part / saved, ignore_errors=True)
-    res = summarise(part, rows, args.warmup, wall, notes, args.warmup + args.steps)
+    res = summarise(part, rows, args.warmup, wall, notes, args.warmup + args.steps, args.n)
     res.workload = workload
     return res
 
@@ -656,24 +821,26 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     print(f"\n{device}, torch {torch.__version__}, {platform.node()}; {split}; {args.prompts} prompts x {args.n}, "
           f"<= {args.new_tokens} new tokens, long tail: median {args.tail_median:g}, p99 {args.tail_p99:g}; "
           f"{args.warmup} warm-up + {args.steps} measured steps")  # fmt: skip
-    head = ("part", "workload", "s/step", "tok/s", "vs coloc", "vs whole", "$/h", "tok/$", "tok/$ gain", "gen s",
+    head = ("part", "workload", "s/step", "trained tok/s", "produced tok/s", "steady tok/s", "vs coloc", "vs whole", "$/h", "tok/$", "tok/$ gain", "gen s",
             "train s", "learner idle s", "fleet idle", "lag mean/max", "multi-version", "due", "held back", "ready",
             "sync s", "lp diff", "lost", "migr", "local", "resp len", "to target s", "final reward")  # fmt: skip
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in results:
         base = bases.get(r.workload)
-        speed = r.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s and r.tokens_per_s else None
-        vs_whole = r.tokens_per_s / whole.tokens_per_s if whole and r.workload == "longtail" and r.tokens_per_s else None
+        speed = r.steady_tokens_per_s / base.steady_tokens_per_s if base and base.steady_tokens_per_s and r.steady_tokens_per_s else None
+        vs_whole = (r.steady_tokens_per_s / whole.steady_tokens_per_s
+                    if whole and r.workload == "longtail" and r.steady_tokens_per_s else None)  # fmt: skip
         gain = r.tokens_per_usd / base.tokens_per_usd - 1 if base and base.tokens_per_usd and r.tokens_per_usd else None
         ready = "-" if r.ready_start is None else f"{r.ready_start:.0f}->{r.ready_end:.0f}"
-        cells = (r.part, r.workload or "-", fmt(r.s_per_step, ".2f"), fmt(r.tokens_per_s, ".0f"), fmt(speed, ".2f"),
+        cells = (r.part, r.workload or "-", fmt(r.s_per_step, ".2f"), fmt(r.tokens_per_s, ".0f"),
+                 fmt(r.produced_tokens_per_s, ".0f"), fmt(r.steady_tokens_per_s, ".0f"), fmt(speed, ".2f"),
                  fmt(vs_whole, ".2f"), fmt(r.usd_per_hour, ".2f"), fmt(r.tokens_per_usd, ".3g"),
                  "-" if gain is None else f"{100 * gain:+.0f}%", fmt(r.gen_s, ".2f"), fmt(r.update_actor_s, ".2f"),
                  fmt(r.learner_idle_s, ".2f"), fmt(r.fleet_idle, ".2f"), f"{r.version_lag:.2f}/{r.version_lag_max:.0f}",
                  fmt(r.multi_version, ".2f"), fmt(r.due_groups, ".1f"), fmt(r.held_back, ".0f"), ready,
                  fmt(r.weight_sync_s, ".2f"), fmt(r.logprob_diff, ".2g"), str(r.samples_lost), str(r.migrated),
-                 fmt(r.local_share, ".2f"), fmt(r.mean_completion_len, ".0f"), fmt(r.time_to_target_s, ".0f"),
+                 fmt(r.local_share, ".2f") + ("" if r.local_made is None else f" ({r.local_made:.2f})"), fmt(r.mean_completion_len, ".0f"), fmt(r.time_to_target_s, ".0f"),
                  fmt(r.final_reward, ".2f"))  # fmt: skip
         print("| " + " | ".join(cells) + " |")
         for note in r.notes:

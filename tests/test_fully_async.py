@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import queue
+import re
 import signal
 import threading
 import time
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from test_e2e import QUICK
 from test_manager import (  # noqa: F401 - long_context_model is a fixture
     Consumer,
@@ -39,6 +40,7 @@ from polyrl.manager.manager import RolloutManager
 from polyrl.manager.protocol import BatchSampling, WorkerList
 from polyrl.manager.window import LocalWindow
 from polyrl.rollout.feed import AsyncFeed
+from polyrl.rollout.remote import window_policy
 from polyrl.rollout.stats import RolloutStats
 from polyrl.rollout.types import Group, Prompt, Sample
 from polyrl.trainer.checkpoint import read_trainer_state
@@ -55,6 +57,23 @@ def test_fully_async_is_refused_where_it_cannot_work() -> None:
         load_config(None, ["rollout.fully_async=true"])
     with pytest.raises(ConfigError, match="deterministic"):
         load_config(None, ["rollout.fully_async=true", "rollout.deterministic=true"])
+    with pytest.raises(ConfigError, match="hybrid_local_until=learner needs the step-synchronous loop"):
+        load_config(None, ["rollout.fully_async=true", "rollout.max_staleness=1", "rollout.hybrid_local_until=learner"])
+    with pytest.raises(ConfigError, match="hybrid_local_until=always is for rollout.fully_async"):
+        load_config(None, ["rollout.mode=hybrid", "rollout.hybrid_local_until=always"])
+
+
+@pytest.mark.parametrize(
+    ("until", "device", "mode"),
+    [("auto", "cuda", "idle"), ("auto", "cpu", "idle"), ("always", "cuda", "always"), ("always", "cpu", "always")],
+)
+def test_the_trainers_engine_fills_the_learners_waits_unless_asked_for_more(until: str, device: str, mode: str) -> None:
+    """Fully asynchronous, the trainer's engine fills the learner's waits by default; with
+    `always` it decodes beside the learner all the time (a fleet slower than the learner)."""
+    cfg = load_config(None, ["rollout.mode=hybrid", "rollout.fully_async=true", "rollout.max_staleness=2",
+                             f"rollout.hybrid_local_until={until}"])  # fmt: skip
+    manager_cfg = window_policy(cfg, torch.device(device))
+    assert manager_cfg.local_window == mode and manager_cfg.swap_policy == "continue"
 
 
 # ---------------------------------------------------------------- the feed, on a script
@@ -142,6 +161,7 @@ def test_admission_keeps_k_plus_one_steps_in_flight() -> None:
     for i in (2, 0):
         rollout.finish(i, [0])
     assert [g.prompt.index for g in feed.take(0)] == [2, 0]  # completion order, not submission order
+    assert (feed.step.arrived_groups, feed.step.arrived_tokens) == (2, 2 * (2 + 1))  # the fleet's delivery
     feed.top_up(steps_left=4)
     assert rollout.submitted[-1] == [4, 5]  # only what the step consumed
     feed.top_up(steps_left=1)
@@ -242,6 +262,30 @@ def test_the_idle_window_opens_while_the_learner_waits() -> None:
     assert window.on_learner_waiting() is None  # already open
     assert window.close("learner starts") is opening and not window.is_open
     assert LocalWindow("learner", 30.0).on_learner_waiting() is None  # only the idle mode
+
+
+def test_the_always_window_is_open_from_the_start_and_never_closes() -> None:
+    window = LocalWindow("always", 30.0)
+    assert window.is_open and window.takes_any and not window.is_peer and not window.moves_waited_for
+    assert window.on_publish() is None and window.on_learner_waiting() is None
+    assert window.close("learner starts") is None and window.is_open
+
+
+def test_the_trainers_engine_takes_the_overflow_and_keeps_it() -> None:
+    """`always`: the remote worker's slots first, the trainer's engine the rest; nothing
+    moves when the learner starts or waits."""
+    with ManagerThread(fast_cfg(local_window="always", max_inflight_per_worker=2)) as mt:
+        with FakeWorker(mt.url, "w1", token_delay_s=0.02), FakeWorker(mt.url, "local", local=True, token_delay_s=0.02):
+            wait_active(mt, "w1", "local")
+            request = batch(2, 2, 60)
+            consumer = Consumer(mt, request)
+            time.sleep(0.3)
+            mt.call(mt.manager.learner_started)
+            mt.call(mt.manager.learner_waiting, ["p0", "p1"])
+            groups = consumer.join_ok(60)
+    check_exact(request, groups)
+    workers = {g.prompt_id: [[seg.worker for seg in s.segments] for s in g.samples] for g in groups}
+    assert workers == {"p0": [["w1"]] * 2, "p1": [["local"]] * 2}, workers
 
 
 # ---------------------------------------------------------- a real worker, a version mid-sample

@@ -1,6 +1,7 @@
 """The long-tail workload of `benchmarks/spot_gpu.py`, checked on the CPU before any GPU
-time is spent on it: its length distribution, and that `polyrl`'s own data path turns the
-file into prompts with those budgets."""
+time is spent on it: its length distribution, that `polyrl`'s own data path turns the
+file into prompts with those budgets, how a row's throughput is summed up, and the
+stand-in row's capacity probe."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from spot_gpu import longtail_budgets, write_workload  # noqa: E402
+from spot_gpu import decode_capacity, longtail_budgets, summarise, write_workload  # noqa: E402
 
 from polyrl.config import DataConfig  # noqa: E402
 from polyrl.data.source import PromptSource  # noqa: E402
@@ -50,3 +51,36 @@ def test_the_workload_file_becomes_prompts_with_those_budgets(tmp_path: Path, ti
     assert char_match_reward([p.text for p in prompts], halves, answer=answers) == pytest.approx(expected)
     equal = write_workload(tmp_path / "e.jsonl", 4, None)
     assert "max_new_tokens" not in equal.read_text()
+
+
+def _row(step: int, seconds: float, tokens: float, fleet: float | None, ready: float | None) -> dict[str, float]:
+    row = {"step": step, "perf/time_per_step": seconds, "perf/total_num_tokens": tokens, "response_length/mean": tokens / 8,
+           "rollout/samples_received": 8.0, "cost/usd_per_hour": 13.0, "rollout/samples_lost": 0.0,
+           "rollout/migrated_samples": 0.0, "rollout/local_samples": 0.0}  # fmt: skip
+    if ready is not None:
+        row["async/ready_groups"] = ready
+    if fleet is not None:
+        row["bench/fleet_tokens"], row["bench/fleet_tokens_local"] = fleet, fleet / 4
+    return row
+
+
+def test_a_fully_async_row_counts_what_the_fleet_produced_not_only_what_was_trained() -> None:
+    """A learner eating a warm-up backlog trains faster than the fleet produces: the row's
+    steady rate is the fleet's (the slower); a learner that is slower keeps its own."""
+    backlog = [_row(1, 9.0, 800, 5000, 0), _row(2, 2.0, 1600, 800, 12), _row(3, 2.0, 1600, 800, 10), _row(4, 2.0, 1600, 800, 8)]
+    res = summarise("fully_async_k4", backlog, warmup=1, wall=0.0, notes=[], last=3, n=8)
+    assert res.tokens_per_s == 800 and res.produced_tokens_per_s == 400 and res.steady_tokens_per_s == 400
+    assert res.backlog_used == 4 and res.local_made == 0.25
+    assert res.tokens_per_usd == 400 * 3600 / 13.0
+    slow_learner = [_row(s, 2.0, 800, 1200, 20) for s in (1, 2, 3, 4)]
+    assert summarise("fully_async_k4", slow_learner, 1, 0.0, [], 3, 8).steady_tokens_per_s == 400
+    colocated = [_row(s, 2.0, 800, None, None) for s in (1, 2, 3)]
+    res = summarise("colocated", colocated, 1, 0.0, [], 3, 8)
+    assert res.steady_tokens_per_s == res.tokens_per_s == 400 and res.produced_tokens_per_s is None
+
+
+def test_the_capacity_probe_keeps_its_batch_full(tiny_model_dir: Path) -> None:
+    out = decode_capacity(tiny_model_dir, 256, [2, 8], [5, 40, 12], warm_s=0.3, measure_s=0.8)
+    assert set(out) == {2, 8}
+    assert 1.5 < out[2]["mean_running"] <= 2 and 6 < out[8]["mean_running"] <= 8  # refilled as they finish
+    assert all(v["tok_s"] > 0 and v["preemptions"] == 0 for v in out.values())

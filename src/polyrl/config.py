@@ -14,7 +14,6 @@ from typing import Any, Literal, TypeVar
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-
 SwapPolicy = Literal["recompute", "continue", "abort"]
 """What an engine's weight update does to its running requests (`EngineConfig.swap_policy`)."""
 
@@ -175,13 +174,18 @@ class RolloutConfig(_Section):
     hybrid_max_window_s: float = Field(30.0, gt=0)
     """Hybrid, window until "synced": the local window never stays open longer than this
     (its usual length follows the measured sync time of the fleet)."""
-    hybrid_local_until: Literal["auto", "synced", "learner"] = "auto"
+    hybrid_local_until: Literal["auto", "synced", "learner", "idle", "always"] = "auto"
     """Hybrid: how long the trainer's engine generates each step. synced: only while the
     workers sync the new version (then its samples move to them); learner: as a peer of
     the workers, with its share of the batch, until the learner starts. auto: learner
     when the trainer is on CUDA (its GPU would idle until then), synced on CPU (where the
     local engine takes the cores the workers and the learner need) and when
-    `max_staleness` > 0 (the learner keeps the trainer's GPU busy: no idle time to fill)."""
+    `max_staleness` > 0 (the learner keeps the trainer's GPU busy: no idle time to fill).
+    With `fully_async` only: idle: while the learner waits, for the groups it waits for;
+    always: all the time, beside the learner, as one more worker taking what the remote
+    workers have no slot for (its batch is `engine.max_num_seqs`): for a fleet slower than
+    the learner, as one spot GPU per trainer GPU; it slows the learner (README, "Fully
+    asynchronous training"). auto with fully_async: idle."""
     max_staleness: int = Field(0, ge=0, le=4)
     """0: on-policy, each step's batch is generated after the previous step's update. k > 0
     (remote and hybrid): the batches of the next k steps are submitted ahead, so workers
@@ -232,11 +236,21 @@ class RolloutConfig(_Section):
                     "groups that finish first, and samples take new weights mid-generation, so two runs cannot "
                     "see the same data"
                 )
+            if self.hybrid_local_until in ("synced", "learner"):
+                raise ValueError(
+                    f"rollout.hybrid_local_until={self.hybrid_local_until} needs the step-synchronous loop; with "
+                    "rollout.fully_async use auto, idle or always"
+                )
             if not self.max_staleness:
                 raise ValueError(
                     "rollout.fully_async needs rollout.max_staleness >= 1: the versions a token may lag behind "
                     "the weights it trains (0 would wait for every response, as the synchronous loop does; try 2)"
                 )
+        if self.hybrid_local_until in ("idle", "always") and not self.fully_async:
+            raise ValueError(
+                f"rollout.hybrid_local_until={self.hybrid_local_until} is for rollout.fully_async; the "
+                "step-synchronous loop takes auto, synced or learner"
+            )
         if self.max_staleness and self.mode == "local":
             raise ValueError(
                 f"rollout.max_staleness ({self.max_staleness}) needs rollout.mode remote or hybrid: local rollout "
@@ -661,7 +675,7 @@ class ManagerConfig(_Section):
     """A batch unfinished after this long fails with an error instead of hanging."""
     max_body_bytes: int = Field(64 * 2**20, ge=1024)
     """Largest request body (a batch of prompts); control messages are capped at 64 KiB."""
-    local_window: Literal["off", "synced", "learner", "idle"] = "off"
+    local_window: Literal["off", "synced", "learner", "idle", "always"] = "off"
     """Hybrid mode's local window (RLBoost's adaptive local rollout): after each published
     version the `local` worker (the trainer's own engine) takes work while the others sync.
     `synced`: it closes when every other worker serves the version, after twice the
@@ -669,8 +683,9 @@ class ManagerConfig(_Section):
     learner started; the local worker's unfinished samples then move on, token for token.
     `learner`: the local worker is a peer of the others (its share of each batch) until
     the learner starts, then finishes what it holds. `idle` (fully asynchronous training):
-    it opens whenever the learner waits for groups and closes when the learner trains,
-    handing what is unfinished to the others. `polyrl train` sets it from `rollout.mode`,
+    it opens whenever the learner waits for groups, for those groups only, and closes
+    when the learner trains; the local worker finishes what it holds. `always`: the local worker is a peer from
+    the start, beside the learner, and never hands work back. `polyrl train` sets it from `rollout.mode`,
     `rollout.hybrid_local_until` and `rollout.fully_async`."""
     local_window_max_s: float = Field(30.0, gt=0)
     swap_policy: SwapPolicy | None = None

@@ -457,4 +457,5 @@ class Engine:
             num_total_blocks=self.blocks.num_blocks,
             gen_throughput=throughput,
             num_generated_tokens=self.num_generated_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
         )

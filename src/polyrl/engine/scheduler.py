@@ -11,11 +11,17 @@ result does not change).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from polyrl.engine.block_manager import BlockManager
 from polyrl.engine.sequence import SeqStatus, Sequence
+
+log = logging.getLogger(__name__)
+
+_LOGGED = frozenset(10**i for i in range(12))
+"""Preemption counts that get a log line: 1, 10, 100, ... (one line per order of magnitude)."""
 
 
 @dataclass
@@ -31,6 +37,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        """Sequences preempted for want of KV blocks (not the engine's own `preempt_all`)."""
 
     @property
     def has_work(self) -> bool:
@@ -84,6 +91,11 @@ class Scheduler:
         while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, seq.num_computed_tokens + num_new)):
             victim = self.running[-1]
             self.preempt(victim)
+            self.num_preemptions += 1
+            if self.num_preemptions in _LOGGED:
+                log.warning("engine: KV cache full, a running sequence gave its blocks back and will recompute "
+                            "(%d so far; more engine.num_kv_blocks or fewer engine.max_num_seqs avoid it)",
+                            self.num_preemptions)  # fmt: skip
             if victim is seq:
                 return False
         return True
@@ -94,7 +106,6 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def preempt_all(self) -> None:
         """Drop every running sequence's KV (they recompute it on their next turn), in order."""

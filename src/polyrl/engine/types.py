@@ -104,3 +104,6 @@ class EngineStats:
     num_total_blocks: int
     gen_throughput: float  # generated tokens/s over the recent window
     num_generated_tokens: int  # since start
+    num_preemptions: int = 0
+    """Running sequences whose KV blocks were taken back since start (each recomputes its
+    prompt and tokens when readmitted): a KV cache too small for the batch."""

@@ -116,7 +116,7 @@ class Membership(ManagerState):
         if opening is not None:
             self._open_window(opening)
         local = self.local_record
-        if not prompt_ids or not self.window.is_open or local is None or local.state != "active":
+        if not prompt_ids or not self.window.moves_waited_for or local is None or local.state != "active":
             return
         wanted = set(prompt_ids)
         moved = 0

@@ -22,6 +22,12 @@ Modes (`manager.local_window`):
   tokens not yet streamed, and it would come back at the next wait). Measured on one H100
   split by MPS: letting it take any work while open, and hand it back at each close, made
   steps 2-5x slower than not using it at all (BENCHMARKS.md).
+* `always` (fully asynchronous training, on request): open from the start and never
+  closed: the local worker is one more peer of the fleet, generating beside the learner
+  in its own process on the trainer's device. It takes work when the remote workers have
+  no free slot, up to its engine's `max_num_seqs`, and keeps it. That pays when the
+  fleet is slower than the learner; it slows the learner, by 1.5x per token on an H200
+  (BENCHMARKS.md), which costs where the learner is the slower.
 * `off`: never opens (remote mode); the local worker still serves when no remote worker
   is left, or a batch has waited `local_fallback_s` with none serving its version.
 """
@@ -34,7 +40,7 @@ from typing import Literal
 
 from polyrl.manager.protocol import LocalWindowReport
 
-WindowMode = Literal["off", "synced", "learner", "idle"]
+WindowMode = Literal["off", "synced", "learner", "idle", "always"]
 
 SYNC_EMA = 0.5
 """Weight of the newest measured sync time in the window's length estimate."""
@@ -67,10 +73,12 @@ class LocalWindow:
         self.opened_at = 0.0
         self.sync_estimate_s: float | None = None
         self.last: LocalWindowReport | None = None
+        if mode == "always":
+            self._open(Opening(None, until_synced=False, hand_back=False))
 
     def on_publish(self) -> Opening | None:
         """The window to open now that a version is published (None: none)."""
-        if self.mode in ("off", "idle"):
+        if self.mode in ("off", "idle", "always"):
             return None
         if self.mode == "learner":
             return self._open(Opening(None, until_synced=False, hand_back=False, peer=True))
@@ -94,7 +102,7 @@ class LocalWindow:
     def close(self, why: str) -> Opening | None:
         """Close it (no-op when closed); returns how it was opened. A window that the remote
         workers' sync closed measured that sync: the next window's length follows it."""
-        if not self.is_open:
+        if not self.is_open or self.mode == "always":
             return None
         open_s = time.monotonic() - self.opened_at
         self.is_open = False
@@ -108,6 +116,11 @@ class LocalWindow:
     def is_peer(self) -> bool:
         """Open as a peer: the local worker takes only its share of each batch."""
         return self.is_open and self.opening is not None and self.opening.peer
+
+    @property
+    def moves_waited_for(self) -> bool:
+        """Open for the groups the learner waits for (`idle`): their samples move here."""
+        return self.is_open and self.opening is not None and self.opening.moved_only
 
     @property
     def takes_any(self) -> bool:

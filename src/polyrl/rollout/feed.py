@@ -58,6 +58,11 @@ class FeedStep:
     ready_groups: int = 0
     """Groups finished and waiting for the learner when the step began (a backlog: the
     fleet is ahead of the learner)."""
+    arrived_groups: int = 0
+    arrived_tokens: int = 0
+    """Groups (and their prompt + completion tokens) that the fleet delivered during the
+    step: its delivery rate, against the learner's `perf/total_num_tokens`. Over many
+    steps the slower of the two is the run's throughput; a backlog only hides which."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -66,6 +71,8 @@ class FeedStep:
             "async/held_back_samples": float(self.held_back_samples),
             "async/in_flight_groups": float(self.in_flight_groups),
             "async/ready_groups": float(self.ready_groups),
+            "async/arrived_groups": float(self.arrived_groups),
+            "async/arrived_tokens": float(self.arrived_tokens),
             "async/regenerated_groups": float(self.num_regenerated),
         }
 
@@ -204,6 +211,8 @@ class AsyncFeed:
         if isinstance(item, BaseException):
             raise item
         self.arrived.append(item)
+        self.step.arrived_groups += 1
+        self.step.arrived_tokens += sum(len(item.prompt.prompt_ids) + len(s.completion_ids) for s in item.samples)
 
     @property
     def pending_indices(self) -> list[int]:

@@ -23,7 +23,6 @@ from pydantic import BaseModel
 
 from polyrl.config import ConfigError
 from polyrl.manager.client import BatchClient
-from polyrl.tls import certificate_error, http_client
 from polyrl.manager.protocol import (
     BatchError,
     BatchFailed,
@@ -36,6 +35,7 @@ from polyrl.manager.protocol import (
     PublishVersion,
     WorkerList,
 )
+from polyrl.tls import certificate_error, http_client
 
 RETRY_S = 10.0
 """How long a control call keeps trying an unreachable manager."""

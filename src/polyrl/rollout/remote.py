@@ -64,7 +64,12 @@ def window_policy(cfg: RunConfig, device: torch.device) -> ManagerConfig:
     if r.mode != "hybrid":
         mode = "off"
     elif r.fully_async:
-        mode = "idle"  # the learner never waits for a step's tail: fill only the waits it has
+        # auto: the trainer's engine fills the learner's waits only. `always` (beside the
+        # learner) helps where the fleet is the bottleneck (one H100 split by MPS: it made
+        # 47% of the tokens) and costs where the learner is (2 H200s: the spot idled 30%
+        # of the time while the learner's updates took 1.5x as long per token); see
+        # BENCHMARKS.md.
+        mode = "idle" if r.hybrid_local_until == "auto" else r.hybrid_local_until
     elif r.hybrid_local_until == "auto":
         mode = "learner" if device.type == "cuda" and not r.max_staleness else "synced"
     else:

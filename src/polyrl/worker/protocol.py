@@ -247,6 +247,7 @@ class ServerInfo(_Wire):
     num_queued_reqs: int
     gen_throughput: float
     num_generated_tokens: int
+    num_preemptions: int = 0
     max_total_num_tokens: int
     max_model_len: int
     max_num_seqs: int

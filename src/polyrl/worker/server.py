@@ -155,6 +155,7 @@ class WorkerState:
             num_queued_reqs=stats.num_waiting,
             gen_throughput=stats.gen_throughput,
             num_generated_tokens=stats.num_generated_tokens,
+            num_preemptions=stats.num_preemptions,
             max_total_num_tokens=stats.num_total_blocks * self.block_size,
             max_model_len=self.engine.engine.max_model_len,
             max_num_seqs=self.max_num_seqs,
