@@ -184,8 +184,8 @@ class RolloutConfig(_Section):
     With `fully_async` only: idle: while the learner waits, for the groups it waits for;
     always: all the time, beside the learner, as one more worker taking what the remote
     workers have no slot for (its batch is `engine.max_num_seqs`): for a fleet slower than
-    the learner, as one spot GPU per trainer GPU; it slows the learner (README, "Fully
-    asynchronous training"). auto with fully_async: idle."""
+    the learner; it slows the learner (README, "Fully asynchronous training"). auto with
+    fully_async: idle."""
     max_staleness: int = Field(0, ge=0, le=4)
     """0: on-policy, each step's batch is generated after the previous step's update. k > 0
     (remote and hybrid): the batches of the next k steps are submitted ahead, so workers
