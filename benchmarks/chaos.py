@@ -8,10 +8,10 @@ TCP proxy on every link), and what each cost.
 
 Columns: fault; times injected; samples the batches asked for; samples lost, duplicated
 or cut short (all must be 0); samples that migrated between workers; recovery time
-(median and worst; see polyrl/chaos/scenarios.py for what it measures); wall time.
+(median and worst; see chaos_harness/scenarios.py for what it measures); wall time.
 The process-level faults of the trainer and the standalone manager (kill -9 and restart),
 and of `polyrl train`'s own role processes (its manager, its local worker) killed
-mid-step, are rows too (polyrl/chaos/restarts.py, roles.py).
+mid-step, are rows too (chaos_harness/restarts.py, roles.py).
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ from pathlib import Path
 
 import torch
 
-from polyrl.chaos.restarts import RESTART_SCENARIOS
-from polyrl.chaos.roles import ROLE_SCENARIOS
-from polyrl.chaos.scenarios import SCENARIOS, FaultRow, Scale, run_fleet_scenarios
-from polyrl.config import TinyModelConfig
-from polyrl.models.tiny import save_tiny_model
+# the fault-injection harness lives at the repository root (chaos_harness/): the installed package does not ship it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from chaos_harness.restarts import RESTART_SCENARIOS  # noqa: E402
+from chaos_harness.roles import ROLE_SCENARIOS  # noqa: E402
+from chaos_harness.scenarios import SCENARIOS, FaultRow, Scale, run_fleet_scenarios  # noqa: E402
+from polyrl.config import TinyModelConfig  # noqa: E402
+from polyrl.models.tiny import save_tiny_model  # noqa: E402
 
 
 def version_weights(model_dir: Path):  # type: ignore[no-untyped-def]

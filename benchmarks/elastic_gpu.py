@@ -59,7 +59,7 @@ from spot_gpu import (  # noqa: E402
     summarise,
 )
 
-from polyrl.chaos.harness import free_port  # noqa: E402
+from chaos_harness.harness import free_port  # noqa: E402  (importing spot_gpu put the repository root on sys.path)
 
 
 @dataclass

@@ -75,9 +75,9 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # the checkout's polyrl, and its test-only chaos_harness/
 
-from polyrl.chaos.harness import free_port  # noqa: E402
+from chaos_harness.harness import free_port  # noqa: E402
 from polyrl.data.tasks import get_task, task_record  # noqa: E402
 from polyrl.models.tiny import build_tokenizer  # noqa: E402
 

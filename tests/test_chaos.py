@@ -28,11 +28,11 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from test_manager import FakeWorker, batch, check_exact, fast_cfg, wait_active
 
-from polyrl.chaos.harness import ChaosFleet, chaos_manager_config
-from polyrl.chaos.proxy import FaultProxy
-from polyrl.chaos.restarts import manager_restart, trainer_restart
-from polyrl.chaos.roles import local_worker_killed, manager_killed
-from polyrl.chaos.scenarios import SCENARIOS, Context, FaultRow, Scale
+from chaos_harness.harness import ChaosFleet, chaos_manager_config
+from chaos_harness.proxy import FaultProxy
+from chaos_harness.restarts import manager_restart, trainer_restart
+from chaos_harness.roles import local_worker_killed, manager_killed
+from chaos_harness.scenarios import SCENARIOS, Context, FaultRow, Scale
 from polyrl.config import TinyModelConfig
 from polyrl.httpapi import CHECKSUM_HEADER, ChecksumGuard, checksum
 from polyrl.manager.main import ManagerThread

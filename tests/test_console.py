@@ -22,7 +22,7 @@ import pytest
 from terminal import read_terminal
 from test_operator_view import register_fake
 
-from polyrl.chaos.harness import TOKEN, chaos_manager_config
+from chaos_harness.harness import TOKEN, chaos_manager_config
 from polyrl.manager.main import ManagerThread
 from polyrl.status import COLUMNS
 

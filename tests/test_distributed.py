@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from test_train import SMALL
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from polyrl.chaos.harness import free_port
+from chaos_harness.harness import free_port
 from polyrl.config import ConfigError, load_config
 from polyrl.trainer.batching import SeqItem
 from polyrl.trainer.checkpoint import TrainState, latest_checkpoint, read_trainer_state, save_checkpoint

@@ -43,7 +43,7 @@ from test_manager import AUTH, TOKEN, fast_cfg, wait_active
 from test_transfer import CHUNK, assert_same, source, weights
 from test_worker import CONTEXT, InProcessWorker, _tiny, _wait_until, greedy
 
-from polyrl.chaos.harness import free_port
+from chaos_harness.harness import free_port
 from polyrl.engine.types import SampleResult
 from polyrl.httpapi import ErrorDetail
 from polyrl.inference.protocol import ChatCompletionRequest, CompletionRequest, VllmGenerateRequest

@@ -25,7 +25,7 @@ import pytest
 from browser import dump_dom, find_chromium, screenshot
 from rich.console import Console
 
-from polyrl.chaos.harness import TOKEN, chaos_manager_config, free_port, make_batch, spawn_worker, wait_for
+from chaos_harness.harness import TOKEN, chaos_manager_config, free_port, make_batch, spawn_worker, wait_for
 from polyrl.cli import main as cli_main
 from polyrl.config import load_config
 from polyrl.manager.fleet import FleetStatus, fleet_status

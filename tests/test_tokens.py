@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from polyrl.chaos.harness import chaos_manager_config, wait_for
+from chaos_harness.harness import chaos_manager_config, wait_for
 from polyrl.manager.main import ManagerThread
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("POLYRL_TOKEN", "POLYRL_TOKEN_FILE")} | {"COLUMNS": "250"}

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from polyrl.chaos.harness import BatchCheck, ChaosFleet, RunningBatch, WorkerHandle, make_batch, wait_for
+from chaos_harness.harness import BatchCheck, ChaosFleet, RunningBatch, WorkerHandle, make_batch, wait_for
 
-log = logging.getLogger("polyrl.chaos")
+log = logging.getLogger("chaos_harness")
 
 BATCH_TIMEOUT_S = 300.0
 

@@ -27,14 +27,14 @@ from typing import IO
 
 import torch
 
-from polyrl.chaos.proxy import FaultProxy
+from chaos_harness.proxy import FaultProxy
 from polyrl.config import ManagerConfig
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import BatchError, BatchPrompt, BatchRequest, BatchSampling, GroupResult, WorkerInfo
 from polyrl.manager.weight_sync import PublisherSync
 from polyrl.transfer.publisher import WeightPublisher
 
-log = logging.getLogger("polyrl.chaos")
+log = logging.getLogger("chaos_harness")
 
 TOKEN = "chaos-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

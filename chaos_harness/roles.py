@@ -26,9 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from polyrl.chaos.harness import AUTH, free_port, wait_for
-from polyrl.chaos.restarts import CONTROL, _active_workers, _check_run, _cli, _serving, _start_workers, _stop
-from polyrl.chaos.scenarios import FaultRow, Scale
+from chaos_harness.harness import AUTH, free_port, wait_for
+from chaos_harness.restarts import CONTROL, _active_workers, _check_run, _cli, _serving, _start_workers, _stop
+from chaos_harness.scenarios import FaultRow, Scale
 
 
 def pids_with(*needles: str) -> list[int]:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from polyrl.chaos.harness import AUTH, TOKEN, check_groups, child_env, free_port, make_batch, spawn_worker, wait_for
-from polyrl.chaos.scenarios import FaultRow, Scale
+from chaos_harness.harness import AUTH, TOKEN, check_groups, child_env, free_port, make_batch, spawn_worker, wait_for
+from chaos_harness.scenarios import FaultRow, Scale
 from polyrl.manager.client import BatchClient
 from polyrl.trainer.checkpoint import latest_checkpoint
 
