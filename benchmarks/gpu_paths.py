@@ -45,7 +45,7 @@ from polyrl.engine.async_engine import AsyncEngine  # noqa: E402
 from polyrl.engine.engine import Engine  # noqa: E402
 from polyrl.transfer.device import DeviceVersions, flatten_on  # noqa: E402
 from polyrl.transfer.publisher import WeightPublisher  # noqa: E402
-from polyrl.transfer.receiver import PullSource  # noqa: E402
+from polyrl.transfer.wire import PullSource  # noqa: E402
 from polyrl.worker.weight_sync import WeightReceiver  # noqa: E402
 
 REPLY_TIMEOUT_S = 300

@@ -154,7 +154,8 @@ def receiver_main(args: argparse.Namespace) -> None:
     `version error ...` on stdout. Exits when stdin closes."""
     import torch
 
-    from polyrl.transfer.receiver import PullSource, pull
+    from polyrl.transfer.receiver import pull
+    from polyrl.transfer.wire import PullSource
 
     torch.set_num_threads(1)
     host, port = args.publisher.rsplit(":", 1)

@@ -63,8 +63,9 @@ from polyrl.transfer import pull_proc
 from polyrl.transfer.manifest import Manifest, flatten
 from polyrl.transfer.publisher import SEND_MODE, WeightPublisher
 from polyrl.transfer.receive_pool import ReceiverPool
-from polyrl.transfer.receiver import PullSource, pull
+from polyrl.transfer.receiver import pull
 from polyrl.transfer.shm import SharedBuffer
+from polyrl.transfer.wire import PullSource
 
 TlsFiles = dict[str, str]
 

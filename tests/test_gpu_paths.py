@@ -37,10 +37,10 @@ from polyrl.transfer.identity import DeviceIdentity, host_id
 from polyrl.transfer.manifest import unflatten
 from polyrl.transfer.nccl import NcclOffer, NcclReceiver, PairGroup
 from polyrl.transfer.publisher import WeightPublisher
-from polyrl.transfer.receiver import PullSource
 from polyrl.transfer.wire import (
     OP_NCCL,
     READY,
+    PullSource,
     TransferError,
     connect,
     encode_request,
@@ -285,7 +285,7 @@ import sys, torch, xxhash
 from polyrl.transfer.cuda_ipc import IpcVersion
 from polyrl.transfer.device import gpu_uuid
 from polyrl.transfer.nccl import NcclReceiver
-from polyrl.transfer.receiver import PullSource
+from polyrl.transfer.wire import PullSource
 path, host, port, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), torch.device(sys.argv[4])
 receiver = NcclReceiver()
 for version, token in zip((1, 2), sys.argv[5:7]):

@@ -58,7 +58,7 @@ from polyrl.transfer.delta import apply_delta, encode_delta
 from polyrl.transfer.manifest import flatten, unflatten
 from polyrl.transfer.publisher import WeightPublisher
 from polyrl.transfer.quantize import decode_int8, encode_int8
-from polyrl.transfer.receiver import PullSource, parse_description, pull
+from polyrl.transfer.receiver import parse_description, pull
 from polyrl.transfer.wire import (
     CHUNK_INDEX,
     CHUNKS_END,
@@ -67,6 +67,7 @@ from polyrl.transfer.wire import (
     OP_CHUNKS,
     OP_DESCRIBE,
     STATUS_OK,
+    PullSource,
     TransferError,
     TransferInfo,
     chunk_checksums,

@@ -91,7 +91,8 @@ def test_fleet_keeps_the_lifecycle_and_bounds_its_logs() -> None:
     assert fleet.workers[0].tokens_per_s == 900.0 and fleet.workers[0].usd_per_hour == 0.5
     assert fleet.latest_weight_version == 1 and fleet.num_lost_samples == 0
     FleetStatus.model_validate_json(fleet.model_dump_json())  # what it says can be read back
-    from polyrl.manager.fleet import EventLog, History
+    from polyrl.manager.events import EventLog
+    from polyrl.manager.fleet import History
 
     log, history = EventLog(maxlen=3), History(interval_s=0.0, maxlen=2)
     for i in range(5):

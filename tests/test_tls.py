@@ -34,8 +34,8 @@ from polyrl.trainer.loop import train
 from polyrl.transfer.manifest import unflatten
 from polyrl.transfer.publisher import WeightPublisher
 from polyrl.transfer.receive_pool import ReceiverPool
-from polyrl.transfer.receiver import PullSource, pull
-from polyrl.transfer.wire import TransferError
+from polyrl.transfer.receiver import pull
+from polyrl.transfer.wire import PullSource, TransferError
 
 
 class _Tap(socketserver.ThreadingTCPServer):

@@ -25,13 +25,14 @@ from polyrl.engine.engine import Engine
 from polyrl.transfer.manifest import flatten, unflatten
 from polyrl.transfer.publisher import WeightPublisher
 from polyrl.transfer.receive_pool import ReceiverPool
-from polyrl.transfer.receiver import PullSource, describe, pull
+from polyrl.transfer.receiver import describe, pull
 from polyrl.transfer.wire import (
     CHUNK_INDEX,
     CHUNKS_END,
     ENCODED_OPS,
     OP_CHUNKS,
     STATUS_OK,
+    PullSource,
     TransferError,
     TransferInfo,
     checksum,
@@ -675,7 +676,8 @@ def test_publisher_process_dies_with_the_trainer() -> None:
 
 _RECEIVER = """
 import sys
-from polyrl.transfer.receiver import PullSource, pull
+from polyrl.transfer.receiver import pull
+from polyrl.transfer.wire import PullSource
 pull(PullSource("127.0.0.1", int(sys.argv[1]), "dying", sys.argv[2]), 1, num_streams=4)
 """
 

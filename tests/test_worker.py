@@ -40,7 +40,9 @@ from polyrl.models.tiny import save_tiny_model
 from polyrl.worker import manager_client
 from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession, ManagerUnreachable
 from polyrl.worker.protocol import GenerateRequest, sample_response, sse_event, text_token_ids
-from polyrl.worker.server import Coalesced, WorkerState, create_app
+from polyrl.worker.server import create_app
+from polyrl.worker.state import WorkerState
+from polyrl.worker.stream import Coalesced
 
 HTTP_TIMEOUT_S = 60.0  # generous: the CPU is shared with other work
 CONTEXT = 2048

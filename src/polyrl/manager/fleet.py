@@ -1,31 +1,32 @@
 """The operator's view of the fleet: what the live page (`GET /`), `polyrl status` and
 `GET /v1/fleet` show.
 
-Two bounded logs feed it. `EventLog` keeps the workers' lifecycle transitions (joined,
-syncing, active, draining, gone), written where the registry changes a state, so the
-page can draw a timeline without having watched from the start. `History` keeps the
-fleet's throughput and price every few seconds, sampled by the manager's monitor, so a
-page opened late still sees the curve. Both are capped: a manager runs for days and
-syncs every worker every step.
+Two bounded logs feed it. `EventLog` (`events.py`) keeps the workers' lifecycle
+transitions (joined, syncing, active, draining, gone), written where the registry changes
+a state, so the page can draw a timeline without having watched from the start.
+`History` keeps the fleet's throughput and price every few seconds, sampled by the
+manager's monitor, so a page opened late still sees the curve. Both are capped: a
+manager runs for days and syncs every worker every step.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict
 
+from polyrl.manager.events import WorkerEvent
 from polyrl.manager.protocol import LocalWindowReport, WorkerState
 
 if TYPE_CHECKING:
-    from polyrl.manager.manager import RolloutManager
-    from polyrl.manager.registry import WorkerRecord
+    from polyrl.manager.batch import Batch, WorkUnit
+    from polyrl.manager.metrics import ManagerMetrics
+    from polyrl.manager.registry import Registry, WorkerRecord
+    from polyrl.manager.window import LocalWindow
 
-MAX_EVENTS = 2000
-"""About 60 steps of a 16-worker fleet that syncs every step (two events per sync)."""
 HISTORY_INTERVAL_S = 2.0
 MAX_HISTORY = 1800
 """An hour at HISTORY_INTERVAL_S."""
@@ -33,15 +34,6 @@ MAX_HISTORY = 1800
 
 class _View(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class WorkerEvent(_View):
-    t: float
-    """Unix time."""
-    worker_id: str
-    state: WorkerState
-    detail: str = ""
-    """Why, for `gone` (left, no heartbeat, ...), or the weight version reached."""
 
 
 class HistoryPoint(_View):
@@ -99,16 +91,6 @@ class FleetStatus(_View):
     last_window: LocalWindowReport | None = None
 
 
-class EventLog:
-    """The latest MAX_EVENTS lifecycle transitions, oldest first."""
-
-    def __init__(self, maxlen: int = MAX_EVENTS) -> None:
-        self.events: deque[WorkerEvent] = deque(maxlen=maxlen)
-
-    def add(self, worker_id: str, state: WorkerState, detail: str = "") -> None:
-        self.events.append(WorkerEvent(t=time.time(), worker_id=worker_id, state=state, detail=detail))
-
-
 class History:
     """Fleet throughput and price, one point per HISTORY_INTERVAL_S at most."""
 
@@ -140,7 +122,20 @@ def _worker(record: WorkerRecord, now_unix: float, now: float) -> FleetWorker:
     )  # fmt: skip
 
 
-def fleet_status(manager: RolloutManager) -> FleetStatus:
+class Observed(Protocol):
+    """What `fleet_status` reads of the manager (a `RolloutManager`): declared here so this
+    view does not import the manager that builds it."""
+
+    started_at: float
+    registry: Registry
+    metrics: ManagerMetrics
+    history: History
+    window: LocalWindow
+    batches: dict[str, Batch]
+    pending: deque[WorkUnit]
+
+
+def fleet_status(manager: Observed) -> FleetStatus:
     now_unix, now = time.time(), time.monotonic()
     counters = manager.metrics.registry
     return FleetStatus(

@@ -15,8 +15,7 @@ import httpx
 
 from polyrl.manager.protocol import Heartbeat, LostWorker, RegisterRequest, RegisterResponse, WorkerList
 from polyrl.manager.registry import LOCAL_WORKER_ID, WorkerRecord
-from polyrl.manager.settlement import Cancel
-from polyrl.manager.state import ManagerState
+from polyrl.manager.state import Cancel, ManagerState
 from polyrl.manager.window import SYNCED, Opening
 
 log = logging.getLogger("polyrl.manager")

@@ -4,21 +4,32 @@ from the manager's state at scrape time, so they cannot drift from it."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from polyrl.manager.manager import RolloutManager
+    from polyrl.manager.batch import Batch, WorkUnit
+    from polyrl.manager.registry import Registry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+class Gauged(Protocol):
+    """What the gauges read of the manager (a `RolloutManager`) at scrape time: declared
+    here so the metrics, which the manager holds, do not import it back."""
+
+    registry: Registry
+    batches: dict[str, Batch]
+    pending: deque[WorkUnit]
+
+
 class _StateCollector(Collector):
-    def __init__(self, manager: RolloutManager) -> None:
+    def __init__(self, manager: Gauged) -> None:
         self.manager = manager
 
     def collect(self) -> Iterator[Metric]:
@@ -46,7 +57,7 @@ class _StateCollector(Collector):
 
 
 class ManagerMetrics:
-    def __init__(self, manager: RolloutManager) -> None:
+    def __init__(self, manager: Gauged) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.batches = Counter("polyrl_manager_batches", "Finished batches by outcome", ["outcome"], registry=r)

@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from polyrl.manager.fleet import EventLog
+from polyrl.manager.events import EventLog
 from polyrl.manager.protocol import Heartbeat, RegisterRequest, WorkerInfo, WorkerState
 
 log = logging.getLogger("polyrl.manager")

@@ -21,7 +21,7 @@ from polyrl.manager.backends import (
 )
 from polyrl.manager.batch import SampleState, WorkUnit
 from polyrl.manager.registry import WorkerRecord
-from polyrl.manager.state import ManagerState
+from polyrl.manager.state import Cancel, ManagerState
 
 log = logging.getLogger("polyrl.manager")
 
@@ -44,13 +44,6 @@ class Outcome:
     """How a generation call ended, when it did not simply finish."""
 
     error: Exception | None = None
-
-
-class Cancel:
-    """Why a generation task was cancelled; no reason means its batch ended."""
-
-    def __init__(self, why: str, is_failure: bool) -> None:
-        self.why, self.is_failure = why, is_failure
 
 
 class Settlement(ManagerState):

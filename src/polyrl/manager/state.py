@@ -19,13 +19,21 @@ if TYPE_CHECKING:
     from polyrl.manager.metrics import ManagerMetrics
     from polyrl.manager.protocol import LostWorker
     from polyrl.manager.registry import Registry
-    from polyrl.manager.settlement import Cancel
     from polyrl.manager.window import LocalWindow
 
 SyncHook = Callable[[WorkerRecord, int], Awaitable[int | None] | int | None]
 """Called with (worker, version) when a worker needs weights `version` (the transfer
 layer); returns the version the worker serves once it has it (None: not delivered). The
 manager marks the worker synced itself."""
+
+
+class Cancel:
+    """Why a generation task was cancelled; no reason means its batch ended. Here, beside
+    the `_cancels` that hold it: membership.py cancels tasks and settlement.py reads why,
+    and this module must not import the mixins built on it."""
+
+    def __init__(self, why: str, is_failure: bool) -> None:
+        self.why, self.is_failure = why, is_failure
 
 
 class ManagerState:

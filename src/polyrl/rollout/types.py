@@ -1,20 +1,14 @@
 """What a rollout produces: a group of `n` samples for one prompt.
 
 These records are the contract between every rollout source (the local engine today, the
-manager's streamed results later) and the learner.
+manager's streamed results later) and the learner; the sources' own interface is
+`source.Rollout`, which builds on these and on the step's stats.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
-
-if TYPE_CHECKING:
-    import torch
-
-    from polyrl.manager.protocol import BatchSampling, WorkerInfo
-    from polyrl.rollout.stats import RolloutStats
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -78,36 +72,3 @@ class Group:
     """Filled in by the learner's scorer, or given with the group (Atropos scores)."""
     zero_advantage: list[bool] | None = None
     """Per sample: its advantage is forced to 0 (Atropos's `set_advantage_to_zero`)."""
-
-
-class Rollout(Protocol):
-    """Where a step's groups come from: the colocated engine (`LocalRollout`) or the
-    manager and its workers (`RemoteRollout`)."""
-
-    shares_weights: bool
-    """The engine reads the learner's own parameters: a batch must finish generating
-    before the first update."""
-    stats: RolloutStats
-    """The step's generation, once its batch has been read."""
-
-    @property
-    def weight_version(self) -> int: ...
-
-    @property
-    def num_instances(self) -> int: ...
-
-    def publish(self, version: int, weights: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Weights `version` (the learner's, or `weights`) for every engine; batches
-        submitted from now on are generated with it."""
-
-    def generate(self, prompts: list[Prompt], n: int, sampling: BatchSampling) -> Iterator[Group]:
-        """Submit now (`n` samples per prompt, the group size); each prompt's group as soon
-        as its last sample is done."""
-
-    def learner_started(self) -> None:
-        """The learner is about to take its first update of the step."""
-
-    def workers(self) -> list[WorkerInfo]:
-        """The rollout workers now (none colocated)."""
-
-    def close(self) -> None: ...

@@ -44,7 +44,8 @@ from polyrl.rollout.feed import AsyncFeed
 from polyrl.rollout.fleet import Fleet, WorkerFleet
 from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.remote import RemoteRollout
-from polyrl.rollout.types import Group, Rollout
+from polyrl.rollout.source import Rollout
+from polyrl.rollout.types import Group
 from polyrl.trainer.checkpoint import (
     ADAPTER_DIR,
     MODEL_DIR,

@@ -24,12 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from polyrl.transfer.manifest import Manifest
-from polyrl.transfer.receiver import PullSource
 from polyrl.transfer.wire import (
     DONE,
     OP_IPC,
     STATUS_OK,
     Offer,
+    PullSource,
     TransferError,
     connect,
     encode_request,

@@ -43,13 +43,14 @@ import torch.distributed as dist
 from pydantic import Field
 
 from polyrl.transfer.manifest import Manifest
-from polyrl.transfer.receiver import Pulled, PullSource
+from polyrl.transfer.receiver import Pulled
 from polyrl.transfer.wire import (
     OP_NCCL,
     READY,
     STATUS_OK,
     STATUS_REFUSED,
     Offer,
+    PullSource,
     Request,
     TransferError,
     connect,

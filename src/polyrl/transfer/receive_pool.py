@@ -20,16 +20,12 @@ import threading
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import send_handle
-from typing import TYPE_CHECKING
 
 import torch
 
 from polyrl.transfer.pull_proc import Chunks, Job, spare_cores_for_checking
 from polyrl.transfer.shm import SharedBuffer
-from polyrl.transfer.wire import TransferError
-
-if TYPE_CHECKING:
-    from polyrl.transfer.receiver import PullSource
+from polyrl.transfer.wire import PullSource, TransferError
 
 log = logging.getLogger("polyrl.transfer")
 

@@ -34,6 +34,7 @@ from polyrl.transfer.wire import (
     OP_INT8,
     OP_ZSTD,
     STATUS_OK,
+    PullSource,
     TransferError,
     TransferInfo,
     checksum,
@@ -48,17 +49,6 @@ from polyrl.transfer.wire import (
 )
 
 log = logging.getLogger("polyrl.transfer")
-
-@dataclass(frozen=True)
-class PullSource:
-    host: str
-    port: int
-    worker_id: str
-    token: str
-    tls: bool = False
-    """The publisher speaks TLS (`manager.transfer.tls`)."""
-    ca_file: str | None = None
-    """What its certificate is verified against (None: the system's trust store)."""
 
 
 @dataclass

@@ -96,6 +96,21 @@ class TransferInfo(BaseModel):
         return len(self.chunk_checksums)
 
 
+@dataclass(frozen=True)
+class PullSource:
+    """Where a receiver pulls a version from, and the grant it shows: what every request
+    of a pull carries, whichever process (`receiver`, `receive_pool`) sends it."""
+
+    host: str
+    port: int
+    worker_id: str
+    token: str
+    tls: bool = False
+    """The publisher speaks TLS (`manager.transfer.tls`)."""
+    ca_file: str | None = None
+    """What its certificate is verified against (None: the system's trust store)."""
+
+
 class TransferError(RuntimeError):
     """A pull failed (refused, cut, corrupted); the receiver's old weights are untouched."""
 

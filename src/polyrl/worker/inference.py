@@ -8,7 +8,8 @@ from polyrl.engine.types import EngineRequest, EngineSampling, SampleDelta
 from polyrl.inference.protocol import MAX_N, MAX_TOP_LOGPROBS
 from polyrl.inference.render import new_id
 from polyrl.inference.routes import Served, model_names
-from polyrl.worker.server import WorkerState, coalesce
+from polyrl.worker.state import WorkerState
+from polyrl.worker.stream import coalesce
 
 
 class WorkerBackend:

@@ -30,7 +30,8 @@ from polyrl.preflight import shared_token
 from polyrl.serving import QuietServer, bind, server_config, wait_started
 from polyrl.tls import base_url, reachable_host
 from polyrl.worker.manager_client import ManagerRejected, ManagerSession, ManagerUnreachable, worker_client
-from polyrl.worker.server import WorkerState, create_app
+from polyrl.worker.server import create_app
+from polyrl.worker.state import WorkerState
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,12 @@
 """The worker's HTTP API over one AsyncEngine: app factory and thin handlers.
 
-All state lives in one `WorkerState`, built by the caller and handed to `create_app`;
-the handlers translate HTTP to engine calls and back through the pure builders in
-`protocol.py`. The OpenAI- and vLLM-compatible endpoints are `polyrl.inference`'s, over
-this worker's engine. Errors always come back as `{"error": {"message", "type", "param",
-"code"}}` with a real status: 422 invalid body, 413 body over MAX_BODY_BYTES, 400 refused
-by the engine, 429 engine full, 503 draining (or the engine loop died).
+All state lives in one `WorkerState` (`state.py`), built by the caller and handed to
+`create_app`; the handlers translate HTTP to engine calls and back through the pure
+builders in `protocol.py`. The OpenAI- and vLLM-compatible endpoints are
+`polyrl.inference`'s, over this worker's engine (`inference.py`). Errors always come
+back as `{"error": {"message", "type", "param", "code"}}` with a real status: 422
+invalid body, 413 body over MAX_BODY_BYTES, 400 refused by the engine, 429 engine full,
+503 draining (or the engine loop died).
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import suppress
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any
 
 import torch
 from fastapi import Depends, FastAPI, Request
@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from polyrl.engine.async_engine import AsyncEngine, EngineDeadError
+from polyrl.engine.async_engine import EngineDeadError
 from polyrl.engine.lora import base_fingerprint, pack, read_adapter_dir, spec_of_dir
 from polyrl.engine.types import (
     EngineFullError,
@@ -41,8 +41,8 @@ from polyrl.engine.types import (
 from polyrl.httpapi import ApiError, BodyLimit, ChecksumGuard, EventStream, check_bearer, error_body, error_handlers
 from polyrl.inference.protocol import VllmGenerateRequest
 from polyrl.inference.routes import InferenceRoutes
-from polyrl.transfer.receiver import PullSource
-from polyrl.transfer.wire import TransferError
+from polyrl.transfer.wire import PullSource, TransferError
+from polyrl.worker.inference import WorkerBackend
 from polyrl.worker.protocol import (
     SSE_DONE,
     AbortRequest,
@@ -58,12 +58,10 @@ from polyrl.worker.protocol import (
     sse_event,
     text_token_ids,
 )
-from polyrl.worker.weight_sync import WeightReceiver
+from polyrl.worker.state import WorkerState
+from polyrl.worker.stream import Coalesced, coalesce
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-LifecycleState = Literal["active", "draining"]
 
 NEITHER_DIALECT = (
     "a /generate body has either SGLang's form (input_ids or text, sampling_params) or vLLM's "
@@ -73,178 +71,6 @@ NEITHER_DIALECT = (
 MAX_BODY_BYTES = 16 * 2**20
 """Largest request body (413 above it, before it is read): a prompt of a million tokens
 fits, as JSON ids or as text."""
-
-
-class WorkerState:
-    """Everything the handlers share: the engine, the tokenizer, identity and lifecycle.
-
-    `shutdown_requested` is set by POST /shutdown and by the signal handlers; the process
-    owner (`run_worker`) waits on it and runs the drain.
-    """
-
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        *,
-        model_path: str,
-        worker_id: str,
-        tokenizer: Any | None,
-        block_size: int,
-        max_num_seqs: int,
-        health_timeout_s: float = 10.0,
-        token: str | None = None,
-        stream_interval_s: float = 0.0,
-        ca_file: str | None = None,
-    ) -> None:
-        self.engine = engine
-        self.ca_file = ca_file
-        """What a TLS publisher's certificate is verified against (`worker.tls.ca_file`)."""
-        self.token = token
-        """Required (as a bearer token) by the endpoints that act: generate, abort, load
-        weights, shut down. A worker with a manager shares the manager's token; without
-        one (standalone, loopback) it is open, as an SGLang server is."""
-        self.model_path, self.worker_id, self.tokenizer = model_path, worker_id, tokenizer
-        self.block_size, self.max_num_seqs = block_size, max_num_seqs
-        self.health_timeout_s = health_timeout_s
-        self.stream_interval_s = stream_interval_s
-        """The least time between two chunks of one streamed generation (see WorkerConfig)."""
-        self.lifecycle: LifecycleState = "active"
-        self.shutdown_requested = asyncio.Event()
-        self.shutdown_reason = ""
-        self.num_open_generates = 0
-        """/generate responses not yet fully sent; the drain waits for them to flush."""
-        self.weight_receiver = WeightReceiver(engine)
-        self.lora_name: str | None = None
-        """The adapter loaded by name (`/v1/load_lora_adapter`), served merged; requests may
-        name it as their model."""
-
-    @property
-    def weight_version(self) -> int:
-        return self.engine.engine.weight_version
-
-    def request_shutdown(self, reason: str) -> None:
-        """Refuse new work at once; `run_worker` sees the event and drains."""
-        self.lifecycle = "draining"
-        self.shutdown_reason = self.shutdown_reason or reason
-        self.shutdown_requested.set()
-
-    def require_active(self) -> None:
-        if self.lifecycle != "active":
-            raise ApiError(503, "worker is draining; send the request to another worker", "draining")
-
-    def prompt_ids(self, body: GenerateRequest) -> list[int]:
-        if body.input_ids is not None:
-            return body.input_ids
-        if self.tokenizer is None:
-            raise RequestError("this worker has no tokenizer: send input_ids instead of text")
-        return list(self.tokenizer(body.text)["input_ids"])
-
-    def decode(self, result: SampleResult) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(text_token_ids(result), skip_special_tokens=False)
-
-    def server_info(self) -> ServerInfo:
-        stats = self.engine.stats()
-        return ServerInfo(
-            worker_id=self.worker_id,
-            state=self.lifecycle,
-            model_path=self.model_path,
-            weight_version=stats.weight_version,
-            num_running_reqs=stats.num_running,
-            num_queued_reqs=stats.num_waiting,
-            gen_throughput=stats.gen_throughput,
-            num_generated_tokens=stats.num_generated_tokens,
-            num_preemptions=stats.num_preemptions,
-            max_total_num_tokens=stats.num_total_blocks * self.block_size,
-            max_model_len=self.engine.engine.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-        )
-
-
-# ------------------------------------------------------------------------ stream plumbing
-
-_END = object()
-
-
-class Coalesced(Generic[T]):
-    """Re-yields `source`, merging every list that arrived while the consumer was busy.
-
-    A slow stream client then gets one chunk per sample covering many engine steps
-    instead of falling further behind one event per token. `wait` sleeps between reads
-    but ends as soon as an item for which `is_urgent` holds is queued, or the source
-    ends or fails. Closing the iterator cancels the pump, whose cancellation runs the
-    source's cleanup (the engine abort).
-    """
-
-    def __init__(self, source: AsyncIterator[list[T]], is_urgent: Callable[[list[T]], bool] | None = None) -> None:
-        self._urgent = asyncio.Event()
-        self._urgent_queued = False
-        """An urgent item (or the end) is queued and not yet read."""
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._pump = asyncio.ensure_future(self._run_pump(source, is_urgent))
-        self._items = self._merged()
-
-    async def _run_pump(self, source: AsyncIterator[list[T]], is_urgent: Callable[[list[T]], bool] | None) -> None:
-        try:
-            async for item in source:
-                self._queue.put_nowait(item)
-                if is_urgent is not None and is_urgent(item):
-                    self._wake()
-        except Exception as e:  # handed to the consumer, which re-raises it in its own task
-            self._queue.put_nowait(e)
-        else:
-            self._queue.put_nowait(_END)
-        self._wake()
-
-    def _wake(self) -> None:
-        self._urgent_queued = True
-        self._urgent.set()
-
-    async def _merged(self) -> AsyncIterator[list[T]]:
-        while True:
-            items = [await self._queue.get()]
-            while not self._queue.empty():
-                items.append(self._queue.get_nowait())
-            self._urgent_queued = False
-            merged = [x for item in items if isinstance(item, list) for x in item]
-            if merged:
-                yield merged
-            for item in items:
-                if isinstance(item, BaseException):
-                    raise item
-            if _END in items:
-                return
-
-    def __aiter__(self) -> AsyncIterator[list[T]]:
-        return self
-
-    async def __anext__(self) -> list[T]:
-        return await anext(self._items)
-
-    async def wait(self, timeout_s: float) -> None:
-        """Sleep `timeout_s`, or less if something urgent arrives meanwhile. (Not
-        `asyncio.wait_for`: on Python 3.11 it can swallow a cancellation that coincides
-        with the wake-up.)"""
-        if self._urgent_queued or self._pump.done():
-            return
-        self._urgent.clear()
-        woken = asyncio.ensure_future(self._urgent.wait())
-        try:
-            await asyncio.wait({woken}, timeout=timeout_s)
-        finally:
-            woken.cancel()
-
-    async def aclose(self) -> None:
-        self._pump.cancel()
-        with suppress(asyncio.CancelledError):
-            await self._pump
-        await self._items.aclose()
-
-
-def coalesce(source: AsyncIterator[list[SampleDelta]]) -> Coalesced[SampleDelta]:
-    """A request's deltas, merged while the consumer is busy; a finished sample is urgent."""
-    return Coalesced(source, lambda deltas: any(d.finished for d in deltas))
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -513,8 +339,6 @@ def create_app(state: WorkerState, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
         {RequestError: (400, "invalid_request"), EngineFullError: (429, "engine_full"), EngineDeadError: (503, "engine_dead")}
     )
     app = FastAPI(title="polyrl worker", exception_handlers=handlers)
-    from polyrl.worker.inference import WorkerBackend  # it builds on this module's stream plumbing
-
     inference = InferenceRoutes(WorkerBackend(state))
     h = _Handlers(state, inference)
 

@@ -35,8 +35,8 @@ from polyrl.transfer.identity import DeviceIdentity, WeightPath
 from polyrl.transfer.manifest import unflatten
 from polyrl.transfer.nccl import NcclReceiver
 from polyrl.transfer.receive_pool import MIN_POOL_BYTES, ReceiverPool
-from polyrl.transfer.receiver import Pulled, PullSource, describe, pull
-from polyrl.transfer.wire import TransferError
+from polyrl.transfer.receiver import Pulled, describe, pull
+from polyrl.transfer.wire import PullSource, TransferError
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,50 @@
+"""Where a step's groups come from: the interface every rollout source implements.
+
+Kept apart from the records it hands out (`types.py`) because it also carries the step's
+`RolloutStats`, which count those records: the records stay below both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from polyrl.manager.protocol import BatchSampling, WorkerInfo
+    from polyrl.rollout.stats import RolloutStats
+    from polyrl.rollout.types import Group, Prompt
+
+
+class Rollout(Protocol):
+    """Where a step's groups come from: the colocated engine (`LocalRollout`) or the
+    manager and its workers (`RemoteRollout`)."""
+
+    shares_weights: bool
+    """The engine reads the learner's own parameters: a batch must finish generating
+    before the first update."""
+    stats: RolloutStats
+    """The step's generation, once its batch has been read."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    @property
+    def num_instances(self) -> int: ...
+
+    def publish(self, version: int, weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Weights `version` (the learner's, or `weights`) for every engine; batches
+        submitted from now on are generated with it."""
+
+    def generate(self, prompts: list[Prompt], n: int, sampling: BatchSampling) -> Iterator[Group]:
+        """Submit now (`n` samples per prompt, the group size); each prompt's group as soon
+        as its last sample is done."""
+
+    def learner_started(self) -> None:
+        """The learner is about to take its first update of the step."""
+
+    def workers(self) -> list[WorkerInfo]:
+        """The rollout workers now (none colocated)."""
+
+    def close(self) -> None: ...
