@@ -64,10 +64,10 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
-from polyrl.config import AlgoConfig, TrainerConfig
-from polyrl.trainer.batching import SeqItem
 import polyrl.trainer.learner as learner_mod
+from polyrl.config import AlgoConfig, TrainerConfig
 from polyrl.trainer import lm_head
+from polyrl.trainer.batching import SeqItem
 from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing
 
 QWEN3_06B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,

@@ -371,11 +371,11 @@ class Phase:
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
+        from transformers import AutoModelForCausalLM, Qwen3Config
 
         from polyrl.config import load_config
         from polyrl.trainer.distributed import DataParallel
         from polyrl.trainer.run import build_learner, prepare_process
-        from transformers import AutoModelForCausalLM, Qwen3Config
 
         self.torch, self.args = torch, args
         self.device = torch.device(args.device)

@@ -49,8 +49,8 @@ from polyrl.manager.main import ManagerThread  # noqa: E402
 from polyrl.manager.weight_sync import PublisherSync  # noqa: E402
 from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing  # noqa: E402
 from polyrl.trainer.lora import adapter_version, adapters_off, apply_lora  # noqa: E402
-from polyrl.transfer.device import DeviceVersions  # noqa: E402
 from polyrl.transfer.delta import encode_delta  # noqa: E402
+from polyrl.transfer.device import DeviceVersions  # noqa: E402
 from polyrl.transfer.manifest import flatten, layout  # noqa: E402
 from polyrl.transfer.publisher import WeightPublisher  # noqa: E402
 

@@ -16,7 +16,15 @@ from typing import Any
 import datasets
 
 from polyrl.config import DataConfig
-from polyrl.data.files import BUILDERS, SNIFF_ROWS, check_columns, check_json_lines, data_file, detect_format, required_columns
+from polyrl.data.files import (
+    BUILDERS,
+    SNIFF_ROWS,
+    check_columns,
+    check_json_lines,
+    data_file,
+    detect_format,
+    required_columns,
+)
 
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 

@@ -35,13 +35,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from polyrl.config import EngineConfig, SwapPolicy
 from polyrl.cpu_threads import measured
 from polyrl.engine.block_manager import BlockManager, cdiv
+from polyrl.engine.lora import AdapterMerger, base_fingerprint, is_adapter_version, unpack
 from polyrl.engine.model_runner import ModelRunner, num_kv_blocks_for
 from polyrl.engine.sampler import SamplingBatch, sample, top_logprobs
-from polyrl.engine.lora import AdapterMerger, base_fingerprint, is_adapter_version, unpack
 from polyrl.engine.scheduler import ScheduledSeq, Scheduler
 from polyrl.engine.sequence import SeqStatus, Sequence
-from polyrl.gc_heap import freeze_gc_heap
 from polyrl.engine.types import EngineRequest, EngineStats, RequestError, SampleDelta
+from polyrl.gc_heap import freeze_gc_heap
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,8 @@ from polyrl.config import ConfigError, EngineConfig, RunConfig, save_config
 from polyrl.cpu_threads import process_threads
 from polyrl.data.rewards import RewardPool
 from polyrl.data.source import PromptSource
+from polyrl.manager.protocol import BatchSampling
+from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.metrics.step_stats import (
     cost_metrics,
     cuda_memory_metrics,
@@ -35,8 +37,6 @@ from polyrl.metrics.step_stats import (
 )
 from polyrl.metrics.tracker import Tracker
 from polyrl.models.precision import DTYPES
-from polyrl.manager.protocol import BatchSampling
-from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.models.tiny import save_tiny_model
 from polyrl.preflight import check_world_size, shared_token
 from polyrl.rollout.atropos import AtroposRollout

@@ -45,7 +45,15 @@ from polyrl.transfer.serve import (
     word_bytes,
 )
 from polyrl.transfer.shm import SharedBuffer
-from polyrl.transfer.wire import STATUS_REFUSED, GPU_OPS, Request, TransferInfo, combined_checksum, send_text, transfer_token
+from polyrl.transfer.wire import (
+    GPU_OPS,
+    STATUS_REFUSED,
+    Request,
+    TransferInfo,
+    combined_checksum,
+    send_text,
+    transfer_token,
+)
 
 __all__ = ["WeightPublisher", "word_bytes"]
 
