@@ -83,20 +83,43 @@ def test_status_watch_through_a_pipe_prints_every_refresh() -> None:
     with ManagerThread(chaos_manager_config(heartbeat_timeout_s=3600.0)) as mt:
         register_fake(mt, WORKER_IDS[0])
         command = _polyrl("status", mt.url, "--token", TOKEN, "--watch", "--interval", "0.1")
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                                preexec_fn=_ctrl_c_as_from_a_shell)  # fmt: skip
         try:
             lines = _lines_of(proc.stdout)
             deadline = time.monotonic() + 30
             while lines.count("1 worker") < 3 and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.05)
             num_tables = lines.count("1 worker")
+            signals = _signal_state(proc.pid)
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=30) == 0, proc.stderr.read() if proc.stderr else ""
+            try:
+                code = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"Ctrl-C did not stop it ({num_tables} tables; {signals})")
+            assert code == 0, proc.stderr.read() if proc.stderr else ""
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     assert num_tables >= 3, lines
+
+
+def _ctrl_c_as_from_a_shell() -> None:
+    """In the child before it runs: SIGINT at its default and not blocked, as an
+    interactive shell starts a command, whatever this test process inherited or set
+    (a child inherits an ignored or blocked SIGINT, and then Ctrl-C never reaches it)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _signal_state(pid: int) -> str:
+    """The process's blocked and ignored signal masks (for a failure's message)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "no /proc status"
+    return ", ".join(line for line in status if line.startswith(("SigBlk", "SigIgn")))
 
 
 def _lines_of(stream: IO[str] | None) -> list[str]:

@@ -306,6 +306,18 @@ def _child_pid(worker_id: str) -> int:
     raise AssertionError(f"no worker {worker_id} among this process's children")
 
 
+def _wait_for_tokens(worker_url: str, at_least: int, timeout_s: float) -> None:
+    """Until the worker's engine has generated `at_least` more tokens (its own counter): on
+    a loaded machine a batch can sit placed for a while before its first tokens, and a
+    sample killed before its first chunk restarts whole instead of migrating."""
+    def generated() -> int:
+        return httpx.get(f"{worker_url}/get_server_info", timeout=10).json()["num_generated_tokens"]
+
+    start, deadline = generated(), time.monotonic() + timeout_s
+    while generated() < start + at_least and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _kill_when_busy(run_dir: Path, worker_id: str, killed: list[int]) -> None:
     """kill -9 the launched `worker_id` once the manager has a batch's worth of samples in
     flight on it (not the last few of a batch, which can finish before the signal lands)
@@ -316,7 +328,9 @@ def _kill_when_busy(run_dir: Path, worker_id: str, killed: list[int]) -> None:
     while time.monotonic() < deadline:
         reply = httpx.get(f"{info['url']}/v1/workers", headers=headers, timeout=10)
         workers = WorkerList.model_validate_json(reply.content).workers
-        if any(w.worker_id == worker_id and w.num_inflight >= 8 for w in workers):
+        busy = [w for w in workers if w.worker_id == worker_id and w.num_inflight >= 8]
+        if busy:
+            _wait_for_tokens(busy[0].url, at_least=16, timeout_s=10)
             time.sleep(0.05)
             pid = _child_pid(worker_id)
             os.kill(pid, signal.SIGKILL)
