@@ -427,10 +427,9 @@ def run_part(
 
 
 def summarise(
-    part: str, rows: list[dict[str, float]], warmup: int, wall: float, notes: list[str], last: int | None = None,
-    n: int = 1,
+    part: str, rows: list[dict[str, float]], warmup: int, wall: float, notes: list[str], last: int | None = None
 ) -> Result:
-    """The measured steps (after `warmup`, up to `last`) summed up; `n`: samples per group."""
+    """The measured steps (after `warmup`, up to `last`) summed up."""
     measured = [r for r in rows if warmup < r["step"] <= (last or r["step"])]
     res = Result(part=part, steps=len(measured), wall_s=wall, notes=notes)
     res.step_s = [round(r["perf/time_per_step"], 3) for r in rows]
@@ -805,7 +804,7 @@ def throughput_part(
         notes.insert(0, f"as {best.part}")
     for saved in ("checkpoints", "final_model"):  # gigabytes per row at this size: the disk would fill
         shutil.rmtree(work / part / saved, ignore_errors=True)
-    res = summarise(part, rows, args.warmup, wall, notes, args.warmup + args.steps, args.n)
+    res = summarise(part, rows, args.warmup, wall, notes, args.warmup + args.steps)
     res.workload = workload
     return res
 

@@ -68,14 +68,14 @@ def test_a_fully_async_row_counts_what_the_fleet_produced_not_only_what_was_trai
     """A learner eating a warm-up backlog trains faster than the fleet produces: the row's
     steady rate is the fleet's (the slower); a learner that is slower keeps its own."""
     backlog = [_row(1, 9.0, 800, 5000, 0), _row(2, 2.0, 1600, 800, 12), _row(3, 2.0, 1600, 800, 10), _row(4, 2.0, 1600, 800, 8)]
-    res = summarise("fully_async_k4", backlog, warmup=1, wall=0.0, notes=[], last=3, n=8)
+    res = summarise("fully_async_k4", backlog, warmup=1, wall=0.0, notes=[], last=3)
     assert res.tokens_per_s == 800 and res.produced_tokens_per_s == 400 and res.steady_tokens_per_s == 400
     assert res.backlog_used == 4 and res.local_made == 0.25
     assert res.tokens_per_usd == 400 * 3600 / 13.0
     slow_learner = [_row(s, 2.0, 800, 1200, 20) for s in (1, 2, 3, 4)]
-    assert summarise("fully_async_k4", slow_learner, 1, 0.0, [], 3, 8).steady_tokens_per_s == 400
+    assert summarise("fully_async_k4", slow_learner, 1, 0.0, [], 3).steady_tokens_per_s == 400
     colocated = [_row(s, 2.0, 800, None, None) for s in (1, 2, 3)]
-    res = summarise("colocated", colocated, 1, 0.0, [], 3, 8)
+    res = summarise("colocated", colocated, 1, 0.0, [], 3)
     assert res.steady_tokens_per_s == res.tokens_per_s == 400 and res.produced_tokens_per_s is None
 
 
