@@ -486,6 +486,8 @@ def learning_part(part: str, mode: str, args: argparse.Namespace, work: Path, ex
         f"manager.port={port}", f"manager.token={TOKEN}", "manager.heartbeat_interval_s=0.5",
         "engine.num_kv_blocks=2048" if args.device == "cuda" else 'engine.device="cpu"',
     ]  # fmt: skip
+    if "rollout.fully_async=true" in extra:
+        overrides += args.async_set
     run_dir = work / part
     model = None
     if mode != "local":  # the worker needs the model directory before the trainer writes it
@@ -712,10 +714,15 @@ def main() -> None:
     p.add_argument("--learn-steps", type=int, default=80)
     p.add_argument("--part-timeout-s", type=float, default=900, help="a part still running then is stopped")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more trainer overrides")
+    p.add_argument("--async-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="more trainer overrides for the fully asynchronous rows only (best_kill included), "
+                        "e.g. rollout.hybrid_local_until=always, which the other rows refuse")
     p.add_argument("--worker-set", action="append", default=[], metavar="KEY=VALUE", help="more spot-worker overrides")
     p.add_argument("--keep", type=Path, help="keep the logs and run directories here")
     p.add_argument("--model", type=Path, help="the throughput rows' model, made by an earlier run of this script "
                    "(its --keep directory's qwen3-0.6b-shape; default: made anew)")
+    p.add_argument("--kill-as", choices=KILLABLE, help="best_kill: the row to repeat with a kill (default: the "
+                   "fastest such row of this run)")
     p.add_argument("--target-reward", type=float, default=0.8)
     p.add_argument("--capacity-levels", default="128,256,512", help="standin: sequences in flight to measure")
     args = p.parse_args()
@@ -781,27 +788,31 @@ def throughput_part(
     part: str, args: argparse.Namespace, work: Path, model: Path, data: dict[str, Path], done: list[Result]
 ) -> Result | None:
     kill = None
-    if part == "best_kill":  # the fastest spot row of this run, with a kill
+    if part == "best_kill":  # the fastest spot row of this run (or --kill-as), with a kill
         spot_rows = [r for r in done if r.part in KILLABLE and r.steps]
-        if not spot_rows:
-            print("best_kill: run one of " + ", ".join(KILLABLE) + " first", flush=True)
+        if args.kill_as:
+            best_part = args.kill_as
+        elif spot_rows:
+            best_part = max(spot_rows, key=lambda r: r.steady_tokens_per_s).part
+        else:
+            print("best_kill: run one of " + ", ".join(KILLABLE) + " first, or name one with --kill-as", flush=True)
             return None
-        best = max(spot_rows, key=lambda r: r.steady_tokens_per_s)
-        workload, mode, extra = THROUGHPUT_PARTS[best.part]
+        workload, mode, extra = THROUGHPUT_PARTS[best_part]
         kill = args.warmup + 2 if args.steps >= 2 else args.warmup + 1
     else:
         workload, mode, extra = THROUGHPUT_PARTS[part]
     port = free_port()
     # Fully asynchronous runs submit less as they near their end: steps after the measured
     # ones keep the measured ones in the steady state.
-    cooldown = args.cooldown if "rollout.fully_async=true" in extra else 0
+    fully_async = "rollout.fully_async=true" in extra
+    cooldown = args.cooldown if fully_async else 0
     overrides = [*throughput_overrides(args, model, mode, port, data[workload], workload == "longtail", cooldown),
-                 *extra, *args.set]  # fmt: skip
+                 *extra, *args.set, *(args.async_set if fully_async else [])]  # fmt: skip
     whole = part == "colocated_whole"
     rows, wall, notes = run_part(part, overrides, work / part, model, port, args, mode != "local", kill,
                                  args.part_timeout_s, whole)  # fmt: skip
     if part == "best_kill":
-        notes.insert(0, f"as {best.part}")
+        notes.insert(0, f"as {best_part}")
     for saved in ("checkpoints", "final_model"):  # gigabytes per row at this size: the disk would fill
         shutil.rmtree(work / part / saved, ignore_errors=True)
     res = summarise(part, rows, args.warmup, wall, notes, args.warmup + args.steps)

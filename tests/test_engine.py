@@ -414,3 +414,34 @@ def test_float64_logprobs_do_not_depend_on_the_batch(model):
             assert (other.token_ids, other.logprobs) == (a.token_ids, a.logprobs), key
         assert float32[key].token_ids == a.token_ids
         assert max(abs(x - y) for x, y in zip(float32[key].logprobs, a.logprobs, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("wait_steps", [0, 5])
+def test_a_busy_overlapped_batch_gathers_arrivals_before_it_admits_them(model, wait_steps):
+    """A request that arrives while 8 samples decode waits up to `admit_wait_steps`
+    overlapped steps (a chain of captured decodes is not broken for each arrival), is
+    admitted at once past `admit_batch` waiting samples, and its tokens are the same."""
+    engine = Engine(model, EngineConfig(overlap_decode="on", admit_wait_steps=wait_steps, admit_batch=8))
+    long = EngineSampling(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest("busy", PROMPTS[0], dataclasses.replace(long, n=8)))
+    for _ in range(3):
+        engine.step()
+    assert len(engine.scheduler.running) == 8 and engine._in_flight is not None  # chaining
+    late: list[int] = []
+
+    def step() -> None:
+        late.extend(t for d in engine.step() if d.rid == "late" for t in d.token_ids)
+
+    engine.add_request(EngineRequest("late", PROMPTS[1], GREEDY))
+    steps = 0
+    while engine.scheduler.waiting:
+        step()
+        steps += 1
+    # the step that settles the one in flight admits; the wait is counted in chained steps
+    assert steps == (1 if wait_steps == 0 else wait_steps + 1)
+    engine.add_request(EngineRequest("group", PROMPTS[2], dataclasses.replace(GREEDY, n=8)))
+    step()
+    assert not engine.scheduler.waiting  # 8 samples waiting: admitted without a wait
+    while engine.has_work:
+        step()
+    assert late == hf_greedy(model, PROMPTS[1], 12)

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from polyrl.config import EngineConfig, TinyModelConfig
 from polyrl.engine import triton_ops
+from polyrl.engine.attention import AttentionGroup, AttentionMetadata, paged_attention
 from polyrl.engine.cuda_graphs import DecodeMetadata, batch_buckets, decode_inputs
 from polyrl.engine.engine import Engine
 from polyrl.engine.sampler import SamplingBatch, sample
@@ -64,6 +65,43 @@ def test_paged_decode_attention_matches_the_reference(dtype):
             continue
         ref = reference_attention(q[b].cpu(), k_cache.cpu(), v_cache.cpu(), tables[b].tolist(), c, 0.2)
         assert (out[b].float().cpu() - ref).abs().max().item() < tol
+
+
+def test_a_mixed_step_attends_the_same_with_its_decodes_on_the_paged_kernel():
+    """A step with prefill chunks and decodes (every step that admits a request on a busy
+    worker): the decode group on the paged kernel gives what the gather-and-SDPA path
+    gives, rows in place and the prefill chunks untouched."""
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, head_dim, block_size, num_blocks = 8, 2, 32, 4, 64
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(DEVICE)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(DEVICE)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [perm[0:10], perm[10:12], perm[12:20], perm[20:30], perm[30:34]]
+    # (tokens fed this step, context after it): decode, prefill chunk, decode, resumed chunk, decode
+    rows = [(1, 37), (5, 5), (1, 29), (7, 40), (1, 16)]
+    offsets, t = [], 0
+    for fed, _ in rows:
+        offsets.append(t)
+        t += fed
+    q = torch.randn(t, heads, head_dim, generator=g).to(DEVICE)
+
+    def meta(kernel_decode: bool) -> AttentionMetadata:
+        groups = []
+        for decode in (True, False):
+            pick = [i for i, (fed, _) in enumerate(rows) if (fed == 1) == decode]
+            groups.append(AttentionGroup.build([offsets[i] for i in pick], [rows[i][0] for i in pick],
+                                               [rows[i][1] for i in pick], [tables[i] for i in pick], block_size,
+                                               DEVICE, kernel_decode=kernel_decode))
+        return AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long, device=DEVICE), groups=groups)
+
+    kernel, sdpa = meta(True), meta(False)
+    assert kernel.groups[0].context_lens is not None and kernel.groups[0].mask is None
+    assert kernel.groups[1].context_lens is None  # prefill chunks stay on SDPA
+    out = paged_attention(q, k_cache, v_cache, kernel, 0.2)
+    ref = paged_attention(q, k_cache, v_cache, sdpa, 0.2)
+    assert torch.allclose(out, ref, atol=1e-5)
+    one = reference_attention(q[0].cpu(), k_cache.cpu(), v_cache.cpu(), tables[0], 37, 0.2)
+    assert (out[0].cpu() - one).abs().max().item() < 1e-5
 
 
 def test_fused_sample_draws_what_the_torch_sampler_draws():

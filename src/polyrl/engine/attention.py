@@ -2,11 +2,16 @@
 
 A step's tokens are flat ([T, ...]) through the projections and MLPs; only attention
 needs them per sequence. Sequences are split into two groups: decodes (one query token
-each) and prefill chunks (several). Each group gathers its sequences' cached keys and
-values by slot into a padded [B, C, ...] view and runs one SDPA with a mask, so a long
-prompt in the batch does not pad every decode to its length. The decode group has a
-fixed shape per (batch, context) bucket: the later CUDA-graph path captures exactly it.
+each) and prefill chunks (several). A prefill group gathers its sequences' cached keys
+and values by block into a padded [B, C, ...] view and runs one SDPA with a mask, so a
+long prompt in the batch does not pad every decode to its length. The decode group does
+the same on the PyTorch path; where the Triton kernels run (`kernel_decode`) it goes to
+the paged decode kernel instead, which reads each sequence's own blocks in place. That
+matters on a continuously fed worker: every step that admits a request is such a mixed
+step, and gathering 256 decodes padded to the longest context moved about 20x the
+bytes the kernel reads.
 """
+
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from polyrl.engine import triton_ops
+
 
 @dataclass
 class AttentionGroup:
@@ -22,9 +29,10 @@ class AttentionGroup:
     batch_index: torch.Tensor  # [Tg] row of each query token in the padded [B, Q] layout
     query_index: torch.Tensor  # [Tg] column of each query token
     block_tables: torch.Tensor  # [B, NB] cache blocks holding each sequence's context (0 where padded)
-    mask: torch.Tensor  # [B, 1, Q, C] bool, True where a query may attend; C = NB * block_size
+    mask: torch.Tensor | None  # [B, 1, Q, C] bool, True where a query may attend; C = NB * block_size
     num_seqs: int
     max_query_len: int
+    context_lens: torch.Tensor | None = None  # [B] int32: a decode group for the paged kernel (no mask)
 
     @classmethod
     def build(
@@ -35,14 +43,29 @@ class AttentionGroup:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device,
+        kernel_decode: bool = False,
     ) -> AttentionGroup:
         """Sequence b feeds `query_lens[b]` tokens starting at flat position
-        `token_offsets[b]`; they are its last tokens of `context_lens[b]`."""
+        `token_offsets[b]`; they are its last tokens of `context_lens[b]`. With
+        `kernel_decode`, a group of decodes is built for the paged kernel: block tables and
+        context lengths, no mask."""
         num_seqs, max_q, max_ctx = len(query_lens), max(query_lens), max(context_lens)
+        max_blocks = -(-max_ctx // block_size)
+        if kernel_decode and max_q == 1:
+            tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables]
+            return cls(
+                token_index=torch.tensor(token_offsets).to(device),
+                batch_index=torch.empty(0, dtype=torch.long),
+                query_index=torch.empty(0, dtype=torch.long),
+                block_tables=torch.tensor(tables, dtype=torch.int32).to(device),
+                mask=None,
+                num_seqs=num_seqs,
+                max_query_len=1,
+                context_lens=torch.tensor(context_lens, dtype=torch.int32).to(device),
+            )
         token_index = torch.tensor([o + i for o, q in zip(token_offsets, query_lens) for i in range(q)])
         batch_index = torch.tensor([b for b, q in enumerate(query_lens) for _ in range(q)])
         query_index = torch.tensor([i for q in query_lens for i in range(q)])
-        max_blocks = -(-max_ctx // block_size)
         tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables])
         pos = torch.arange(max_blocks * block_size)  # [C]
         ctx = torch.tensor(context_lens)[:, None, None]  # [B, 1, 1]
@@ -82,6 +105,13 @@ def paged_attention(
     q = q.to(k_cache.dtype)  # under autocast, RoPE in float32 promotes q past the cache's dtype
     out = q if meta.is_pure_decode else torch.empty_like(q)  # a pure decode returns from the loop
     for g in meta.groups:
+        if g.context_lens is not None:  # decodes, each reading its own blocks in place
+            q_group = q if meta.is_pure_decode else q[g.token_index]
+            attn = triton_ops.paged_decode_attention(q_group, k_cache, v_cache, g.block_tables, g.context_lens, scale)
+            if meta.is_pure_decode:
+                return attn
+            out[g.token_index] = attn
+            continue
         # Whole blocks are gathered (contiguous runs of BS * KVH * D values), not single slots.
         num_seqs, num_blocks = g.block_tables.shape
         shape = (num_seqs, num_blocks * k_cache.shape[1], *k_cache.shape[2:])  # [B, C, KVH, D]

@@ -102,6 +102,7 @@ class Engine:
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         self.overlap = cfg.overlap_decode == "on" or (cfg.overlap_decode == "auto" and self.device.type == "cuda")
         self._in_flight: InFlightStep | None = None
+        self._chained_waits = 0  # overlapped steps launched while a request waited to be admitted
         self._ready: list[SampleDelta] = []  # read back outside `step` (by `sleep`), returned by the next
         freeze_gc_heap()
         graphs = "on" if self.runner.decode_graphs else "off"
@@ -249,12 +250,27 @@ class Engine:
             return deltas  # a pure decode: the next step chains onto it
         return deltas + self._settle()
 
+    def _admit_now(self) -> bool:
+        """Whether to stop the chain of overlapped decodes for the scheduler to admit a
+        waiting request: at once for a small batch or a handful of waiting samples, else
+        after `admit_wait_steps` overlapped steps, so that arrivals are admitted together."""
+        sched, cfg = self.scheduler, self.cfg
+        if not sched.can_admit():
+            self._chained_waits = 0
+            return False
+        if (self._chained_waits >= cfg.admit_wait_steps or len(sched.running) < cfg.admit_batch
+                or sum(s.num_forks for s in itertools.islice(sched.waiting, cfg.admit_batch)) >= cfg.admit_batch):
+            self._chained_waits = 0
+            return True
+        self._chained_waits += 1
+        return False
+
     def _launch_chained(self) -> InFlightStep | None:
         """Launch the decode after the one in flight, fed with its sampled tokens on the
         device; None when the next step needs the scheduler (a request it would admit,
         running samples the step in flight left out, too few free blocks, nothing left)."""
         prev, sched = self._in_flight, self.scheduler
-        if not self.overlap or sched.can_admit():
+        if not self.overlap or self._admit_now():
             return None
         # Samples that stopped on the step before are gone; those whose in-flight token is
         # their last are left out (a stop token is only seen on read-back: that row is wasted).

@@ -114,7 +114,7 @@ class ModelRunner:
         if fed_ids is not None:
             input_ids = fed_ids
         with self._autocast():
-            if self.decode_graphs is not None:  # CUDA with Triton: the fused layers, SDPA attention
+            if self.decode_graphs is not None:  # CUDA with Triton: fused layers, the paged kernel for decodes
                 def attend(layer_idx: int, q: torch.Tensor) -> torch.Tensor:
                     return paged_attention(q, *self._blocked_cache(layer_idx), meta, self.scale)
 
@@ -213,7 +213,8 @@ class ModelRunner:
         ids, pos, slot_mapping = torch.tensor([input_ids, positions, slots], dtype=torch.long).to(dev).unbind(0)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
-            groups=[AttentionGroup.build(*g, bs, dev) for g in groups.values() if g[0]],
+            groups=[AttentionGroup.build(*g, bs, dev, kernel_decode=self.decode_graphs is not None)
+                    for g in groups.values() if g[0]],
         )
         return ids, pos, meta, torch.tensor(sample_rows, dtype=torch.long).to(dev), sample_seqs
 
