@@ -32,6 +32,7 @@ from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.weight_sync import PublisherSync
+from polyrl.protocol.worker_api import UpdateWeightsResponse
 from polyrl.transfer.device import DeviceVersions
 from polyrl.transfer.identity import DeviceIdentity, host_id
 from polyrl.transfer.manifest import unflatten
@@ -247,7 +248,8 @@ def test_publisher_sync_picks_the_path() -> None:
         cfg.transfer.gpu_paths = False
         assert sync.path_for("w", 1) == "tcp"
         cfg.transfer.gpu_paths = True
-        sync._note("w", "nccl", {"path": "tcp", "message": "nccl failed", "device": sync.devices["w"].model_dump()})
+        sync._note("w", "nccl", UpdateWeightsResponse(success=True, message="nccl failed", weight_version=1, path="tcp",
+                                                      device=sync.devices["w"]))
         assert sync.path_for("w", 1) == "tcp" and "w" in sync.tcp_only
 
 

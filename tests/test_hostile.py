@@ -53,6 +53,7 @@ from polyrl.manager.manager import RolloutManager
 from polyrl.manager.protocol import BatchRequest, Heartbeat, PublishVersion, RegisterRequest, WorkerList
 from polyrl.manager.server import create_app as manager_app
 from polyrl.models.tiny import add_chat_template
+from polyrl.protocol.worker_api import GenerateRequest, UpdateWeightsFromPublisherRequest
 from polyrl.transfer.compress import decode_zstd, encode_zstd
 from polyrl.transfer.delta import apply_delta, encode_delta
 from polyrl.transfer.manifest import flatten, unflatten
@@ -77,7 +78,6 @@ from polyrl.transfer.wire import (
     read_request,
     send_text,
 )
-from polyrl.worker.protocol import GenerateRequest, UpdateWeightsFromPublisherRequest
 from polyrl.worker.server import create_app as worker_app
 
 T = TypeVar("T")

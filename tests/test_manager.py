@@ -29,7 +29,7 @@ from polyrl.manager.client import BatchClient
 from polyrl.manager.fleet import fleet_status
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import BatchError, BatchPrompt, BatchRequest, BatchSampling, GroupResult
-from polyrl.worker.protocol import GenerateRequest
+from polyrl.protocol.worker_api import GenerateRequest
 
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -231,10 +231,14 @@ def test_generate_body_asks_polyrl_workers_for_the_stream_interval() -> None:
     plain SGLang server (cumulative streams) never sees the extension fields."""
     call = GenerationCall("r1", [1, 2], num_samples=2, seed=7, remaining_tokens=5, sampling=BatchSampling(max_new_tokens=5))
     body = generate_body(call, incremental=True, stream_interval_s=0.05)
-    assert GenerateRequest.model_validate(body).stream_interval_s == 0.05
-    assert GenerateRequest.model_validate(generate_body(call, incremental=True)).stream_interval_s == 0.0
-    plain = generate_body(call, incremental=False, stream_interval_s=0.05)
+    assert GenerateRequest.model_validate_json(body).stream_interval_s == 0.05
+    assert GenerateRequest.model_validate_json(generate_body(call, incremental=True)).stream_interval_s == 0.0
+    plain = json.loads(generate_body(call, incremental=False, stream_interval_s=0.05))
     assert "stream_interval_s" not in plain and "incremental_stream" not in plain
+    # only what the manager set goes on the wire: SGLang's own defaults stay the worker's
+    assert set(plain) == {"rid", "input_ids", "stream", "return_logprob", "sampling_params"}
+    assert plain["sampling_params"] == {"max_new_tokens": 5, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                        "stop_token_ids": [], "ignore_eos": False, "n": 2, "sampling_seed": 7}
 
 
 def test_batch_streams_exact_groups_over_http_and_in_process(manager: ManagerThread) -> None:

@@ -37,9 +37,10 @@ from polyrl.httpapi import checksum, error_body
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import Heartbeat, RegisterRequest
 from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.worker_api import GenerateRequest
 from polyrl.worker import manager_client
 from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession, ManagerUnreachable
-from polyrl.worker.protocol import GenerateRequest, sample_response, sse_event, text_token_ids
+from polyrl.worker.protocol import engine_request, sample_response, sse_event, text_token_ids
 from polyrl.worker.server import create_app
 from polyrl.worker.state import WorkerState
 from polyrl.worker.stream import Coalesced
@@ -197,9 +198,9 @@ def test_sample_response_shapes_and_stop_trim() -> None:
 
 def test_generate_request_validation() -> None:
     req = GenerateRequest.model_validate({"input_ids": [1], "sampling_params": {"top_k": -1, "sampling_seed": 5}})
-    sampling = req.to_engine([1]).sampling
+    sampling = engine_request(req, [1]).sampling
     assert (sampling.top_k, sampling.seed, sampling.max_new_tokens) == (0, 5, 128)
-    assert len(req.to_engine([1]).rid) == 32  # a uuid4 hex when the client sends none
+    assert len(engine_request(req, [1]).rid) == 32  # a uuid4 hex when the client sends none
     for bad, needle in [
         ({"input_ids": [[1, 2], [3]]}, "one request per prompt"),
         ({"text": ["a", "b"]}, "one request per prompt"),

@@ -9,9 +9,8 @@ exactly this quantity, so the importance ratio compares like with like.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-FinishReason = Literal["stop", "length", "abort"]
+from polyrl.protocol.worker_api import FinishReason
 
 
 class RequestError(ValueError):

@@ -26,6 +26,7 @@ import httpx
 from polyrl.httpapi import CHECKSUM_HEADER, checksum
 from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import WorkerRecord
+from polyrl.protocol.worker_api import GenerateRequest, SamplingParams
 from polyrl.tls import async_http_client
 
 
@@ -76,31 +77,33 @@ class Delta(NamedTuple):
 # ------------------------------------------------------------------------------ remote (HTTP)
 
 
-def generate_body(call: GenerationCall, incremental: bool, stream_interval_s: float = 0.0) -> dict[str, Any]:
+def generate_body(call: GenerationCall, incremental: bool, stream_interval_s: float = 0.0) -> bytes:
+    """The worker's `/generate` request for a call, as JSON: only the fields set here go
+    on the wire (a plain SGLang server refuses polyrl's extensions)."""
     s = call.sampling
-    body: dict[str, Any] = {
-        "rid": call.rid,
-        "input_ids": call.input_ids,
-        "stream": True,
-        "return_logprob": True,
-        "sampling_params": {
-            "max_new_tokens": call.remaining_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k if s.top_k > 0 else -1,
-            "stop_token_ids": s.stop_token_ids,
-            "ignore_eos": s.ignore_eos,
-            "n": call.num_samples,
-            "sampling_seed": call.seed,
-        },
-    }
+    request = GenerateRequest(
+        rid=call.rid,
+        input_ids=call.input_ids,
+        stream=True,
+        return_logprob=True,
+        sampling_params=SamplingParams(
+            max_new_tokens=call.remaining_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,
+            stop_token_ids=s.stop_token_ids,
+            ignore_eos=s.ignore_eos,
+            n=call.num_samples,
+            sampling_seed=call.seed,
+        ),
+    )
     if s.top_logprobs:  # SGLang's own field
-        body["top_logprobs_num"] = s.top_logprobs
-    if incremental:  # polyrl's extensions (a plain SGLang server refuses unknown fields)
-        body["incremental_stream"] = True
+        request.top_logprobs_num = s.top_logprobs
+    if incremental:  # polyrl's extensions
+        request.incremental_stream = True
         if stream_interval_s:
-            body["stream_interval_s"] = stream_interval_s
-    return body
+            request.stream_interval_s = stream_interval_s
+    return request.model_dump_json(exclude_unset=True).encode()
 
 
 def parse_chunk(payload: dict[str, Any], seen: dict[int, int], incremental: bool) -> Delta:
@@ -188,7 +191,7 @@ class RemoteBackend:
         done = False
         incremental = worker.incremental_stream  # a polyrl worker: checksums both ways
         seen: dict[int, int] = {}
-        body = json.dumps(generate_body(call, incremental, self.stream_interval_s)).encode()
+        body = generate_body(call, incremental, self.stream_interval_s)
         headers = {"content-type": "application/json"} | ({CHECKSUM_HEADER: checksum(body)} if incremental else {})
         expected: str | None = None
         lines: asyncio.Queue[str | Exception | None] = asyncio.Queue()

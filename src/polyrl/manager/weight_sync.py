@@ -23,14 +23,18 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
-from pydantic import ValidationError
 
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.protocol import PublisherEndpoint
 from polyrl.manager.registry import WorkerRecord
+from polyrl.protocol.worker_api import (
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromPublisherRequest,
+    UpdateWeightsResponse,
+)
 from polyrl.transfer.identity import DeviceIdentity, WeightPath
 from polyrl.transfer.wire import transfer_token
 
@@ -131,29 +135,29 @@ class PublisherSync:
     async def __call__(self, record: WorkerRecord, version: int) -> int | None:
         path = self.path_for(record.worker_id, version)
         host, port = self.groups[self.group_for(record.worker_id)]
-        body = {
-            "host": host,
-            "port": port,
-            "weight_version": version,
-            "token": self.publisher.grant(record.worker_id, version),
-            "worker_id": record.worker_id,
-            "num_streams": self.manager.cfg.transfer.streams_per_group,
-            "timeout_s": self.pull_timeout_s,
-            "codec": self.codec,
-            "tls": self.publisher.tls,
-        }
-        if path != "tcp":  # absent otherwise: an SGLang-style worker without the field still works
-            body["path"] = path
+        body = UpdateWeightsFromPublisherRequest(
+            host=host,
+            port=port,
+            weight_version=version,
+            token=self.publisher.grant(record.worker_id, version),
+            worker_id=record.worker_id,
+            num_streams=self.manager.cfg.transfer.streams_per_group,
+            timeout_s=self.pull_timeout_s,
+            codec=self.codec,
+            tls=self.publisher.tls,
+        )
+        if path != "tcp":  # unset otherwise: an SGLang-style worker without the field still works
+            body.path = path
         if self.manager.cfg.swap_policy is not None:
-            body["swap_policy"] = self.manager.cfg.swap_policy
+            body.swap_policy = self.manager.cfg.swap_policy
         reply = await tell_worker(
             self.manager, record, version, "/update_weights_from_publisher", body, self.pull_timeout_s + 10, self.retries
         )
         if reply is None:
             return None
         self._note(record.worker_id, path, reply)
-        log.debug("worker %s pulled v%d: %s", record.worker_id, version, reply.get("message", ""))
-        return int(reply["weight_version"])
+        log.debug("worker %s pulled v%d: %s", record.worker_id, version, reply.message)
+        return reply.weight_version
 
     def group_for(self, worker_id: str) -> int:
         """The worker's publisher group: on its first pull, the one with the fewest
@@ -170,16 +174,16 @@ class PublisherSync:
                 log.info("worker %s pulls weights from publisher group %d (%s:%d)", worker_id, group, *self.groups[group])
         return group
 
-    def _note(self, worker_id: str, asked: WeightPath, reply: dict[str, Any]) -> None:
-        self.last_message[worker_id] = reply.get("message", "")
-        try:
-            self.devices[worker_id] = DeviceIdentity.model_validate(reply.get("device"))
-        except ValidationError:
+    def _note(self, worker_id: str, asked: WeightPath, reply: UpdateWeightsResponse) -> None:
+        self.last_message[worker_id] = reply.message
+        if reply.device is not None:
+            self.devices[worker_id] = reply.device
+        else:
             self.devices.pop(worker_id, None)  # an older worker: TCP only
-        if asked != "tcp" and reply.get("path") not in (asked, None):
+        if asked != "tcp" and reply.path not in (asked, None):
             self.tcp_only.add(worker_id)
             log.warning("worker %s could not use %s (%s); it pulls over TCP from now on",
-                        worker_id, asked, reply.get("message", ""))  # fmt: skip
+                        worker_id, asked, reply.message)  # fmt: skip
 
 
 class DiskSync:
@@ -209,14 +213,14 @@ class DiskSync:
         return final
 
     async def __call__(self, record: WorkerRecord, version: int) -> int | None:
-        body = {"model_path": str(self.path(version).resolve()), "weight_version": version}
+        body = UpdateWeightsFromDiskRequest(model_path=str(self.path(version).resolve()), weight_version=version)
         reply = await tell_worker(
             self.manager, record, version, "/update_weights_from_disk", body, self.load_timeout_s, self.retries
         )
         if reply is None:
             return None
-        log.debug("worker %s loaded v%d from %s", record.worker_id, version, body["model_path"])
-        return int(reply["weight_version"])
+        log.debug("worker %s loaded v%d from %s", record.worker_id, version, body.model_path)
+        return reply.weight_version
 
 
 async def tell_worker(
@@ -224,24 +228,29 @@ async def tell_worker(
     record: WorkerRecord,
     version: int,
     endpoint: str,
-    body: dict[str, Any],
+    body: UpdateWeightsFromPublisherRequest | UpdateWeightsFromDiskRequest,
     timeout_s: float,
     retries: int,
-) -> dict[str, Any] | None:
-    """POST `body` to the worker's weight-update `endpoint`, retrying with backoff; on
-    success return its reply (it names the version the worker now serves). None:
+) -> UpdateWeightsResponse | None:
+    """POST `body` (the fields set in it) to the worker's weight-update `endpoint`,
+    retrying with backoff; on success return its reply (it names the version the worker
+    now serves). None:
     it left, a newer version superseded this one, it is unreachable (declared gone), or
     every try failed (logged; its next heartbeat asks again, so a worker is never left
     syncing for good)."""
     why = ""
+    content = body.model_dump_json(exclude_unset=True).encode()
+    headers = {"content-type": "application/json"}
     for attempt in range(retries + 1):
         if record.state == "gone" or version < manager.registry.latest_version:
             return None
         try:
-            response = await manager.remote.http.post(f"{record.url}{endpoint}", json=body, timeout=timeout_s)
+            response = await manager.remote.http.post(f"{record.url}{endpoint}", content=content, headers=headers,
+                                                      timeout=timeout_s)  # fmt: skip
             if response.status_code == 200:
-                reply = response.json()
-                int(reply["weight_version"])  # a reply without it is a failed try
+                reply = UpdateWeightsResponse.model_validate_json(response.content)
+                if reply.weight_version is None:
+                    raise ValueError("the reply names no weight_version")  # a failed try
                 return reply
             why = f"HTTP {response.status_code}: {response.text[:300]}"
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
@@ -249,7 +258,7 @@ async def tell_worker(
             # its heartbeats to stop before moving on
             manager.worker_unreachable(record, f"weight update: {type(e).__name__}: {e}")
             return None
-        except (httpx.HTTPError, ValueError, KeyError) as e:
+        except (httpx.HTTPError, ValueError) as e:  # pydantic's ValidationError is a ValueError
             why = f"{type(e).__name__}: {e}"
         if attempt < retries:
             await asyncio.sleep(min(2.0**attempt, 10.0))

@@ -8,9 +8,9 @@ manager's streamed results later) and the learner; the sources' own interface is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-FinishReason = Literal["stop", "length", "abort"]
+from polyrl.protocol.worker_api import FinishReason
 
 
 @dataclass

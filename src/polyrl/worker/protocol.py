@@ -1,13 +1,6 @@
-"""Wire models of the worker's HTTP API: a subset of SGLang's native API, so a client
-written for SGLang's `/generate` works against a polyrl worker and a real SGLang server
-can stand in for one.
-
-Requests forbid unknown fields (422 naming the field): a misspelt sampling parameter
-silently ignored would change what the trainer learns from. The SGLang fields that only
-shape detokenisation (`skip_special_tokens`, ...) are accepted and ignored.
-
-The pure builders at the bottom turn engine results into response JSON; the server only
-glues them to HTTP, so they are tested without one.
+"""The worker's edge of its HTTP API: requests (`polyrl.protocol.worker_api`) into the
+engine's types, and engine results into response JSON. The server only glues these to
+HTTP, so they are tested without one.
 """
 
 from __future__ import annotations
@@ -15,250 +8,36 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from polyrl.engine.types import (
-    EngineRequest,
-    EngineSampling,
-    FinishReason,
-    SampleResult,
-)
+from polyrl.engine.types import EngineRequest, EngineSampling, SampleResult
 from polyrl.httpapi import checksum
-from polyrl.transfer.identity import DeviceIdentity, WeightPath
+from polyrl.protocol.worker_api import FinishReasonInfo, GenerateRequest, GenerateResponse, MetaInfo, SamplingParams
 
-BATCHED_INPUT_MESSAGE = "batched input is not supported: send one request per prompt"
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def engine_sampling(params: SamplingParams) -> EngineSampling:
+    """SGLang's sampling parameters as the engine's (top_k -1 or 0: off, which is 0 there)."""
+    return EngineSampling(
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=max(params.top_k, 0),
+        stop_token_ids=tuple(params.stop_token_ids or ()),
+        ignore_eos=params.ignore_eos,
+        n=params.n,
+        seed=params.seed if params.seed is not None else params.sampling_seed,
+    )
 
 
-def _refuse_batched(value: Any) -> Any:
-    """SGLang accepts lists of prompts; we refuse them with a message saying what to do
-    instead of pydantic's 'Input should be a valid integer' on the inner list."""
-    if isinstance(value, list) and any(isinstance(item, list | str) for item in value):
-        raise ValueError(BATCHED_INPUT_MESSAGE)
-    return value
-
-
-# ---------------------------------------------------------------------------------- requests
-
-
-class SamplingParams(_Wire):
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    """0: greedy."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    """-1 or 0: off (SGLang's convention; the engine's is 0)."""
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = Field(1, ge=1)
-    seed: int | None = None
-    sampling_seed: int | None = None
-    """SGLang's name for `seed`."""
-    # Accepted for SGLang clients, ignored: the text is always decoded the same way.
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-
-    @model_validator(mode="after")
-    def _one_seed(self) -> SamplingParams:
-        if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
-            raise ValueError("seed and sampling_seed differ; send one of them")
-        return self
-
-    def to_engine(self) -> EngineSampling:
-        return EngineSampling(
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=max(self.top_k, 0),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            n=self.n,
-            seed=self.seed if self.seed is not None else self.sampling_seed,
-        )
-
-
-class GenerateRequest(_Wire):
-    input_ids: list[int] | None = None
-    text: str | None = None
-    rid: str | None = None
-    """Default: a fresh uuid4 hex. `/abort_request` takes this id."""
-    sampling_params: SamplingParams = SamplingParams()
-    return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=20)
-    """With `return_logprob`: also the this-many most likely tokens per position
-    (`meta_info.output_top_logprobs`, as SGLang's)."""
-    stream: bool = False
-    incremental_stream: bool = False
-    """polyrl extension: each stream chunk carries only what is new since the sample's
-    previous chunk (tokens, log-probs, versions, text); `completion_tokens` stays the
-    running total. Cumulative snapshots cost O(length^2) bytes over a sample's life."""
-    stream_interval_s: float = Field(0.0, ge=0, le=5)
-    """polyrl extension: at most one chunk per this many seconds (the worker's own
-    `worker.stream_interval_s` if longer); a finished sample is sent at once. The reader
-    (the manager, in the trainer's process) then parses fewer, bigger chunks."""
-
-    _no_batched_ids = field_validator("input_ids", mode="before")(_refuse_batched)
-
-    @field_validator("text", "rid", mode="before")
-    @classmethod
-    def _no_batched_text(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            raise ValueError(BATCHED_INPUT_MESSAGE)
-        return value
-
-    @model_validator(mode="after")
-    def _one_input(self) -> GenerateRequest:
-        if (self.input_ids is None) == (self.text is None):
-            raise ValueError("send exactly one of input_ids and text")
-        return self
-
-    def to_engine(self, input_ids: list[int]) -> EngineRequest:
-        rid = self.rid if self.rid is not None else uuid.uuid4().hex
-        sampling = self.sampling_params.to_engine()
-        if self.return_logprob and self.top_logprobs_num:
-            sampling = replace(sampling, top_logprobs=self.top_logprobs_num)
-        return EngineRequest(rid=rid, input_ids=input_ids, sampling=sampling)
-
-
-class AbortRequest(_Wire):
-    rid: str = ""
-    abort_all: bool = False
-
-    @model_validator(mode="after")
-    def _one_target(self) -> AbortRequest:
-        if bool(self.rid) == self.abort_all:
-            raise ValueError('send either {"rid": ...} or {"abort_all": true}')
-        return self
-
-
-class UpdateWeightsFromDiskRequest(_Wire):
-    model_path: str
-    weight_version: int | None = None
-    """Default: the current version + 1."""
-    load_format: str | None = None
-    """Ignored: the directory's `*.safetensors` files are read."""
-    abort_all_requests: bool = False
-    """Abort in-flight requests (they return partial tokens) before the swap."""
-
-
-class LoadLoraAdapterRequest(BaseModel):
-    """vLLM's `POST /v1/load_lora_adapter` and SGLang's `POST /load_lora_adapter`: a PEFT
-    adapter directory on the worker's disk, served merged into the base as the next
-    weight version (one adapter at a time). Unknown fields (vLLM's `load_inplace`) are
-    ignored: a new adapter always replaces the served one."""
-
-    model_config = ConfigDict(extra="ignore")
-    lora_name: str = Field(min_length=1, max_length=256)
-    lora_path: str = Field(min_length=1)
-    weight_version: int | None = Field(None, ge=0)
-    """polyrl extension; default: the current version + 1."""
-
-
-class UpdateWeightsFromPublisherRequest(_Wire):
-    """polyrl extension: pull `weight_version` from the trainer's weight publisher
-    (`polyrl.transfer`), as a delta against the current version when it can."""
-
-    host: str
-    port: int = Field(ge=1, le=65535)
-    weight_version: int = Field(ge=0)
-    token: str
-    """The per-transfer secret the manager got from the publisher for this worker."""
-    worker_id: str
-    """The id the token was granted to."""
-    num_streams: int = Field(4, ge=1, le=64)
-    timeout_s: float = Field(60.0, gt=0)
-    codec: Literal["auto", "raw", "delta", "zstd", "int8"] = "auto"
-    """auto: encoded pulls (a delta against the current version, else zstd) only when raw
-    pulls have been slow (below ~2 Gbit/s); on a fast link a raw pull is quicker than
-    encoding. int8 is LOSSY (opt-in; the worker logs it)."""
-    path: WeightPath = "tcp"
-    """tcp: pull over the network (with `codec`). On the trainer's host: nccl (its GPU
-    broadcasts to ours) or cuda_ipc (our engine is on its GPU); either falls back to tcp
-    if it fails. The reply says which path was taken."""
-    tls: bool = False
-    """The publisher speaks TLS: verify it against `worker.tls.ca_file` (tcp path only)."""
-    swap_policy: Literal["recompute", "continue", "abort"] | None = None
-    """What the swap does to running requests (`engine.swap_policy`); None: the worker's
-    own setting. `continue` is vLLM's `pause_generation(mode="keep")` in one call."""
-
-
-# --------------------------------------------------------------------------------- responses
-
-
-class FinishReasonInfo(_Wire):
-    type: FinishReason
-    matched: int | None = None
-    """The stop token id that ended the sample (type "stop"), else null."""
-
-
-class MetaInfo(_Wire):
-    id: str
-    finish_reason: FinishReasonInfo | None
-    """null while a streamed sample is still running."""
-    prompt_tokens: int
-    completion_tokens: int
-    weight_version: int
-    """Version of the weights that produced the last token (the current one if none)."""
-    output_token_weight_versions: list[int]
-    output_token_logprobs: list[tuple[float, int, None]] | None = None
-    """[logprob, token_id, null] per output token; only with `return_logprob`."""
-    output_top_logprobs: list[list[tuple[float, int, None]]] | None = None
-    """Per output token, the `top_logprobs_num` most likely [logprob, token_id, null]."""
-
-
-class GenerateResponse(_Wire):
-    text: str
-    """The decoded completion without its final stop token; other special tokens stay."""
-    output_ids: list[int]
-    """Every generated token, the stop token included (aligned with the log-probs)."""
-    meta_info: MetaInfo
-    index: int | None = None
-    """Sample index, present when n > 1 and in every stream chunk."""
-
-
-class AbortResponse(_Wire):
-    num_aborted: int
-
-
-class UpdateWeightsResponse(_Wire):
-    success: bool
-    message: str
-    weight_version: int | None = None
-    path: WeightPath | None = None
-    """How a publisher pull came (tcp after a failed GPU path, too); None: nothing pulled."""
-    device: DeviceIdentity | None = None
-    """Where this worker's engine is: the manager offers the GPU paths on its next sync
-    when this is the trainer's host."""
-
-
-class ServerInfo(_Wire):
-    worker_id: str
-    state: Literal["active", "draining"]
-    model_path: str
-    weight_version: int
-    num_running_reqs: int
-    num_queued_reqs: int
-    gen_throughput: float
-    num_generated_tokens: int
-    num_preemptions: int = 0
-    max_total_num_tokens: int
-    max_model_len: int
-    max_num_seqs: int
-
-
-class ModelInfo(_Wire):
-    model_path: str
-    is_generation: bool = True
-
-
-# ---------------------------------------------------------------------------------- builders
+def engine_request(body: GenerateRequest, input_ids: list[int]) -> EngineRequest:
+    """A `/generate` request for the engine; its rid defaults to a fresh uuid4 hex."""
+    rid = body.rid if body.rid is not None else uuid.uuid4().hex
+    sampling = engine_sampling(body.sampling_params)
+    if body.return_logprob and body.top_logprobs_num:
+        sampling = replace(sampling, top_logprobs=body.top_logprobs_num)
+    return EngineRequest(rid=rid, input_ids=input_ids, sampling=sampling)
 
 
 def text_token_ids(result: SampleResult) -> list[int]:

@@ -41,10 +41,7 @@ from polyrl.engine.types import (
 from polyrl.httpapi import ApiError, BodyLimit, ChecksumGuard, EventStream, check_bearer, error_body, error_handlers
 from polyrl.inference.protocol import VllmGenerateRequest
 from polyrl.inference.routes import InferenceRoutes
-from polyrl.transfer.wire import PullSource, TransferError
-from polyrl.worker.inference import WorkerBackend
-from polyrl.worker.protocol import (
-    SSE_DONE,
+from polyrl.protocol.worker_api import (
     AbortRequest,
     AbortResponse,
     GenerateRequest,
@@ -54,10 +51,10 @@ from polyrl.worker.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromPublisherRequest,
     UpdateWeightsResponse,
-    sample_response,
-    sse_event,
-    text_token_ids,
 )
+from polyrl.transfer.wire import PullSource, TransferError
+from polyrl.worker.inference import WorkerBackend
+from polyrl.worker.protocol import SSE_DONE, engine_request, sample_response, sse_event, text_token_ids
 from polyrl.worker.state import WorkerState
 from polyrl.worker.stream import Coalesced, coalesce
 
@@ -125,15 +122,15 @@ class _Handlers:
     async def generate(self, body: GenerateRequest, request: Request) -> Response:
         st = self.state
         st.require_active()
-        engine_request = body.to_engine(st.prompt_ids(body))
+        wanted = engine_request(body, st.prompt_ids(body))
         st.num_open_generates += 1
-        stream = coalesce(st.engine.generate(engine_request))
+        stream = coalesce(st.engine.generate(wanted))
         is_streaming = False  # once True, the event generator owns `stream` and the count
         try:
             first = await anext(stream, [])  # refusals (400/429) raise here, before any output
             results = [  # only now: `n` is validated (n = 10**9 would have been built first)
-                SampleResult(engine_request.rid, i, len(engine_request.input_ids))
-                for i in range(engine_request.sampling.n)
+                SampleResult(wanted.rid, i, len(wanted.input_ids))
+                for i in range(wanted.sampling.n)
             ]
             if body.stream:
                 events = self._events(body, results, first, stream)

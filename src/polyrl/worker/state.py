@@ -12,7 +12,8 @@ from typing import Any, Literal
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.types import RequestError, SampleResult
 from polyrl.httpapi import ApiError
-from polyrl.worker.protocol import GenerateRequest, ServerInfo, text_token_ids
+from polyrl.protocol.worker_api import GenerateRequest, ServerInfo
+from polyrl.worker.protocol import text_token_ids
 from polyrl.worker.weight_sync import WeightReceiver
 
 LifecycleState = Literal["active", "draining"]

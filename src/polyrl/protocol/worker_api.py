@@ -1,0 +1,238 @@
+"""Wire models of the worker's HTTP API, for both of its sides: the worker parses its
+requests and builds its replies with them, and the manager builds its requests and
+parses the replies with the same classes. The API is a subset of SGLang's native one, so a
+client written for SGLang's `/generate` works against a polyrl worker and a real SGLang
+server can stand in for one.
+
+Requests forbid unknown fields (422 naming the field): a misspelt sampling parameter
+silently ignored would change what the trainer learns from. The SGLang fields that only
+shape detokenisation (`skip_special_tokens`, ...) are accepted and ignored. Replies
+ignore unknown fields. A client sends only the fields it set (`model_dump(
+exclude_unset=True)`): polyrl's extensions stay off the wire unless asked for, and a
+plain SGLang server refuses fields it does not know.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from polyrl.transfer.identity import DeviceIdentity, WeightPath
+
+BATCHED_INPUT_MESSAGE = "batched input is not supported: send one request per prompt"
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _Wire(BaseModel):
+    """A request: unknown fields are refused (422 naming the field)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Reply(BaseModel):
+    """A reply: unknown fields are ignored, so a client reads a newer worker's replies
+    (or a real SGLang server's, which carry more)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+def _refuse_batched(value: Any) -> Any:
+    """SGLang accepts lists of prompts; we refuse them with a message saying what to do
+    instead of pydantic's 'Input should be a valid integer' on the inner list."""
+    if isinstance(value, list) and any(isinstance(item, list | str) for item in value):
+        raise ValueError(BATCHED_INPUT_MESSAGE)
+    return value
+
+
+# ---------------------------------------------------------------------------------- requests
+
+
+class SamplingParams(_Wire):
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    """0: greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    """-1 or 0: off (SGLang's convention; the engine's is 0)."""
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1)
+    seed: int | None = None
+    sampling_seed: int | None = None
+    """SGLang's name for `seed`."""
+    # Accepted for SGLang clients, ignored: the text is always decoded the same way.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @model_validator(mode="after")
+    def _one_seed(self) -> SamplingParams:
+        if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
+            raise ValueError("seed and sampling_seed differ; send one of them")
+        return self
+
+class GenerateRequest(_Wire):
+    input_ids: list[int] | None = None
+    text: str | None = None
+    rid: str | None = None
+    """Default: a fresh uuid4 hex. `/abort_request` takes this id."""
+    sampling_params: SamplingParams = SamplingParams()
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    """With `return_logprob`: also the this-many most likely tokens per position
+    (`meta_info.output_top_logprobs`, as SGLang's)."""
+    stream: bool = False
+    incremental_stream: bool = False
+    """polyrl extension: each stream chunk carries only what is new since the sample's
+    previous chunk (tokens, log-probs, versions, text); `completion_tokens` stays the
+    running total. Cumulative snapshots cost O(length^2) bytes over a sample's life."""
+    stream_interval_s: float = Field(0.0, ge=0, le=5)
+    """polyrl extension: at most one chunk per this many seconds (the worker's own
+    `worker.stream_interval_s` if longer); a finished sample is sent at once. The reader
+    (the manager, in the trainer's process) then parses fewer, bigger chunks."""
+
+    _no_batched_ids = field_validator("input_ids", mode="before")(_refuse_batched)
+
+    @field_validator("text", "rid", mode="before")
+    @classmethod
+    def _no_batched_text(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            raise ValueError(BATCHED_INPUT_MESSAGE)
+        return value
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.input_ids is None) == (self.text is None):
+            raise ValueError("send exactly one of input_ids and text")
+        return self
+
+class AbortRequest(_Wire):
+    rid: str = ""
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one_target(self) -> AbortRequest:
+        if bool(self.rid) == self.abort_all:
+            raise ValueError('send either {"rid": ...} or {"abort_all": true}')
+        return self
+
+
+class UpdateWeightsFromDiskRequest(_Wire):
+    model_path: str
+    weight_version: int | None = None
+    """Default: the current version + 1."""
+    load_format: str | None = None
+    """Ignored: the directory's `*.safetensors` files are read."""
+    abort_all_requests: bool = False
+    """Abort in-flight requests (they return partial tokens) before the swap."""
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's `POST /v1/load_lora_adapter` and SGLang's `POST /load_lora_adapter`: a PEFT
+    adapter directory on the worker's disk, served merged into the base as the next
+    weight version (one adapter at a time). Unknown fields (vLLM's `load_inplace`) are
+    ignored: a new adapter always replaces the served one."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+    weight_version: int | None = Field(None, ge=0)
+    """polyrl extension; default: the current version + 1."""
+
+
+class UpdateWeightsFromPublisherRequest(_Wire):
+    """polyrl extension: pull `weight_version` from the trainer's weight publisher
+    (`polyrl.transfer`), as a delta against the current version when it can."""
+
+    host: str
+    port: int = Field(ge=1, le=65535)
+    weight_version: int = Field(ge=0)
+    token: str
+    """The per-transfer secret the manager got from the publisher for this worker."""
+    worker_id: str
+    """The id the token was granted to."""
+    num_streams: int = Field(4, ge=1, le=64)
+    timeout_s: float = Field(60.0, gt=0)
+    codec: Literal["auto", "raw", "delta", "zstd", "int8"] = "auto"
+    """auto: encoded pulls (a delta against the current version, else zstd) only when raw
+    pulls have been slow (below ~2 Gbit/s); on a fast link a raw pull is quicker than
+    encoding. int8 is LOSSY (opt-in; the worker logs it)."""
+    path: WeightPath = "tcp"
+    """tcp: pull over the network (with `codec`). On the trainer's host: nccl (its GPU
+    broadcasts to ours) or cuda_ipc (our engine is on its GPU); either falls back to tcp
+    if it fails. The reply says which path was taken."""
+    tls: bool = False
+    """The publisher speaks TLS: verify it against `worker.tls.ca_file` (tcp path only)."""
+    swap_policy: Literal["recompute", "continue", "abort"] | None = None
+    """What the swap does to running requests (`engine.swap_policy`); None: the worker's
+    own setting. `continue` is vLLM's `pause_generation(mode="keep")` in one call."""
+
+
+# --------------------------------------------------------------------------------- responses
+
+
+class FinishReasonInfo(_Reply):
+    type: FinishReason
+    matched: int | None = None
+    """The stop token id that ended the sample (type "stop"), else null."""
+
+
+class MetaInfo(_Reply):
+    id: str
+    finish_reason: FinishReasonInfo | None
+    """null while a streamed sample is still running."""
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: int
+    """Version of the weights that produced the last token (the current one if none)."""
+    output_token_weight_versions: list[int]
+    output_token_logprobs: list[tuple[float, int, None]] | None = None
+    """[logprob, token_id, null] per output token; only with `return_logprob`."""
+    output_top_logprobs: list[list[tuple[float, int, None]]] | None = None
+    """Per output token, the `top_logprobs_num` most likely [logprob, token_id, null]."""
+
+
+class GenerateResponse(_Reply):
+    text: str
+    """The decoded completion without its final stop token; other special tokens stay."""
+    output_ids: list[int]
+    """Every generated token, the stop token included (aligned with the log-probs)."""
+    meta_info: MetaInfo
+    index: int | None = None
+    """Sample index, present when n > 1 and in every stream chunk."""
+
+
+class AbortResponse(_Reply):
+    num_aborted: int
+
+
+class UpdateWeightsResponse(_Reply):
+    success: bool
+    message: str
+    weight_version: int | None = None
+    path: WeightPath | None = None
+    """How a publisher pull came (tcp after a failed GPU path, too); None: nothing pulled."""
+    device: DeviceIdentity | None = None
+    """Where this worker's engine is: the manager offers the GPU paths on its next sync
+    when this is the trainer's host."""
+
+
+class ServerInfo(_Reply):
+    worker_id: str
+    state: Literal["active", "draining"]
+    model_path: str
+    weight_version: int
+    num_running_reqs: int
+    num_queued_reqs: int
+    gen_throughput: float
+    num_generated_tokens: int
+    num_preemptions: int = 0
+    max_total_num_tokens: int
+    max_model_len: int
+    max_num_seqs: int
+
+
+class ModelInfo(_Reply):
+    model_path: str
+    is_generation: bool = True
