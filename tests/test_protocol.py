@@ -7,11 +7,15 @@ import ast
 import json
 from pathlib import Path
 
+import pytest
+
+from polyrl.engine.types import SampleResult
 from polyrl.manager import backends, weight_sync
-from polyrl.manager.backends import GenerationCall, generate_body
+from polyrl.manager.backends import Delta, GenerationCall, WorkerFailed, generate_body, parse_chunk
 from polyrl.manager.protocol import BatchSampling
 from polyrl.protocol import worker_api
 from polyrl.worker import server
+from polyrl.worker.protocol import sample_response
 
 MANAGER = Path(__file__).resolve().parents[1] / "src" / "polyrl" / "manager"
 
@@ -52,3 +56,39 @@ def test_a_generate_request_carries_only_what_the_manager_set() -> None:
     assert sent["sampling_params"]["max_new_tokens"] == 9  # the call's remaining budget, not the batch's
     again = worker_api.GenerateRequest.model_validate_json(raw)
     assert again.sampling_params.sampling_seed == 11 and again.sampling_params.n == 3 and again.input_ids == [1, 2, 3]
+
+
+def test_what_the_worker_streams_the_manager_reads_back() -> None:
+    """The worker's chunk builder and the manager's parser agree: tokens, log-probs, each
+    token's version, top log-probs, the finish; an incremental chunk continues the count."""
+    result = SampleResult("r", 1, 4, token_ids=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3], weight_versions=[2, 2, 3],
+                          finish_reason="stop", matched_stop=7, top_logprobs=[[(5, -0.1)], [(6, -0.2)], [(7, -0.3)]])  # fmt: skip
+    seen: dict[int, int] = {}
+    first = sample_response(result, "", return_logprob=True, current_version=3, with_index=True, start=0)
+    first["output_ids"], first["meta_info"]["finish_reason"] = first["output_ids"][:2], None
+    for key in ("output_token_weight_versions", "output_token_logprobs", "output_top_logprobs"):
+        first["meta_info"][key] = first["meta_info"][key][:2]
+    first["meta_info"]["completion_tokens"] = 2
+    delta = parse_chunk(json.dumps(first), seen, incremental=True)
+    assert delta == Delta(1, [5, 6], [-0.1, -0.2], [2, 2], None, [[(5, -0.1)], [(6, -0.2)]]) and seen == {1: 2}
+    rest = sample_response(result, "", return_logprob=True, current_version=3, with_index=True, start=2)
+    delta = parse_chunk(json.dumps(rest).encode(), seen, incremental=True)
+    assert delta == Delta(1, [7], [-0.3], [3], "stop", [[(7, -0.3)]]) and seen == {1: 3}
+
+
+def test_the_manager_reads_a_plain_sglang_chunk_and_names_what_is_wrong() -> None:
+    plain = {"text": "ab", "output_ids": [4, 9], "meta_info": {"id": "x", "prompt_tokens": 3, "completion_tokens": 2,
+             "weight_version": 5, "finish_reason": {"type": "length", "length": 2}, "e2e_latency": 0.1,
+             "output_token_logprobs": [[-1.0, 4, None], [-2.0, 9, None]]}}  # fmt: skip
+    assert parse_chunk(json.dumps(plain), {}, incremental=False) == Delta(0, [4, 9], [-1.0, -2.0], [5, 5], "length", [])
+    with pytest.raises(WorkerFailed, match="worker reported: engine died"):
+        parse_chunk(json.dumps({"error": {"message": "engine died", "type": "internal"}}), {}, incremental=True)
+    with pytest.raises(WorkerFailed, match="unreadable stream chunk"):
+        parse_chunk(b'{"text": "a", "output_ids": [1', {}, incremental=True)
+    plain["meta_info"]["finish_reason"] = {"type": "exploded"}
+    with pytest.raises(WorkerFailed, match="unreadable stream chunk"):
+        parse_chunk(json.dumps(plain), {}, incremental=False)
+    plain["meta_info"]["finish_reason"] = None
+    plain["meta_info"]["output_token_logprobs"] = [[-1.0, 4, None]]
+    with pytest.raises(WorkerFailed, match="2 tokens, 1 log-probs"):
+        parse_chunk(json.dumps(plain), {}, incremental=False)

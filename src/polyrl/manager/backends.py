@@ -19,14 +19,15 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import httpx
+from pydantic import ValidationError
 
 from polyrl.httpapi import CHECKSUM_HEADER, checksum
 from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import WorkerRecord
-from polyrl.protocol.worker_api import GenerateRequest, SamplingParams
+from polyrl.protocol.worker_api import GenerateRequest, GenerateResponse, SamplingParams
 from polyrl.tls import async_http_client
 
 
@@ -106,31 +107,30 @@ def generate_body(call: GenerationCall, incremental: bool, stream_interval_s: fl
     return request.model_dump_json(exclude_unset=True).encode()
 
 
-def parse_chunk(payload: dict[str, Any], seen: dict[int, int], incremental: bool) -> Delta:
-    """One SSE chunk of /generate as a delta. `seen` counts each sample's tokens so far:
-    a cumulative snapshot (SGLang's format) is cut past them; an incremental chunk must
-    continue exactly where the last one ended."""
-    if "error" in payload:
-        error = payload["error"]
-        raise WorkerFailed(f"worker reported: {error.get('message', error) if isinstance(error, dict) else error}")
+def parse_chunk(data: str | bytes, seen: dict[int, int], incremental: bool) -> Delta:
+    """One SSE chunk of /generate (its JSON) as a delta. `seen` counts each sample's tokens
+    so far: a cumulative snapshot (SGLang's format) is cut past them; an incremental chunk
+    must continue exactly where the last one ended."""
     try:
-        meta = payload["meta_info"]
-        tokens = [int(t) for t in payload["output_ids"]]
-        logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
-        versions = meta.get("output_token_weight_versions")
-        if versions is None:  # a plain SGLang server: one version for the whole response
-            versions = [int(meta.get("weight_version") or 0)] * len(tokens)
-        top = [[(int(tok), float(lp)) for lp, tok, *_ in pos] for pos in meta.get("output_top_logprobs") or []]
-        finish = meta.get("finish_reason")
-        index, total = int(payload.get("index") or 0), int(meta.get("completion_tokens", -1))
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise WorkerFailed(f"unreadable stream chunk ({type(e).__name__}: {e})") from None
+        chunk = GenerateResponse.model_validate_json(data)
+    except ValidationError as e:
+        error = _error_of(data)
+        if error is not None:
+            raise WorkerFailed(f"worker reported: {error}") from None
+        raise WorkerFailed(f"unreadable stream chunk ({e.error_count()} errors: {e.errors()[0]['msg']} "
+                           f"at {'.'.join(map(str, e.errors()[0]['loc']))})") from None  # fmt: skip
+    meta = chunk.meta_info
+    tokens = chunk.output_ids
+    logprobs = [entry[0] for entry in meta.output_token_logprobs or ()]
+    versions = meta.output_token_weight_versions
+    if versions is None:  # a plain SGLang server: one version for the whole response
+        versions = [meta.weight_version] * len(tokens)
+    top = [[(tok, lp) for lp, tok, _ in position] for position in meta.output_top_logprobs or ()]
+    finish_type = meta.finish_reason.type if meta.finish_reason else None
+    index, total = chunk.index or 0, meta.completion_tokens
     if not len(tokens) == len(logprobs) == len(versions) or (top and len(top) != len(tokens)):
         raise WorkerFailed(f"chunk has {len(tokens)} tokens, {len(logprobs)} log-probs, {len(versions)} versions, "
                            f"{len(top)} top log-probs")  # fmt: skip
-    finish_type = finish["type"] if finish else None
-    if finish_type not in (None, "stop", "length", "abort"):
-        raise WorkerFailed(f"unknown finish reason {finish_type!r}")
     before = seen.get(index, 0)
     if not incremental:
         if len(tokens) < before:
@@ -139,7 +139,19 @@ def parse_chunk(payload: dict[str, Any], seen: dict[int, int], incremental: bool
     elif total != before + len(tokens):
         raise WorkerFailed(f"sample {index}: chunk of {len(tokens)} tokens after {before} claims a total of {total}")
     seen[index] = before + len(tokens)
-    return Delta(index, tokens, logprobs, [int(v) for v in versions], finish_type, top)
+    return Delta(index, tokens, logprobs, versions, finish_type, top)
+
+
+def _error_of(data: str | bytes) -> str | None:
+    """The message of an error chunk (`{"error": ...}`, as the worker streams a failure)."""
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(payload, dict) or "error" not in payload:
+        return None
+    error = payload["error"]
+    return str(error.get("message", error) if isinstance(error, dict) else error)
 
 
 def _error_message(response: httpx.Response, body: bytes) -> str:
@@ -214,9 +226,7 @@ class RemoteBackend:
                 if incremental and expected != checksum(data.encode()):
                     raise WorkerFailed("stream chunk does not match its checksum (damaged in transit)")
                 expected = None
-                yield [parse_chunk(json.loads(data), seen, incremental)]
-        except json.JSONDecodeError as e:
-            raise WorkerFailed(f"unreadable stream chunk: {e}") from None
+                yield [parse_chunk(data, seen, incremental)]
         finally:
             stop.set()
         if not done:

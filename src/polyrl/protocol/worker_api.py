@@ -180,16 +180,19 @@ class FinishReasonInfo(_Reply):
 
 class MetaInfo(_Reply):
     id: str
-    finish_reason: FinishReasonInfo | None
+    finish_reason: FinishReasonInfo | None = None
     """null while a streamed sample is still running."""
     prompt_tokens: int
     completion_tokens: int
-    weight_version: int
+    """Every token of the sample so far (an incremental chunk carries only the new ones)."""
+    weight_version: int = 0
     """Version of the weights that produced the last token (the current one if none)."""
-    output_token_weight_versions: list[int]
-    output_token_logprobs: list[tuple[float, int, None]] | None = None
+    output_token_weight_versions: list[int] | None = None
+    """The version of each output token (polyrl's; always sent by a polyrl worker). A plain
+    SGLang server leaves it out: its `weight_version` then stands for the whole response."""
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
     """[logprob, token_id, null] per output token; only with `return_logprob`."""
-    output_top_logprobs: list[list[tuple[float, int, None]]] | None = None
+    output_top_logprobs: list[list[tuple[float, int, str | None]]] | None = None
     """Per output token, the `top_logprobs_num` most likely [logprob, token_id, null]."""
 
 
