@@ -44,10 +44,11 @@ from polyrl.manager.protocol import (
     BatchRequest,
     GroupResult,
 )
-from polyrl.manager.registry import LOCAL_WORKER_ID, Registry, WorkerRecord
+from polyrl.manager.registry import Registry, WorkerRecord
 from polyrl.manager.settlement import Settlement
 from polyrl.manager.state import SyncHook
 from polyrl.manager.window import LocalWindow
+from polyrl.protocol.ids import LOCAL_WORKER_ID
 
 __all__ = ["RolloutManager", "SyncHook"]
 

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from polyrl.engine.types import EngineSampling
+from polyrl.protocol.ids import LOCAL_WORKER_ID
 
 PROTOCOL_VERSION = 1
 
@@ -69,8 +70,8 @@ class RegisterRequest(_Message):
 
     @model_validator(mode="after")
     def _local_id_reserved(self) -> RegisterRequest:
-        if self.worker_id == "local" and not self.local:
-            raise ValueError("worker_id: 'local' is reserved for the trainer's own engine")
+        if self.worker_id == LOCAL_WORKER_ID and not self.local:
+            raise ValueError(f"worker_id: {LOCAL_WORKER_ID!r} is reserved for the trainer's own engine")
         return self
 
     @field_validator("url")

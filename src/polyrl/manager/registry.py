@@ -23,9 +23,6 @@ from polyrl.manager.protocol import Heartbeat, RegisterRequest, WorkerInfo, Work
 
 log = logging.getLogger("polyrl.manager")
 
-LOCAL_WORKER_ID = "local"
-
-
 @dataclass(eq=False, repr=False)
 class WorkerRecord:
     worker_id: str

@@ -23,7 +23,7 @@ from polyrl.config import EngineConfig
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest, SampleResult
 from polyrl.manager.protocol import BatchSampling
-from polyrl.manager.registry import LOCAL_WORKER_ID
+from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.rollout.stats import RolloutStats
 from polyrl.rollout.types import Group, Prompt, Sample
 

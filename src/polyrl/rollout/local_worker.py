@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from polyrl.config import EngineConfig, LoraConfig, TlsConfig
-from polyrl.manager.registry import LOCAL_WORKER_ID
+from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.rollout.child import Child
 from polyrl.rollout.fleet import lora_overrides, tls_overrides, worker_command, worker_env
 

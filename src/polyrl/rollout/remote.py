@@ -37,7 +37,7 @@ from polyrl.manager.protocol import (
     WorkerInfo,
     WorkerList,
 )
-from polyrl.manager.registry import LOCAL_WORKER_ID
+from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.rollout.local import engine_dtype, learner_weights
 from polyrl.rollout.local_worker import LocalWorker
 from polyrl.rollout.manager_link import BatchStream, ManagerLink, ManagerUnreachable

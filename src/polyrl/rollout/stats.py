@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from polyrl.manager.protocol import WorkerList
-from polyrl.manager.registry import LOCAL_WORKER_ID
+from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.rollout.types import Group
 
 log = logging.getLogger("polyrl.rollout")

@@ -26,7 +26,6 @@ from polyrl.cpu_threads import process_threads
 from polyrl.data.rewards import RewardPool
 from polyrl.data.source import PromptSource
 from polyrl.manager.protocol import BatchSampling
-from polyrl.manager.registry import LOCAL_WORKER_ID
 from polyrl.metrics.step_stats import (
     cost_metrics,
     cuda_memory_metrics,
@@ -39,6 +38,7 @@ from polyrl.metrics.tracker import Tracker
 from polyrl.models.precision import DTYPES
 from polyrl.models.tiny import save_tiny_model
 from polyrl.preflight import check_world_size, shared_token
+from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.rollout.atropos import AtroposRollout
 from polyrl.rollout.feed import AsyncFeed
 from polyrl.rollout.fleet import Fleet, WorkerFleet

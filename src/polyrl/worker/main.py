@@ -27,6 +27,7 @@ from polyrl.engine.engine import Engine
 from polyrl.engine.lora import AdapterMerger, expected_spec
 from polyrl.manager.protocol import Heartbeat, RegisterRequest, RegisterResponse
 from polyrl.preflight import shared_token
+from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.serving import QuietServer, bind, server_config, wait_started
 from polyrl.tls import base_url, reachable_host
 from polyrl.worker.manager_client import ManagerRejected, ManagerSession, ManagerUnreachable, worker_client
@@ -79,7 +80,7 @@ async def _serve(cfg: WorkerRunConfig, engine: AsyncEngine, tokenizer: Any | Non
     state = WorkerState(
         engine,
         model_path=str(cfg.model.path),
-        worker_id="local" if cfg.worker.local else cfg.worker.worker_id or f"{socket.gethostname()}-{port}",
+        worker_id=LOCAL_WORKER_ID if cfg.worker.local else cfg.worker.worker_id or f"{socket.gethostname()}-{port}",
         tokenizer=tokenizer,
         block_size=cfg.engine.block_size,
         max_num_seqs=cfg.engine.max_num_seqs,
