@@ -39,10 +39,10 @@ from polyrl.manager.main import ManagerThread
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.protocol import BatchSampling, WorkerList
 from polyrl.manager.window import LocalWindow
+from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.rollout.feed import AsyncFeed
 from polyrl.rollout.remote import window_policy
 from polyrl.rollout.stats import RolloutStats
-from polyrl.rollout.types import Group, Prompt, Sample
 from polyrl.trainer.checkpoint import read_trainer_state
 from polyrl.trainer.loop import train
 

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from polyrl.config import AlgoConfig, EngineConfig, TrainerConfig
 from polyrl.engine.engine import Engine
 from polyrl.manager.protocol import BatchSampling
+from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.rollout.local import LocalRollout
-from polyrl.rollout.types import Group, Prompt, Sample
 from polyrl.trainer.batching import SeqItem, collate, group_items, pack_micro_batches
 from polyrl.trainer.learner import Learner, build_optimizer, lr_lambda
 from polyrl.trainer.stream import in_prompt_order, learn_from_stream

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from polyrl.rollout.types import Group, Prompt, Sample
+from polyrl.protocol.samples import Group, Prompt, Sample
 
 CONTEXT = -100
 """The mask value of a position that is context, not generated (PyTorch's ignore index)."""

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from polyrl.config import ConfigError, DataConfig
 from polyrl.data.tasks import get_task, task_record
-from polyrl.rollout.types import Prompt
+from polyrl.protocol.samples import Prompt
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from polyrl.rollout.types import Group
+from polyrl.protocol.samples import Group
 
 
 def rollout_metrics(groups: list[Group], max_new_tokens: int) -> dict[str, float]:

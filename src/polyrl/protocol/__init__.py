@@ -1,3 +1,5 @@
 """The vocabulary every role imports and no role owns: the models that cross a process
-boundary, so that both sides of a wire use one class. `worker_api`: the worker's HTTP API
-(the manager's requests to workers, and their replies)."""
+boundary or a role's, so that both sides use one class. `worker_api`: the worker's HTTP
+API (the manager's requests to workers, and their replies). `samples`: the prompt, the
+sample and the group, from the data sources through the rollout sources to the learner.
+`ids`: the names several roles must spell the same way."""

@@ -24,8 +24,8 @@ from pydantic import ValidationError
 from polyrl.config import RunConfig
 from polyrl.data.atropos import Registration, ScoredGroup, check_group, to_group
 from polyrl.data.atropos_client import AtroposClient
+from polyrl.protocol.samples import Group, Prompt
 from polyrl.rollout.stats import RolloutStats
-from polyrl.rollout.types import Group, Prompt
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 from polyrl.data.source import PromptSource
 from polyrl.manager.protocol import BatchSampling
+from polyrl.protocol.samples import Group, Prompt
 from polyrl.rollout.remote import RemoteRollout
 from polyrl.rollout.stats import RolloutStats
-from polyrl.rollout.types import Group, Prompt
 
 log = logging.getLogger("polyrl.rollout")
 

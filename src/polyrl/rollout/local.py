@@ -24,8 +24,8 @@ from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest, SampleResult
 from polyrl.manager.protocol import BatchSampling
 from polyrl.protocol.ids import LOCAL_WORKER_ID
+from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.rollout.stats import RolloutStats
-from polyrl.rollout.types import Group, Prompt, Sample
 
 
 def to_sample(result: SampleResult, worker: str, gen_time_s: float) -> Sample:

@@ -38,12 +38,12 @@ from polyrl.manager.protocol import (
     WorkerList,
 )
 from polyrl.protocol.ids import LOCAL_WORKER_ID
+from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.rollout.local import engine_dtype, learner_weights
 from polyrl.rollout.local_worker import LocalWorker
 from polyrl.rollout.manager_link import BatchStream, ManagerLink, ManagerUnreachable
 from polyrl.rollout.manager_process import ManagerProcess
 from polyrl.rollout.stats import FleetIdle, LostWorkers, RolloutStats
-from polyrl.rollout.types import Group, Prompt, Sample
 from polyrl.tls import reachable_host
 from polyrl.transfer.device import DeviceVersions
 from polyrl.transfer.publisher import WeightPublisher

@@ -1,7 +1,7 @@
 """Where a step's groups come from: the interface every rollout source implements.
 
-Kept apart from the records it hands out (`types.py`) because it also carries the step's
-`RolloutStats`, which count those records: the records stay below both.
+Kept apart from the records it hands out (`polyrl.protocol.samples`) because it also
+carries the step's `RolloutStats`, which count those records: the records stay below both.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     import torch
 
     from polyrl.manager.protocol import BatchSampling, WorkerInfo
+    from polyrl.protocol.samples import Group, Prompt
     from polyrl.rollout.stats import RolloutStats
-    from polyrl.rollout.types import Group, Prompt
 
 
 class Rollout(Protocol):

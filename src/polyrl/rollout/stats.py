@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from polyrl.manager.protocol import WorkerList
 from polyrl.protocol.ids import LOCAL_WORKER_ID
-from polyrl.rollout.types import Group
+from polyrl.protocol.samples import Group
 
 log = logging.getLogger("polyrl.rollout")
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyrl.rollout.types import Group, Sample
+from polyrl.protocol.samples import Group, Sample
 
 
 @dataclass

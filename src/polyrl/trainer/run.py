@@ -39,13 +39,13 @@ from polyrl.models.precision import DTYPES
 from polyrl.models.tiny import save_tiny_model
 from polyrl.preflight import check_world_size, shared_token
 from polyrl.protocol.ids import LOCAL_WORKER_ID
+from polyrl.protocol.samples import Group
 from polyrl.rollout.atropos import AtroposRollout
 from polyrl.rollout.feed import AsyncFeed
 from polyrl.rollout.fleet import Fleet, WorkerFleet
 from polyrl.rollout.local import LocalRollout
 from polyrl.rollout.remote import RemoteRollout
 from polyrl.rollout.source import Rollout
-from polyrl.rollout.types import Group
 from polyrl.trainer.checkpoint import (
     ADAPTER_DIR,
     MODEL_DIR,

@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from polyrl.config import AlgoConfig
 from polyrl.data.rewards import RewardPool
-from polyrl.rollout.types import Group, Sample
+from polyrl.protocol.samples import Group, Sample
 from polyrl.trainer.batching import SeqItem, group_items
 from polyrl.trainer.grpo import group_advantages
 from polyrl.trainer.learner import Learner

@@ -1,8 +1,9 @@
 """What a rollout produces: a group of `n` samples for one prompt.
 
-These records are the contract between every rollout source (the local engine today, the
-manager's streamed results later) and the learner; the sources' own interface is
-`source.Rollout`, which builds on these and on the step's stats.
+These records are the contract between every rollout source (the trainer's engine, the
+manager's streamed groups, Atropos) and the learner, and the data sources make the
+prompts; so they live in the vocabulary, not in rollout/. The sources' own interface is
+`polyrl.rollout.source.Rollout`, which builds on these and on the step's stats.
 """
 
 from __future__ import annotations
