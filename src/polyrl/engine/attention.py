@@ -12,7 +12,6 @@ step, and gathering 256 decodes padded to the longest context moved about 20x th
 bytes the kernel reads.
 """
 
-
 from __future__ import annotations
 
 from dataclasses import dataclass
