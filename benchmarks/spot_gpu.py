@@ -25,8 +25,13 @@ Throughput rows, each a real `polyrl train` process (plus, for the spot rows, a 
   the next step's batch generated while the learner trains;
 * fully_async_k1 / fully_async_k2: rollout.fully_async with max_staleness 1 / 2 (hybrid:
   the trainer's engine generates whenever its learner waits);
-* best_kill: the fastest spot row of this run again, with the worker killed (-9) in the
-  middle of a measured step and a new one started a few seconds later: nothing may be lost;
+* fully_async_k3 / fully_async_k4: the same with max_staleness 3 / 4. `--async-set
+  rollout.hybrid_local_until=always` gives these rows (and best_kill and learn_fully_async
+  when they repeat one) the trainer's engine as a worker all the time, which the other
+  rows refuse;
+* best_kill: the fastest spot row of this run again (or the row `--kill-as` names), with
+  the worker killed (-9) in the middle of a measured step and a new one started a few
+  seconds later: nothing may be lost;
 * equal_*: the same with every response at full length (`--new-tokens`), for comparison;
 * learn_*: the tiny default model learning the default task from scratch: wall-clock time
   to a target reward;
