@@ -59,8 +59,20 @@ def print_table(rows: list[FaultRow]) -> None:
     lines = []
     for row in rows:
         s = row.summary()
-        lines.append([row.fault, row.injected, row.samples, row.lost, row.duplicated, row.wrong_length, row.migrated,
-                      s["recovery_median_s"], s["recovery_max_s"], row.wall_s])  # fmt: skip
+        lines.append(
+            [
+                row.fault,
+                row.injected,
+                row.samples,
+                row.lost,
+                row.duplicated,
+                row.wrong_length,
+                row.migrated,
+                s["recovery_median_s"],
+                s["recovery_max_s"],
+                row.wall_s,
+            ]
+        )
     widths = [max(len(fmt(x)) for x in col) for col in zip(header, *lines, strict=False)]
     for line in [header, *lines]:
         print("  ".join(fmt(x).ljust(w) if i == 0 else fmt(x).rjust(w) for i, (x, w) in enumerate(zip(line, widths))))
@@ -106,8 +118,11 @@ def main() -> int:
     print_table(rows)
     if args.json:
         machine = {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__}
-        result = {"scale": vars(args) | {"json": str(args.json), "keep_logs": str(args.keep_logs)}, "machine": machine,
-                  "rows": [r.summary() for r in rows]}  # fmt: skip
+        result = {
+            "scale": vars(args) | {"json": str(args.json), "keep_logs": str(args.keep_logs)},
+            "machine": machine,
+            "rows": [r.summary() for r in rows],
+        }
         args.json.write_text(json.dumps(result, indent=2))
     return 0 if all(r.ok for r in rows) else 1
 

@@ -76,16 +76,21 @@ def main() -> None:
     total -= total % max(pieces)
     buf = np.ones(total, dtype=np.uint8)  # both touched: page faults stay out of the timings
     src = np.full(total, 3, dtype=np.uint8)
-    print(f"python-xxhash {xxhash.VERSION} (xxHash {xxhash.XXHASH_VERSION}), {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores; one core, best of {args.repeats}")  # fmt: skip
+    print(
+        f"python-xxhash {xxhash.VERSION} (xxHash {xxhash.XXHASH_VERSION}), {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores; one core, best of {args.repeats}"
+    )
     print(f"{'piece':>9} {'hash, cache':>12} {'hash, DRAM':>11} {'copy':>8} {'copy+hash':>10} {'hash time/copy':>15}")
     rows = []
     for piece in pieces:
         r = measure(piece, buf, src, args.repeats)
         share = r["copy"] / r["hash_cache"]  # seconds of hashing per second of copying
         rows.append({"piece_bytes": piece, **{f"{k}_Bps": v for k, v in r.items()}, "hash_over_copy": share})
-        print(f"{piece >> 10:>5} KiB {r['hash_cache'] / 1e9:>9.1f} GB/s {r['hash_dram'] / 1e9:>6.1f} GB/s "
-              f"{r['copy'] / 1e9:>5.1f} GB/s {r['copy_hash'] / 1e9:>7.1f} GB/s {share:>14.0%}", flush=True)  # fmt: skip
+        print(
+            f"{piece >> 10:>5} KiB {r['hash_cache'] / 1e9:>9.1f} GB/s {r['hash_dram'] / 1e9:>6.1f} GB/s "
+            f"{r['copy'] / 1e9:>5.1f} GB/s {r['copy_hash'] / 1e9:>7.1f} GB/s {share:>14.0%}",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"xxhash": xxhash.VERSION, "cpu_count": os.cpu_count(), "rows": rows}, f, indent=1)

@@ -56,29 +56,49 @@ def engine_cost(repeats: int) -> None:
     model_dir = str(save_tiny_model(tempfile.mkdtemp(prefix="polyrl-det-"), TinyModelConfig()))
     rng = random.Random(0)
     sampling = EngineSampling(max_new_tokens=6, temperature=1.0, ignore_eos=True, n=16)
-    requests = [EngineRequest(str(i), [1] + [rng.randrange(3, 40) for _ in range(rng.randrange(6, 14))],
-                              dataclasses.replace(sampling, seed=1000 * i)) for i in range(32)]  # fmt: skip
+    requests = [
+        EngineRequest(
+            str(i),
+            [1] + [rng.randrange(3, 40) for _ in range(rng.randrange(6, 14))],
+            dataclasses.replace(sampling, seed=1000 * i),
+        )
+        for i in range(32)
+    ]
     seconds: dict[str, list[float]] = {"float32": [], "float64": []}
     for _ in range(repeats):
         for dtype, times in seconds.items():
             times.append(engine_seconds(dtype, model_dir, requests))
     f32, f64 = min(seconds["float32"]), min(seconds["float64"])
-    print(f"engine, 32 prompts x 16 x 6 tokens, best of {repeats}: float32 {f32:.3f} s, float64 {f64:.3f} s ({f64 / f32:.2f}x)")
+    print(
+        f"engine, 32 prompts x 16 x 6 tokens, best of {repeats}: float32 {f32:.3f} s, float64 {f64:.3f} s ({f64 / f32:.2f}x)"
+    )
 
 
 def training_case(overrides: list[str], steps: int, warmup: int) -> dict[str, float]:
     """One run: the fastest and the median step (s), the median generation and learner time."""
-    cfg = load_config(None, [
-        "logging.console=false", "logging.tensorboard=false", "manager.port=0", "trainer.save_every=0",
-        f"trainer.total_steps={warmup + steps}", "rollout.mode=remote", "fleet.num_workers=2", *overrides,
-    ])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "logging.console=false",
+            "logging.tensorboard=false",
+            "manager.port=0",
+            "trainer.save_every=0",
+            f"trainer.total_steps={warmup + steps}",
+            "rollout.mode=remote",
+            "fleet.num_workers=2",
+            *overrides,
+        ],
+    )
     run_dir = Path(tempfile.mkdtemp(prefix="polyrl-det-run-"))
     train(cfg, run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][warmup:]
     step_s = [r["perf/time_per_step"] for r in rows]
-    return {"min_s": min(step_s), "median_s": float(np.median(step_s)),
-            "gen_s": float(np.median([r["timing_s/gen"] for r in rows])),
-            "update_s": float(np.median([r["timing_s/update_actor"] for r in rows]))}  # fmt: skip
+    return {
+        "min_s": min(step_s),
+        "median_s": float(np.median(step_s)),
+        "gen_s": float(np.median([r["timing_s/gen"] for r in rows])),
+        "update_s": float(np.median([r["timing_s/update_actor"] for r in rows])),
+    }
 
 
 def main() -> int:

@@ -30,10 +30,19 @@ CASES = [("local", 0), ("remote", 0), ("remote", 1), ("remote", 2), ("hybrid", 0
 
 
 def run_case(mode: str, workers: int, steps: int, warmup: int, overrides: list[str]) -> dict:
-    cfg = load_config(None, [
-        "logging.console=false", "logging.tensorboard=false", "manager.port=0", "trainer.save_every=0",
-        f"trainer.total_steps={warmup + steps}", f"rollout.mode={mode}", f"fleet.num_workers={workers}", *overrides,
-    ])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "logging.console=false",
+            "logging.tensorboard=false",
+            "manager.port=0",
+            "trainer.save_every=0",
+            f"trainer.total_steps={warmup + steps}",
+            f"rollout.mode={mode}",
+            f"fleet.num_workers={workers}",
+            *overrides,
+        ],
+    )
     run_dir = Path(tempfile.mkdtemp(prefix=f"polyrl-e2e-{mode}{workers}-"))
     t0 = time.perf_counter()
     train(cfg, run_dir)
@@ -73,14 +82,18 @@ def main() -> int:
     base = rows[0]["tokens_per_s"]
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
     print(f"\n{machine}; median over {args.steps} steps after {args.warmup} warm-up steps")
-    print("| mode | workers | s/step | tokens/s | vs local | gen s | update s | local share | lost | tokens/$ "
-          "| max logprob_diff |")
+    print(
+        "| mode | workers | s/step | tokens/s | vs local | gen s | update s | local share | lost | tokens/$ "
+        "| max logprob_diff |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['workers']} | {r['time_per_step_s']:.2f} | {r['tokens_per_s']:.0f} | "
-              f"{r['tokens_per_s'] / base:.2f}x | {r['gen_s']:.2f} | {r['update_actor_s']:.2f} | "
-              f"{r['local_sample_share']:.2f} | {r['samples_lost']} | {r['tokens_per_usd']:.3g} | "
-              f"{r['max_logprob_diff']:.1e} |")  # fmt: skip
+        print(
+            f"| {r['mode']} | {r['workers']} | {r['time_per_step_s']:.2f} | {r['tokens_per_s']:.0f} | "
+            f"{r['tokens_per_s'] / base:.2f}x | {r['gen_s']:.2f} | {r['update_actor_s']:.2f} | "
+            f"{r['local_sample_share']:.2f} | {r['samples_lost']} | {r['tokens_per_usd']:.3g} | "
+            f"{r['max_logprob_diff']:.1e} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
     return 0 if all(r["samples_lost"] == 0 for r in rows) else 1

@@ -111,27 +111,57 @@ class Run:
         cpu = args.device == "cpu"
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
         env |= {"CUDA_VISIBLE_DEVICES": "" if cpu else args.trainer_gpus, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
-               "-m", "polyrl.cli", "train", "--run-dir", str(self.run_dir), *self.overrides()]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(args.ranks),
+            "-m",
+            "polyrl.cli",
+            "train",
+            "--run-dir",
+            str(self.run_dir),
+            *self.overrides(),
+        ]
         self.log = open(work / "trainer.log", "ab")  # noqa: SIM115 - closed in stop()
         self.trainer = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def overrides(self) -> list[str]:
         a = self.args
         common = [
-            f"model.path={self.model}", "rollout.mode=hybrid", f"rollout.n={a.n}", f"rollout.max_new_tokens={a.new_tokens}",
-            f"trainer.train_batch_size={a.prompts}", f"trainer.ppo_mini_batch_size={a.prompts // a.mini_batches}",
-            "trainer.total_steps=100000", "trainer.save_every=0", "trainer.warmup_steps=0",
-            "logging.console=false", "logging.tensorboard=false", "fleet.num_workers=0",
-            f"manager.port={self.port}", f"manager.token={TOKEN}", "manager.heartbeat_interval_s=0.5",
+            f"model.path={self.model}",
+            "rollout.mode=hybrid",
+            f"rollout.n={a.n}",
+            f"rollout.max_new_tokens={a.new_tokens}",
+            f"trainer.train_batch_size={a.prompts}",
+            f"trainer.ppo_mini_batch_size={a.prompts // a.mini_batches}",
+            "trainer.total_steps=100000",
+            "trainer.save_every=0",
+            "trainer.warmup_steps=0",
+            "logging.console=false",
+            "logging.tensorboard=false",
+            "fleet.num_workers=0",
+            f"manager.port={self.port}",
+            f"manager.token={TOKEN}",
+            "manager.heartbeat_interval_s=0.5",
             f"manager.transfer.gpu_paths={'true' if a.weight_path == 'auto' else 'false'}",
-            f"cost.trainer_usd_per_hour={ON_DEMAND_USD_PER_GPU_HOUR}", f"cost.worker_usd_per_hour={SPOT_USD_PER_GPU_HOUR}",
-        ]  # fmt: skip
+            f"cost.trainer_usd_per_hour={ON_DEMAND_USD_PER_GPU_HOUR}",
+            f"cost.worker_usd_per_hour={SPOT_USD_PER_GPU_HOUR}",
+        ]
         if a.device == "cpu":
             return [*common, "data.task=copy", "trainer.device=cpu", "trainer.num_threads=1", "engine.max_num_seqs=64"]
-        return [*common, "data.task=copy", "model.dtype=bfloat16", "trainer.device=cuda", "trainer.lr=1e-6",
-                f"trainer.micro_batch_max_tokens={a.micro_batch_tokens}", "engine.max_num_seqs=512",
-                f"engine.kv_cache_memory_fraction={a.kv_fraction}"]  # fmt: skip
+        return [
+            *common,
+            "data.task=copy",
+            "model.dtype=bfloat16",
+            "trainer.device=cuda",
+            "trainer.lr=1e-6",
+            f"trainer.micro_batch_max_tokens={a.micro_batch_tokens}",
+            "engine.max_num_seqs=512",
+            f"engine.kv_cache_memory_fraction={a.kv_fraction}",
+        ]
 
     # ---------------------------------------------------------------- the step clock
 
@@ -142,8 +172,11 @@ class Run:
             step = int(row["step"])
             if step not in self.rows:
                 self.rows[step], self.step_end[step] = row, time.monotonic()
-                print(f"  step {step}: {row['perf/time_per_step']:.2f}s, {row['perf/throughput_all_gpus']:.0f} tok/s, "
-                      f"{int(row.get('training/num_workers', 0))} workers", flush=True)  # fmt: skip
+                print(
+                    f"  step {step}: {row['perf/time_per_step']:.2f}s, {row['perf/throughput_all_gpus']:.0f} tok/s, "
+                    f"{int(row.get('training/num_workers', 0))} workers",
+                    flush=True,
+                )
         ours = {w.worker_id for w in self.workers}
         rates = [w["gen_throughput"] for i, w in self.manager.workers().items() if i in ours and w["state"] == "active"]
         if rates:
@@ -168,21 +201,34 @@ class Run:
     def measure(self, phase: Phase, index: int, since: float) -> None:
         """Wait for `--phase-steps` steps that started after `since` (a step starts when the
         one before it ends)."""
+
         def counted() -> list[int]:
             return [s for s in sorted(self.rows) if s - 1 in self.step_end and self.step_end[s - 1] >= since]
 
-        self.wait(lambda: len(counted()) >= self.args.phase_steps, index, f"{self.args.phase_steps} steps of {phase.name}")
+        self.wait(
+            lambda: len(counted()) >= self.args.phase_steps, index, f"{self.args.phase_steps} steps of {phase.name}"
+        )
         phase.steps = counted()[: self.args.phase_steps]
 
     # ---------------------------------------------------------------- the fleet
 
     def join(self, worker_id: str, gpu: str, index: int) -> float:
         """Start a spot worker; returns when the manager has it active."""
-        extra = ("engine.max_num_seqs=512",) if self.args.device == "cuda" else ('engine.device="cpu"', "engine.max_num_seqs=64")
-        self.workers.append(Worker(self.model, self.url, worker_id, gpu, self.work, self.args.worker_kv_fraction, extra))
+        extra = (
+            ("engine.max_num_seqs=512",)
+            if self.args.device == "cuda"
+            else ('engine.device="cpu"', "engine.max_num_seqs=64")
+        )
+        self.workers.append(
+            Worker(self.model, self.url, worker_id, gpu, self.work, self.args.worker_kv_fraction, extra)
+        )
         started = time.monotonic()
-        self.wait(lambda: self.manager.workers().get(worker_id, {}).get("state") == "active", index, f"{worker_id} active")
-        print(f"  {worker_id} joined on {'GPU ' + gpu if gpu else 'CPU'}: active after {time.monotonic() - started:.1f}s")
+        self.wait(
+            lambda: self.manager.workers().get(worker_id, {}).get("state") == "active", index, f"{worker_id} active"
+        )
+        print(
+            f"  {worker_id} joined on {'GPU ' + gpu if gpu else 'CPU'}: active after {time.monotonic() - started:.1f}s"
+        )
         return time.monotonic()
 
     def retire(self, worker_id: str, index: int) -> float:
@@ -220,8 +266,13 @@ class Run:
 def schedule(run: Run, args: argparse.Namespace) -> list[Phase]:
     cpu = args.device == "cpu"
     gpu2, gpu3 = ("", "") if cpu else args.worker_gpus.split(",")
-    phases = [Phase("0 workers", 0), Phase("1 worker", 1), Phase("2 workers", 2),
-              Phase("1 worker, oldest retired", 1), Phase("1 worker, after a kill -9", 1)]  # fmt: skip
+    phases = [
+        Phase("0 workers", 0),
+        Phase("1 worker", 1),
+        Phase("2 workers", 2),
+        Phase("1 worker, oldest retired", 1),
+        Phase("1 worker, after a kill -9", 1),
+    ]
     run.wait(lambda: run.last_step() >= args.warmup, 0, f"{args.warmup} warm-up steps")
     run.measure(phases[0], 0, time.monotonic())
     run.measure(phases[1], 1, run.join("w1", gpu2, 1))
@@ -241,29 +292,62 @@ def report(phases: list[Phase], run: Run, args: argparse.Namespace, wall: float)
     lost = int(sum(r["rollout/samples_lost"] for r in rows))
     migrated = int(sum(r["rollout/migrated_samples"] for r in rows))
     base = phases[0].stats or Result(phases[0].name)
-    where = (f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if args.device == "cuda"
-             else f"CPU ({os.cpu_count()} cores)")  # fmt: skip
-    print(f"\n{where}, torch {torch.__version__}, {platform.node()}; {args.prompts} prompts x {args.n}, "
-          f"<= {args.new_tokens} new tokens; trainer FSDP2 on {args.ranks} ranks (GPUs {args.trainer_gpus}), hybrid; "
-          f"workers on GPUs {args.worker_gpus}; weight path {args.weight_path}")
-    head = ("phase", "steps", "s/step", "tok/s", "vs 0 workers", "gen tok/s", "worker gen tok/s", "$/h", "tok/$",
-            "tok/$ vs 0 workers", "local share", "sync s")  # fmt: skip
+    where = (
+        f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+        if args.device == "cuda"
+        else f"CPU ({os.cpu_count()} cores)"
+    )
+    print(
+        f"\n{where}, torch {torch.__version__}, {platform.node()}; {args.prompts} prompts x {args.n}, "
+        f"<= {args.new_tokens} new tokens; trainer FSDP2 on {args.ranks} ranks (GPUs {args.trainer_gpus}), hybrid; "
+        f"workers on GPUs {args.worker_gpus}; weight path {args.weight_path}"
+    )
+    head = (
+        "phase",
+        "steps",
+        "s/step",
+        "tok/s",
+        "vs 0 workers",
+        "gen tok/s",
+        "worker gen tok/s",
+        "$/h",
+        "tok/$",
+        "tok/$ vs 0 workers",
+        "local share",
+        "sync s",
+    )
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for p in phases:
         r = p.stats or Result(p.name)
         speed = r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
         gain = r.tokens_per_usd / base.tokens_per_usd - 1 if base.tokens_per_usd else None
-        cells = (p.name, ",".join(map(str, p.steps)), fmt(r.s_per_step, ".2f"), fmt(r.tokens_per_s, ".0f"),
-                 fmt(speed, ".2f"), fmt(r.gen_tokens_per_s, ".0f"), fmt(p.worker_gen_tokens_per_s, ".0f"),
-                 fmt(r.usd_per_hour, ".2f"), fmt(r.tokens_per_usd, ".3g"),
-                 "-" if gain is None else f"{100 * gain:+.0f}%", fmt(r.local_share, ".2f"), fmt(r.weight_sync_s, ".2f"))  # fmt: skip
+        cells = (
+            p.name,
+            ",".join(map(str, p.steps)),
+            fmt(r.s_per_step, ".2f"),
+            fmt(r.tokens_per_s, ".0f"),
+            fmt(speed, ".2f"),
+            fmt(r.gen_tokens_per_s, ".0f"),
+            fmt(p.worker_gen_tokens_per_s, ".0f"),
+            fmt(r.usd_per_hour, ".2f"),
+            fmt(r.tokens_per_usd, ".3g"),
+            "-" if gain is None else f"{100 * gain:+.0f}%",
+            fmt(r.local_share, ".2f"),
+            fmt(r.weight_sync_s, ".2f"),
+        )
         print("| " + " | ".join(cells) + " |")
         for note in p.notes:
             print(f"    {p.name}: {note}")
     print(f"samples lost: {lost}, migrated: {migrated}, steps: {len(rows)}, wall {wall:.0f}s")
-    return {"args": {k: str(v) for k, v in vars(args).items()}, "phases": [asdict(p) for p in phases],
-            "samples_lost": lost, "migrated": migrated, "steps": len(rows), "wall_s": wall}  # fmt: skip
+    return {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "phases": [asdict(p) for p in phases],
+        "samples_lost": lost,
+        "migrated": migrated,
+        "steps": len(rows),
+        "wall_s": wall,
+    }
 
 
 def main() -> None:
@@ -272,11 +356,17 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     add_workload_args(p)
     p.add_argument("--phase-steps", type=int, default=3)
-    p.add_argument("--weight-path", choices=["auto", "tcp"], default="auto",
-                   help="auto: same-host workers get NCCL after their first pull; tcp: TCP only")
+    p.add_argument(
+        "--weight-path",
+        choices=["auto", "tcp"],
+        default="auto",
+        help="auto: same-host workers get NCCL after their first pull; tcp: TCP only",
+    )
     p.add_argument("--timeout-s", type=float, default=1500)
     p.add_argument("--trainer-gpus", default="0,1", help="CUDA devices of the trainer's ranks (one rank each)")
-    p.add_argument("--worker-gpus", default="2,3", help="the two worker GPUs (w1 and w3 on the first, w2 on the second)")
+    p.add_argument(
+        "--worker-gpus", default="2,3", help="the two worker GPUs (w1 and w3 on the first, w2 on the second)"
+    )
     p.add_argument("--keep", type=Path, help="keep logs and the run directory here")
     args = p.parse_args()
     args.ranks = 2 if args.device == "cpu" else len(args.trainer_gpus.split(","))
@@ -290,8 +380,9 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         if args.device == "cpu":
             model = work / "tiny"
-            subprocess.run([sys.executable, "-m", "polyrl.cli", "tiny-model", "--out", str(model)], check=True,
-                           capture_output=True)  # fmt: skip
+            subprocess.run(
+                [sys.executable, "-m", "polyrl.cli", "tiny-model", "--out", str(model)], check=True, capture_output=True
+            )
         else:
             model = make_model(work / "qwen3-0.6b-shape", args.stop_ids, args.new_tokens + 512)
         run = Run(args, work, model)

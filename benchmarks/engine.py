@@ -47,9 +47,15 @@ PRESETS = {  # hidden, layers, heads, kv heads, intermediate, vocab
 def build_model(preset: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     hidden, layers, heads, kv, inter, vocab = PRESETS[preset]
     cfg = Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, intermediate_size=inter, head_dim=128 if preset == "qwen3-0.6b" else hidden // heads,
-        max_position_embeddings=4096, tie_word_embeddings=True,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=inter,
+        head_dim=128 if preset == "qwen3-0.6b" else hidden // heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
@@ -79,13 +85,22 @@ def timed(fn, device: torch.device):
 
 def gen_config(new_tokens: int, sample: bool, **extra) -> GenerationConfig:
     return GenerationConfig(
-        do_sample=sample, temperature=1.0 if sample else None, top_p=None, top_k=None, max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **extra,
+        do_sample=sample,
+        temperature=1.0 if sample else None,
+        top_p=None,
+        top_k=None,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+        **extra,
     )
 
 
 @torch.inference_mode()
-def hf_generate(model, prompts: list[list[int]], new_tokens: int, n: int, sample: bool, static: bool = False) -> torch.Tensor:
+def hf_generate(
+    model, prompts: list[list[int]], new_tokens: int, n: int, sample: bool, static: bool = False
+) -> torch.Tensor:
     extra = {"num_return_sequences": n} | ({"cache_implementation": "static"} if static else {})
     ids, mask = left_pad(prompts, model.device)  # HF needs a rectangle: left padding + attention mask
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config(new_tokens, sample, **extra))
@@ -103,7 +118,9 @@ def hf_continuous_batching(model, prompts: list[list[int]], new_tokens: int, n: 
 
 
 def engine_generate(engine: Engine, prompts: list[list[int]], new_tokens: int, n: int, sample: bool) -> list[list[int]]:
-    sampling = EngineSampling(max_new_tokens=new_tokens, temperature=1.0 if sample else 0.0, ignore_eos=True, n=n, seed=0)
+    sampling = EngineSampling(
+        max_new_tokens=new_tokens, temperature=1.0 if sample else 0.0, ignore_eos=True, n=n, seed=0
+    )
     outputs: dict[tuple[int, int], list[int]] = {}
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(str(i), p, sampling))
@@ -131,12 +148,23 @@ def copy_bandwidth(device: torch.device) -> float:
 def roofline_tok_s(model, sequences: int, mean_context: float, bandwidth: float) -> float:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cfg = model.config
-    kv_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * next(model.parameters()).element_size()
+    kv_bytes = (
+        cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * next(model.parameters()).element_size()
+    )
     return sequences / ((weight_bytes + sequences * mean_context * kv_bytes) / bandwidth)
 
 
-def measure(model, engine: Engine, prompts: list[list[int]], new_tokens: int, n: int, sample: bool, repeats: int,
-            baselines: list[str], bandwidth: float | None) -> dict:
+def measure(
+    model,
+    engine: Engine,
+    prompts: list[list[int]],
+    new_tokens: int,
+    n: int,
+    sample: bool,
+    repeats: int,
+    baselines: list[str],
+    bandwidth: float | None,
+) -> dict:
     device = model.device
     num_tokens = len(prompts) * n * new_tokens
     eng_s, eng_out = best_time(lambda: engine_generate(engine, prompts, new_tokens, n, sample), device, repeats)
@@ -184,15 +212,26 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json")
     args = p.parse_args()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     baselines = (args.baselines or ("dynamic,static,cb" if device.type == "cuda" else "dynamic")).split(",")
     if unknown := set(baselines) - {"dynamic", "static", "cb"}:
         p.error(f"unknown baselines: {sorted(unknown)}")
     model = build_model(args.preset, device, dtype)
     max_len = args.prompt_len + args.new_tokens
-    engine = Engine(model, EngineConfig(max_num_seqs=max(256, args.batch), max_num_batched_tokens=4096, max_model_len=max_len,
-                                        kv_cache_memory_fraction=0.5))
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_num_seqs=max(256, args.batch),
+            max_num_batched_tokens=4096,
+            max_model_len=max_len,
+            kv_cache_memory_fraction=0.5,
+        ),
+    )
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
@@ -212,25 +251,55 @@ def main() -> int:
         # The greedy row is there for the agreement check: HF `generate` alone serves it.
         row_baselines = baselines if sample else [b for b in baselines if b == "dynamic"]
         rows[name] = measure(model, engine, prompts, args.new_tokens, n, sample, args.repeats, row_baselines, bandwidth)
-    machine = (torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores") + f", torch {torch.__version__}"
+    machine = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    ) + f", torch {torch.__version__}"
     graphs = engine.runner.decode_graphs
-    print(f"\npreset {args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {dtype}), "
-          f"prompts {args.prompt_len} tokens (mixed: {min(lengths)}-{max(lengths)}), {args.new_tokens} new tokens each, {machine}")
+    print(
+        f"\npreset {args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {dtype}), "
+        f"prompts {args.prompt_len} tokens (mixed: {min(lengths)}-{max(lengths)}), {args.new_tokens} new tokens each, {machine}"
+    )
     if bandwidth:
-        print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; CUDA graphs: "
-              f"{len(graphs.graphs) if graphs else 0} captured in {graphs.capture_s if graphs else 0:.1f} s")
+        print(
+            f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; CUDA graphs: "
+            f"{len(graphs.graphs) if graphs else 0} captured in {graphs.capture_s if graphs else 0:.1f} s"
+        )
     cols = ["engine"] + baselines
-    print(f"{'shape':<30}{'seqs':>6}" + "".join(f"{c + ' tok/s':>15}" for c in cols)
-          + f"{'vs best HF':>12}{'roofline':>10}{'of roof':>9}{'greedy agree':>14}")
+    print(
+        f"{'shape':<30}{'seqs':>6}"
+        + "".join(f"{c + ' tok/s':>15}" for c in cols)
+        + f"{'vs best HF':>12}{'roofline':>10}{'of roof':>9}{'greedy agree':>14}"
+    )
     for name, r in rows.items():
         agree = f"{r['greedy_token_agreement']:.3f}" if "greedy_token_agreement" in r else "-"
         speed = f"{r['speedup_vs_best_hf']:.2f}x" if "speedup_vs_best_hf" in r else "-"
-        roof = (f"{r['roofline_tok_s']:>10.0f}{r['fraction_of_roofline']:>9.0%}") if "roofline_tok_s" in r else f"{'-':>10}{'-':>9}"
-        print(f"{name:<30}{r['sequences']:>6}" + "".join(f"{fmt(r, c + '_tok_s'):>15}" for c in cols) + f"{speed:>12}{roof}{agree:>14}")
+        roof = (
+            (f"{r['roofline_tok_s']:>10.0f}{r['fraction_of_roofline']:>9.0%}")
+            if "roofline_tok_s" in r
+            else f"{'-':>10}{'-':>9}"
+        )
+        print(
+            f"{name:<30}{r['sequences']:>6}"
+            + "".join(f"{fmt(r, c + '_tok_s'):>15}" for c in cols)
+            + f"{speed:>12}{roof}{agree:>14}"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "dtype": str(dtype), "prompt_len": args.prompt_len, "machine": machine,
-                       "copy_bandwidth_bytes_s": bandwidth, "baselines": baselines, "rows": rows}, f, indent=2)
+            json.dump(
+                {
+                    "preset": args.preset,
+                    "dtype": str(dtype),
+                    "prompt_len": args.prompt_len,
+                    "machine": machine,
+                    "copy_bandwidth_bytes_s": bandwidth,
+                    "baselines": baselines,
+                    "rows": rows,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

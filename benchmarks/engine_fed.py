@@ -39,8 +39,15 @@ from polyrl.engine.engine import Engine  # noqa: E402
 from polyrl.engine.types import EngineRequest, EngineSampling  # noqa: E402
 
 
-def fed_run(engine: Engine, level: int, seconds: float, budgets: list[int] | None, prompt_len: int,
-            fixed_budget: int, warm_s: float = 2.0) -> dict[str, float]:
+def fed_run(
+    engine: Engine,
+    level: int,
+    seconds: float,
+    budgets: list[int] | None,
+    prompt_len: int,
+    fixed_budget: int,
+    warm_s: float = 2.0,
+) -> dict[str, float]:
     """Generated tokens/s with `level` sequences in flight; `budgets` None: no refill."""
     ids = itertools.count()
     active: set[str] = set()
@@ -102,21 +109,33 @@ def main() -> int:
     prompt_len = 24
     for level in levels:
         fits = min(1000, args.kv_blocks * 16 // level - prompt_len - 16)
-        for name, wait, fed in (("closed", default_wait, False), ("fed, admit at once", 0, True),
-                                (f"fed, admit_wait_steps={default_wait}", default_wait, True)):
+        for name, wait, fed in (
+            ("closed", default_wait, False),
+            ("fed, admit at once", 0, True),
+            (f"fed, admit_wait_steps={default_wait}", default_wait, True),
+        ):
             engine.cfg.admit_wait_steps = wait
             r = fed_run(engine, level, args.seconds, budgets if fed else None, prompt_len, fits)
             rows.append({"level": level, "row": name, **r})
-            print(f"{level:>5} {name:<28} {r['tok_s']:>9.0f} tok/s {r['steps_s']:>7.1f} steps/s "
-                  f"{r['mean_running']:>6.0f} running", flush=True)
-    machine = (torch.cuda.get_device_name() if cuda else f"{platform.machine()}, {os.cpu_count()} cores") + f", torch {torch.__version__}"
-    print(f"\npreset {preset}, {machine}, KV {args.kv_blocks} x 16 tokens; long tail: median {args.tail_median:.0f}, "
-          f"p99 {args.tail_p99:.0f}, cap {args.new_tokens}")
+            print(
+                f"{level:>5} {name:<28} {r['tok_s']:>9.0f} tok/s {r['steps_s']:>7.1f} steps/s "
+                f"{r['mean_running']:>6.0f} running",
+                flush=True,
+            )
+    machine = (
+        torch.cuda.get_device_name() if cuda else f"{platform.machine()}, {os.cpu_count()} cores"
+    ) + f", torch {torch.__version__}"
+    print(
+        f"\npreset {preset}, {machine}, KV {args.kv_blocks} x 16 tokens; long tail: median {args.tail_median:.0f}, "
+        f"p99 {args.tail_p99:.0f}, cap {args.new_tokens}"
+    )
     print(f"{'seqs':>5} | {'row':<28} | {'tok/s':>8} | {'vs admit at once':>16} | {'steps/s':>7} | {'running':>7}")
     for r in rows:
         base = next(x for x in rows if x["level"] == r["level"] and x["row"] == "fed, admit at once")
-        print(f"{r['level']:>5} | {r['row']:<28} | {r['tok_s']:>8.0f} | {r['tok_s'] / base['tok_s']:>15.2f}x | "
-              f"{r['steps_s']:>7.1f} | {r['mean_running']:>7.0f}")
+        print(
+            f"{r['level']:>5} | {r['row']:<28} | {r['tok_s']:>8.0f} | {r['tok_s'] / base['tok_s']:>15.2f}x | "
+            f"{r['steps_s']:>7.1f} | {r['mean_running']:>7.0f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"preset": preset, "machine": machine, "rows": rows}, indent=2))
     return 0

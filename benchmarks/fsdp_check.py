@@ -43,10 +43,24 @@ from polyrl.trainer.batching import SeqItem
 from polyrl.trainer.distributed import DataParallel, full_parameters, shard_model
 from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing
 
-QWEN3_06B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-             "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936}  # fmt: skip
-TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "intermediate_size": 128, "vocab_size": 512}  # fmt: skip
+QWEN3_06B = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "vocab_size": 151936,
+}
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+}
 
 
 class Lockstep(DataParallel):
@@ -96,9 +110,15 @@ def mini_batches(num: int, rows: int, prompt_len: int, completion: tuple[int, in
 
 
 def train_variant(
-    args: argparse.Namespace, all_ranks: Lockstep, on_all: bool, checkpointing: bool, cast_params: bool,
-    batches: list[list[SeqItem]], device: torch.device, dtype: torch.dtype,
-) -> dict | None:  # fmt: skip
+    args: argparse.Namespace,
+    all_ranks: Lockstep,
+    on_all: bool,
+    checkpointing: bool,
+    cast_params: bool,
+    batches: list[list[SeqItem]],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict | None:
     """One learner through `batches` (the first is warm-up); None on ranks that sit it out."""
     if not on_all and all_ranks.rank != 0:
         dist.barrier(group=all_ranks.control)  # rank 0 trains alone meanwhile
@@ -111,8 +131,13 @@ def train_variant(
     if checkpointing:
         enable_gradient_checkpointing(model)
     autocast_dtype = shard_model(model, dtype, cast_params) if on_all else dtype
-    tcfg = TrainerConfig(lr=1e-6, warmup_steps=0, train_batch_size=16, ppo_mini_batch_size=16,
-                         micro_batch_max_tokens=args.micro_batch_max_tokens)  # fmt: skip
+    tcfg = TrainerConfig(
+        lr=1e-6,
+        warmup_steps=0,
+        train_batch_size=16,
+        ppo_mini_batch_size=16,
+        micro_batch_max_tokens=args.micro_batch_max_tokens,
+    )
     optimizer, scheduler = build_optimizer(model, tcfg, len(batches))
     learner = Learner(model, None, optimizer, scheduler, AlgoConfig(), tcfg, 1.0, 0, autocast_dtype, dp)
     if device.type == "cuda":
@@ -223,14 +248,23 @@ def main() -> int:
     batches = mini_batches(args.steps, rows, prompt_len, completion, args.shape["vocab_size"])
 
     # (on all ranks, activation checkpointing, FSDP casts parameters to bf16)
-    variants = [(False, False, True), (False, True, True), (True, False, True), (True, True, True), (True, False, False)]
+    variants = [
+        (False, False, True),
+        (False, True, True),
+        (True, False, True),
+        (True, True, True),
+        (True, False, False),
+    ]
     train_rows = []
     for on_all, checkpointing, cast_params in variants:
         row = train_variant(args, dp, on_all, checkpointing, cast_params, batches, device, dtype)
         train_rows.append(row)
         if dp.is_main:
-            print(f"[{time.perf_counter() - t_start:5.1f}s] trained {row['ranks']} rank(s), "
-                  f"checkpointing {checkpointing}, {row['precision']}", flush=True)  # fmt: skip
+            print(
+                f"[{time.perf_counter() - t_start:5.1f}s] trained {row['ranks']} rank(s), "
+                f"checkpointing {checkpointing}, {row['precision']}",
+                flush=True,
+            )
     publish = publish_timings(args, dp, device, dtype)
     if dp.is_main:
         report(args, dp, train_rows, publish, dtype, time.perf_counter() - t_start)
@@ -261,14 +295,23 @@ def report(
     print("|---|---|---|---|---|---|")
     for r in rows:
         peak = f"{r['peak_gib_rank0']:.1f}" if r["peak_gib_rank0"] is not None else "-"
-        print(f"| {r['ranks']} | {r['checkpointing']} | {r['precision']} | {r['step_s']:.3f} | "
-              f"{r['ms_per_1k_tokens']:.1f} | {peak} |")  # fmt: skip
+        print(
+            f"| {r['ranks']} | {r['checkpointing']} | {r['precision']} | {r['step_s']:.3f} | "
+            f"{r['ms_per_1k_tokens']:.1f} | {peak} |"
+        )
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else platform.machine()
     machine = f"{n} x {gpu}, torch {torch.__version__}"
     print(f"\n{machine}; {wall_s:.0f} s in all")
     if args.json:
-        result = {"machine": machine, "world_size": n, "tiny": args.tiny, "agreement": agree, "publish": publish,
-                  "train": rows, "wall_s": wall_s}  # fmt: skip
+        result = {
+            "machine": machine,
+            "world_size": n,
+            "tiny": args.tiny,
+            "agreement": agree,
+            "publish": publish,
+            "train": rows,
+            "wall_s": wall_s,
+        }
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
 

@@ -55,17 +55,26 @@ def build(preset: str, device: torch.device) -> torch.nn.Module:
     """Random init on the device itself (a CPU init of 0.6B parameters takes seconds)."""
     hidden, layers, heads, kv, inter, vocab = PRESETS[preset]
     cfg = Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, intermediate_size=inter, head_dim=128 if preset == "qwen3-0.6b" else hidden // heads,
-        max_position_embeddings=4096, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=inter,
+        head_dim=128 if preset == "qwen3-0.6b" else hidden // heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
 def hashes(named: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: xxhash.xxh3_64_hexdigest(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()) for k, t in named.items()}
+    return {
+        k: xxhash.xxh3_64_hexdigest(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        for k, t in named.items()
+    }
 
 
 def sync(device: torch.device) -> None:
@@ -98,7 +107,14 @@ def worker_main(conn: Connection, preset: str, device_name: str) -> None:
         sync(device)
         seconds = time.perf_counter() - t0
         exact = hashes(dict(model.named_parameters())) == cmd["expect"]
-        conn.send({"sync_s": seconds, "codec": pulled.codec if pulled else None, "fallback": receiver.fallback, "exact": exact})
+        conn.send(
+            {
+                "sync_s": seconds,
+                "codec": pulled.codec if pulled else None,
+                "fallback": receiver.fallback,
+                "exact": exact,
+            }
+        )
     engine.shutdown()
 
 
@@ -111,7 +127,9 @@ class Worker:
 
     def recv(self) -> Any:
         if not self.conn.poll(REPLY_TIMEOUT_S):
-            raise RuntimeError(f"worker on {self.device} did not answer in {REPLY_TIMEOUT_S}s (alive: {self.proc.is_alive()})")
+            raise RuntimeError(
+                f"worker on {self.device} did not answer in {REPLY_TIMEOUT_S}s (alive: {self.proc.is_alive()})"
+            )
         return self.conn.recv()
 
     def close(self) -> None:
@@ -138,18 +156,32 @@ def snapshot_rows(params: dict[str, torch.Tensor], device: torch.device) -> list
             sync(device)
             t0 = time.perf_counter()
             for e, t in zip(manifest.tensors, params.values()):  # into pinned memory: queued DMA, one wait
-                buffer[e.offset : e.offset + e.nbytes].copy_(t.detach().reshape(-1).view(torch.uint8), non_blocking=buffer.is_pinned())
+                buffer[e.offset : e.offset + e.nbytes].copy_(
+                    t.detach().reshape(-1).view(torch.uint8), non_blocking=buffer.is_pinned()
+                )
             sync(device)
             best = min(best, time.perf_counter() - t0)
-        rows.append({"path": name, "worker": "-", "run": "best of 3", "publish_s": best, "sync_s": 0.0, "total_s": best,
-                     "bytes": sum(e.nbytes for e in manifest.tensors), "exact": True})  # fmt: skip
+        rows.append(
+            {
+                "path": name,
+                "worker": "-",
+                "run": "best of 3",
+                "publish_s": best,
+                "sync_s": 0.0,
+                "total_s": best,
+                "bytes": sum(e.nbytes for e in manifest.tensors),
+                "exact": True,
+            }
+        )
     return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--preset", default=None, help="a preset of benchmarks/engine.py (default: qwen3-0.6b on cuda, tiny on cpu)")
+    p.add_argument(
+        "--preset", default=None, help="a preset of benchmarks/engine.py (default: qwen3-0.6b on cuda, tiny on cpu)"
+    )
     p.add_argument("--runs", type=int, default=3, help="versions per path")
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args()
@@ -186,16 +218,25 @@ def main() -> None:
     wall_s = time.perf_counter() - t_start
     print(f"{preset}: {rows[0]['bytes'] / 1e6:.1f} MB per version; {num_gpus} GPU(s); whole run {wall_s:.1f}s")
     if args.json:
-        meta = {"preset": preset, "device": args.device, "num_gpus": num_gpus, "torch": torch.__version__, "wall_s": wall_s}
+        meta = {
+            "preset": preset,
+            "device": args.device,
+            "num_gpus": num_gpus,
+            "torch": torch.__version__,
+            "wall_s": wall_s,
+        }
         if num_gpus:
             meta["gpus"] = [torch.cuda.get_device_name(i) for i in range(num_gpus)]
         Path(args.json).write_text(json.dumps(meta | {"rows": rows}, indent=2))
 
 
 def run_paths(
-    plan: list[tuple[str, str, str, bool]], workers: dict[str, Worker], params: dict[str, torch.Tensor],
-    trainer: torch.device, runs: int,
-) -> list[dict[str, Any]]:  # fmt: skip
+    plan: list[tuple[str, str, str, bool]],
+    workers: dict[str, Worker],
+    params: dict[str, torch.Tensor],
+    trainer: torch.device,
+    runs: int,
+) -> list[dict[str, Any]]:
     rows, version = [], 0
     with WeightPublisher() as pub, torch.no_grad():
         pub.device = DeviceVersions(trainer, timeout_s=60)
@@ -214,12 +255,28 @@ def run_paths(
                 else:
                     pub.device.publish(params, version)
                 publish_s = time.perf_counter() - t0
-                worker.conn.send({"host": pub.address[0], "port": pub.address[1], "worker_id": worker_id, "version": version,
-                                  "token": pub.grant(worker_id, version), "path": path, "pin": pin, "expect": expect})  # fmt: skip
+                worker.conn.send(
+                    {
+                        "host": pub.address[0],
+                        "port": pub.address[1],
+                        "worker_id": worker_id,
+                        "version": version,
+                        "token": pub.grant(worker_id, version),
+                        "path": path,
+                        "pin": pin,
+                        "expect": expect,
+                    }
+                )
                 got = worker.recv()
                 total = sum(t.numel() * t.element_size() for t in params.values())
-                row = {"path": name, "worker": worker.device, "run": str(run), "publish_s": publish_s, "bytes": total,
-                       "total_s": publish_s + got["sync_s"]} | got  # fmt: skip
+                row = {
+                    "path": name,
+                    "worker": worker.device,
+                    "run": str(run),
+                    "publish_s": publish_s,
+                    "bytes": total,
+                    "total_s": publish_s + got["sync_s"],
+                } | got
                 if got["fallback"] or got["codec"] != (path if path != "tcp" else "raw"):
                     print(f"  {name} run {run}: came as {got['codec']} ({got['fallback']})", flush=True)
                 rows.append(row)
@@ -230,8 +287,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'path':32} {'worker':8} {'run':9} {'publish_s':>10} {'sync_s':>9} {'total_s':>9} {'GB/s':>8}  exact")
     for r in rows:
         rate = r["bytes"] / r["total_s"] / 1e9 if r["total_s"] > 0 else float("inf")
-        print(f"{r['path']:32} {r['worker']:8} {r['run']:9} {r['publish_s']:10.4f} {r['sync_s']:9.4f} "
-              f"{r['total_s']:9.4f} {rate:8.1f}  {'yes' if r['exact'] else 'NO'}")  # fmt: skip
+        print(
+            f"{r['path']:32} {r['worker']:8} {r['run']:9} {r['publish_s']:10.4f} {r['sync_s']:9.4f} "
+            f"{r['total_s']:9.4f} {rate:8.1f}  {'yes' if r['exact'] else 'NO'}"
+        )
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def dispatch_loop(seconds: float, until: threading.Thread | None = None) -> Wind
     x = torch.zeros(8)
     ops = 0
     t0, cpu0, own0 = time.perf_counter(), time.process_time(), time.thread_time()
-    while (until.is_alive() if until is not None else time.perf_counter() - t0 < seconds):
+    while until.is_alive() if until is not None else time.perf_counter() - t0 < seconds:
         for _ in range(50):
             x = x.add(1.0)
         ops += 50
@@ -115,8 +115,9 @@ def measure(manager: InProcess | OwnProcess, args: argparse.Namespace, seed: int
     """(alone, from the batch's submission to its last group, the batch's tokens/s)."""
     alone = dispatch_loop(args.window_s)
     prompts = [BatchPrompt(id=f"{seed}-{i}", input_ids=[1, 2, 3], seed=seed * 1000 + i) for i in range(args.prompts)]
-    request = BatchRequest(prompts=prompts, n=args.n, sampling=BatchSampling(max_new_tokens=args.new_tokens,
-                                                                             ignore_eos=True))  # fmt: skip
+    request = BatchRequest(
+        prompts=prompts, n=args.n, sampling=BatchSampling(max_new_tokens=args.new_tokens, ignore_eos=True)
+    )
     done: list[tuple[int, float]] = []
 
     def consume() -> None:
@@ -137,8 +138,24 @@ def measure(manager: InProcess | OwnProcess, args: argparse.Namespace, seed: int
 
 
 def start_worker(url: str, model: Path, slots: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model), "--manager", url, "--token", TOKEN,
-           "--port", "0", "--worker-id", "w", f"engine.max_num_seqs={slots}", "worker.heartbeat_interval_s=0.5"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "polyrl.cli",
+        "worker",
+        "--model",
+        str(model),
+        "--manager",
+        url,
+        "--token",
+        TOKEN,
+        "--port",
+        "0",
+        "--worker-id",
+        "w",
+        f"engine.max_num_seqs={slots}",
+        "worker.heartbeat_interval_s=0.5",
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -163,10 +180,16 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=800)
     p.add_argument("--window-s", type=float, default=3.0)
     p.add_argument("--placements", nargs="+", default=["in-process", "process"], choices=["in-process", "process"])
-    p.add_argument("--stream-intervals", type=float, nargs="+", default=[0.0, 0.2],
-                   help="manager.stream_interval_s values")
-    p.add_argument("--switch-intervals", type=float, nargs="+", default=[0.005],
-                   help="the interpreter's switch interval while measuring (in-process: the old local engine set 0.5 ms)")
+    p.add_argument(
+        "--stream-intervals", type=float, nargs="+", default=[0.0, 0.2], help="manager.stream_interval_s values"
+    )
+    p.add_argument(
+        "--switch-intervals",
+        type=float,
+        nargs="+",
+        default=[0.005],
+        help="the interpreter's switch interval while measuring (in-process: the old local engine set 0.5 ms)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="median of N (the variants alternate)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
@@ -177,8 +200,10 @@ def main() -> None:
     default_switch = sys.getswitchinterval()
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        model = save_tiny_model(Path(tmp) / "model", TinyModelConfig(
-            hidden_size=64, intermediate_size=128, max_position_embeddings=args.new_tokens + 64))  # fmt: skip
+        model = save_tiny_model(
+            Path(tmp) / "model",
+            TinyModelConfig(hidden_size=64, intermediate_size=128, max_position_embeddings=args.new_tokens + 64),
+        )
         worker = start_worker(f"http://127.0.0.1:{port}", model, args.prompts * args.n)
         try:
             for r in range(args.repeats):
@@ -202,8 +227,9 @@ def main() -> None:
         streaming = statistics.median(s.ops_per_s for _, s, _ in results)
         tok_s = statistics.median(t for _, _, t in results)
         cpu = statistics.median(s.other_threads_cpu_s / s.seconds for _, s, _ in results)
-        rows.append(Row(placement, stream_interval, switch, alone, streaming, alone / streaming, tok_s,
-                        1e6 * cpu / tok_s))  # fmt: skip
+        rows.append(
+            Row(placement, stream_interval, switch, alone, streaming, alone / streaming, tok_s, 1e6 * cpu / tok_s)
+        )
         print_row(rows[-1], header=len(rows) == 1)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": [asdict(r) for r in rows]}, indent=2))
@@ -211,11 +237,15 @@ def main() -> None:
 
 def print_row(r: Row, header: bool) -> None:
     if header:
-        print(f"{'manager':>10} {'stream interval':>15} {'switch':>7} {'ops/s alone':>12} {'ops/s streaming':>16} "
-              f"{'slowdown':>9} {'tokens/s':>9} {'ingest us/token':>16}")  # fmt: skip
-    print(f"{r.placement:>10} {r.stream_interval_s:>14g}s {r.switch_interval_s * 1e3:>5.1f}ms {r.alone_ops_per_s:>12.0f} "
-          f"{r.streaming_ops_per_s:>16.0f} {r.slowdown:>8.2f}x {r.tokens_per_s:>9.0f} {r.ingest_cpu_us_per_token:>16.1f}",
-          flush=True)  # fmt: skip
+        print(
+            f"{'manager':>10} {'stream interval':>15} {'switch':>7} {'ops/s alone':>12} {'ops/s streaming':>16} "
+            f"{'slowdown':>9} {'tokens/s':>9} {'ingest us/token':>16}"
+        )
+    print(
+        f"{r.placement:>10} {r.stream_interval_s:>14g}s {r.switch_interval_s * 1e3:>5.1f}ms {r.alone_ops_per_s:>12.0f} "
+        f"{r.streaming_ops_per_s:>16.0f} {r.slowdown:>8.2f}x {r.tokens_per_s:>9.0f} {r.ingest_cpu_us_per_token:>16.1f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

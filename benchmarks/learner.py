@@ -70,10 +70,24 @@ from polyrl.trainer import lm_head
 from polyrl.trainer.batching import SeqItem
 from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing
 
-QWEN3_06B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-             "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936}  # fmt: skip
-TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "intermediate_size": 128, "vocab_size": 512}  # fmt: skip
+QWEN3_06B = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "vocab_size": 151936,
+}
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+}
 PEAK_FLOPS = 989e12
 """H100 SXM dense bf16, the denominator of every row's MFU (also on other devices)."""
 
@@ -108,8 +122,14 @@ VARIANTS = {
         Variant("packed+compile", compile_layers=True, **FIRST_SESSION),
         Variant("packed+copy+compile-32k", max_tokens=32768, working_copy=True, compile_layers=True, **FIRST_SESSION),
         Variant("fast+ckpt", working_copy=True, compile_layers=True, checkpointing=True),
-        Variant("fast+attn", working_copy=True, compile_layers=True, traced_attention=True, triton_head=False,
-                head_chunk_factor=1),
+        Variant(
+            "fast+attn",
+            working_copy=True,
+            compile_layers=True,
+            traced_attention=True,
+            triton_head=False,
+            head_chunk_factor=1,
+        ),
         Variant("fast", working_copy=True, compile_layers=True),
         Variant("fast-8k", max_tokens=8192, working_copy=True, compile_layers=True),
         Variant("fast-24k", max_tokens=24576, working_copy=True, compile_layers=True),
@@ -118,9 +138,24 @@ VARIANTS = {
         Variant("fast-32k-c1", max_tokens=32768, working_copy=True, compile_layers=True, head_chunk_factor=1),
     ]
 }
-PLAN = ["eq:padded-16k", "eq:padded-8k", "eq:packed", "eq:packed+copy", "eq:packed+copy+compile", "eq:fast",
-        "tail:padded-16k", "tail:packed+copy", "tail:fast", "numerics", "eq:fast-32k-c1", "eq:fast-32k",
-        "eq:packed-flex+copy", "eq:packed+compile", "eq:fast+ckpt", "tail:packed"]  # fmt: skip
+PLAN = [
+    "eq:padded-16k",
+    "eq:padded-8k",
+    "eq:packed",
+    "eq:packed+copy",
+    "eq:packed+copy+compile",
+    "eq:fast",
+    "tail:padded-16k",
+    "tail:packed+copy",
+    "tail:fast",
+    "numerics",
+    "eq:fast-32k-c1",
+    "eq:fast-32k",
+    "eq:packed-flex+copy",
+    "eq:packed+compile",
+    "eq:fast+ckpt",
+    "tail:packed",
+]
 """The rows that decide first (today's path, the packed variants, on both batches, and the
 numerics check), then the alternatives, which --budget-s may cut."""
 NUMERICS = ["padded-16k", "packed", "packed+copy", "packed+copy+compile", "fast"]
@@ -189,9 +224,17 @@ def build_learner(v: Variant, args: argparse.Namespace, total_steps: int) -> Lea
     if v.checkpointing:
         enable_gradient_checkpointing(model)
     max_tokens = v.max_tokens if args.device.type == "cuda" else v.max_tokens // 16
-    cfg = TrainerConfig(lr=1e-6, warmup_steps=0, train_batch_size=64, ppo_mini_batch_size=64,
-                        micro_batch_max_tokens=max_tokens, learner_impl=v.impl, packed_attention=v.attention,
-                        working_copy=v.working_copy, compile_layers=v.compile_layers)  # fmt: skip
+    cfg = TrainerConfig(
+        lr=1e-6,
+        warmup_steps=0,
+        train_batch_size=64,
+        ppo_mini_batch_size=64,
+        micro_batch_max_tokens=max_tokens,
+        learner_impl=v.impl,
+        packed_attention=v.attention,
+        working_copy=v.working_copy,
+        compile_layers=v.compile_layers,
+    )
     optimizer, scheduler = build_optimizer(model, cfg, total_steps)
     learner_mod.TRACE_ATTENTION = v.traced_attention
     lm_head.USE_TRITON, lm_head.FUSED_CHUNK_FACTOR = v.triton_head, v.head_chunk_factor
@@ -317,12 +360,16 @@ def profile_step(learner: Learner, items: list[SeqItem], title: str, args: argpa
     for name, us in timed:
         by_kind[kernel_kind(name)] += us / 1e6
     busy_s = sum(by_kind.values())
-    split = ", ".join(f"{k} {by_kind[k]:.3f} s ({100 * by_kind[k] / max(busy_s, 1e-12):.0f}%)"
-                      for k in ("matmul", "attention", "other"))  # fmt: skip
+    split = ", ".join(
+        f"{k} {by_kind[k]:.3f} s ({100 * by_kind[k] / max(busy_s, 1e-12):.0f}%)"
+        for k in ("matmul", "attention", "other")
+    )
     what = "kernels" if is_cuda else "ops (self CPU time)"
     host = _host_side(prof) if is_cuda else ""
-    return (f"profile {title}: step {step_s:.3f} s under the profiler; {what} {busy_s:.3f} s: {split}\n{host}"
-            + events.table(sort_by=sort_by, row_limit=25))  # fmt: skip
+    return (
+        f"profile {title}: step {step_s:.3f} s under the profiler; {what} {busy_s:.3f} s: {split}\n{host}"
+        + events.table(sort_by=sort_by, row_limit=25)
+    )
 
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -350,8 +397,10 @@ def _host_side(prof) -> str:
     big = sorted(gaps, reverse=True)[:5]
     where = _gap_context(prof, kernels, big)
     calls = ", ".join(f"{n} x{c} {t / 1e3:.1f} ms" for n, (c, t) in sorted(runtime.items(), key=lambda x: -x[1][1])[:8])
-    return (f"host: GPU idle {idle / 1e3:.1f} ms in {len(gaps)} gaps (largest {', '.join(f'{g / 1e3:.2f}' for g in big)} ms); "
-            f"{launches} kernel launches; waits {dict(waits)}\nruntime calls: {calls}\n{where}")
+    return (
+        f"host: GPU idle {idle / 1e3:.1f} ms in {len(gaps)} gaps (largest {', '.join(f'{g / 1e3:.2f}' for g in big)} ms); "
+        f"{launches} kernel launches; waits {dict(waits)}\nruntime calls: {calls}\n{where}"
+    )
 
 
 def _gap_context(prof, kernels: list[tuple[float, float]], sizes: list[float]) -> str:
@@ -367,9 +416,13 @@ def _gap_context(prof, kernels: list[tuple[float, float]], sizes: list[float]) -
         end = stop if end is None else max(end, stop)
     cpu = [e for e in prof.events() if e.device_type == DeviceType.CPU]
     for g0, g1 in spans:
-        inside = sorted((e for e in cpu if e.time_range.start < g1 and e.time_range.end > g0),
-                        key=lambda e: -(min(e.time_range.end, g1) - max(e.time_range.start, g0)))[:6]  # fmt: skip
-        ops = "; ".join(f"{e.name[:60]} {(min(e.time_range.end, g1) - max(e.time_range.start, g0)) / 1e3:.1f}" for e in inside)
+        inside = sorted(
+            (e for e in cpu if e.time_range.start < g1 and e.time_range.end > g0),
+            key=lambda e: -(min(e.time_range.end, g1) - max(e.time_range.start, g0)),
+        )[:6]
+        ops = "; ".join(
+            f"{e.name[:60]} {(min(e.time_range.end, g1) - max(e.time_range.start, g0)) / 1e3:.1f}" for e in inside
+        )
         lines.append(f"  gap {(g1 - g0) / 1e3:.2f} ms at +{(g0 - t0) / 1e3:.1f} ms: {ops}")
     return "\n".join(lines) + "\n"
 
@@ -440,14 +493,19 @@ def batches(args: argparse.Namespace) -> dict[str, list[SeqItem]]:
     return {"eq": eq, "tail": tail}
 
 
-HEADER = (f"{'batch':5s} {'variant':28s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>8s} {'step s':>7s} {'warm s':>7s} "
-          f"{'loss':>10s} {'grad norm':>10s}")  # fmt: skip
+HEADER = (
+    f"{'batch':5s} {'variant':28s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>8s} {'step s':>7s} {'warm s':>7s} "
+    f"{'loss':>10s} {'grad norm':>10s}"
+)
 
 
 def print_row(r: dict) -> None:
     peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-    print(f"{r['batch']:5s} {r['variant']:28s} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% {peak:>8s} "
-          f"{r['step_s']:7.3f} {r['warmup_s']:7.1f} {r['loss']:10.6f} {r['grad_norm']:10.6f}", flush=True)  # fmt: skip
+    print(
+        f"{r['batch']:5s} {r['variant']:28s} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% {peak:>8s} "
+        f"{r['step_s']:7.3f} {r['warmup_s']:7.1f} {r['loss']:10.6f} {r['grad_norm']:10.6f}",
+        flush=True,
+    )
 
 
 def machine(device: torch.device) -> dict:

@@ -86,18 +86,52 @@ KEEP_VERSIONS = 3
 # Per device: the model shape, the mini-batch, and the offered token rate.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": dict(
-        model=dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                   num_attention_heads=16, num_key_value_heads=8, head_dim=128),
-        seqs=256, prompt_tokens=64, completion_tokens=960, micro_batch_tokens=16384, steps=4, warmup=2,
-        engines=16, slots=64, token_delay_s=0.032, chunk_tokens=5, new_tokens=128, ramp_s=8.0,
+        model=dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+        ),
+        seqs=256,
+        prompt_tokens=64,
+        completion_tokens=960,
+        micro_batch_tokens=16384,
+        steps=4,
+        warmup=2,
+        engines=16,
+        slots=64,
+        token_delay_s=0.032,
+        chunk_tokens=5,
+        new_tokens=128,
+        ramp_s=8.0,
     ),
     "cpu": dict(
-        model=dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-        seqs=8, prompt_tokens=16, completion_tokens=112, micro_batch_tokens=512, steps=8, warmup=1,
-        engines=4, slots=16, token_delay_s=0.03, chunk_tokens=5, new_tokens=32, ramp_s=2.0,
+        model=dict(
+            vocab_size=1024,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+        ),
+        seqs=8,
+        prompt_tokens=16,
+        completion_tokens=112,
+        micro_batch_tokens=512,
+        steps=8,
+        warmup=1,
+        engines=4,
+        slots=16,
+        token_delay_s=0.03,
+        chunk_tokens=5,
+        new_tokens=32,
+        ramp_s=2.0,
     ),
-}  # fmt: skip
+}
 
 
 # ================================================================== child roles
@@ -164,8 +198,12 @@ def receiver_main(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         version, token = line.split()
         try:
-            pulled = pull(PullSource(host, int(port), args.worker_id, token), int(version), num_streams=8,
-                          into=buffers[0] if len(buffers) == 2 else None)  # fmt: skip
+            pulled = pull(
+                PullSource(host, int(port), args.worker_id, token),
+                int(version),
+                num_streams=8,
+                into=buffers[0] if len(buffers) == 2 else None,
+            )
             buffers = [*buffers[-1:], pulled.buffer]
             print(f"{version} {pulled.seconds:.4f}", flush=True)
         except Exception as e:  # noqa: BLE001 - reported to the trainer, which counts it
@@ -216,8 +254,14 @@ class Children:
 
     def start(self, role_args: list[str]) -> subprocess.Popen[str]:
         env = os.environ | {"POLYRL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen([sys.executable, __file__, *role_args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True, env=env, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, __file__, *role_args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         self.procs.append(proc)
         return proc
 
@@ -262,8 +306,9 @@ class Stream:
             self.paused.set()
         self.open_batches = 0
         self._count = threading.Lock()
-        self.lanes = [threading.Thread(target=self._lane, args=(i,), name=f"lane-{i}", daemon=True)
-                      for i in range(num_lanes)]  # fmt: skip
+        self.lanes = [
+            threading.Thread(target=self._lane, args=(i,), name=f"lane-{i}", daemon=True) for i in range(num_lanes)
+        ]
         for lane in self.lanes:
             lane.start()
 
@@ -277,9 +322,15 @@ class Stream:
             if self.stopping.is_set():
                 return
             top = self.args.new_tokens
-            prompts = [BatchPrompt(id=f"{lane}-{b}-{i}", input_ids=[1 + i % 50] * 16, seed=rng.randrange(2**20),
-                                   max_new_tokens=rng.randint(top // 2, top))
-                       for i in range(self.args.prompts_per_batch)]  # fmt: skip
+            prompts = [
+                BatchPrompt(
+                    id=f"{lane}-{b}-{i}",
+                    input_ids=[1 + i % 50] * 16,
+                    seed=rng.randrange(2**20),
+                    max_new_tokens=rng.randint(top // 2, top),
+                )
+                for i in range(self.args.prompts_per_batch)
+            ]
             request = BatchRequest(prompts=prompts, n=8, sampling=BatchSampling(max_new_tokens=top, ignore_eos=True))
             with self._count:
                 self.open_batches += 1
@@ -316,8 +367,10 @@ class Receivers:
     def __init__(self, children: Children, publisher: Any, count: int) -> None:
         self.publisher = publisher
         host, port = publisher.address
-        self.procs = [children.start(["--role", "receiver", "--publisher", f"{host}:{port}", "--worker-id", f"r{i}"])
-                      for i in range(count)]  # fmt: skip
+        self.procs = [
+            children.start(["--role", "receiver", "--publisher", f"{host}:{port}", "--worker-id", f"r{i}"])
+            for i in range(count)
+        ]
         for i, proc in enumerate(self.procs):
             if (line := read_line(proc, f"receiver r{i}", 120)) != "ready":
                 raise RuntimeError(f"receiver r{i}: {line}")
@@ -380,12 +433,20 @@ class Bench:
         self.torch, self.args = torch, args
         self.device = torch.device(args.device)
         on_cuda = args.device == "cuda"
-        cfg = load_config(None, [
-            "model.dtype=" + ("bfloat16" if on_cuda else "float32"), f"trainer.device={args.device}",
-            f"trainer.micro_batch_max_tokens={args.micro_batch_tokens}", "trainer.lr=1e-6", "trainer.save_every=0",
-            f"trainer.ppo_mini_batch_size={args.seqs}", f"trainer.train_batch_size={args.seqs}",
-            "algo.kl_coef=0.0", f"trainer.num_threads={0 if on_cuda else 1}",
-        ])  # fmt: skip
+        cfg = load_config(
+            None,
+            [
+                "model.dtype=" + ("bfloat16" if on_cuda else "float32"),
+                f"trainer.device={args.device}",
+                f"trainer.micro_batch_max_tokens={args.micro_batch_tokens}",
+                "trainer.lr=1e-6",
+                "trainer.save_every=0",
+                f"trainer.ppo_mini_batch_size={args.seqs}",
+                f"trainer.train_batch_size={args.seqs}",
+                "algo.kl_coef=0.0",
+                f"trainer.num_threads={0 if on_cuda else 1}",
+            ],
+        )
         prepare_process(cfg.trainer)
         shape = DEFAULTS[args.device]["model"]
         config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096, pad_token_id=0)
@@ -405,11 +466,12 @@ class Bench:
         return [
             SeqItem(
                 token_ids=[rng.randrange(1, vocab) for _ in range(a.prompt_tokens + a.completion_tokens)],
-                prompt_len=a.prompt_tokens, behav_logp=[-rng.uniform(0.1, 3.0) for _ in range(a.completion_tokens)],
+                prompt_len=a.prompt_tokens,
+                behav_logp=[-rng.uniform(0.1, 3.0) for _ in range(a.completion_tokens)],
                 advantage=rng.gauss(0.0, 1.0),
             )
             for _ in range(a.seqs)
-        ]  # fmt: skip
+        ]
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -464,8 +526,9 @@ class Bench:
 # ==================================================================== the run
 
 
-def _loaded(bench: Bench, publisher: Any, stream: Stream, receivers: Receivers | None, name: str,
-            profiled: bool = False) -> Phase:
+def _loaded(
+    bench: Bench, publisher: Any, stream: Stream, receivers: Receivers | None, name: str, profiled: bool = False
+) -> Phase:
     """A phase with the stream flowing (unless paused) and the receivers, if given, told
     every version; returns once their pulls are done."""
     answered = len(receivers.pull_s) + len(receivers.errors) if receivers is not None else 0
@@ -484,7 +547,9 @@ def _loaded(bench: Bench, publisher: Any, stream: Stream, receivers: Receivers |
     return phase
 
 
-def loaded_phases(bench: Bench, publisher: Any, children: Children, run_dir: Path) -> tuple[list[Phase], dict[str, Any]]:
+def loaded_phases(
+    bench: Bench, publisher: Any, children: Children, run_dir: Path
+) -> tuple[list[Phase], dict[str, Any]]:
     """Start the manager, the fleet and the receivers; stream; run the loaded phase (or,
     with --pairs, quiet and loaded phases in turn, the children staying up); stop them."""
     from polyrl.config import ManagerConfig
@@ -498,10 +563,20 @@ def loaded_phases(bench: Bench, publisher: Any, children: Children, run_dir: Pat
     try:
         url = manager.start()
         link = ManagerLink(url, TOKEN)
-        fleet = children.start([
-            "--role", "fleet", "--manager", url, "--slots", str(args.slots), "--token-delay-s", str(args.token_delay_s),
-            "--chunk-tokens", str(args.chunk_tokens),
-        ])  # fmt: skip
+        fleet = children.start(
+            [
+                "--role",
+                "fleet",
+                "--manager",
+                url,
+                "--slots",
+                str(args.slots),
+                "--token-delay-s",
+                str(args.token_delay_s),
+                "--chunk-tokens",
+                str(args.chunk_tokens),
+            ]
+        )
         info["fleet_url"] = read_line(fleet, "the fake fleet", 60).split()[-1]
         import httpx
 
@@ -511,8 +586,18 @@ def loaded_phases(bench: Bench, publisher: Any, children: Children, run_dir: Pat
         stream = Stream(link, args, num_lanes=_num_lanes(args))
         consumer = None
         if args.pairs and "elsewhere" in args.loads:
-            consumer = children.start(["--role", "consumer", "--device", args.device, "--manager", url,
-                                       "--prompts-per-batch", str(args.prompts_per_batch)])  # fmt: skip
+            consumer = children.start(
+                [
+                    "--role",
+                    "consumer",
+                    "--device",
+                    args.device,
+                    "--manager",
+                    url,
+                    "--prompts-per-batch",
+                    str(args.prompts_per_batch),
+                ]
+            )
             if (line := read_line(consumer, "the consumer", 60)) != "ready":
                 raise RuntimeError(f"consumer: {line}")
         isolate(args.isolate_cores)  # every child is running now
@@ -521,8 +606,9 @@ def loaded_phases(bench: Bench, publisher: Any, children: Children, run_dir: Pat
             time.sleep(args.ramp_s)  # every slot streaming, groups finishing
             phase = _loaded(bench, publisher, stream, receivers, "B loaded")
             t_end = time.perf_counter()
-            info["ramp_tokens_per_s"] = stream.tokens_between(t_end - phase.window_s - args.ramp_s / 2,
-                                                              t_end - phase.window_s) / (args.ramp_s / 2)  # fmt: skip
+            info["ramp_tokens_per_s"] = stream.tokens_between(
+                t_end - phase.window_s - args.ramp_s / 2, t_end - phase.window_s
+            ) / (args.ramp_s / 2)
             return [phase], info
         phases = []
         default_interval = sys.getswitchinterval()
@@ -629,25 +715,31 @@ def summarize(phases: list[Phase]) -> dict[str, Any]:
     tokens_per_s = b.delivered_tokens / b.window_s
     alone_cpu_per_s = (a1.other_threads_cpu_s + a2.other_threads_cpu_s) / (a1.window_s + a2.window_s)
     return {
-        "alone_step_s_mean": alone, "loaded_step_s_mean": loaded, "slowdown_pct": 100 * (loaded / alone - 1),
+        "alone_step_s_mean": alone,
+        "loaded_step_s_mean": loaded,
+        "slowdown_pct": 100 * (loaded / alone - 1),
         "slowdown_median_pct": 100 * (statistics.median(b.step_s) / statistics.median(a1.step_s + a2.step_s) - 1),
         "drift_pct": 100 * (statistics.mean(a2.step_s) / statistics.mean(a1.step_s) - 1),
         "delivered_tokens_per_s": tokens_per_s,
         "other_threads_cpu_us_per_token": 1e6 * b.other_threads_cpu_s / max(b.delivered_tokens, 1),
         # what the A phases' other threads used (torch's, CUDA's) at the same rate, taken out
-        "other_threads_cpu_us_per_token_net": 1e6 * (b.other_threads_cpu_s - b.window_s * alone_cpu_per_s)
+        "other_threads_cpu_us_per_token_net": 1e6
+        * (b.other_threads_cpu_s - b.window_s * alone_cpu_per_s)
         / max(b.delivered_tokens, 1),
-        "pulls": b.pulls, "pull_s_mean": b.pull_s_mean,
+        "pulls": b.pulls,
+        "pull_s_mean": b.pull_s_mean,
         "target_met": loaded <= 1.03 * alone and tokens_per_s >= 20000 and b.pulls >= 2 * len(b.step_s),
-    }  # fmt: skip
+    }
 
 
 def summarize_pairs(phases: list[Phase]) -> dict[str, Any]:
     """A0 B0 A1 B1 ... An: each B against the mean of the quiet phases on either side of
     it, so a drift of the host over the run cancels; the target is read on the median."""
     quiet, loaded = phases[0::2], phases[1::2]
-    pair_pct = [100 * (statistics.mean(b.step_s) / statistics.mean(quiet[i].step_s + quiet[i + 1].step_s) - 1)
-                for i, b in enumerate(loaded)]  # fmt: skip
+    pair_pct = [
+        100 * (statistics.mean(b.step_s) / statistics.mean(quiet[i].step_s + quiet[i + 1].step_s) - 1)
+        for i, b in enumerate(loaded)
+    ]
     alone = statistics.mean([t for p in quiet for t in p.step_s])
     under_load = statistics.mean([t for p in loaded for t in p.step_s])
     streaming = [b for b in loaded if ":pulls" not in b.name]
@@ -664,40 +756,60 @@ def summarize_pairs(phases: list[Phase]) -> dict[str, Any]:
         by_load.setdefault(b.name.partition(":")[2] or "both", []).append(pct)
     return {
         "pair_slowdown_by_load_pct": by_load,
-        "alone_step_s_mean": alone, "loaded_step_s_mean": under_load, "slowdown_pct": 100 * (under_load / alone - 1),
-        "pair_slowdown_pct": pair_pct, "slowdown_pair_median_pct": median,
-        "slowdown_median_pct": 100 * (statistics.median([t for p in loaded for t in p.step_s])
-                                      / statistics.median([t for p in quiet for t in p.step_s]) - 1),
+        "alone_step_s_mean": alone,
+        "loaded_step_s_mean": under_load,
+        "slowdown_pct": 100 * (under_load / alone - 1),
+        "pair_slowdown_pct": pair_pct,
+        "slowdown_pair_median_pct": median,
+        "slowdown_median_pct": 100
+        * (
+            statistics.median([t for p in loaded for t in p.step_s])
+            / statistics.median([t for p in quiet for t in p.step_s])
+            - 1
+        ),
         "drift_pct": 100 * (statistics.mean(quiet[-1].step_s) / statistics.mean(quiet[0].step_s) - 1),
         "delivered_tokens_per_s": tokens / max(window, 1e-9),
         "other_threads_cpu_us_per_token": 1e6 * other_cpu / max(read_tokens, 1),
         "other_threads_cpu_us_per_token_net": 1e6 * (other_cpu - read_window * quiet_cpu_per_s) / max(read_tokens, 1),
-        "pulls": pulls, "pull_s_mean": statistics.mean([b.pull_s_mean for b in loaded]),
-        "target_met": median <= 3 and tokens / max(window, 1e-9) >= 20000 and pulls >= 2 * sum(len(b.step_s) for b in loaded)
+        "pulls": pulls,
+        "pull_s_mean": statistics.mean([b.pull_s_mean for b in loaded]),
+        "target_met": median <= 3
+        and tokens / max(window, 1e-9) >= 20000
+        and pulls >= 2 * sum(len(b.step_s) for b in loaded)
         and set(by_load) <= {"both"},
-    }  # fmt: skip
+    }
 
 
 def print_table(phases: list[Phase], summary: dict[str, Any]) -> None:
-    print(f"\n{'phase':10} {'step mean s':>11} {'median':>8} {'min':>8} {'publish s':>9} {'tokens/s':>9} "
-          f"{'pulls':>6} {'pull s':>7} {'other CPU s':>11}")  # fmt: skip
+    print(
+        f"\n{'phase':10} {'step mean s':>11} {'median':>8} {'min':>8} {'publish s':>9} {'tokens/s':>9} "
+        f"{'pulls':>6} {'pull s':>7} {'other CPU s':>11}"
+    )
     for p in phases:
-        print(f"{p.name:10} {statistics.mean(p.step_s):11.4f} {statistics.median(p.step_s):8.4f} {min(p.step_s):8.4f} "
-              f"{statistics.mean(p.publish_s):9.4f} {p.delivered_tokens / p.window_s:9.0f} {p.pulls:>6} "
-              f"{p.pull_s_mean:7.3f} {p.other_threads_cpu_s:11.2f}")  # fmt: skip
+        print(
+            f"{p.name:10} {statistics.mean(p.step_s):11.4f} {statistics.median(p.step_s):8.4f} {min(p.step_s):8.4f} "
+            f"{statistics.mean(p.publish_s):9.4f} {p.delivered_tokens / p.window_s:9.0f} {p.pulls:>6} "
+            f"{p.pull_s_mean:7.3f} {p.other_threads_cpu_s:11.2f}"
+        )
     s = summary
     if "pair_slowdown_pct" in s:
-        print(f"\neach B against the A phases either side: {', '.join(f'{x:+.1f}%' for x in s['pair_slowdown_pct'])}; "
-              f"median {s['slowdown_pair_median_pct']:+.2f}% (the target, <= 3%)")  # fmt: skip
+        print(
+            f"\neach B against the A phases either side: {', '.join(f'{x:+.1f}%' for x in s['pair_slowdown_pct'])}; "
+            f"median {s['slowdown_pair_median_pct']:+.2f}% (the target, <= 3%)"
+        )
         for load, pcts in s["pair_slowdown_by_load_pct"].items():
             print(f"  load {load:>6}: {', '.join(f'{x:+.1f}%' for x in pcts)}; median {statistics.median(pcts):+.2f}%")
-    print(f"\nloaded vs alone (mean of the A phases): {s['slowdown_pct']:+.2f}% (target <= 3%; medians "
-          f"{s['slowdown_median_pct']:+.2f}%), A drift {s['drift_pct']:+.2f}%; "
-          f"{s['delivered_tokens_per_s']:.0f} tokens/s of finished groups (target >= 20000); "
-          f"{s['other_threads_cpu_us_per_token']:.2f} us of other threads' CPU per delivered token "
-          f"({s['other_threads_cpu_us_per_token_net']:.2f} net of the A phases' rate)")  # fmt: skip
-    print(f"issue 21's target (<= 3% slower at >= 20k tokens/s, every version pulled twice): "
-          f"{'met' if s['target_met'] else 'NOT met'}")
+    print(
+        f"\nloaded vs alone (mean of the A phases): {s['slowdown_pct']:+.2f}% (target <= 3%; medians "
+        f"{s['slowdown_median_pct']:+.2f}%), A drift {s['drift_pct']:+.2f}%; "
+        f"{s['delivered_tokens_per_s']:.0f} tokens/s of finished groups (target >= 20000); "
+        f"{s['other_threads_cpu_us_per_token']:.2f} us of other threads' CPU per delivered token "
+        f"({s['other_threads_cpu_us_per_token_net']:.2f} net of the A phases' rate)"
+    )
+    print(
+        f"issue 21's target (<= 3% slower at >= 20k tokens/s, every version pulled twice): "
+        f"{'met' if s['target_met'] else 'NOT met'}"
+    )
     if "ramp_tokens_per_s" in s:
         print(f"the stream before the loaded phase: {s['ramp_tokens_per_s']:.0f} tokens/s")
     for p in phases:
@@ -748,8 +860,14 @@ def trainer_main(args: argparse.Namespace) -> None:
     print_table(phases, summary)
     print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
     if args.json:
-        result = {"machine": machine(), "args": vars(args), "summary": summary, "loaded_info": info,
-                  "phases": [asdict(p) for p in phases], "total_s": time.perf_counter() - t_start}  # fmt: skip
+        result = {
+            "machine": machine(),
+            "args": vars(args),
+            "summary": summary,
+            "loaded_info": info,
+            "phases": [asdict(p) for p in phases],
+            "total_s": time.perf_counter() - t_start,
+        }
         Path(args.json).write_text(json.dumps(result, indent=2))
 
 
@@ -762,31 +880,67 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--role", choices=["trainer", "fleet", "receiver", "consumer"], default="trainer")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json", help="write every number, the machine and the args here")
-    for name in ("seqs", "prompt-tokens", "completion-tokens", "micro-batch-tokens", "steps", "warmup", "engines",
-                 "slots", "chunk-tokens", "new-tokens"):  # fmt: skip
+    for name in (
+        "seqs",
+        "prompt-tokens",
+        "completion-tokens",
+        "micro-batch-tokens",
+        "steps",
+        "warmup",
+        "engines",
+        "slots",
+        "chunk-tokens",
+        "new-tokens",
+    ):
         p.add_argument(f"--{name}", type=int, help="default: per device, see DEFAULTS")
     p.add_argument("--token-delay-s", type=float, help="per token per fake sample")
     p.add_argument("--ramp-s", type=float, help="streaming before the loaded phase's timing starts")
     p.add_argument("--receivers", type=int, default=2)
     p.add_argument("--prompts-per-batch", type=int, default=64, help="prompts (of 8 samples) in each streamed batch")
-    p.add_argument("--pairs", type=int, default=0,
-                   help="N > 0: A0 B0 A1 ... AN with the children kept up (the stream paused and drained for each "
-                   "A), each B against the A phases either side; 0: A, B, A with no child in the A phases")
-    p.add_argument("--loads", nargs="+", choices=["both", "stream", "pulls", "elsewhere"], default=["both"],
-                   help="with --pairs, the B phases take these loads in turn: both (the target's), the stream of "
-                   "finished groups only, the receivers' pulls only (the stream paused), or the same stream read "
-                   "by another process instead of the trainer's (the host as loaded, the trainer's process idle)")
-    p.add_argument("--switch-intervals-ms", type=float, nargs="+", default=[0.0],
-                   help="with --pairs, the trainer's GIL switch interval in the B phases, taken in turn with --loads "
-                   "(0: Python's default, 5 ms); the A phases keep the default")
-    p.add_argument("--profile-phases", type=int, default=0,
-                   help="with --pairs, the first N quiet and N loaded phases end with one more step, not counted, "
-                   "under torch.profiler: the GPU's idle time and what the host did in its largest gaps")
-    p.add_argument("--isolate-cores", type=int, default=0,
-                   help="keep the trainer's process on this many cores and its children off them (0: no pinning)")
-    p.add_argument("--nice-children", type=int, default=0,
-                   help="every process the trainer starts (the fake fleet and receivers, which stand for "
-                        "other machines, too) at this nice level")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="N > 0: A0 B0 A1 ... AN with the children kept up (the stream paused and drained for each "
+        "A), each B against the A phases either side; 0: A, B, A with no child in the A phases",
+    )
+    p.add_argument(
+        "--loads",
+        nargs="+",
+        choices=["both", "stream", "pulls", "elsewhere"],
+        default=["both"],
+        help="with --pairs, the B phases take these loads in turn: both (the target's), the stream of "
+        "finished groups only, the receivers' pulls only (the stream paused), or the same stream read "
+        "by another process instead of the trainer's (the host as loaded, the trainer's process idle)",
+    )
+    p.add_argument(
+        "--switch-intervals-ms",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="with --pairs, the trainer's GIL switch interval in the B phases, taken in turn with --loads "
+        "(0: Python's default, 5 ms); the A phases keep the default",
+    )
+    p.add_argument(
+        "--profile-phases",
+        type=int,
+        default=0,
+        help="with --pairs, the first N quiet and N loaded phases end with one more step, not counted, "
+        "under torch.profiler: the GPU's idle time and what the host did in its largest gaps",
+    )
+    p.add_argument(
+        "--isolate-cores",
+        type=int,
+        default=0,
+        help="keep the trainer's process on this many cores and its children off them (0: no pinning)",
+    )
+    p.add_argument(
+        "--nice-children",
+        type=int,
+        default=0,
+        help="every process the trainer starts (the fake fleet and receivers, which stand for "
+        "other machines, too) at this nice level",
+    )
     p.add_argument("--timeout-s", type=int, default=330, help="the whole run; past it, children are killed")
     p.add_argument("--manager", help="(fleet and consumer roles)")
     p.add_argument("--publisher", help="host:port (receiver role)")

@@ -58,16 +58,25 @@ def main() -> int:
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
     }
     checks = [
-        ("last-20% mean reward", f"{result['last_20pct_mean_reward']:.3f}", ">= 0.8", result["last_20pct_mean_reward"] >= 0.8),
+        (
+            "last-20% mean reward",
+            f"{result['last_20pct_mean_reward']:.3f}",
+            ">= 0.8",
+            result["last_20pct_mean_reward"] >= 0.8,
+        ),
         ("gain over first step", f"{result['gain']:.3f}", ">= 0.4", result["gain"] >= 0.4),
         ("wall time (s)", f"{wall_s:.0f}", "<= 300", wall_s <= 300),
         ("samples lost", str(result["samples_lost"]), "0", result["samples_lost"] == 0),
     ]
-    print(f"\ntask {result['task']}, {result['steps']} steps, first-step reward {result['first_step_reward']:.3f}, "
-          f"{result['mean_step_s']:.2f} s/step, max logprob_diff {result['max_logprob_diff']:.1e}; {result['machine']}")
-    print(f"mode {result['mode']}: samples migrated {result['samples_migrated']}, from the trainer's engine "
-          f"{result['samples_local']}; workers launched {result['workers_launched']}, retired "
-          f"{result['workers_retired']}, killed {result['workers_killed']}")
+    print(
+        f"\ntask {result['task']}, {result['steps']} steps, first-step reward {result['first_step_reward']:.3f}, "
+        f"{result['mean_step_s']:.2f} s/step, max logprob_diff {result['max_logprob_diff']:.1e}; {result['machine']}"
+    )
+    print(
+        f"mode {result['mode']}: samples migrated {result['samples_migrated']}, from the trainer's engine "
+        f"{result['samples_local']}; workers launched {result['workers_launched']}, retired "
+        f"{result['workers_retired']}, killed {result['workers_killed']}"
+    )
     print(f"{'measure':<24}{'value':>10}{'target':>10}  ok")
     for name, value, target, ok in checks:
         print(f"{name:<24}{value:>10}{target:>10}  {'yes' if ok else 'NO'}")

@@ -48,11 +48,21 @@ def main() -> None:
 
     churn = Churn(args.churn_interval_s, args.churn_events, args.min_alive, args.max_alive)
     result = run_load(
-        args.workers, args.batches, args.prompts, args.n, args.max_new_tokens, args.rounds,
-        None if args.no_churn else churn, max_num_seqs=args.max_num_seqs, token_delay_s=args.token_delay_s,
-        measure_memory=True, seed=args.seed,
-    )  # fmt: skip
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+        args.workers,
+        args.batches,
+        args.prompts,
+        args.n,
+        args.max_new_tokens,
+        args.rounds,
+        None if args.no_churn else churn,
+        max_num_seqs=args.max_num_seqs,
+        token_delay_s=args.token_delay_s,
+        measure_memory=True,
+        seed=args.seed,
+    )
+    machine = (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    )
     print(f"\nmanager under load ({machine})")
     rows = table(result)
     width = max(len(name) for name, _ in rows)

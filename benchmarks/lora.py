@@ -54,8 +54,15 @@ from polyrl.transfer.device import DeviceVersions  # noqa: E402
 from polyrl.transfer.manifest import flatten, layout  # noqa: E402
 from polyrl.transfer.publisher import WeightPublisher  # noqa: E402
 
-QWEN3_8B = {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936}  # fmt: skip
+QWEN3_8B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "vocab_size": 151936,
+}
 RANKS = (1, 16, 64)
 
 
@@ -86,9 +93,14 @@ def build(shape: dict, rank: int | None, args: argparse.Namespace, compiled: boo
     if uses_checkpointing(shape, args):
         enable_gradient_checkpointing(model)
     peft = apply_lora(model, LoraConfig(rank=rank, alpha=2 * rank)) if rank else None
-    cfg = TrainerConfig(lr=1e-5, warmup_steps=0, train_batch_size=64, ppo_mini_batch_size=64,
-                        micro_batch_max_tokens=args.micro_batch_tokens,
-                        compile_layers="auto" if compiled else False)  # fmt: skip
+    cfg = TrainerConfig(
+        lr=1e-5,
+        warmup_steps=0,
+        train_batch_size=64,
+        ppo_mini_batch_size=64,
+        micro_batch_max_tokens=args.micro_batch_tokens,
+        compile_layers="auto" if compiled else False,
+    )
     optimizer, scheduler = build_optimizer(model, cfg, args.warmup + args.steps)
     off = (lambda: adapters_off(peft)) if peft is not None else None
     learner = Learner(model, None, optimizer, scheduler, AlgoConfig(), cfg, 1.0, 0, args.dtype, adapters_off=off)
@@ -124,12 +136,17 @@ def learner_row(name: str, shape: dict, rank: int | None, args: argparse.Namespa
     step_s = sorted(times)[len(times) // 2]
     full_bytes = sum(p.numel() for p in learner.model.parameters()) * wire_dtype.itemsize
     row = {
-        "shape": name, "mode": f"lora-r{rank}" if rank else "full", "tokens": args.seqs * args.seq_len, "step_s": step_s,
+        "shape": name,
+        "mode": f"lora-r{rank}" if rank else "full",
+        "tokens": args.seqs * args.seq_len,
+        "step_s": step_s,
         "tokens_per_s": args.seqs * args.seq_len / step_s,
         "peak_gib": torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.type == "cuda" else None,
         "trainable": sum(p.numel() for p in learner.model.parameters() if p.requires_grad),
-        "compiled": learner.is_compiled, "checkpointing": uses_checkpointing(shape, args), "working_copy": learner.work is not learner.model,
-    }  # fmt: skip
+        "compiled": learner.is_compiled,
+        "checkpointing": uses_checkpointing(shape, args),
+        "working_copy": learner.work is not learner.model,
+    }
     if peft is not None:
         version = {k: t.to(wire_dtype) if t.is_floating_point() else t for k, t in adapter_version(peft).items()}
         base = sum(p.numel() for n, p in learner.model.named_parameters() if ".lora_" not in n) * wire_dtype.itemsize
@@ -156,7 +173,9 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def publish_to_serving(name: str, shape: dict, rank: int, args: argparse.Namespace, same_gpu: bool = False) -> list[dict]:
+def publish_to_serving(
+    name: str, shape: dict, rank: int, args: argparse.Namespace, same_gpu: bool = False
+) -> list[dict]:
     """Adapter versions through the real path into one `polyrl worker` on this host: over
     loopback TCP, or (`same_gpu`) with the versions also held on this GPU, which the
     manager then tells the worker, on the same GPU, to copy over CUDA IPC (from its second
@@ -172,8 +191,24 @@ def publish_to_serving(name: str, shape: dict, rank: int, args: argparse.Namespa
                 pub.device = DeviceVersions(args.device, timeout_s=60)
             sync = PublisherSync(mt.manager, pub, pull_timeout_s=600, codec="raw")
             mt.add_sync_hook(sync)
-            cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", tmp, "--manager", mt.url, "--token", "bench",
-                   "--port", "0", "--worker-id", "w", "engine.max_num_seqs=8", f'engine.device="{args.device.type}"']  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "polyrl.cli",
+                "worker",
+                "--model",
+                tmp,
+                "--manager",
+                mt.url,
+                "--token",
+                "bench",
+                "--port",
+                "0",
+                "--worker-id",
+                "w",
+                "engine.max_num_seqs=8",
+                f'engine.device="{args.device.type}"',
+            ]
             worker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 wait(lambda: state(mt) == ("active", 0), 600, worker)
@@ -183,7 +218,9 @@ def publish_to_serving(name: str, shape: dict, rank: int, args: argparse.Namespa
                         for n, p in model.named_parameters():
                             if ".lora_" in n:
                                 p.copy_(torch.randn(p.shape, generator=g) * 0.01)
-                    weights = {k: t.to(model.dtype) if t.is_floating_point() else t for k, t in adapter_version(peft).items()}
+                    weights = {
+                        k: t.to(model.dtype) if t.is_floating_point() else t for k, t in adapter_version(peft).items()
+                    }
                     t0 = time.perf_counter()
                     info = pub.publish(weights, version)
                     if pub.device is not None:
@@ -191,11 +228,23 @@ def publish_to_serving(name: str, shape: dict, rank: int, args: argparse.Namespa
                     publish_s = time.perf_counter() - t0
                     announced_s, said = announce_and_wait(mt, sync, worker, version)
                     serve_s = publish_s + announced_s
-                    rows.append({"shape": name, "rank": rank, "same_gpu": same_gpu, "version": version,
-                                 "bytes": info.manifest.total_bytes, "published_to_serving_s": serve_s,
-                                 "publish_call_s": publish_s, "worker_said": said})  # fmt: skip
-                    print(f"  v{version}: {info.manifest.total_bytes / 1e6:.2f} MB, published -> serving {1e3 * serve_s:.1f} ms "
-                          f"(of which the publish call {1e3 * publish_s:.1f} ms; worker: {said})", flush=True)  # fmt: skip
+                    rows.append(
+                        {
+                            "shape": name,
+                            "rank": rank,
+                            "same_gpu": same_gpu,
+                            "version": version,
+                            "bytes": info.manifest.total_bytes,
+                            "published_to_serving_s": serve_s,
+                            "publish_call_s": publish_s,
+                            "worker_said": said,
+                        }
+                    )
+                    print(
+                        f"  v{version}: {info.manifest.total_bytes / 1e6:.2f} MB, published -> serving {1e3 * serve_s:.1f} ms "
+                        f"(of which the publish call {1e3 * publish_s:.1f} ms; worker: {said})",
+                        flush=True,
+                    )
             finally:
                 worker.terminate()
                 worker.wait(timeout=60)
@@ -223,8 +272,12 @@ def fit_together(name: str, shape: dict, rank: int, args: argparse.Namespace) ->
     learner, peft = build(shape, rank, args, compiled=args.compile)
     seq_tokens = args.gen_prompt + args.gen_new
     blocks = args.gen_seqs * -(-seq_tokens // 16)
-    engine = Engine(engine_model, EngineConfig(max_num_seqs=args.gen_seqs, max_model_len=seq_tokens, num_kv_blocks=blocks,
-                                               max_num_batched_tokens=4096))  # fmt: skip
+    engine = Engine(
+        engine_model,
+        EngineConfig(
+            max_num_seqs=args.gen_seqs, max_model_len=seq_tokens, num_kv_blocks=blocks, max_num_batched_tokens=4096
+        ),
+    )
     items = make_items([args.seq_len] * args.seqs, min(64, args.seq_len // 2), shape["vocab_size"], seed=0)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, shape["vocab_size"], (args.gen_seqs, args.gen_prompt), generator=g).tolist()
@@ -233,28 +286,41 @@ def fit_together(name: str, shape: dict, rank: int, args: argparse.Namespace) ->
         times = {}
         for part, fn in (
             ("train_s", lambda: learner.train_mini_batch(items, weights_as_sampled=True)),
-            ("merge_s", lambda v=i + 1: engine.update_weights(
-                {k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in adapter_version(peft).items()}, v)),
+            (
+                "merge_s",
+                lambda v=i + 1: engine.update_weights(
+                    {k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in adapter_version(peft).items()},
+                    v,
+                ),
+            ),
             ("generate_s", lambda: engine_generate(engine, prompts, args.gen_new, 1, True)),
-        ):  # fmt: skip
+        ):
             sync(device)
             t0 = time.perf_counter()
             fn()
             sync(device)
             times[part] = time.perf_counter() - t0
         rounds.append(times)
-        print(f"  round {i + 1}: train {times['train_s']:.2f} s, merge {1e3 * times['merge_s']:.0f} ms, "
-              f"generate {times['generate_s']:.2f} s ({args.gen_seqs * args.gen_new / times['generate_s']:.0f} tokens/s)",
-              flush=True)  # fmt: skip
+        print(
+            f"  round {i + 1}: train {times['train_s']:.2f} s, merge {1e3 * times['merge_s']:.0f} ms, "
+            f"generate {times['generate_s']:.2f} s ({args.gen_seqs * args.gen_new / times['generate_s']:.0f} tokens/s)",
+            flush=True,
+        )
     free_b, total_b = torch.cuda.mem_get_info(device)
     row = {
-        "shape": name, "rank": rank, "rounds": rounds, "train_tokens": args.seqs * args.seq_len,
-        "generated_tokens": args.gen_seqs * args.gen_new, "kv_blocks": blocks,
+        "shape": name,
+        "rank": rank,
+        "rounds": rounds,
+        "train_tokens": args.seqs * args.seq_len,
+        "generated_tokens": args.gen_seqs * args.gen_new,
+        "kv_blocks": blocks,
         "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
-        "device_used_gib": (total_b - free_b) / 2**30, "device_total_gib": total_b / 2**30,
-        "base_16bit": learner.is_base_16bit, "compiled": learner.is_compiled,
-    }  # fmt: skip
+        "device_used_gib": (total_b - free_b) / 2**30,
+        "device_total_gib": total_b / 2**30,
+        "base_16bit": learner.is_base_16bit,
+        "compiled": learner.is_compiled,
+    }
     return row  # the caller frees the device once these locals are gone
 
 
@@ -272,10 +338,18 @@ def main() -> None:
     p.add_argument("--gen-seqs", type=int, default=64, help="fit: sequences generated per round")
     p.add_argument("--gen-prompt", type=int, default=128, help="fit: prompt tokens per sequence")
     p.add_argument("--gen-new", type=int, default=512, help="fit: generated tokens per sequence")
-    p.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
-                   help="activation checkpointing in the learner (auto: on for the 8B shape)")
-    p.add_argument("--no-compile", dest="compile", action="store_false",
-                   help="never compile layers (default: the trainer's auto, retried uncompiled on failure)")
+    p.add_argument(
+        "--checkpointing",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="activation checkpointing in the learner (auto: on for the 8B shape)",
+    )
+    p.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="never compile layers (default: the trainer's auto, retried uncompiled on failure)",
+    )
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args()
     args.device = torch.device(args.device)
@@ -287,13 +361,18 @@ def main() -> None:
 
     rows, serve_rows, failures = [], [], []
     if args.only in (None, "learner"):
-        print(f"{'shape':11s} {'mode':9s} {'tokens/s':>9s} {'peak GiB':>8s} {'step s':>7s} {'trainable':>12s} "
-              f"{'wire MB':>9s} {'of full':>8s} {'delta MB':>9s} {'of full':>8s}")  # fmt: skip
+        print(
+            f"{'shape':11s} {'mode':9s} {'tokens/s':>9s} {'peak GiB':>8s} {'step s':>7s} {'trainable':>12s} "
+            f"{'wire MB':>9s} {'of full':>8s} {'delta MB':>9s} {'of full':>8s}"
+        )
         for name, shape in shapes(args.device).items():
             for rank in (None, *RANKS):
                 if rank is None and not full_fits(shape, args.device):
-                    print(f"{name:11s} full      skipped: {num_params(shape) * 16 / 2**30:.0f} GiB of weights, "
-                          "gradients and Adam state do not fit", flush=True)  # fmt: skip
+                    print(
+                        f"{name:11s} full      skipped: {num_params(shape) * 16 / 2**30:.0f} GiB of weights, "
+                        "gradients and Adam state do not fit",
+                        flush=True,
+                    )
                     continue
                 r = None
                 for compiled in (True, False) if args.compile else (False,):
@@ -302,8 +381,14 @@ def main() -> None:
                         break
                     except Exception as e:  # noqa: BLE001 - a failed row is a result; the next one runs
                         traceback.print_exc()
-                        failures.append({"shape": name, "rank": rank, "compiled": compiled,
-                                         "error": f"{type(e).__name__}: {e}"[:500]})  # fmt: skip
+                        failures.append(
+                            {
+                                "shape": name,
+                                "rank": rank,
+                                "compiled": compiled,
+                                "error": f"{type(e).__name__}: {e}"[:500],
+                            }
+                        )
                         free(args.device)
                         if isinstance(e, torch.OutOfMemoryError):
                             break  # compiling does not change what fits
@@ -311,10 +396,16 @@ def main() -> None:
                     continue
                 rows.append(r)
                 peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-                print(f"{name:11s} {r['mode']:9s} {r['tokens_per_s']:9.0f} {peak:>8s} {r['step_s']:7.3f} "
-                      f"{r['trainable']:12d} {r['wire_bytes'] / 1e6:9.3f} {100 * r['wire_fraction']:7.3f}%"
-                      + (f" {r['delta_bytes'] / 1e6:9.3f} {100 * r['delta_fraction']:7.3f}%" if "delta_bytes" in r else ""),
-                      flush=True)  # fmt: skip
+                print(
+                    f"{name:11s} {r['mode']:9s} {r['tokens_per_s']:9.0f} {peak:>8s} {r['step_s']:7.3f} "
+                    f"{r['trainable']:12d} {r['wire_bytes'] / 1e6:9.3f} {100 * r['wire_fraction']:7.3f}%"
+                    + (
+                        f" {r['delta_bytes'] / 1e6:9.3f} {100 * r['delta_fraction']:7.3f}%"
+                        if "delta_bytes" in r
+                        else ""
+                    ),
+                    flush=True,
+                )
                 free(args.device)
     if args.only in (None, "serve"):
         name, shape = next(iter(shapes(args.device).items()))
@@ -324,7 +415,9 @@ def main() -> None:
                 part = publish_to_serving(name, shape, 16, args, same_gpu)
             except Exception as e:  # noqa: BLE001 - the TCP rows stay
                 traceback.print_exc()
-                failures.append({"part": f"publish_to_serving same_gpu={same_gpu}", "error": f"{type(e).__name__}: {e}"[:500]})
+                failures.append(
+                    {"part": f"publish_to_serving same_gpu={same_gpu}", "error": f"{type(e).__name__}: {e}"[:500]}
+                )
                 continue
             serve_rows += part
             later = sorted(r["published_to_serving_s"] for r in part[1:]) or [part[0]["published_to_serving_s"]]
@@ -336,14 +429,23 @@ def main() -> None:
         try:
             fit = fit_together(name, shape, 16, args)
             free(args.device)
-            print(f"  peak allocated {fit['peak_allocated_gib']:.1f} GiB, reserved {fit['peak_reserved_gib']:.1f} GiB, "
-                  f"device in use at the end {fit['device_used_gib']:.1f} of {fit['device_total_gib']:.1f} GiB", flush=True)  # fmt: skip
+            print(
+                f"  peak allocated {fit['peak_allocated_gib']:.1f} GiB, reserved {fit['peak_reserved_gib']:.1f} GiB, "
+                f"device in use at the end {fit['device_used_gib']:.1f} of {fit['device_total_gib']:.1f} GiB",
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001 - not fitting is the result
             traceback.print_exc()
             failures.append({"part": "fit", "error": f"{type(e).__name__}: {e}"[:500]})
     if args.json:
-        out = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(args.device),
-               "learner": rows, "publish_to_serving": serve_rows, "fit": fit, "failures": failures}  # fmt: skip
+        out = {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "machine": machine(args.device),
+            "learner": rows,
+            "publish_to_serving": serve_rows,
+            "fit": fit,
+            "failures": failures,
+        }
         Path(args.json).write_text(json.dumps(out, indent=2))
 
 

@@ -56,9 +56,15 @@ def serve_fake(port: int, tokens: int) -> None:
         n = body.get("sampling_params", {}).get("n", 1)
         chunks = []
         for j in range(n):
-            meta = {"id": body.get("rid", "x"), "finish_reason": {"type": "length"}, "prompt_tokens": 3,
-                    "completion_tokens": tokens, "weight_version": 0,
-                    "output_token_weight_versions": [0] * tokens, "output_token_logprobs": logprobs}  # fmt: skip
+            meta = {
+                "id": body.get("rid", "x"),
+                "finish_reason": {"type": "length"},
+                "prompt_tokens": 3,
+                "completion_tokens": tokens,
+                "weight_version": 0,
+                "output_token_weight_versions": [0] * tokens,
+                "output_token_logprobs": logprobs,
+            }
             chunk = {"text": "", "output_ids": ids, "index": j, "meta_info": meta}
             chunks.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
@@ -113,8 +119,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def generate_body(i: int, stream: bool = True) -> dict[str, Any]:
-    return {"input_ids": [5, 6, 7], "stream": stream, "return_logprob": True, "rid": f"r{i}-{time.monotonic_ns()}",
-            "sampling_params": {"max_new_tokens": 16, "temperature": 1.0}}  # fmt: skip
+    return {
+        "input_ids": [5, 6, 7],
+        "stream": stream,
+        "return_logprob": True,
+        "rid": f"r{i}-{time.monotonic_ns()}",
+        "sampling_params": {"max_new_tokens": 16, "temperature": 1.0},
+    }
 
 
 def batch_body(num: int, offset: int = 0) -> dict[str, Any]:
@@ -185,13 +196,24 @@ async def keep_registered(manager_url: str, fakes: list[str], stop: asyncio.Even
     """Register the fake engines as workers and heartbeat for them."""
     async with httpx.AsyncClient(base_url=manager_url, headers=AUTH, timeout=10) as c:
         for i, url in enumerate(fakes):
-            reg = {"worker_id": f"fake{i}", "url": url, "model_path": "fake", "weight_version": 0,
-                   "max_num_seqs": 4096, "max_model_len": 4096}  # fmt: skip
+            reg = {
+                "worker_id": f"fake{i}",
+                "url": url,
+                "model_path": "fake",
+                "weight_version": 0,
+                "max_num_seqs": 4096,
+                "max_model_len": 4096,
+            }
             (await c.post("/v1/workers/register", json=reg)).raise_for_status()
         while not stop.is_set():
             for i in range(len(fakes)):
-                beat = {"state": "active", "weight_version": 0, "num_running": 0, "num_waiting": 0,
-                        "gen_throughput": 0.0}  # fmt: skip
+                beat = {
+                    "state": "active",
+                    "weight_version": 0,
+                    "num_running": 0,
+                    "num_waiting": 0,
+                    "gen_throughput": 0.0,
+                }
                 await c.post(f"/v1/workers/fake{i}/heartbeat", json=beat)
             await asyncio.sleep(1.0)
 
@@ -228,8 +250,17 @@ def main() -> None:
             wait_http(f"{url}/health")
 
         manager_port = free_port()
-        polyrl = [sys.executable, "-m", "polyrl.cli", "manager", "--port", str(manager_port), "--token", TOKEN,
-                  "manager.max_inflight_per_worker=4096"]  # fmt: skip
+        polyrl = [
+            sys.executable,
+            "-m",
+            "polyrl.cli",
+            "manager",
+            "--port",
+            str(manager_port),
+            "--token",
+            TOKEN,
+            "manager.max_inflight_per_worker=4096",
+        ]
         procs.append(start(polyrl))
         manager_url = f"http://127.0.0.1:{manager_port}"
         wait_http(f"{manager_url}/health")
@@ -237,9 +268,25 @@ def main() -> None:
         router_url = None
         if shutil.which("sglang-router") or _has_module("sglang_router"):
             router_port = free_port()
-            procs.append(start([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                "--port", str(router_port), "--policy", "round_robin", "--log-level", "error",
-                                "--worker-urls", *fakes]))  # fmt: skip
+            procs.append(
+                start(
+                    [
+                        sys.executable,
+                        "-m",
+                        "sglang_router.launch_router",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(router_port),
+                        "--policy",
+                        "round_robin",
+                        "--log-level",
+                        "error",
+                        "--worker-urls",
+                        *fakes,
+                    ]
+                )
+            )
             router_url = f"http://127.0.0.1:{router_port}"
             wait_http(f"{router_url}/health", timeout_s=120)
         else:
@@ -256,7 +303,9 @@ def main() -> None:
     report(args, results)
 
 
-async def measure(args: argparse.Namespace, fakes: list[str], manager_url: str, router_url: str | None) -> dict[str, Any]:
+async def measure(
+    args: argparse.Namespace, fakes: list[str], manager_url: str, router_url: str | None
+) -> dict[str, Any]:
     stop = asyncio.Event()
     registered = asyncio.create_task(keep_registered(manager_url, fakes, stop))
     async with httpx.AsyncClient() as c:
@@ -288,7 +337,9 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> None:
     floor = statistics.median(lat["direct"])
     rows = []
     print(f"\n{args.engines} fake engines, {args.tokens} tokens per answer; {os.cpu_count()} CPUs")
-    print(f"{'path':<26} {'p50 ms':>8} {'p99 ms':>8} {'added p50 ms':>13} {'req/s (c=' + str(args.concurrency) + ')':>14}")
+    print(
+        f"{'path':<26} {'p50 ms':>8} {'p99 ms':>8} {'added p50 ms':>13} {'req/s (c=' + str(args.concurrency) + ')':>14}"
+    )
     for name, times in lat.items():
         p50, p99 = percentile(times, 0.5) * 1e3, percentile(times, 0.99) * 1e3
         rps = results["rate_concurrent"].get(name, float("nan"))
@@ -298,8 +349,14 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> None:
     batch = results["rate_batch"]["polyrl manager"]
     print(f"polyrl manager, one batch of {args.requests} prompts: {batch:.0f} requests/s")
     if args.json:
-        payload = {"engines": args.engines, "tokens": args.tokens, "concurrency": args.concurrency,
-                   "requests": args.requests, "rows": rows, "manager_batch_rps": batch}  # fmt: skip
+        payload = {
+            "engines": args.engines,
+            "tokens": args.tokens,
+            "concurrency": args.concurrency,
+            "requests": args.requests,
+            "rows": rows,
+            "manager_batch_rps": batch,
+        }
         Path(args.json).write_text(json.dumps(payload, indent=2))
 
 

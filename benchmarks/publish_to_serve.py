@@ -51,8 +51,23 @@ def main() -> None:
         with ManagerThread(cfg) as mt, WeightPublisher() as pub:
             sync = PublisherSync(mt.manager, pub, pull_timeout_s=600, codec=args.codec)
             mt.add_sync_hook(sync)
-            cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", tmp, "--manager", mt.url, "--token", "bench",
-                   "--port", "0", "--worker-id", "w", "engine.max_num_seqs=8"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "polyrl.cli",
+                "worker",
+                "--model",
+                tmp,
+                "--manager",
+                mt.url,
+                "--token",
+                "bench",
+                "--port",
+                "0",
+                "--worker-id",
+                "w",
+                "engine.max_num_seqs=8",
+            ]
             worker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 wait(lambda: state(mt) == ("active", 0), 600, worker)
@@ -68,10 +83,20 @@ def main() -> None:
                     info = pub.publish({k: t.to(torch.bfloat16) for k, t in master.items()}, version)
                     snapshot_s = time.perf_counter() - t0
                     serve_s, message = announce_and_wait(mt, sync, worker, version)
-                    rows.append({"version": version, "bytes": info.manifest.total_bytes, "snapshot_s": snapshot_s,
-                                 "publish_to_serving_s": serve_s, "worker_said": message})  # fmt: skip
-                    print(f"v{version}: {info.manifest.total_bytes / 1e6:.0f} MB, snapshot {snapshot_s:.2f}s, "
-                          f"published -> serving {serve_s:.2f}s ({message})", flush=True)  # fmt: skip
+                    rows.append(
+                        {
+                            "version": version,
+                            "bytes": info.manifest.total_bytes,
+                            "snapshot_s": snapshot_s,
+                            "publish_to_serving_s": serve_s,
+                            "worker_said": message,
+                        }
+                    )
+                    print(
+                        f"v{version}: {info.manifest.total_bytes / 1e6:.0f} MB, snapshot {snapshot_s:.2f}s, "
+                        f"published -> serving {serve_s:.2f}s ({message})",
+                        flush=True,
+                    )
             finally:
                 worker.terminate()
                 worker.wait(timeout=60)
@@ -79,7 +104,9 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 
 
-def announce_and_wait(mt: ManagerThread, sync: PublisherSync, worker: subprocess.Popen, version: int) -> tuple[float, str]:
+def announce_and_wait(
+    mt: ManagerThread, sync: PublisherSync, worker: subprocess.Popen, version: int
+) -> tuple[float, str]:
     """Tell the manager that `version` (already published) is current and wait until the
     worker serves it: the seconds that took, and what the worker said of its pull."""
     t0 = time.perf_counter()

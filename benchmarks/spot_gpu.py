@@ -188,10 +188,19 @@ def make_model(out: Path, num_stop_ids: int, max_positions: int) -> Path:
     vocab = 151936
     stop_ids = sorted({tokenizer.eos_token_id, *range(vocab - num_stop_ids, vocab)})
     cfg = Qwen3Config(
-        vocab_size=vocab, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-        head_dim=128, intermediate_size=3072, max_position_embeddings=max_positions, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config = GenerationConfig(
@@ -240,20 +249,44 @@ class Worker:
     """A `polyrl worker` that joins the trainer's manager, as a spot VM would."""
 
     def __init__(
-        self, model: Path, manager_url: str, worker_id: str, gpu: str, log_dir: Path, fraction: float | None,
-        extra: tuple[str, ...] = ("engine.max_num_seqs=512",), env: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        model: Path,
+        manager_url: str,
+        worker_id: str,
+        gpu: str,
+        log_dir: Path,
+        fraction: float | None,
+        extra: tuple[str, ...] = ("engine.max_num_seqs=512",),
+        env: dict[str, str] | None = None,
+    ) -> None:
         """`gpu`: CUDA_VISIBLE_DEVICES for it ("" hides every GPU); `fraction`: its KV cache's
         share of the free GPU memory (None: `extra` sizes it); `extra`: more config overrides;
         `env`: more environment (MPS)."""
-        env = os.environ | {"CUDA_VISIBLE_DEVICES": gpu, "POLYRL_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1",
-                            "PYTHONFAULTHANDLER": "1"} | (env or {})  # fmt: skip
+        env = (
+            os.environ
+            | {"CUDA_VISIBLE_DEVICES": gpu, "POLYRL_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+            | (env or {})
+        )
         self.worker_id = worker_id
         self.log = open(log_dir / f"{worker_id}.log", "ab")  # noqa: SIM115 - closed in stop()
         kv = [f"engine.kv_cache_memory_fraction={fraction}"] if fraction is not None else []
-        cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model), "--port", "0",
-               "--manager", manager_url, "--worker-id", worker_id, *kv, "worker.heartbeat_interval_s=0.5",
-               *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "polyrl.cli",
+            "worker",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--manager",
+            manager_url,
+            "--worker-id",
+            worker_id,
+            *kv,
+            "worker.heartbeat_interval_s=0.5",
+            *extra,
+        ]
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill(self) -> None:
@@ -339,22 +372,48 @@ def throughput_overrides(
     budget = ["data.max_new_tokens_key=max_new_tokens"] if has_budgets else []
     cuda = args.device == "cuda"
     return [
-        f"model.path={model}", f"model.dtype={'bfloat16' if cuda else 'float32'}", f"trainer.device={args.device}",
-        f"rollout.mode={mode}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.new_tokens}", "data.task=dataset",
-        f"data.path={data}", "data.format=plain", "reward.functions=['polyrl.data.tasks:char_match_reward']", *budget,
-        f"trainer.train_batch_size={args.prompts}", f"trainer.ppo_mini_batch_size={args.prompts // args.mini_batches}",
-        f"trainer.total_steps={args.warmup + args.steps + cooldown}", "trainer.lr=1e-6", "trainer.warmup_steps=0",
-        f"trainer.micro_batch_max_tokens={args.micro_batch_tokens}", "trainer.save_every=0",
-        *engine_overrides(args, args.kv_blocks), "logging.console=false", "logging.tensorboard=false",
-        "fleet.num_workers=0", f"manager.port={port}", f"manager.token={TOKEN}", "manager.heartbeat_interval_s=0.5",
+        f"model.path={model}",
+        f"model.dtype={'bfloat16' if cuda else 'float32'}",
+        f"trainer.device={args.device}",
+        f"rollout.mode={mode}",
+        f"rollout.n={args.n}",
+        f"rollout.max_new_tokens={args.new_tokens}",
+        "data.task=dataset",
+        f"data.path={data}",
+        "data.format=plain",
+        "reward.functions=['polyrl.data.tasks:char_match_reward']",
+        *budget,
+        f"trainer.train_batch_size={args.prompts}",
+        f"trainer.ppo_mini_batch_size={args.prompts // args.mini_batches}",
+        f"trainer.total_steps={args.warmup + args.steps + cooldown}",
+        "trainer.lr=1e-6",
+        "trainer.warmup_steps=0",
+        f"trainer.micro_batch_max_tokens={args.micro_batch_tokens}",
+        "trainer.save_every=0",
+        *engine_overrides(args, args.kv_blocks),
+        "logging.console=false",
+        "logging.tensorboard=false",
+        "fleet.num_workers=0",
+        f"manager.port={port}",
+        f"manager.token={TOKEN}",
+        "manager.heartbeat_interval_s=0.5",
         f"manager.max_inflight_per_worker={512 if cuda else 64}",
-        f"cost.trainer_usd_per_hour={ON_DEMAND_USD_PER_GPU_HOUR}", f"cost.worker_usd_per_hour={SPOT_USD_PER_GPU_HOUR}",
-    ]  # fmt: skip
+        f"cost.trainer_usd_per_hour={ON_DEMAND_USD_PER_GPU_HOUR}",
+        f"cost.worker_usd_per_hour={SPOT_USD_PER_GPU_HOUR}",
+    ]
 
 
 def run_part(
-    part: str, overrides: list[str], run_dir: Path, model: Path | None, port: int, args: argparse.Namespace,
-    spot: bool, kill_step: int | None = None, timeout_s: float = 900, whole: bool = False,
+    part: str,
+    overrides: list[str],
+    run_dir: Path,
+    model: Path | None,
+    port: int,
+    args: argparse.Namespace,
+    spot: bool,
+    kill_step: int | None = None,
+    timeout_s: float = 900,
+    whole: bool = False,
 ) -> tuple[list[dict[str, float]], float, list[str]]:
     """Run one trainer (and its worker); returns its metrics rows, wall seconds, notes."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -375,8 +434,12 @@ def run_part(
     counter = FleetTokens(url)
     seen = 0
     with open(run_dir / "trainer.log", "ab") as log:
-        trainer = subprocess.Popen(train_command(run_dir, overrides), env=os.environ | place.env("trainer", whole),
-                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        trainer = subprocess.Popen(
+            train_command(run_dir, overrides),
+            env=os.environ | place.env("trainer", whole),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         killed = False
         try:
             while trainer.poll() is None:
@@ -456,12 +519,18 @@ def summarise(
         made = sum(r["bench/fleet_tokens"] for r in measured) * tokens / gen_tokens
         res.produced_tokens_per_s = made / step_s
         res.steady_tokens_per_s = min(res.tokens_per_s, res.produced_tokens_per_s)
-        res.local_made = sum(r["bench/fleet_tokens_local"] for r in measured) / max(sum(r["bench/fleet_tokens"] for r in measured), 1)
+        res.local_made = sum(r["bench/fleet_tokens_local"] for r in measured) / max(
+            sum(r["bench/fleet_tokens"] for r in measured), 1
+        )
     res.gen_tokens_per_s = gen_tokens / step_s
     res.usd_per_hour = sum(r["cost/usd_per_hour"] for r in measured) / len(measured)
     res.tokens_per_usd = res.steady_tokens_per_s * 3600 / res.usd_per_hour
     mean = lambda key: sum(r.get(key, 0.0) for r in measured) / len(measured)  # noqa: E731
-    res.gen_s, res.update_actor_s, res.publish_s = mean("timing_s/gen"), mean("timing_s/update_actor"), mean("timing_s/update_weights")
+    res.gen_s, res.update_actor_s, res.publish_s = (
+        mean("timing_s/gen"),
+        mean("timing_s/update_actor"),
+        mean("timing_s/update_weights"),
+    )
     syncs = [r["timing_s/weight_sync"] for r in measured if "timing_s/weight_sync" in r]
     res.weight_sync_s = sum(syncs) / len(syncs) if syncs else None
     res.logprob_diff = max(r.get("rollout/logprob_diff", 0.0) for r in measured)
@@ -476,7 +545,9 @@ def summarise(
         res.ready_start, res.ready_end = measured[0]["async/ready_groups"], measured[-1]["async/ready_groups"]
     res.samples_lost = int(sum(r["rollout/samples_lost"] for r in rows))
     res.migrated = int(sum(r["rollout/migrated_samples"] for r in rows))
-    res.local_share = sum(r["rollout/local_samples"] for r in measured) / max(sum(r["rollout/samples_received"] for r in measured), 1)
+    res.local_share = sum(r["rollout/local_samples"] for r in measured) / max(
+        sum(r["rollout/samples_received"] for r in measured), 1
+    )
     res.mean_completion_len = mean("response_length/mean")
     res.max_completion_len = max(r.get("response_length/max", 0.0) for r in measured)
     return res
@@ -485,25 +556,36 @@ def summarise(
 def learning_part(part: str, mode: str, args: argparse.Namespace, work: Path, extra: list[str]) -> Result:
     """The default task and tiny model, from scratch: time to the target reward."""
     port = free_port()
-    overrides = [*extra,
-        f"trainer.device={args.device}", f"rollout.mode={mode}", f"trainer.total_steps={args.learn_steps}",
-        "logging.console=false", "logging.tensorboard=false", "fleet.num_workers=0", "trainer.save_every=0",
-        f"manager.port={port}", f"manager.token={TOKEN}", "manager.heartbeat_interval_s=0.5",
+    overrides = [
+        *extra,
+        f"trainer.device={args.device}",
+        f"rollout.mode={mode}",
+        f"trainer.total_steps={args.learn_steps}",
+        "logging.console=false",
+        "logging.tensorboard=false",
+        "fleet.num_workers=0",
+        "trainer.save_every=0",
+        f"manager.port={port}",
+        f"manager.token={TOKEN}",
+        "manager.heartbeat_interval_s=0.5",
         "engine.num_kv_blocks=2048" if args.device == "cuda" else 'engine.device="cpu"',
-    ]  # fmt: skip
+    ]
     if "rollout.fully_async=true" in extra:
         overrides += args.async_set
     run_dir = work / part
     model = None
     if mode != "local":  # the worker needs the model directory before the trainer writes it
         model = work / f"{part}_model"  # outside the run directory, which must start empty
-        subprocess.run([sys.executable, "-m", "polyrl.cli", "tiny-model", "--out", str(model)], check=True,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "polyrl.cli", "tiny-model", "--out", str(model)], check=True, capture_output=True
+        )
         overrides.append(f"model.path={model}")
     saved = args.worker_kv_blocks
     args.worker_kv_blocks = 2048 if args.device == "cuda" else 512
     try:
-        rows, wall, notes = run_part(part, overrides, run_dir, model, port, args, mode != "local", None, args.part_timeout_s)
+        rows, wall, notes = run_part(
+            part, overrides, run_dir, model, port, args, mode != "local", None, args.part_timeout_s
+        )
     finally:
         args.worker_kv_blocks = saved
     res = summarise(part, rows, 0, wall, notes)
@@ -578,8 +660,11 @@ def decode_capacity(
         sync()
         stats = engine.stats()
         span = time.monotonic() - first[0]
-        out[c] = {"tok_s": (stats.num_generated_tokens - first[1]) / span, "preemptions": stats.num_preemptions - first[2],
-                  "mean_running": float(np.mean(running)) if running else 0.0}  # fmt: skip
+        out[c] = {
+            "tok_s": (stats.num_generated_tokens - first[1]) / span,
+            "preemptions": stats.num_preemptions - first[2],
+            "mean_running": float(np.mean(running)) if running else 0.0,
+        }
         engine.abort_all()
         while engine.has_work:
             engine.step()
@@ -615,15 +700,20 @@ def standin_part(args: argparse.Namespace, model: Path, work: Path) -> Result:
     me = [sys.executable, __file__, "--_role"]
 
     def measure() -> dict:
-        out = subprocess.run([*me, role], env=os.environ | place.env("worker"), capture_output=True, text=True,
-                             timeout=400)  # fmt: skip
+        out = subprocess.run(
+            [*me, role], env=os.environ | place.env("worker"), capture_output=True, text=True, timeout=400
+        )
         if out.returncode != 0:
             raise RuntimeError(f"standin child failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     idle = measure()
-    trainer = subprocess.Popen([*me, f"train:{model}"], env=os.environ | place.env("trainer"), stdout=subprocess.DEVNULL,
-                               stderr=open(work / "standin_train.log", "ab"))  # noqa: SIM115  # fmt: skip
+    trainer = subprocess.Popen(
+        [*me, f"train:{model}"],
+        env=os.environ | place.env("trainer"),
+        stdout=subprocess.DEVNULL,
+        stderr=open(work / "standin_train.log", "ab"),
+    )  # noqa: SIM115
     try:
         time.sleep(15)  # its model loaded and its loop running
         busy = measure()
@@ -631,14 +721,18 @@ def standin_part(args: argparse.Namespace, model: Path, work: Path) -> Result:
         trainer.kill()
         trainer.wait()
     idle_ms, busy_ms = idle["latency_ms"], busy["latency_ms"]
-    res.notes = [f"decode step, 1 sequence: {idle_ms:.2f} ms with the other half idle, {busy_ms:.2f} ms with it "
-                 f"training ({busy_ms / idle_ms:.2f}x)"]  # fmt: skip
+    res.notes = [
+        f"decode step, 1 sequence: {idle_ms:.2f} ms with the other half idle, {busy_ms:.2f} ms with it "
+        f"training ({busy_ms / idle_ms:.2f}x)"
+    ]
     for c, alone in idle["capacity"].items():
         beside = busy["capacity"][c]
-        res.notes.append(f"{c} sequences in flight: {alone['tok_s']:.0f} tok/s alone, {beside['tok_s']:.0f} beside "
-                         f"training ({alone['tok_s'] / max(beside['tok_s'], 1):.2f}x); mean running "
-                         f"{alone['mean_running']:.0f}/{beside['mean_running']:.0f}; preemptions "
-                         f"{alone['preemptions']}/{beside['preemptions']}")  # fmt: skip
+        res.notes.append(
+            f"{c} sequences in flight: {alone['tok_s']:.0f} tok/s alone, {beside['tok_s']:.0f} beside "
+            f"training ({alone['tok_s'] / max(beside['tok_s'], 1):.2f}x); mean running "
+            f"{alone['mean_running']:.0f}/{beside['mean_running']:.0f}; preemptions "
+            f"{alone['preemptions']}/{beside['preemptions']}"
+        )
     res.gen_s, res.update_actor_s = idle_ms, busy_ms
     res.capacity = {"idle": idle["capacity"], "training": busy["capacity"]}
     return res
@@ -647,7 +741,11 @@ def standin_part(args: argparse.Namespace, model: Path, work: Path) -> Result:
 def child_role(role: str) -> None:
     kind, model, *rest = role.split(":")
     if kind == "decode":
-        blocks, levels, budgets = int(rest[0]), [int(c) for c in rest[1].split(",")], json.loads(Path(rest[2]).read_text())
+        blocks, levels, budgets = (
+            int(rest[0]),
+            [int(c) for c in rest[1].split(",")],
+            json.loads(Path(rest[2]).read_text()),
+        )
         latency = decode_latency(Path(model), 256)
         gc.collect()
         torch.cuda.empty_cache()
@@ -665,11 +763,15 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=1024)
-    p.add_argument("--stop-ids", type=int, default=0, help="extra end-of-sequence ids (0: every response is full length)")
+    p.add_argument(
+        "--stop-ids", type=int, default=0, help="extra end-of-sequence ids (0: every response is full length)"
+    )
     p.add_argument("--mini-batches", type=int, default=2)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--kv-fraction", type=float, default=0.45, help="the trainer's engine on its (first) GPU (fixed split)")
+    p.add_argument(
+        "--kv-fraction", type=float, default=0.45, help="the trainer's engine on its (first) GPU (fixed split)"
+    )
     p.add_argument("--worker-kv-fraction", type=float, default=0.8)
     p.add_argument("--restart-after-s", type=float, default=3.0)
 
@@ -695,8 +797,10 @@ LEARN_PARTS = {  # part: (rollout mode, overrides)
     "learn_fully_async": ("hybrid", ["rollout.fully_async=true", "rollout.max_staleness=1"]),
 }
 KILLABLE = ("hybrid", "hybrid_ahead", "fully_async_k1", "fully_async_k2", "fully_async_k3", "fully_async_k4")
-DEFAULT_PARTS = ("colocated,colocated_whole,hybrid,hybrid_ahead,fully_async_k1,fully_async_k2,best_kill,equal_colocated,"
-                 "equal_fully_async,learn_colocated,learn_fully_async,standin")  # fmt: skip
+DEFAULT_PARTS = (
+    "colocated,colocated_whole,hybrid,hybrid_ahead,fully_async_k1,fully_async_k2,best_kill,equal_colocated,"
+    "equal_fully_async,learn_colocated,learn_fully_async,standin"
+)
 
 
 def main() -> None:
@@ -710,8 +814,12 @@ def main() -> None:
     p.add_argument("--split", choices=("mps", "gpus", "one"), default="gpus")
     p.add_argument("--one-gpu", action="store_true", help="the same as --split one")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--kv-blocks", type=int, default=8192, help="the trainer's engine (16-token blocks; 0: --kv-fraction)")
-    p.add_argument("--worker-kv-blocks", type=int, default=12288, help="the spot worker's engine (0: --worker-kv-fraction)")
+    p.add_argument(
+        "--kv-blocks", type=int, default=8192, help="the trainer's engine (16-token blocks; 0: --kv-fraction)"
+    )
+    p.add_argument(
+        "--worker-kv-blocks", type=int, default=12288, help="the spot worker's engine (0: --worker-kv-fraction)"
+    )
     p.add_argument("--tail-median", type=float, default=300, help="long-tail workload: median budget (tokens)")
     p.add_argument("--tail-p99", type=float, default=3000, help="long-tail workload: 99th-percentile budget")
     p.add_argument("--steps", type=int, default=4)
@@ -719,15 +827,27 @@ def main() -> None:
     p.add_argument("--learn-steps", type=int, default=80)
     p.add_argument("--part-timeout-s", type=float, default=900, help="a part still running then is stopped")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more trainer overrides")
-    p.add_argument("--async-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="more trainer overrides for the fully asynchronous rows only (best_kill included), "
-                        "e.g. rollout.hybrid_local_until=always, which the other rows refuse")
+    p.add_argument(
+        "--async-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more trainer overrides for the fully asynchronous rows only (best_kill included), "
+        "e.g. rollout.hybrid_local_until=always, which the other rows refuse",
+    )
     p.add_argument("--worker-set", action="append", default=[], metavar="KEY=VALUE", help="more spot-worker overrides")
     p.add_argument("--keep", type=Path, help="keep the logs and run directories here")
-    p.add_argument("--model", type=Path, help="the throughput rows' model, made by an earlier run of this script "
-                   "(its --keep directory's qwen3-0.6b-shape; default: made anew)")
-    p.add_argument("--kill-as", choices=KILLABLE, help="best_kill: the row to repeat with a kill (default: the "
-                   "fastest such row of this run)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="the throughput rows' model, made by an earlier run of this script "
+        "(its --keep directory's qwen3-0.6b-shape; default: made anew)",
+    )
+    p.add_argument(
+        "--kill-as",
+        choices=KILLABLE,
+        help="best_kill: the row to repeat with a kill (default: the fastest such row of this run)",
+    )
     p.add_argument("--target-reward", type=float, default=0.8)
     p.add_argument("--capacity-levels", default="128,256,512", help="standin: sequences in flight to measure")
     args = p.parse_args()
@@ -739,7 +859,9 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown parts {unknown}; known: {sorted(known)}")
     if args.device == "cuda" and torch.cuda.device_count() < (2 if args.split == "gpus" else 1):
-        sys.exit(f"--split {args.split} needs {2 if args.split == 'gpus' else 1} GPUs, found {torch.cuda.device_count()}")
+        sys.exit(
+            f"--split {args.split} needs {2 if args.split == 'gpus' else 1} GPUs, found {torch.cuda.device_count()}"
+        )
     if args.device == "cpu":
         parts = [x for x in parts if x not in ("standin", "colocated_whole")]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stop still runs the clean-ups (the MPS daemon's)
@@ -762,14 +884,30 @@ def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Re
             model = make_model(work / "qwen3-0.6b-shape", args.stop_ids, args.new_tokens + 512)
         else:  # the tiny model, long enough for the budgets
             model = work / "tiny"
-            subprocess.run([sys.executable, "-m", "polyrl.cli", "tiny-model", "--out", str(model),
-                            f"max_position_embeddings={args.new_tokens + 128}"], check=True, capture_output=True)  # fmt: skip
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "polyrl.cli",
+                    "tiny-model",
+                    "--out",
+                    str(model),
+                    f"max_position_embeddings={args.new_tokens + 128}",
+                ],
+                check=True,
+                capture_output=True,
+            )
     count = args.prompts * (args.warmup + args.steps + args.cooldown + 4)  # one pass (fully async runs ahead)
     budgets = longtail_budgets(count, args.tail_median, args.tail_p99, args.new_tokens)
-    data = {"longtail": write_workload(work / "longtail.jsonl", count, budgets),
-            "equal": write_workload(work / "equal.jsonl", count, None)}  # fmt: skip
-    print(f"long-tail budgets: median {np.median(budgets):.0f}, p90 {np.percentile(budgets, 90):.0f}, "
-          f"p99 {np.percentile(budgets, 99):.0f}, max {max(budgets)}, mean {np.mean(budgets):.0f}", flush=True)
+    data = {
+        "longtail": write_workload(work / "longtail.jsonl", count, budgets),
+        "equal": write_workload(work / "equal.jsonl", count, None),
+    }
+    print(
+        f"long-tail budgets: median {np.median(budgets):.0f}, p90 {np.percentile(budgets, 90):.0f}, "
+        f"p99 {np.percentile(budgets, 99):.0f}, max {max(budgets)}, mean {np.mean(budgets):.0f}",
+        flush=True,
+    )
     for part in parts:
         print(f"== {part}", flush=True)
         if part == "standin":
@@ -811,11 +949,16 @@ def throughput_part(
     # ones keep the measured ones in the steady state.
     fully_async = "rollout.fully_async=true" in extra
     cooldown = args.cooldown if fully_async else 0
-    overrides = [*throughput_overrides(args, model, mode, port, data[workload], workload == "longtail", cooldown),
-                 *extra, *args.set, *(args.async_set if fully_async else [])]  # fmt: skip
+    overrides = [
+        *throughput_overrides(args, model, mode, port, data[workload], workload == "longtail", cooldown),
+        *extra,
+        *args.set,
+        *(args.async_set if fully_async else []),
+    ]
     whole = part == "colocated_whole"
-    rows, wall, notes = run_part(part, overrides, work / part, model, port, args, mode != "local", kill,
-                                 args.part_timeout_s, whole)  # fmt: skip
+    rows, wall, notes = run_part(
+        part, overrides, work / part, model, port, args, mode != "local", kill, args.part_timeout_s, whole
+    )
     if part == "best_kill":
         notes.insert(0, f"as {best_part}")
     for saved in ("checkpoints", "final_model"):  # gigabytes per row at this size: the disk would fill
@@ -831,32 +974,92 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     bases = {r.workload: r for r in results if r.part in ("colocated", "equal_colocated") and r.steps}
     whole = next((r for r in results if r.part == "colocated_whole" and r.steps), None)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu"
-    split = {"mps": "ONE GPU split in two halves by MPS (50% of the SMs each)", "gpus": "trainer GPU 0, spot GPU 1",
-             "one": "ONE GPU shared without MPS: a check, not a result"}[args.split]  # fmt: skip
-    print(f"\n{device}, torch {torch.__version__}, {platform.node()}; {split}; {args.prompts} prompts x {args.n}, "
-          f"<= {args.new_tokens} new tokens, long tail: median {args.tail_median:g}, p99 {args.tail_p99:g}; "
-          f"{args.warmup} warm-up + {args.steps} measured steps")  # fmt: skip
-    head = ("part", "workload", "s/step", "trained tok/s", "produced tok/s", "steady tok/s", "vs coloc", "vs whole", "$/h", "tok/$", "tok/$ gain", "gen s",
-            "train s", "learner idle s", "fleet idle", "lag mean/max", "multi-version", "due", "held back", "ready",
-            "sync s", "lp diff", "lost", "migr", "local", "resp len", "to target s", "final reward")  # fmt: skip
+    split = {
+        "mps": "ONE GPU split in two halves by MPS (50% of the SMs each)",
+        "gpus": "trainer GPU 0, spot GPU 1",
+        "one": "ONE GPU shared without MPS: a check, not a result",
+    }[args.split]
+    print(
+        f"\n{device}, torch {torch.__version__}, {platform.node()}; {split}; {args.prompts} prompts x {args.n}, "
+        f"<= {args.new_tokens} new tokens, long tail: median {args.tail_median:g}, p99 {args.tail_p99:g}; "
+        f"{args.warmup} warm-up + {args.steps} measured steps"
+    )
+    head = (
+        "part",
+        "workload",
+        "s/step",
+        "trained tok/s",
+        "produced tok/s",
+        "steady tok/s",
+        "vs coloc",
+        "vs whole",
+        "$/h",
+        "tok/$",
+        "tok/$ gain",
+        "gen s",
+        "train s",
+        "learner idle s",
+        "fleet idle",
+        "lag mean/max",
+        "multi-version",
+        "due",
+        "held back",
+        "ready",
+        "sync s",
+        "lp diff",
+        "lost",
+        "migr",
+        "local",
+        "resp len",
+        "to target s",
+        "final reward",
+    )
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in results:
         base = bases.get(r.workload)
-        speed = r.steady_tokens_per_s / base.steady_tokens_per_s if base and base.steady_tokens_per_s and r.steady_tokens_per_s else None
-        vs_whole = (r.steady_tokens_per_s / whole.steady_tokens_per_s
-                    if whole and r.workload == "longtail" and r.steady_tokens_per_s else None)  # fmt: skip
+        speed = (
+            r.steady_tokens_per_s / base.steady_tokens_per_s
+            if base and base.steady_tokens_per_s and r.steady_tokens_per_s
+            else None
+        )
+        vs_whole = (
+            r.steady_tokens_per_s / whole.steady_tokens_per_s
+            if whole and r.workload == "longtail" and r.steady_tokens_per_s
+            else None
+        )
         gain = r.tokens_per_usd / base.tokens_per_usd - 1 if base and base.tokens_per_usd and r.tokens_per_usd else None
         ready = "-" if r.ready_start is None else f"{r.ready_start:.0f}->{r.ready_end:.0f}"
-        cells = (r.part, r.workload or "-", fmt(r.s_per_step, ".2f"), fmt(r.tokens_per_s, ".0f"),
-                 fmt(r.produced_tokens_per_s, ".0f"), fmt(r.steady_tokens_per_s, ".0f"), fmt(speed, ".2f"),
-                 fmt(vs_whole, ".2f"), fmt(r.usd_per_hour, ".2f"), fmt(r.tokens_per_usd, ".3g"),
-                 "-" if gain is None else f"{100 * gain:+.0f}%", fmt(r.gen_s, ".2f"), fmt(r.update_actor_s, ".2f"),
-                 fmt(r.learner_idle_s, ".2f"), fmt(r.fleet_idle, ".2f"), f"{r.version_lag:.2f}/{r.version_lag_max:.0f}",
-                 fmt(r.multi_version, ".2f"), fmt(r.due_groups, ".1f"), fmt(r.held_back, ".0f"), ready,
-                 fmt(r.weight_sync_s, ".2f"), fmt(r.logprob_diff, ".2g"), str(r.samples_lost), str(r.migrated),
-                 fmt(r.local_share, ".2f") + ("" if r.local_made is None else f" ({r.local_made:.2f})"), fmt(r.mean_completion_len, ".0f"), fmt(r.time_to_target_s, ".0f"),
-                 fmt(r.final_reward, ".2f"))  # fmt: skip
+        cells = (
+            r.part,
+            r.workload or "-",
+            fmt(r.s_per_step, ".2f"),
+            fmt(r.tokens_per_s, ".0f"),
+            fmt(r.produced_tokens_per_s, ".0f"),
+            fmt(r.steady_tokens_per_s, ".0f"),
+            fmt(speed, ".2f"),
+            fmt(vs_whole, ".2f"),
+            fmt(r.usd_per_hour, ".2f"),
+            fmt(r.tokens_per_usd, ".3g"),
+            "-" if gain is None else f"{100 * gain:+.0f}%",
+            fmt(r.gen_s, ".2f"),
+            fmt(r.update_actor_s, ".2f"),
+            fmt(r.learner_idle_s, ".2f"),
+            fmt(r.fleet_idle, ".2f"),
+            f"{r.version_lag:.2f}/{r.version_lag_max:.0f}",
+            fmt(r.multi_version, ".2f"),
+            fmt(r.due_groups, ".1f"),
+            fmt(r.held_back, ".0f"),
+            ready,
+            fmt(r.weight_sync_s, ".2f"),
+            fmt(r.logprob_diff, ".2g"),
+            str(r.samples_lost),
+            str(r.migrated),
+            fmt(r.local_share, ".2f") + ("" if r.local_made is None else f" ({r.local_made:.2f})"),
+            fmt(r.mean_completion_len, ".0f"),
+            fmt(r.time_to_target_s, ".0f"),
+            fmt(r.final_reward, ".2f"),
+        )
         print("| " + " | ".join(cells) + " |")
         for note in r.notes:
             print(f"    {r.part}: {note}")

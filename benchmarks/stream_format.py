@@ -36,11 +36,28 @@ def main() -> None:
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = save_tiny_model(Path(tmp) / "model", TinyModelConfig(
-            hidden_size=64, intermediate_size=128, max_position_embeddings=args.new_tokens + 64))  # fmt: skip
+        model = save_tiny_model(
+            Path(tmp) / "model",
+            TinyModelConfig(hidden_size=64, intermediate_size=128, max_position_embeddings=args.new_tokens + 64),
+        )
         with ManagerThread(ManagerConfig(port=0, token="bench")) as mt:
-            cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model), "--manager", mt.url,
-                   "--token", "bench", "--port", "0", "--worker-id", "w", f"engine.max_num_seqs={args.prompts * args.n}"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "polyrl.cli",
+                "worker",
+                "--model",
+                str(model),
+                "--manager",
+                mt.url,
+                "--token",
+                "bench",
+                "--port",
+                "0",
+                "--worker-id",
+                "w",
+                f"engine.max_num_seqs={args.prompts * args.n}",
+            ]
             worker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 deadline = time.monotonic() + 120
@@ -63,7 +80,9 @@ def main() -> None:
     speedup = statistics.median(rates["incremental"]) / statistics.median(rates["cumulative"])
     print(f"incremental / cumulative: {speedup:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "tokens_per_s": rates, "speedup": speedup}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "tokens_per_s": rates, "speedup": speedup}, indent=2)
+        )
 
 
 def run_once(mt: ManagerThread, args: argparse.Namespace, incremental: bool) -> float:

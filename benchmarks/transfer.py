@@ -151,7 +151,9 @@ class Sender:
 
 
 @contextmanager
-def serve_version(total: int, chunk_bytes: int, send_mode: str = SEND_MODE, tls: TlsFiles | None = None) -> Iterator[Sender]:
+def serve_version(
+    total: int, chunk_bytes: int, send_mode: str = SEND_MODE, tls: TlsFiles | None = None
+) -> Iterator[Sender]:
     """Publish `total` bytes of weights and serve them (pulls and the raw ceiling) while
     the context is open; pulls over TLS with `tls`."""
     weights = {"w": torch.randn(total // 4)}
@@ -161,8 +163,13 @@ def serve_version(total: int, chunk_bytes: int, send_mode: str = SEND_MODE, tls:
         info = pub.publish(weights, 1)
         publish_s = time.perf_counter() - t0
         ceiling = CeilingSender(memoryview(flatten(weights, 1)[0].numpy()).cast("B"))
-        source = PullSource(*pub.address, worker_id="bench", token=pub.grant("bench", 1), tls=tls is not None,
-                            ca_file=tls["ca"] if tls else None)  # fmt: skip
+        source = PullSource(
+            *pub.address,
+            worker_id="bench",
+            token=pub.grant("bench", 1),
+            tls=tls is not None,
+            ca_file=tls["ca"] if tls else None,
+        )
         try:
             yield Sender(source, ceiling.port, info.manifest.total_bytes, info.chunk_bytes, publish_s)
         finally:
@@ -186,8 +193,9 @@ def sender(total: int, chunk_bytes: int, where: str, send_mode: str, tls: TlsFil
             yield here
         return
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=_sender_process, args=(total, chunk_bytes, send_mode, tls, child),
-                                              daemon=True)
+    proc = mp.get_context("spawn").Process(
+        target=_sender_process, args=(total, chunk_bytes, send_mode, tls, child), daemon=True
+    )
     proc.start()
     try:
         if not parent.poll(600):
@@ -205,18 +213,25 @@ QWEN3_0_6B = {"vocab": 151936, "hidden": 1024, "layers": 28, "inter": 3072, "q":
 
 
 def qwen3_shapes(c: dict[str, int]) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab"], c["hidden"]),
-                                          "model.norm.weight": (c["hidden"],)}  # fmt: skip
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c["vocab"], c["hidden"]),
+        "model.norm.weight": (c["hidden"],),
+    }
     for i in range(c["layers"]):
         p = f"model.layers.{i}."
         shapes |= {
-            p + "self_attn.q_proj.weight": (c["q"], c["hidden"]), p + "self_attn.k_proj.weight": (c["kv"], c["hidden"]),
-            p + "self_attn.v_proj.weight": (c["kv"], c["hidden"]), p + "self_attn.o_proj.weight": (c["hidden"], c["q"]),
-            p + "self_attn.q_norm.weight": (c["head_dim"],), p + "self_attn.k_norm.weight": (c["head_dim"],),
-            p + "mlp.gate_proj.weight": (c["inter"], c["hidden"]), p + "mlp.up_proj.weight": (c["inter"], c["hidden"]),
+            p + "self_attn.q_proj.weight": (c["q"], c["hidden"]),
+            p + "self_attn.k_proj.weight": (c["kv"], c["hidden"]),
+            p + "self_attn.v_proj.weight": (c["kv"], c["hidden"]),
+            p + "self_attn.o_proj.weight": (c["hidden"], c["q"]),
+            p + "self_attn.q_norm.weight": (c["head_dim"],),
+            p + "self_attn.k_norm.weight": (c["head_dim"],),
+            p + "mlp.gate_proj.weight": (c["inter"], c["hidden"]),
+            p + "mlp.up_proj.weight": (c["inter"], c["hidden"]),
             p + "mlp.down_proj.weight": (c["hidden"], c["inter"]),
-            p + "input_layernorm.weight": (c["hidden"],), p + "post_attention_layernorm.weight": (c["hidden"],),
-        }  # fmt: skip
+            p + "input_layernorm.weight": (c["hidden"],),
+            p + "post_attention_layernorm.weight": (c["hidden"],),
+        }
     return shapes
 
 
@@ -253,10 +268,18 @@ def measure_codecs(lr: float) -> dict[str, dict[str, float]]:
     assert torch.equal(out, new), "delta round trip is not bit-exact"
     raw = new.numel()
     print(f"\ndelta, Qwen3-0.6B shapes (bf16), one Adam step at lr {lr:g}:")
-    print(f"  raw {raw / 1e6:.1f} MB, delta {len(payload) / 1e6:.1f} MB = {len(payload) / raw:.1%} of raw; "
-          f"{changed / (raw // 2):.2%} of the bf16 words changed; encode {encode_s:.2f}s, apply {apply_s:.2f}s")  # fmt: skip
-    result = {"raw_bytes": raw, "delta_bytes": len(payload), "fraction": len(payload) / raw,
-              "changed_words": changed, "encode_s": encode_s, "apply_s": apply_s}  # fmt: skip
+    print(
+        f"  raw {raw / 1e6:.1f} MB, delta {len(payload) / 1e6:.1f} MB = {len(payload) / raw:.1%} of raw; "
+        f"{changed / (raw // 2):.2%} of the bf16 words changed; encode {encode_s:.2f}s, apply {apply_s:.2f}s"
+    )
+    result = {
+        "raw_bytes": raw,
+        "delta_bytes": len(payload),
+        "fraction": len(payload) / raw,
+        "changed_words": changed,
+        "encode_s": encode_s,
+        "apply_s": apply_s,
+    }
     return {"delta": result, **measure_whole_codecs(new, manifest)}
 
 
@@ -278,17 +301,27 @@ def measure_whole_codecs(new: torch.Tensor, manifest: Manifest) -> dict[str, dic
         t0 = time.perf_counter()
         decode(payload)
         decode_s = time.perf_counter() - t0
-        results[name] = {"bytes": len(payload), "fraction": len(payload) / raw, "encode_s": encode_s, "decode_s": decode_s}
+        results[name] = {
+            "bytes": len(payload),
+            "fraction": len(payload) / raw,
+            "encode_s": encode_s,
+            "decode_s": decode_s,
+        }
         if name == "zstd":
             assert torch.equal(out, new), "zstd round trip is not bit-exact"
             note = "bit-exact"
         else:
-            worst = max(((a.float() - b.float()).abs().amax(1) / (b.float().abs().amax(1) / 127).clamp_min(1e-30)).max().item()
-                        for a, b in zip(unflatten(out, manifest).values(), unflatten(new, manifest).values()) if b.dim() == 2)
+            worst = max(
+                ((a.float() - b.float()).abs().amax(1) / (b.float().abs().amax(1) / 127).clamp_min(1e-30)).max().item()
+                for a, b in zip(unflatten(out, manifest).values(), unflatten(new, manifest).values())
+                if b.dim() == 2
+            )
             results[name]["worst_error_in_steps"] = worst
             note = f"LOSSY: worst error {worst:.2f} of a row's int8 step"
-        print(f"  {name}: {len(payload) / 1e6:.1f} MB = {len(payload) / raw:.1%} of raw; encode {encode_s:.2f}s, "
-              f"decode {decode_s:.2f}s; {note}")  # fmt: skip
+        print(
+            f"  {name}: {len(payload) / 1e6:.1f} MB = {len(payload) / raw:.1%} of raw; encode {encode_s:.2f}s, "
+            f"decode {decode_s:.2f}s; {note}"
+        )
     return results
 
 
@@ -315,13 +348,19 @@ def measure_rows(src: Sender, args: argparse.Namespace, row: dict[str, object]) 
     sends = {"sendall": SEND_PRIVATE, "sendfile": SEND_FILE}
     try:
         for n in args.streams:
-            receivers = [Receiver(src, n, how, recv_buffer, procs)
-                         for how in args.receiver for procs in (args.receive_processes if how != "thread" else [0])]  # fmt: skip
+            receivers = [
+                Receiver(src, n, how, recv_buffer, procs)
+                for how in args.receiver
+                for procs in (args.receive_processes if how != "thread" else [0])
+            ]
             try:
                 rounds: list[dict[str, float]] = []  # per round: each ceiling way's best, each receiver's rate
                 for _ in range(args.repeats):
                     for piece in pieces:
-                        got = {name: raw_ceiling(src.ceiling_port, n, dst, piece, sends[name]) for name in args.ceiling_send}
+                        got = {
+                            name: raw_ceiling(src.ceiling_port, n, dst, piece, sends[name])
+                            for name in args.ceiling_send
+                        }
                         if shared_view is not None:
                             got["shared"] = raw_ceiling(src.ceiling_port, n, shared_view, piece, SEND_SHARED)
                         got |= {r.label: r.pull() for r in receivers}
@@ -336,17 +375,29 @@ def measure_rows(src: Sender, args: argparse.Namespace, row: dict[str, object]) 
                 rate = max(g[r.label] for g in rounds)
                 fractions = sorted(g[r.label] / max(g[k] for k in args.ceiling_send) for g in rounds)
                 median = fractions[len(fractions) // 2]
-                result = row | {"receiver": r.how, "processes": r.processes, "streams": n, "ceiling_Bps": ceiling,
-                                "pull_Bps": rate, "fraction": rate / ceiling, "median_fraction": median,
-                                "publish_s": src.publish_s, "tries": len(rounds), "ceiling_by_send_Bps": by_send}  # fmt: skip
+                result = row | {
+                    "receiver": r.how,
+                    "processes": r.processes,
+                    "streams": n,
+                    "ceiling_Bps": ceiling,
+                    "pull_Bps": rate,
+                    "fraction": rate / ceiling,
+                    "median_fraction": median,
+                    "publish_s": src.publish_s,
+                    "tries": len(rounds),
+                    "ceiling_by_send_Bps": by_send,
+                }
                 shared = ""
                 if shared_view is not None:
                     shared_ceiling = max(g["shared"] for g in rounds)
                     result |= {"shared_ceiling_Bps": shared_ceiling, "fraction_of_shared": rate / shared_ceiling}
                     shared = f"{shared_ceiling / 1e9:>10.2f} {rate / shared_ceiling:>9.0%}"
                 rows.append(result)
-                print(f"{row['size_gib']:>6.2f}Gi {row['link']:>5} {row['sender']:>7} {row['send_mode']:>8} {r.label:>17} {n:>7} "
-                      f"{ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} {rate / ceiling:>12.0%} {median:>8.0%} {shared}", flush=True)  # fmt: skip
+                print(
+                    f"{row['size_gib']:>6.2f}Gi {row['link']:>5} {row['sender']:>7} {row['send_mode']:>8} {r.label:>17} {n:>7} "
+                    f"{ceiling / 1e9:>13.2f} {rate / 1e9:>10.2f} {rate / ceiling:>12.0%} {median:>8.0%} {shared}",
+                    flush=True,
+                )
     finally:
         if shared_view is not None:
             shared_view.release()
@@ -373,7 +424,9 @@ class Receiver:
             self.pull()
 
     def pull(self) -> float:
-        return pull(self.src.source, 1, num_streams=self.num_streams, timeout_s=120, into=self.into, pool=self.pool).bytes_per_s
+        return pull(
+            self.src.source, 1, num_streams=self.num_streams, timeout_s=120, into=self.into, pool=self.pool
+        ).bytes_per_s
 
     def close(self) -> None:
         if self.pool is not None:
@@ -389,8 +442,9 @@ def negotiated(source: PullSource) -> str:
     """The protocol and cipher the publisher and a receiver agree on."""
     from polyrl.tls import client_context
 
-    with client_context(source.ca_file).wrap_socket(socket.create_connection((source.host, source.port)),
-                                                     server_hostname=source.host) as sock:  # fmt: skip
+    with client_context(source.ca_file).wrap_socket(
+        socket.create_connection((source.host, source.port)), server_hostname=source.host
+    ) as sock:
         name, version, bits = sock.cipher()  # type: ignore[misc]
     return f"{version} {name} ({bits}-bit)"
 
@@ -401,12 +455,16 @@ def print_tls_cost(rows: list[dict[str, object]]) -> None:
     pairs = [(plain[_key(r)], r) for r in rows if r["link"] == "tls" and _key(r) in plain]
     if not pairs:
         return
-    print(f"\n{'size':>8} {'sender':>7} {'receiver':>8} {'streams':>7} {'plain GB/s':>11} {'tls GB/s':>9} {'tls/plain':>10}")
+    print(
+        f"\n{'size':>8} {'sender':>7} {'receiver':>8} {'streams':>7} {'plain GB/s':>11} {'tls GB/s':>9} {'tls/plain':>10}"
+    )
     for p, t in pairs:
         ratio = t["pull_Bps"] / p["pull_Bps"]  # type: ignore[operator]
         t["tls_over_plain"] = ratio
-        print(f"{p['size_gib']:>6.2f}Gi {p['sender']:>7} {p['receiver']:>8} {p['streams']:>7} "
-              f"{p['pull_Bps'] / 1e9:>11.2f} {t['pull_Bps'] / 1e9:>9.2f} {ratio:>10.0%}")  # type: ignore[operator]  # fmt: skip
+        print(
+            f"{p['size_gib']:>6.2f}Gi {p['sender']:>7} {p['receiver']:>8} {p['streams']:>7} "
+            f"{p['pull_Bps'] / 1e9:>11.2f} {t['pull_Bps'] / 1e9:>9.2f} {ratio:>10.0%}"
+        )  # type: ignore[operator]
 
 
 def _key(row: dict[str, object]) -> tuple[object, ...]:
@@ -418,29 +476,75 @@ def main() -> None:
     p.add_argument("--sizes-gib", type=float, nargs="+", default=[1.0])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--chunk-mib", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2, help="rounds per piece size: each round tries every ceiling way once and pulls once with every receiver")
-    p.add_argument("--hash-piece-kib", type=int, default=0,
-                   help="receive+hash piece size of every receiver (0: its default); set >= chunk to hash whole chunks")
-    p.add_argument("--sender", nargs="+", choices=["process", "thread"], default=["process"],
-                   help="process: the publisher and the raw sender in a child process, as deployed; thread: in this "
-                   "process, sharing the receiver's GIL (the shape of the earlier figures)")
-    p.add_argument("--send-mode", nargs="+", choices=["sendall", "sendfile"], default=[SEND_MODE],
-                   help="how the publisher process sends chunks: sendall from its mapping, or sendfile from the memfd (default: the product's)")
-    p.add_argument("--receiver", nargs="+", choices=["thread", "worker", "process", "process-inline"], default=["thread", "worker"],
-                   help="thread: one thread per stream in this process; process: a pool of receiver processes "
-                   "(one per stream, up to the cores) pulling into shared memory, each stream hashing on a second thread; "
-                   "process-inline: the same, each stream hashing on its receiving thread; worker: the same pool as a "
-                   "worker runs it (pipelined when the host has two cores per stream: pull_proc.spare_cores_for_checking)")
-    p.add_argument("--receive-processes", type=int, nargs="+", default=[0],
-                   help="receiver processes of the process rows, each value its own row (0: one per stream, up to the "
-                   "cores, as a worker picks by default)")
-    p.add_argument("--ceiling-send", nargs="+", choices=["sendall", "sendfile"], default=["sendall", "sendfile"],
-                   help="the ways the raw sender tries; the ceiling is the best of them")
-    p.add_argument("--ceiling-memory", nargs="+", choices=["private", "shared"], default=["private"],
-                   help="shared: also measure the ceiling between memfd buffers (the pull/ceiling column stays private)")
-    p.add_argument("--links", nargs="+", choices=["plain", "tls"], default=["plain"],
-                   help="plain TCP and/or TLS on every stream (manager.transfer.tls), same sizes and streams")
-    p.add_argument("--codecs", "--delta", dest="codecs", action="store_true", help="also measure the codecs (see above)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="rounds per piece size: each round tries every ceiling way once and pulls once with every receiver",
+    )
+    p.add_argument(
+        "--hash-piece-kib",
+        type=int,
+        default=0,
+        help="receive+hash piece size of every receiver (0: its default); set >= chunk to hash whole chunks",
+    )
+    p.add_argument(
+        "--sender",
+        nargs="+",
+        choices=["process", "thread"],
+        default=["process"],
+        help="process: the publisher and the raw sender in a child process, as deployed; thread: in this "
+        "process, sharing the receiver's GIL (the shape of the earlier figures)",
+    )
+    p.add_argument(
+        "--send-mode",
+        nargs="+",
+        choices=["sendall", "sendfile"],
+        default=[SEND_MODE],
+        help="how the publisher process sends chunks: sendall from its mapping, or sendfile from the memfd (default: the product's)",
+    )
+    p.add_argument(
+        "--receiver",
+        nargs="+",
+        choices=["thread", "worker", "process", "process-inline"],
+        default=["thread", "worker"],
+        help="thread: one thread per stream in this process; process: a pool of receiver processes "
+        "(one per stream, up to the cores) pulling into shared memory, each stream hashing on a second thread; "
+        "process-inline: the same, each stream hashing on its receiving thread; worker: the same pool as a "
+        "worker runs it (pipelined when the host has two cores per stream: pull_proc.spare_cores_for_checking)",
+    )
+    p.add_argument(
+        "--receive-processes",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="receiver processes of the process rows, each value its own row (0: one per stream, up to the "
+        "cores, as a worker picks by default)",
+    )
+    p.add_argument(
+        "--ceiling-send",
+        nargs="+",
+        choices=["sendall", "sendfile"],
+        default=["sendall", "sendfile"],
+        help="the ways the raw sender tries; the ceiling is the best of them",
+    )
+    p.add_argument(
+        "--ceiling-memory",
+        nargs="+",
+        choices=["private", "shared"],
+        default=["private"],
+        help="shared: also measure the ceiling between memfd buffers (the pull/ceiling column stays private)",
+    )
+    p.add_argument(
+        "--links",
+        nargs="+",
+        choices=["plain", "tls"],
+        default=["plain"],
+        help="plain TCP and/or TLS on every stream (manager.transfer.tls), same sizes and streams",
+    )
+    p.add_argument(
+        "--codecs", "--delta", dest="codecs", action="store_true", help="also measure the codecs (see above)"
+    )
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args()
@@ -456,8 +560,10 @@ def main() -> None:
         tls = self_signed(Path(tempfile.mkdtemp(prefix="polyrl-bench-tls-")))
         print(f"TLS: {ssl_summary(client_context(tls['ca']))}")
     rows = []
-    print(f"{'size':>8} {'link':>5} {'sender':>7} {'send':>8} {'receiver/procs':>17} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13} {'median':>8}"
-          + (f" {'shm ceil':>10} {'pull/shm':>9}" if "shared" in args.ceiling_memory else ""))
+    print(
+        f"{'size':>8} {'link':>5} {'sender':>7} {'send':>8} {'receiver/procs':>17} {'streams':>7} {'ceiling GB/s':>13} {'pull GB/s':>10} {'pull/ceiling':>13} {'median':>8}"
+        + (f" {'shm ceil':>10} {'pull/shm':>9}" if "shared" in args.ceiling_memory else "")
+    )
     for size_gib in args.sizes_gib:
         total = int(size_gib * 2**30) // 4 * 4
         for where in args.sender:
@@ -468,7 +574,9 @@ def main() -> None:
                     with sender(total, args.chunk_mib * 2**20, where, mode, tls if link == "tls" else None) as src:
                         row = {"size_gib": size_gib, "link": link, "sender": where, "send_mode": mode}
                         rows += measure_rows(src, args, row)
-                    print(f"  publish (snapshot + checksums) of {size_gib:g} GiB: {src.publish_s:.2f}s ({where}, {link})")
+                    print(
+                        f"  publish (snapshot + checksums) of {size_gib:g} GiB: {src.publish_s:.2f}s ({where}, {link})"
+                    )
     print_tls_cost(rows)
     codecs = measure_codecs(args.lr) if args.codecs else {}
     if args.json:

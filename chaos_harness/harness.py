@@ -43,9 +43,15 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 def chaos_manager_config(**overrides: object) -> ManagerConfig:
     """Short timeouts, so a fault is noticed in about a second instead of tens."""
     base: dict[str, object] = dict(
-        port=0, token=TOKEN, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, readiness_timeout_s=30,
-        connect_timeout_s=2.0, stall_timeout_s=5.0, batch_deadline_s=300,
-    )  # fmt: skip
+        port=0,
+        token=TOKEN,
+        heartbeat_interval_s=0.2,
+        heartbeat_timeout_s=2.0,
+        readiness_timeout_s=30,
+        connect_timeout_s=2.0,
+        stall_timeout_s=5.0,
+        batch_deadline_s=300,
+    )
     return ManagerConfig(**(base | overrides))  # type: ignore[arg-type]
 
 
@@ -83,9 +89,23 @@ def spawn_worker(
     engine = [f"engine.{k}={v}" for k, v in (engine_overrides or {"max_num_seqs": 16}).items()]
     advertise = [f"worker.advertise_url={json.dumps(advertise_url)}"] if advertise_url else []
     cmd = [
-        sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--port", str(port),
-        "--manager", manager_url, "--worker-id", worker_id, *advertise, "worker.drain_timeout_s=2", *engine, *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "polyrl.cli",
+        "worker",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--manager",
+        manager_url,
+        "--worker-id",
+        worker_id,
+        *advertise,
+        "worker.drain_timeout_s=2",
+        *engine,
+        *extra,
+    ]
     return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env())
 
 

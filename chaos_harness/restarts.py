@@ -29,16 +29,23 @@ from polyrl.manager.client import BatchClient
 from polyrl.trainer.checkpoint import latest_checkpoint
 
 CONTROL = [
-    "manager.heartbeat_interval_s=0.2", "manager.heartbeat_timeout_s=2.0", "manager.connect_timeout_s=2.0",
+    "manager.heartbeat_interval_s=0.2",
+    "manager.heartbeat_timeout_s=2.0",
+    "manager.connect_timeout_s=2.0",
     "manager.stall_timeout_s=10.0",
-]  # fmt: skip
+]
 
 
 def _cli(*args: str, log_path: Path) -> subprocess.Popen[bytes]:
     log_file = open(log_path, "ab")  # noqa: SIM115 - the child holds it; closed here right after
     try:
-        return subprocess.Popen([sys.executable, "-m", "polyrl.cli", *args], stdout=log_file,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env())  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "polyrl.cli", *args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env(),
+        )
     finally:
         log_file.close()
 
@@ -119,12 +126,19 @@ def trainer_restart(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
     url = f"http://127.0.0.1:{port}"
     total_steps, save_every = 15 + 30 * scale.injections, 2  # ~0.5 s a step: room for each rejoin
     overrides = [
-        f"model.path={json.dumps(str(model_dir))}", f"manager.port={port}", "fleet.num_workers=0",
+        f"model.path={json.dumps(str(model_dir))}",
+        f"manager.port={port}",
+        "fleet.num_workers=0",
         f"fleet.min_workers={scale.num_workers}",  # else a trainer faster than the workers' start runs alone
-        f"trainer.total_steps={total_steps}", f"trainer.save_every={save_every}", "trainer.train_batch_size=8",
-        "trainer.ppo_mini_batch_size=4", "rollout.n=4", "logging.console=false", "logging.tensorboard=false",
+        f"trainer.total_steps={total_steps}",
+        f"trainer.save_every={save_every}",
+        "trainer.train_batch_size=8",
+        "trainer.ppo_mini_batch_size=4",
+        "rollout.n=4",
+        "logging.console=false",
+        "logging.tensorboard=false",
         *CONTROL,
-    ]  # fmt: skip
+    ]
     workers = _start_workers(model_dir, url, work, scale.num_workers)
     started = time.monotonic()
     metrics = run_dir / "metrics.jsonl"

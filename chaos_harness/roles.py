@@ -64,11 +64,21 @@ class TrainRun:
         self.url = f"http://127.0.0.1:{self.port}"
         self.metrics = self.run_dir / "metrics.jsonl"
         overrides = [
-            f"model.path={json.dumps(str(model_dir))}", f"manager.port={self.port}", "fleet.num_workers=0",
-            f"fleet.min_workers={scale.num_workers}", f"trainer.total_steps={total_steps}", "trainer.save_every=0",
-            "trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=4", "rollout.n=4", "rollout.max_new_tokens=24",
-            "logging.console=false", "logging.tensorboard=false", *CONTROL, *extra,
-        ]  # fmt: skip
+            f"model.path={json.dumps(str(model_dir))}",
+            f"manager.port={self.port}",
+            "fleet.num_workers=0",
+            f"fleet.min_workers={scale.num_workers}",
+            f"trainer.total_steps={total_steps}",
+            "trainer.save_every=0",
+            "trainer.train_batch_size=8",
+            "trainer.ppo_mini_batch_size=4",
+            "rollout.n=4",
+            "rollout.max_new_tokens=24",
+            "logging.console=false",
+            "logging.tensorboard=false",
+            *CONTROL,
+            *extra,
+        ]
         self.workers = _start_workers(model_dir, self.url, work, scale.num_workers)
         self.trainer = _cli("train", "--run-dir", str(self.run_dir), *overrides, log_path=work / "trainer.log")
 
@@ -140,8 +150,12 @@ def local_worker_killed(model_dir: Path, work: Path, scale: Scale, tries: int = 
     it is tried again, up to `tries` kills, while enough steps remain."""
     row = FaultRow("local worker kill -9 mid-window")
     # every engine step streamed: a killed sample has tokens to carry, so it migrates (not restarts)
-    extra = ["rollout.mode=hybrid", "rollout.hybrid_local_until=learner", "rollout.max_new_tokens=64",
-             "manager.stream_interval_s=0"]  # fmt: skip
+    extra = [
+        "rollout.mode=hybrid",
+        "rollout.hybrid_local_until=learner",
+        "rollout.max_new_tokens=64",
+        "manager.stream_interval_s=0",
+    ]
     total_steps = 10 + 25 * scale.injections + 15 * (tries - 1)  # a restart takes ~5-10 s
     run = TrainRun(model_dir, work, scale, total_steps=total_steps, extra=extra)
     started = time.monotonic()

@@ -122,7 +122,9 @@ def _train_main(cfg: RunConfig, run_dir: Path, resume: bool, dp: DataParallel) -
         log.error("%s; continue with: polyrl train --resume %s", e, run_dir)
         return 1
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopped already: a late Ctrl-C must not turn exit 130 into a traceback
+        signal.signal(
+            signal.SIGINT, signal.SIG_IGN
+        )  # stopped already: a late Ctrl-C must not turn exit 130 into a traceback
         log.warning("stopped; continue with: polyrl train --resume %s", run_dir)
         return 130
     return 0
@@ -169,15 +171,20 @@ _WORKER_FLAGS = {
 
 
 _MANAGER_FLAGS = {
-    "host": "manager.host", "port": "manager.port", "token": "manager.token", "token_file": "manager.token_file",
-}  # fmt: skip
+    "host": "manager.host",
+    "port": "manager.port",
+    "token": "manager.token",
+    "token_file": "manager.token_file",
+}
 
 
 def _flag_overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
     """Flags as dotted overrides. They go last, so they win over the file and the other
     overrides; values go in as TOML literals (JSON strings are valid TOML strings), so a
     path or token is never re-read as a number."""
-    return [f"{key}={json.dumps(getattr(args, name))}" for name, key in flags.items() if getattr(args, name) is not None]
+    return [
+        f"{key}={json.dumps(getattr(args, name))}" for name, key in flags.items() if getattr(args, name) is not None
+    ]
 
 
 def worker_config(args: argparse.Namespace) -> WorkerRunConfig:
@@ -279,12 +286,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML config file")
     p.add_argument("--run-dir", help="output directory (default: runs/<time>-<task>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=1e-6 rollout.n=8")
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=1e-6 rollout.n=8"
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("tiny-model", help="build a tiny random model + tokenizer as an HF directory")
     p.add_argument("--out", required=True)
-    p.add_argument("--chat-template", action="store_true", help="give the tokenizer a chat template (chat_template=true)")
+    p.add_argument(
+        "--chat-template", action="store_true", help="give the tokenizer a chat template (chat_template=true)"
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="model.tiny keys, e.g. arch=llama hidden_size=64")
     p.set_defaults(func=cmd_tiny_model)
 

@@ -67,10 +67,10 @@ class LoraConfig(_Section):
     def _names(self) -> LoraConfig:
         if isinstance(self.target_modules, list):
             if not self.target_modules:
-                raise ValueError("target_modules is empty: name modules or use \"all-linear\"")
+                raise ValueError('target_modules is empty: name modules or use "all-linear"')
             bad = [m for m in self.target_modules if not m.replace("_", "a").isalnum()]
             if bad:
-                raise ValueError(f"target_modules: {bad[0]!r} is not a module name (e.g. \"q_proj\")")
+                raise ValueError(f'target_modules: {bad[0]!r} is not a module name (e.g. "q_proj")')
         return self
 
 
@@ -159,8 +159,7 @@ class RewardConfig(_Section):
     def _weights_match(self) -> RewardConfig:
         if self.weights is not None and len(self.weights) != len(self.functions):
             raise ValueError(
-                f"reward.weights has {len(self.weights)} entries but reward.functions has "
-                f"{len(self.functions)}"
+                f"reward.weights has {len(self.weights)} entries but reward.functions has {len(self.functions)}"
             )
         return self
 
@@ -723,7 +722,9 @@ class ManagerConfig(_Section):
     @model_validator(mode="after")
     def _tls_for_weights(self) -> ManagerConfig:
         if self.transfer.tls and not self.tls.enabled:
-            raise ValueError("manager.transfer.tls needs manager.tls.cert_file and key_file (the publisher's certificate)")
+            raise ValueError(
+                "manager.transfer.tls needs manager.tls.cert_file and key_file (the publisher's certificate)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -779,7 +780,9 @@ class RunConfig(_Section):
         if self.fleet.min_workers and self.rollout.mode == "local":
             raise ValueError(f"fleet.min_workers ({self.fleet.min_workers}) needs rollout.mode remote or hybrid")
         if self.model.lora.enabled and self.trainer.working_copy is True:
-            raise ValueError("trainer.working_copy needs full fine-tuning: with model.lora the adapters train on the model itself")
+            raise ValueError(
+                "trainer.working_copy needs full fine-tuning: with model.lora the adapters train on the model itself"
+            )
         return self
 
 

@@ -44,7 +44,9 @@ class TerminalHandler(logging.Handler):
             when = time.strftime("[%x %X]", time.localtime(record.created))
             level = record.levelname
             message = self.highlighter(Text(self.format(record)))
-            line = Text.assemble((when, "log.time"), " ", (level.ljust(8), f"logging.level.{level.lower()}"), " ", message)
+            line = Text.assemble(
+                (when, "log.time"), " ", (level.ljust(8), f"logging.level.{level.lower()}"), " ", message
+            )
             get_console().print(line, soft_wrap=True)
         except Exception:  # logging's rule: a failed emit reports itself and never raises
             self.handleError(record)

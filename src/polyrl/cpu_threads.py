@@ -123,8 +123,13 @@ class CpuThreads:
             self.threads += 1
         if self.threads != before:
             torch.set_num_threads(self.threads)
-            log.debug("cpu threads %d -> %d (run-queue wait %.0f%% of each thread's time, %.1f cores idle)",
-                      before, self.threads, 100 * self.last_wait_ratio, self.last_idle_cores)  # fmt: skip
+            log.debug(
+                "cpu threads %d -> %d (run-queue wait %.0f%% of each thread's time, %.1f cores idle)",
+                before,
+                self.threads,
+                100 * self.last_wait_ratio,
+                self.last_idle_cores,
+            )
 
 
 _process: CpuThreads | None = None

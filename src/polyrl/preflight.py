@@ -58,7 +58,9 @@ def check_world_size(cfg: RunConfig, world_size: int) -> None:
             f"sharded over {world_size} ranks here; use remote or hybrid (or one process)"
         )
     if world_size > 1 and cfg.model.lora.enabled:
-        raise ConfigError("config error: model.lora: LoRA trains on one process (FSDP with adapters is not supported yet)")
+        raise ConfigError(
+            "config error: model.lora: LoRA trains on one process (FSDP with adapters is not supported yet)"
+        )
 
 
 def resolve_token(cfg: ManagerConfig) -> ManagerConfig:

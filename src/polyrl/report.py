@@ -54,23 +54,49 @@ class Panel:
 
 
 PANELS = (
-    Panel("reward", "Reward (mean; shaded: min to max)", ("critic/score/mean",), "score",
-          band=("critic/score/min", "critic/score/max")),
-    Panel("response_length", "Response length (mean; shaded: min to max)", ("response_length/mean",), "tokens",
-          band=("response_length/min", "response_length/max")),
+    Panel(
+        "reward",
+        "Reward (mean; shaded: min to max)",
+        ("critic/score/mean",),
+        "score",
+        band=("critic/score/min", "critic/score/max"),
+    ),
+    Panel(
+        "response_length",
+        "Response length (mean; shaded: min to max)",
+        ("response_length/mean",),
+        "tokens",
+        band=("response_length/min", "response_length/max"),
+    ),
     Panel("throughput", "Throughput", ("perf/throughput", "perf/tokens_per_s_per_worker"), "tokens/s"),
     Panel("time_split", "Time per step, by phase", ("perf/time_per_step",), "seconds"),
-    Panel("workers", "Rollout workers", ("training/num_workers", "training/num_rollout_instances"), "workers",
-          is_count=True),
+    Panel(
+        "workers",
+        "Rollout workers",
+        ("training/num_workers", "training/num_rollout_instances"),
+        "workers",
+        is_count=True,
+    ),
     Panel("cost", "Cost", ("cost/usd_per_hour",), "$/h"),
     Panel("tokens_per_usd", "Tokens per dollar", ("cost/tokens_per_usd",), "tokens/$"),
-    Panel("logprob_diff", "rollout/logprob_diff (engine vs learner)", ("rollout/logprob_diff",), "mean |diff|",
-          log_y=True),
-    Panel("version_lag", "Weight-version lag of the samples", ("rollout/version_lag/mean", "rollout/version_lag/max"),
-          "versions", is_count=True),
-    Panel("migrations", "Samples migrated / lost", ("rollout/migrated_samples", "rollout/samples_lost"), "samples",
-          is_count=True),
-)  # fmt: skip
+    Panel(
+        "logprob_diff", "rollout/logprob_diff (engine vs learner)", ("rollout/logprob_diff",), "mean |diff|", log_y=True
+    ),
+    Panel(
+        "version_lag",
+        "Weight-version lag of the samples",
+        ("rollout/version_lag/mean", "rollout/version_lag/max"),
+        "versions",
+        is_count=True,
+    ),
+    Panel(
+        "migrations",
+        "Samples migrated / lost",
+        ("rollout/migrated_samples", "rollout/samples_lost"),
+        "samples",
+        is_count=True,
+    ),
+)
 
 
 @dataclass
@@ -133,8 +159,11 @@ def draw_time_split(runs: list[Run]) -> Figure | None:
     for ax, run in zip(axes, runs, strict=True):
         rows = [r for r in run.rows if _is_number(r.get("perf/time_per_step"))]
         steps = [r["step"] for r in rows]
-        layers = {k.removeprefix("timing_s/"): [r.get(k, 0.0) if _is_number(r.get(k)) else 0.0 for r in rows]
-                  for k in PHASES if run.has(k)}  # fmt: skip
+        layers = {
+            k.removeprefix("timing_s/"): [r.get(k, 0.0) if _is_number(r.get(k)) else 0.0 for r in rows]
+            for k in PHASES
+            if run.has(k)
+        }
         phases = list(layers.values())
         layers["other"] = [max(0.0, r["perf/time_per_step"] - sum(v[i] for v in phases)) for i, r in enumerate(rows)]
         ax.stackplot(steps, *layers.values(), labels=list(layers), alpha=0.85)
@@ -192,7 +221,11 @@ def _marks(index: int, num_lines: int, num_points: int) -> dict[str, object]:
     if num_lines < 2:
         return {}
     stride = max(num_lines, -(-num_points // MARKS_PER_LINE))
-    return {"marker": MARKERS[index % len(MARKERS)], "markersize": 5, "markevery": (index * stride // num_lines, stride)}
+    return {
+        "marker": MARKERS[index % len(MARKERS)],
+        "markersize": 5,
+        "markevery": (index * stride // num_lines, stride),
+    }
 
 
 def _from_zero(ax: Axes, is_count: bool) -> None:
@@ -213,8 +246,14 @@ def _summary(run: Run) -> list[str]:
         values = values[-max(1, int(len(values) * tail)) :]
         return f"{sum(values) / len(values):,.4g}" if values else "-"
 
-    return [run.name, str(len(run.rows)), mean_of("critic/score/mean", 0.1), mean_of("perf/throughput"),
-            mean_of("perf/time_per_step"), mean_of("cost/tokens_per_usd")]  # fmt: skip
+    return [
+        run.name,
+        str(len(run.rows)),
+        mean_of("critic/score/mean", 0.1),
+        mean_of("perf/throughput"),
+        mean_of("perf/time_per_step"),
+        mean_of("cost/tokens_per_usd"),
+    ]
 
 
 def write_html(out: Path, runs: list[Run], images: dict[Panel, Path]) -> Path:

@@ -45,10 +45,17 @@ def bind(host: str, port: int) -> socket.socket:
 def server_config(app: Any, limits: HttpLimitsConfig, tls: TlsConfig, graceful_s: int) -> uvicorn.Config:
     """The one uvicorn configuration of both services."""
     return uvicorn.Config(
-        app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-        timeout_graceful_shutdown=graceful_s, timeout_keep_alive=limits.keep_alive_s,
-        http=guarded_protocol(limits), ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file,
-    )  # fmt: skip
+        app,
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=graceful_s,
+        timeout_keep_alive=limits.keep_alive_s,
+        http=guarded_protocol(limits),
+        ssl_certfile=tls.cert_file,
+        ssl_keyfile=tls.key_file,
+    )
 
 
 def max_connections(limits: HttpLimitsConfig) -> int:
@@ -60,10 +67,15 @@ def max_connections(limits: HttpLimitsConfig) -> int:
 
 def guarded_protocol(limits: HttpLimitsConfig) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (httptools or h11, whichever it picked) with `limits`."""
-    return type("GuardedProtocol", (GuardedProtocol, AutoHTTPProtocol), {
-        "max_connections": max_connections(limits), "header_timeout_s": limits.header_timeout_s,
-        "body_timeout_s": limits.body_timeout_s,
-    })  # fmt: skip
+    return type(
+        "GuardedProtocol",
+        (GuardedProtocol, AutoHTTPProtocol),
+        {
+            "max_connections": max_connections(limits),
+            "header_timeout_s": limits.header_timeout_s,
+            "body_timeout_s": limits.body_timeout_s,
+        },
+    )
 
 
 class GuardedProtocol:

@@ -21,11 +21,26 @@ from polyrl.manager.fleet import FleetStatus
 from polyrl.tls import http_client
 
 STATE_STYLE = {
-    "registering": "magenta", "standby": "dim", "syncing": "yellow", "active": "green", "draining": "dark_orange", "gone": "red",
+    "registering": "magenta",
+    "standby": "dim",
+    "syncing": "yellow",
+    "active": "green",
+    "draining": "dark_orange",
+    "gone": "red",
 }
 COLUMNS = (
-    "worker", "state", "version", "node", "instance", "device", "tokens/s", "$/h", "uptime", "in flight", "failures",
-)  # fmt: skip
+    "worker",
+    "state",
+    "version",
+    "node",
+    "instance",
+    "device",
+    "tokens/s",
+    "$/h",
+    "uptime",
+    "in flight",
+    "failures",
+)
 NUMERIC = {"version", "tokens/s", "$/h", "in flight", "failures"}
 
 
@@ -41,10 +56,14 @@ def fetch(url: str, token: str | None, timeout_s: float = 10.0, ca_file: str | N
     except httpx.HTTPError as e:
         raise StatusError(f"cannot reach the manager at {url}: {type(e).__name__}: {e}") from None
     if response.status_code == 401 and not token:
-        raise StatusError(f"no token given, and {url} wants one: pass --token-file RUN_DIR/manager.json "
-                          "(polyrl train writes its manager's token there), or set POLYRL_TOKEN")  # fmt: skip
+        raise StatusError(
+            f"no token given, and {url} wants one: pass --token-file RUN_DIR/manager.json "
+            "(polyrl train writes its manager's token there), or set POLYRL_TOKEN"
+        )
     if response.status_code == 401:
-        raise StatusError(f"{url} refused the token (pass --token-file, or set POLYRL_TOKEN; RUN_DIR/manager.json has it)")
+        raise StatusError(
+            f"{url} refused the token (pass --token-file, or set POLYRL_TOKEN; RUN_DIR/manager.json has it)"
+        )
     if response.status_code != 200:
         raise StatusError(f"{url}/v1/fleet answered HTTP {response.status_code}: {response.text[:200]}")
     return FleetStatus.model_validate_json(response.content)
@@ -63,9 +82,11 @@ def _summary(fleet: FleetStatus, url: str) -> Text:
     per_usd = f"{tokens_per_s * 3600 / sum(prices):,.0f}" if prices and sum(prices) > 0 else "-"
     lost_style = "red" if fleet.num_lost_samples else ""
     return Text.assemble(
-        (url, "bold"), f"  step/version v{fleet.latest_weight_version}  batches {fleet.num_open_batches}",
+        (url, "bold"),
+        f"  step/version v{fleet.latest_weight_version}  batches {fleet.num_open_batches}",
         f"  samples in flight {fleet.num_inflight_samples} (waiting {fleet.num_waiting_samples})",
-        f"  migrated {fleet.num_migrations}  lost ", (str(fleet.num_lost_samples), lost_style),
+        f"  migrated {fleet.num_migrations}  lost ",
+        (str(fleet.num_lost_samples), lost_style),
         f"\n{tokens_per_s:,.0f} tokens/s  {usd}  {per_usd} tokens/$  {fleet.num_generated_tokens:,} tokens generated",
     )
 
@@ -78,10 +99,18 @@ def render(fleet: FleetStatus, url: str) -> Group:
     for w in fleet.workers:
         price = "-" if w.usd_per_hour is None else f"{w.usd_per_hour:.2f}"
         table.add_row(
-            w.worker_id + (" (local)" if w.is_local else ""), Text(w.state, STATE_STYLE[w.state]),
-            f"v{w.weight_version}", w.node or w.host, w.instance_type or "-", w.device or "-",
-            f"{w.tokens_per_s:,.0f}", price, _duration(w.uptime_s), str(w.num_inflight), str(w.num_failures),
-        )  # fmt: skip
+            w.worker_id + (" (local)" if w.is_local else ""),
+            Text(w.state, STATE_STYLE[w.state]),
+            f"v{w.weight_version}",
+            w.node or w.host,
+            w.instance_type or "-",
+            w.device or "-",
+            f"{w.tokens_per_s:,.0f}",
+            price,
+            _duration(w.uptime_s),
+            str(w.num_inflight),
+            str(w.num_failures),
+        )
     return Group(_summary(fleet, url), table)
 
 

@@ -94,13 +94,30 @@ def self_signed(directory: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    openssl("req", "-x509", *ec, "-keyout", d / "ca.key", "-out", d / "ca.pem", "-days", "7", "-subj", "/CN=polyrl test CA")
+    openssl(
+        "req", "-x509", *ec, "-keyout", d / "ca.key", "-out", d / "ca.pem", "-days", "7", "-subj", "/CN=polyrl test CA"
+    )
     openssl("req", *ec, "-keyout", d / "key.pem", "-out", d / "server.csr", "-subj", f"/CN={hosts[0]}")
     names = ",".join(f"IP:{h}" if is_ip(h) else f"DNS:{h}" for h in hosts)
     (d / "server.ext").write_text(
         f"subjectAltName={names}\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
         "extendedKeyUsage=serverAuth\nauthorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n"
     )
-    openssl("x509", "-req", "-in", d / "server.csr", "-CA", d / "ca.pem", "-CAkey", d / "ca.key", "-CAcreateserial",
-            "-out", d / "cert.pem", "-days", "7", "-extfile", d / "server.ext")  # fmt: skip
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        d / "server.csr",
+        "-CA",
+        d / "ca.pem",
+        "-CAkey",
+        d / "ca.key",
+        "-CAcreateserial",
+        "-out",
+        d / "cert.pem",
+        "-days",
+        "7",
+        "-extfile",
+        d / "server.ext",
+    )
     return {"ca": str(d / "ca.pem"), "cert": str(d / "cert.pem"), "key": str(d / "key.pem")}

@@ -50,8 +50,12 @@ class AtroposClient:
         except _ServerError as e:
             raise AtroposError(f"Atropos API at {self.url}: {e} (see the API's log)") from None
         self.num_registrations += 1
-        log.info("registered with the Atropos API at %s (batch_size=%d, starting_step=%d)",
-                 self.url, self.registration.batch_size, steps_done)  # fmt: skip
+        log.info(
+            "registered with the Atropos API at %s (batch_size=%d, starting_step=%d)",
+            self.url,
+            self.registration.batch_size,
+            steps_done,
+        )
 
     def next_batch(self, steps_done: int) -> list[dict[str, Any]]:
         """The next batch's groups, unparsed: polls with back-off until the environments
@@ -108,8 +112,12 @@ class AtroposClient:
                         f"(data.atropos.unreachable_timeout_s): {reason}"
                     ) from None
                 if not warned:
-                    log.warning("Atropos API at %s unreachable (%s): retrying for up to %.0fs",
-                                self.url, reason, self.cfg.unreachable_timeout_s)  # fmt: skip
+                    log.warning(
+                        "Atropos API at %s unreachable (%s): retrying for up to %.0fs",
+                        self.url,
+                        reason,
+                        self.cfg.unreachable_timeout_s,
+                    )
                     warned = True
                 time.sleep(min(wait_s, remaining_s))
                 wait_s = min(wait_s * 2, self.cfg.max_poll_interval_s)

@@ -63,7 +63,11 @@ def check_columns(columns: list[str], fmt: str, cfg: DataConfig) -> None:
     for col in required_columns(fmt, cfg):
         if col not in columns:
             hint = " (set data.prompt_key / data.answer_key, or data.format)" if fmt == "plain" else ""
-            how = f"data.format='auto' reads the file as {fmt!r}, which" if cfg.format == "auto" else f"data.format={fmt!r}"
+            how = (
+                f"data.format='auto' reads the file as {fmt!r}, which"
+                if cfg.format == "auto"
+                else f"data.format={fmt!r}"
+            )
             raise ValueError(f"{how} needs column {col!r}, but the file has only {columns}{hint}")
     key = cfg.max_new_tokens_key
     if key is not None and key not in columns:

@@ -165,9 +165,7 @@ def _score_one(gold: Any, completion: Any, cache: dict[str, list]) -> float:
     return 1.0 if pred and verify(cache[key], pred, **t["verify"]) else 0.0
 
 
-def math_reward(
-    prompts: list[str], completions: list[Any], answer: list[Any], **_: Any
-) -> list[float]:
+def math_reward(prompts: list[str], completions: list[Any], answer: list[Any], **_: Any) -> list[float]:
     """1.0 when the completion's final answer equals the gold `answer`, else 0.0 (never raises)."""
     from math_verify.errors import TimeoutException  # a BaseException, not an Exception
 

@@ -39,9 +39,7 @@ def load_callable(path: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(
-            f"reward function {path!r}: cannot import module {module_name!r}: {e}"
-        ) from e
+        raise ValueError(f"reward function {path!r}: cannot import module {module_name!r}: {e}") from e
     obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
@@ -184,7 +182,10 @@ class RewardFuture:
             except FutureTimeout:
                 logger.warning(
                     "reward function %s timed out after %.1fs; scoring 0.0 for %d samples and "
-                    "restarting the reward pool", path, self._pool.timeout_s, n,
+                    "restarting the reward pool",
+                    path,
+                    self._pool.timeout_s,
+                    n,
                 )
                 self._pool._restart(gen, by_timeout=True)
                 return None
@@ -200,14 +201,20 @@ class RewardFuture:
                     if restarted:  # one line per dead worker, not per call it held
                         logger.warning(
                             "reward function %s: its worker died (%s); scoring again on a fresh worker "
-                            "(retry %d of %d)", path, e or type(e).__name__, crashes, CRASH_RETRIES,
-                        )  # fmt: skip
+                            "(retry %d of %d)",
+                            path,
+                            e or type(e).__name__,
+                            crashes,
+                            CRASH_RETRIES,
+                        )
                 future, gen = self._pool._submit_one(path, *self._args)
             except Exception as e:  # noqa: BLE001 - a reward bug must never stop training
                 logger.warning(
                     "reward function %s failed: %s; scoring 0.0 for %d samples",
-                    path, e if isinstance(e, RewardFunctionError) else f"{type(e).__name__}: {e}", n,
-                )  # fmt: skip
+                    path,
+                    e if isinstance(e, RewardFunctionError) else f"{type(e).__name__}: {e}",
+                    n,
+                )
                 return None
 
 
@@ -225,9 +232,7 @@ class RewardPool:
         if not functions:
             raise ValueError("RewardPool needs at least one reward function")
         if weights is not None and len(weights) != len(functions):
-            raise ValueError(
-                f"got {len(weights)} reward weights for {len(functions)} reward functions"
-            )
+            raise ValueError(f"got {len(weights)} reward weights for {len(functions)} reward functions")
         if num_workers < 1 or timeout_s <= 0:
             raise ValueError("num_workers must be >= 1 and timeout_s > 0")
         for path in functions:
@@ -285,9 +290,7 @@ class RewardPool:
         jobs = [self._submit_one(path, *args) for path in self.functions]
         return RewardFuture(self, args, jobs)
 
-    def score(
-        self, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
-    ) -> list[float]:
+    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None) -> list[float]:
         """Blocking convenience: `submit(...).result()`."""
         return self.submit(prompts, completions, columns).result()
 

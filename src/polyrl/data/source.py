@@ -67,16 +67,16 @@ class PromptSource:
         if isinstance(value, float) and value.is_integer():
             value = int(value)  # a column with a missing value somewhere is read as float
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"config error: data.max_new_tokens_key: prompt {index} has {key}={value!r}, not a positive integer")
+            raise ConfigError(
+                f"config error: data.max_new_tokens_key: prompt {index} has {key}={value!r}, not a positive integer"
+            )
         return value
 
     def encode(self, text: str) -> list[int]:
         text = self.cfg.prompt_template.format(prompt=text)
         if self._chat:
             messages = [{"role": "user", "content": text}]
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return self.tokenizer(text, add_special_tokens=False).input_ids
         return self.tokenizer(text).input_ids
 
@@ -112,5 +112,7 @@ class PromptSource:
             skipped_in_a_row = 0
             prompts.append(prompt)
         if self.num_skipped > skipped_before:
-            log.warning("skipped %d prompts longer than %d tokens", self.num_skipped - skipped_before, self.max_prompt_tokens)
+            log.warning(
+                "skipped %d prompts longer than %d tokens", self.num_skipped - skipped_before, self.max_prompt_tokens
+            )
         return prompts

@@ -83,9 +83,7 @@ def get_task(name: str) -> Task:
     try:
         return TASKS[name]
     except KeyError:
-        raise ValueError(
-            f"data.task: unknown task {name!r}; choose one of {sorted(TASKS)} or 'dataset'"
-        ) from None
+        raise ValueError(f"data.task: unknown task {name!r}; choose one of {sorted(TASKS)} or 'dataset'") from None
 
 
 def task_record(task: Task, seed: int, index: int) -> Record:

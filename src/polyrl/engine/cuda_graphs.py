@@ -49,7 +49,9 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({min(s, max_batch) for s in sizes})
 
 
-def decode_inputs(batch: list[ScheduledSeq], size: int, block_size: int, scratch_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_inputs(
+    batch: list[ScheduledSeq], size: int, block_size: int, scratch_slot: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Host tensors for a pure-decode step padded to `size` rows: [4, size] int64 (token
     ids, positions, cache slots, context lengths) and the block tables [len(batch), W] int32.
     Each sequence feeds the token at `num_computed_tokens`; one the host has not read back

@@ -106,16 +106,25 @@ class Engine:
         self._ready: list[SampleDelta] = []  # read back outside `step` (by `sleep`), returned by the next
         freeze_gc_heap()
         graphs = "on" if self.runner.decode_graphs else "off"
-        log.info("engine: %d KV blocks of %d tokens, context %d, CUDA graphs %s", self.blocks.num_blocks,
-                 cfg.block_size, self.max_model_len, graphs)
+        log.info(
+            "engine: %d KV blocks of %d tokens, context %d, CUDA graphs %s",
+            self.blocks.num_blocks,
+            cfg.block_size,
+            self.max_model_len,
+            graphs,
+        )
 
     @classmethod
     def from_pretrained(cls, path: str, cfg: EngineConfig) -> Engine:
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("engine.device: cuda requested but CUDA is not available")
-        dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
-                 "bfloat16": torch.bfloat16, "float64": torch.float64}[cfg.dtype]
+        dtype = {
+            "auto": torch.bfloat16 if device == "cuda" else torch.float32,
+            "float32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "float64": torch.float64,
+        }[cfg.dtype]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         return cls(model, cfg)
 
@@ -145,8 +154,14 @@ class Engine:
             return
         cfg = self.cfg
         num_blocks = num_kv_blocks_for(
-            self.model, cfg.num_kv_blocks, cfg.block_size, self.compute_dtype, cfg.max_num_seqs, self.max_model_len,
-            cfg.kv_cache_memory_fraction if self.blocks.num_blocks == 0 else 0.95, cfg.cpu_kv_cache_gib,
+            self.model,
+            cfg.num_kv_blocks,
+            cfg.block_size,
+            self.compute_dtype,
+            cfg.max_num_seqs,
+            self.max_model_len,
+            cfg.kv_cache_memory_fraction if self.blocks.num_blocks == 0 else 0.95,
+            cfg.cpu_kv_cache_gib,
         )
         if self.blocks.num_blocks:
             if num_blocks < self.blocks.num_blocks:
@@ -154,8 +169,13 @@ class Engine:
             num_blocks = min(num_blocks, self.blocks.num_blocks)
         self.blocks.resize(num_blocks)
         self.runner = ModelRunner(
-            self.model, num_blocks, cfg.block_size, self.compute_dtype, self._autocast_dtype,
-            cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0, max_model_len=self.max_model_len,
+            self.model,
+            num_blocks,
+            cfg.block_size,
+            self.compute_dtype,
+            self._autocast_dtype,
+            cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0,
+            max_model_len=self.max_model_len,
         )
 
     @property
@@ -200,8 +220,17 @@ class Engine:
         s = req.sampling
         stop_ids = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos_token_ids))
         seed = s.seed if s.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(next(self._seq_ids), req.rid, 0, list(req.input_ids), len(req.input_ids), s, seed,
-                       frozenset(stop_ids), num_forks=s.n)
+        seq = Sequence(
+            next(self._seq_ids),
+            req.rid,
+            0,
+            list(req.input_ids),
+            len(req.input_ids),
+            s,
+            seed,
+            frozenset(stop_ids),
+            num_forks=s.n,
+        )
         self._requests[req.rid] = [seq]
         self.scheduler.add(seq)
 
@@ -258,8 +287,11 @@ class Engine:
         if not sched.can_admit():
             self._chained_waits = 0
             return False
-        if (self._chained_waits >= cfg.admit_wait_steps or len(sched.running) < cfg.admit_batch
-                or sum(s.num_forks for s in itertools.islice(sched.waiting, cfg.admit_batch)) >= cfg.admit_batch):
+        if (
+            self._chained_waits >= cfg.admit_wait_steps
+            or len(sched.running) < cfg.admit_batch
+            or sum(s.num_forks for s in itertools.islice(sched.waiting, cfg.admit_batch)) >= cfg.admit_batch
+        ):
             self._chained_waits = 0
             return True
         self._chained_waits += 1
@@ -296,8 +328,14 @@ class Engine:
         params = replace(params, positions=params.positions + 1) if same else self._sampling_batch(seqs)
         return self._read_back(seqs, *sample(logits, params), params, logits)
 
-    def _read_back(self, seqs: list[Sequence], token_ids: torch.Tensor, logprobs: torch.Tensor,
-                   params: SamplingBatch, logits: torch.Tensor) -> InFlightStep:
+    def _read_back(
+        self,
+        seqs: list[Sequence],
+        token_ids: torch.Tensor,
+        logprobs: torch.Tensor,
+        params: SamplingBatch,
+        logits: torch.Tensor,
+    ) -> InFlightStep:
         """Start copying a step's tokens and log-probs to the host (one copy; token ids are
         exact in float64). Top log-probs, when asked for, are copied synchronously: the
         rare request that wants them gives up the step's overlap."""
@@ -325,8 +363,9 @@ class Engine:
         token_ids, logprobs = step.host.tolist()
         live = [i for i, s in enumerate(step.seqs) if s.status is SeqStatus.RUNNING]
         tops = None if step.top is None else [list(zip(step.top[1][i], step.top[0][i], strict=True)) for i in live]
-        return self._postprocess([step.seqs[i] for i in live], [int(token_ids[i]) for i in live],
-                                 [logprobs[i] for i in live], tops)
+        return self._postprocess(
+            [step.seqs[i] for i in live], [int(token_ids[i]) for i in live], [logprobs[i] for i in live], tops
+        )
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         dev = self.device
@@ -349,8 +388,13 @@ class Engine:
             num_top_logprobs=max(p.top_logprobs for p in params),
         )
 
-    def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float],
-                     tops: list[list[tuple[int, float]]] | None = None) -> list[SampleDelta]:
+    def _postprocess(
+        self,
+        seqs: list[Sequence],
+        token_ids: list[int],
+        logprobs: list[float],
+        tops: list[list[tuple[int, float]]] | None = None,
+    ) -> list[SampleDelta]:
         version, deltas = self.weight_version, []
         for row, (seq, token_id, logprob) in enumerate(zip(seqs, token_ids, logprobs)):
             seq.append(token_id, logprob, version)
@@ -369,8 +413,14 @@ class Engine:
         seqs = [parent]
         for j in range(1, parent.num_forks):
             child = Sequence(
-                next(self._seq_ids), parent.rid, parent.index + j, list(parent.token_ids), parent.num_prompt_tokens,
-                parent.sampling, (parent.seed + j) % MAX_SEED, parent.stop_ids,
+                next(self._seq_ids),
+                parent.rid,
+                parent.index + j,
+                list(parent.token_ids),
+                parent.num_prompt_tokens,
+                parent.sampling,
+                (parent.seed + j) % MAX_SEED,
+                parent.stop_ids,
             )
             if self.blocks.can_allocate(1):
                 copy = self.blocks.fork(parent, child)
@@ -435,7 +485,9 @@ class Engine:
         bad = [k for k, t in weights.items() if tuple(t.shape) != tuple(params[k].shape)]
         if bad:
             k = bad[0]
-            raise RequestError(f"shape mismatch for {k}: got {tuple(weights[k].shape)}, model has {tuple(params[k].shape)}")
+            raise RequestError(
+                f"shape mismatch for {k}: got {tuple(weights[k].shape)}, model has {tuple(params[k].shape)}"
+            )
         covered = {id(params[k]) for k in weights}
         missing = [k for k, p in self.model.named_parameters() if id(p) not in covered]
         if missing:

@@ -38,9 +38,15 @@ META_KEY = "__lora__"
 A_SUFFIX, B_SUFFIX = ".lora_A", ".lora_B"
 
 FINGERPRINT_KEYS = (
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim",
-)  # fmt: skip
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 """The config fields that identify a base model for an adapter: the shapes its matrices
 must fit. Paths differ between the trainer's machine and a worker's, so they are not used."""
 
@@ -155,8 +161,9 @@ def _pairs(weights: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor,
     return {m: (weights[m + A_SUFFIX], weights[m + B_SUFFIX]) for m in sorted(a_names)}
 
 
-def spec_of_dir(config: dict[str, Any], pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]], fingerprint: str,
-                model_path: str) -> LoraSpec:  # fmt: skip
+def spec_of_dir(
+    config: dict[str, Any], pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]], fingerprint: str, model_path: str
+) -> LoraSpec:
     """The spec of a PEFT directory read by `read_adapter_dir`, for a worker whose base has
     `fingerprint` and was loaded from `model_path`. The adapter's base is identified by
     the config.json in `base_model_name_or_path` when that is a local directory, else by
@@ -172,7 +179,9 @@ def spec_of_dir(config: dict[str, Any], pairs: Mapping[str, tuple[torch.Tensor, 
     ranks = {a.shape[0] for a, _ in pairs.values()}
     rank = int(config.get("r") or next(iter(ranks), 0))
     if ranks != {rank}:
-        raise AdapterError(f"adapter matrices have ranks {sorted(ranks)}, config says r={rank} (rank_pattern is not supported)")
+        raise AdapterError(
+            f"adapter matrices have ranks {sorted(ranks)}, config says r={rank} (rank_pattern is not supported)"
+        )
     alpha = float(config.get("lora_alpha") or rank)
     if config.get("use_rslora"):
         alpha = alpha * rank**0.5  # rsLoRA scales by alpha / sqrt(r)
@@ -212,14 +221,21 @@ class AdapterMerger:
         if self.spec is not None and (why := self.spec.mismatch(spec)):
             raise AdapterError(f"adapter refused: {why}")
         if target_names(pairs) != spec.target_modules:
-            raise AdapterError(f"adapter tensors target {list(target_names(pairs))}, its spec says {list(spec.target_modules)}")
+            raise AdapterError(
+                f"adapter tensors target {list(target_names(pairs))}, its spec says {list(spec.target_modules)}"
+            )
         for name, (a, b) in pairs.items():
             module = self._modules.get(name)
             weight = getattr(module, "weight", None)
             if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
                 raise AdapterError(f"adapter targets {name}, which is not a linear layer of this model")
             out_features, in_features = weight.shape
-            if a.dim() != 2 or b.dim() != 2 or a.shape != (spec.rank, in_features) or b.shape != (out_features, spec.rank):
+            if (
+                a.dim() != 2
+                or b.dim() != 2
+                or a.shape != (spec.rank, in_features)
+                or b.shape != (out_features, spec.rank)
+            ):
                 raise AdapterError(
                     f"{name}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit rank {spec.rank} "
                     f"and the layer's {in_features} -> {out_features}"

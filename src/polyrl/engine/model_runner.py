@@ -45,14 +45,22 @@ def kv_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(
-        self, model: PreTrainedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-        autocast_dtype: torch.dtype | None, cuda_graph_max_batch: int = 0, max_model_len: int = 0,
+        self,
+        model: PreTrainedModel,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        autocast_dtype: torch.dtype | None,
+        cuda_graph_max_batch: int = 0,
+        max_model_len: int = 0,
     ) -> None:
         """`cuda_graph_max_batch` > 0 replays decode steps of up to that many sequences as
         CUDA graphs (CUDA with Triton only; elsewhere it is ignored)."""
         model_type = model.config.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model type {model_type!r} is not supported by the engine (supported: {SUPPORTED_MODEL_TYPES})")
+            raise ValueError(
+                f"model type {model_type!r} is not supported by the engine (supported: {SUPPORTED_MODEL_TYPES})"
+            )
         if getattr(model.config, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported by the engine")
         self.model, self.block_size = model, block_size
@@ -66,12 +74,21 @@ class ModelRunner:
         shape = (len(model.model.layers), 2, num_slots, model.config.num_key_value_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         self.decode_graphs: DecodeGraphs | None = None
-        if (cuda_graph_max_batch > 0 and self.device.type == "cuda" and triton_ops.available("cuda")
-                and self.supports_fused_decode(model)):
+        if (
+            cuda_graph_max_batch > 0
+            and self.device.type == "cuda"
+            and triton_ops.available("cuda")
+            and self.supports_fused_decode(model)
+        ):
             self.decode_graphs = DecodeGraphs(
-                self._decode_logits, cuda_graph_max_batch, cdiv(max_model_len, block_size), block_size,
-                num_blocks * block_size, model.config.vocab_size, model.lm_head.weight.dtype if autocast_dtype is None
-                else autocast_dtype, self.device,
+                self._decode_logits,
+                cuda_graph_max_batch,
+                cdiv(max_model_len, block_size),
+                block_size,
+                num_blocks * block_size,
+                model.config.vocab_size,
+                model.lm_head.weight.dtype if autocast_dtype is None else autocast_dtype,
+                self.device,
             )
 
     def supports_fused_decode(self, model: PreTrainedModel) -> bool:
@@ -97,9 +114,13 @@ class ModelRunner:
 
     def is_graph_decode(self, batch: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> bool:
         graphs = self.decode_graphs
-        return graphs is not None and len(batch) <= graphs.max_batch and (fed_ids is not None or all(
-            item.num_new_tokens == 1 and item.seq.num_uncomputed == 1 for item in batch
-        ))
+        return (
+            graphs is not None
+            and len(batch) <= graphs.max_batch
+            and (
+                fed_ids is not None or all(item.num_new_tokens == 1 and item.seq.num_uncomputed == 1 for item in batch)
+            )
+        )
 
     @torch.inference_mode()
     def forward(self, batch: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
@@ -115,6 +136,7 @@ class ModelRunner:
             input_ids = fed_ids
         with self._autocast():
             if self.decode_graphs is not None:  # CUDA with Triton: fused layers, the paged kernel for decodes
+
                 def attend(layer_idx: int, q: torch.Tensor) -> torch.Tensor:
                     return paged_attention(q, *self._blocked_cache(layer_idx), meta, self.scale)
 
@@ -133,15 +155,21 @@ class ModelRunner:
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
         """The captured decode step: every row feeds one token and samples."""
+
         def attend(layer_idx: int, q: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = self._blocked_cache(layer_idx)
-            return triton_ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+            return triton_ops.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+            )
 
         with self._autocast():
             return self.model.lm_head(self._fused_decoder(input_ids, positions, meta.slot_mapping, attend))
 
     def _fused_decoder(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
         attend: Callable[[int, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """The decoder with fused Triton kernels, final norm included ([T, hidden]). The
@@ -168,8 +196,14 @@ class ModelRunner:
         return triton_ops.rmsnorm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
 
     def _fused_attention(
-        self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-        layer_idx: int, attend: Callable[[int, torch.Tensor], torch.Tensor],
+        self,
+        attn: nn.Module,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        layer_idx: int,
+        attend: Callable[[int, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = attn.q_proj(x).view(num_tokens, -1, self.head_dim)
@@ -178,8 +212,16 @@ class ModelRunner:
         k_cache, v_cache = self.kv_cache[layer_idx]  # [S, KVH, D]
         has_norm = hasattr(attn, "q_norm")
         q = triton_ops.rope_and_cache(
-            q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
-            attn.q_norm.weight if has_norm else None, attn.k_norm.weight if has_norm else None,
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            slot_mapping,
+            k_cache,
+            v_cache,
+            attn.q_norm.weight if has_norm else None,
+            attn.k_norm.weight if has_norm else None,
             attn.q_norm.variance_epsilon if has_norm else 1e-6,
         )
         return attn.o_proj(attend(layer_idx, q).reshape(num_tokens, -1))
@@ -213,8 +255,11 @@ class ModelRunner:
         ids, pos, slot_mapping = torch.tensor([input_ids, positions, slots], dtype=torch.long).to(dev).unbind(0)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
-            groups=[AttentionGroup.build(*g, bs, dev, kernel_decode=self.decode_graphs is not None)
-                    for g in groups.values() if g[0]],
+            groups=[
+                AttentionGroup.build(*g, bs, dev, kernel_decode=self.decode_graphs is not None)
+                for g in groups.values()
+                if g[0]
+            ],
         )
         return ids, pos, meta, torch.tensor(sample_rows, dtype=torch.long).to(dev), sample_seqs
 
@@ -231,7 +276,13 @@ class ModelRunner:
         return hidden
 
     def _attention(
-        self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, layer_idx: int
+        self,
+        attn: nn.Module,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        layer_idx: int,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = attn.q_proj(x).view(num_tokens, -1, self.head_dim)  # [T, H, D]
@@ -247,8 +298,16 @@ class ModelRunner:
         return attn.o_proj(out.reshape(num_tokens, -1))
 
 
-def num_kv_blocks_for(model: PreTrainedModel, cfg_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                      max_num_seqs: int, max_model_len: int, memory_fraction: float, cpu_gib: float) -> int:
+def num_kv_blocks_for(
+    model: PreTrainedModel,
+    cfg_blocks: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    max_num_seqs: int,
+    max_model_len: int,
+    memory_fraction: float,
+    cpu_gib: float,
+) -> int:
     """The configured number of KV blocks, or one sized from the device's memory."""
     if cfg_blocks:
         return cfg_blocks

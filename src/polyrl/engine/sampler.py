@@ -97,7 +97,12 @@ def to_float32(logits: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [S, V] -> (token ids [S], log-probs [S] float32). On CUDA without top-k/top-p
     this is one fused Triton kernel (`triton_ops.fused_sample`): the same draws, one pass."""
-    if logits.is_cuda and logits.dtype != torch.float64 and not params.needs_truncation and triton_ops.available("cuda"):
+    if (
+        logits.is_cuda
+        and logits.dtype != torch.float64
+        and not params.needs_truncation
+        and triton_ops.available("cuda")
+    ):
         return triton_ops.fused_sample(logits, params.temperature, params.seeds, params.positions)
     logits = to_float32(logits)
     greedy = params.temperature == 0

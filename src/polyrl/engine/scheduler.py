@@ -93,9 +93,11 @@ class Scheduler:
             self.preempt(victim)
             self.num_preemptions += 1
             if self.num_preemptions in _LOGGED:
-                log.warning("engine: KV cache full, a running sequence gave its blocks back and will recompute "
-                            "(%d so far; more engine.num_kv_blocks or fewer engine.max_num_seqs avoid it)",
-                            self.num_preemptions)  # fmt: skip
+                log.warning(
+                    "engine: KV cache full, a running sequence gave its blocks back and will recompute "
+                    "(%d so far; more engine.num_kv_blocks or fewer engine.max_num_seqs avoid it)",
+                    self.num_preemptions,
+                )
             if victim is seq:
                 return False
         return True

@@ -45,10 +45,27 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_ptr, scale,
-        stride_qb, stride_qh, stride_kblk, stride_kslot, stride_kh, stride_ob, stride_oh, stride_tb,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        tables_ptr,
+        ctx_ptr,
+        scale,
+        stride_qb,
+        stride_qh,
+        stride_kblk,
+        stride_kslot,
+        stride_kh,
+        stride_ob,
+        stride_oh,
+        stride_tb,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         # One program per (sequence, KV head): its GROUP query heads share every K/V load.
         b = tl.program_id(0)
@@ -78,8 +95,11 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / tl.maximum(denom, 1e-30)[:, None]  # a padding row (ctx 0) writes zeros
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=hmask[:, None])
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=hmask[:, None],
+        )
 
     @triton.jit
     def _mix32(x):
@@ -91,7 +111,14 @@ if triton is not None:
 
     @triton.jit
     def _sample_kernel(
-        logits_ptr, stride_l, temp_ptr, seed_ptr, pos_ptr, token_ptr, logprob_ptr, vocab_size,
+        logits_ptr,
+        stride_l,
+        temp_ptr,
+        seed_ptr,
+        pos_ptr,
+        token_ptr,
+        logprob_ptr,
+        vocab_size,
         BLOCK_V: tl.constexpr,
     ):
         # One program per row, one pass over the vocabulary: the Gumbel-max draw (or the
@@ -131,11 +158,19 @@ if triton is not None:
         tl.store(token_ptr + row, best_idx.to(tl.int64))
         tl.store(logprob_ptr + row, best_scaled - m - tl.log(denom))
 
-
     @triton.jit
     def _rmsnorm_kernel(
-        x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, num_cols, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        stride_x,
+        stride_r,
+        stride_o,
+        num_cols,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         # HF's RMSNorm rounding: normalise in float32, round to the input dtype, then scale.
         row = tl.program_id(0)
@@ -154,9 +189,28 @@ if triton is not None:
 
     @triton.jit
     def _rope_cache_kernel(
-        x_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
-        stride_xt, stride_xh, stride_vt, stride_vh, stride_cos, stride_ot, stride_oh, stride_cslot, stride_ch, eps,
-        HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, TO_CACHE: tl.constexpr,
+        x_ptr,
+        v_ptr,
+        w_ptr,
+        cos_ptr,
+        sin_ptr,
+        slot_ptr,
+        out_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        stride_xt,
+        stride_xh,
+        stride_vt,
+        stride_vh,
+        stride_cos,
+        stride_ot,
+        stride_oh,
+        stride_cslot,
+        stride_ch,
+        eps,
+        HEAD_DIM: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+        TO_CACHE: tl.constexpr,
     ):
         # One head of one token: optional per-head RMSNorm (Qwen3's q/k norms), rotate-half
         # RoPE; queries go to `out`, keys (and the token's values) into their cache slot.
@@ -205,8 +259,17 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     out = torch.empty_like(x)
     res = residual if residual is not None else x
     _rmsnorm_kernel[(x.shape[0],)](
-        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), x.shape[1], eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=_next_pow2(x.shape[1]),
+        x,
+        res,
+        weight,
+        out,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        x.shape[1],
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=_next_pow2(x.shape[1]),
     )
     return out
 
@@ -230,9 +293,28 @@ def rope_and_cache(
     has_norm = q_norm is not None
     for x, w, heads, to_cache in ((q, q_norm, num_heads, False), (k, k_norm, k.shape[1], True)):
         _rope_cache_kernel[(num_tokens, heads)](
-            x, v, w if has_norm else x, cos, sin, slot_mapping, out, k_cache, v_cache,
-            x.stride(0), x.stride(1), v.stride(0), v.stride(1), cos.stride(0), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), eps, HEAD_DIM=head_dim, HAS_NORM=has_norm, TO_CACHE=to_cache,
+            x,
+            v,
+            w if has_norm else x,
+            cos,
+            sin,
+            slot_mapping,
+            out,
+            k_cache,
+            v_cache,
+            x.stride(0),
+            x.stride(1),
+            v.stride(0),
+            v.stride(1),
+            cos.stride(0),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            eps,
+            HEAD_DIM=head_dim,
+            HAS_NORM=has_norm,
+            TO_CACHE=to_cache,
         )
     return out
 
@@ -268,11 +350,29 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, context_lens, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        context_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=max(16, _next_pow2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        PRECISION=precision,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -289,6 +389,14 @@ def fused_sample(
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if num_rows:
         _sample_kernel[(num_rows,)](
-            logits, logits.stride(0), temperature, seeds, positions, tokens, logprobs, vocab_size, BLOCK_V=4096,
+            logits,
+            logits.stride(0),
+            temperature,
+            seeds,
+            positions,
+            tokens,
+            logprobs,
+            vocab_size,
+            BLOCK_V=4096,
         )
     return tokens, logprobs

@@ -33,10 +33,21 @@ TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 """Whether an id is in the vocabulary is the engine's to say (400); beyond int64 is the wire's."""
 
 NO_OP_VALUES: dict[str, Any] = {
-    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
-    "best_of": 1, "echo": False, "logit_bias": {}, "tools": [], "functions": [], "tool_choice": "none",
-    "response_format": {"type": "text"}, "suffix": "", "prompt_logprobs": 0,
-}  # fmt: skip
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "min_p": 0,
+    "min_tokens": 0,
+    "best_of": 1,
+    "echo": False,
+    "logit_bias": {},
+    "tools": [],
+    "functions": [],
+    "tool_choice": "none",
+    "response_format": {"type": "text"},
+    "suffix": "",
+    "prompt_logprobs": 0,
+}
 """Fields we cannot honour, and the value (besides null) at which they change nothing:
 sent with any other value, the request is refused naming the field."""
 
@@ -225,10 +236,16 @@ class VllmGenerateRequest(BaseModel):
 
     def to_sampling(self, max_new_tokens: int) -> EngineSampling:
         return EngineSampling(
-            max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
-            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, n=self.n, seed=self.seed,
+            max_new_tokens=max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            seed=self.seed,
             top_logprobs=self.num_top_logprobs,
-        )  # fmt: skip
+        )
 
     @property
     def num_top_logprobs(self) -> int:

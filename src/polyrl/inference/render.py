@@ -148,9 +148,13 @@ def completion_response(
         lp = completion_logprobs(tokenizer, c, tokens, 0) if logprobs is not None else None
         out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
     return {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": out,
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": out,
         "usage": usage(prompt_tokens, choices),
-    }  # fmt: skip
+    }
 
 
 def chat_response(
@@ -159,14 +163,22 @@ def chat_response(
     out = []
     for c in choices:
         text, tokens = c.release(tokenizer)
-        out.append({
-            "index": c.index, "message": {"role": "assistant", "content": text},
-            "logprobs": chat_logprobs(tokenizer, c, tokens) if logprobs else None, "finish_reason": c.finish_reason,
-        })  # fmt: skip
+        out.append(
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": chat_logprobs(tokenizer, c, tokens) if logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+        )
     return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": out,
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": out,
         "usage": usage(prompt_tokens, choices),
-    }  # fmt: skip
+    }
 
 
 def completion_chunk(
@@ -189,9 +201,11 @@ def chat_chunk(rid: str, model: str, created: int, tokenizer: Any, c: Choice, lo
     if not text and not tokens and finish is None:
         return None
     choice = {
-        "index": c.index, "delta": {"content": text} if text else {},
-        "logprobs": chat_logprobs(tokenizer, c, tokens) if logprobs else None, "finish_reason": finish,
-    }  # fmt: skip
+        "index": c.index,
+        "delta": {"content": text} if text else {},
+        "logprobs": chat_logprobs(tokenizer, c, tokens) if logprobs else None,
+        "finish_reason": finish,
+    }
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 

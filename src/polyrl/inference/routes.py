@@ -58,8 +58,13 @@ class Served:
 
     def check_model(self, model: str) -> str:
         if model not in self.model_names:
-            raise ApiError(404, f"model {model!r} is not served here; served: {self.model_names[0]!r}",
-                           BAD, "model", "model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"model {model!r} is not served here; served: {self.model_names[0]!r}",
+                BAD,
+                "model",
+                "model_not_found",
+            )
         return self.model_names[0]
 
     def need_tokenizer(self) -> Any:
@@ -168,8 +173,9 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _started(backend: InferenceBackend, prompt_ids: list[int], sampling: EngineSampling,
-                   tokenizer: Any, stops: list[str]) -> Generation:  # fmt: skip
+async def _started(
+    backend: InferenceBackend, prompt_ids: list[int], sampling: EngineSampling, tokenizer: Any, stops: list[str]
+) -> Generation:
     """Start generating; refusals raise here, before any response is sent."""
     stream = backend.generate(prompt_ids, sampling)
     first = await anext(stream, None)
@@ -189,11 +195,19 @@ class InferenceRoutes:
     async def models(self) -> dict[str, Any]:
         served = await self.backend.served()
         name = served.model_names[0]
-        card = {"id": name, "object": "model", "created": 0, "owned_by": "polyrl", "root": name,
-                "max_model_len": served.max_model_len}  # fmt: skip
+        card = {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "polyrl",
+            "root": name,
+            "max_model_len": served.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
-    def _checks(self, served: Served, body: SampledRequest, prompt_ids: list[int], budget: int | None) -> EngineSampling:
+    def _checks(
+        self, served: Served, body: SampledRequest, prompt_ids: list[int], budget: int | None
+    ) -> EngineSampling:
         field = body.unsupported()
         if field is not None:
             raise ApiError(400, f"{field} is not supported by this server", BAD, field, "unsupported_parameter")
@@ -204,16 +218,26 @@ class InferenceRoutes:
             raise ApiError(400, f"n is {body.n}; this server allows at most {served.max_n}", BAD, "n", "n_too_large")
         if body.num_top_logprobs > served.max_top_logprobs:
             param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
-            raise ApiError(400, f"{param} asks for {body.num_top_logprobs} alternatives per token; this server gives "
-                           f"at most {served.max_top_logprobs}", BAD, param, "unsupported_parameter")  # fmt: skip
+            raise ApiError(
+                400,
+                f"{param} asks for {body.num_top_logprobs} alternatives per token; this server gives "
+                f"at most {served.max_top_logprobs}",
+                BAD,
+                param,
+                "unsupported_parameter",
+            )
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", BAD, "prompt", "empty_prompt")
         room = served.max_model_len - len(prompt_ids)
         if room < 1 or (budget is not None and budget > room):
             asked = f" + max_tokens {budget}" if budget is not None else ""
-            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens{asked}; the context is "
-                           f"{served.max_model_len} tokens", BAD, "max_tokens" if room >= 1 else "prompt",
-                           "context_length_exceeded")  # fmt: skip
+            raise ApiError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens{asked}; the context is {served.max_model_len} tokens",
+                BAD,
+                "max_tokens" if room >= 1 else "prompt",
+                "context_length_exceeded",
+            )
         return body.to_sampling(budget if budget is not None else room)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -239,7 +263,9 @@ class InferenceRoutes:
 
         def chunks(indices: list[int]) -> bytes:
             tokenizer, choices = generation.tokenizer, generation.choices
-            built = (render.completion_chunk(rid, model, created, tokenizer, choices[i], body.logprobs) for i in indices)
+            built = (
+                render.completion_chunk(rid, model, created, tokenizer, choices[i], body.logprobs) for i in indices
+            )
             return b"".join(_event(c) for c in built if c is not None)
 
         async for event in _sse(generation, chunks):
@@ -324,15 +350,20 @@ async def _sse(generation: Generation, chunks: Any) -> AsyncIterator[bytes]:
 
 def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ApiError(400, "the served tokenizer has no chat template: use /v1/completions", BAD, "messages",
-                       "no_chat_template")  # fmt: skip
+        raise ApiError(
+            400, "the served tokenizer has no chat template: use /v1/completions", BAD, "messages", "no_chat_template"
+        )
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     opens_turn = body.add_generation_prompt and not body.continue_final_message
     try:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=opens_turn, continue_final_message=body.continue_final_message
+            messages,
+            tokenize=False,
+            add_generation_prompt=opens_turn,
+            continue_final_message=body.continue_final_message,
         )
     except Exception as e:  # noqa: BLE001 - jinja's and the tokenizer's errors alike are the messages' fault
-        raise ApiError(400, f"messages do not fit the chat template: {type(e).__name__}: {e}", BAD, "messages",
-                       "invalid_messages") from None  # fmt: skip
+        raise ApiError(
+            400, f"messages do not fit the chat template: {type(e).__name__}: {e}", BAD, "messages", "invalid_messages"
+        ) from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -117,8 +117,10 @@ def parse_chunk(data: str | bytes, seen: dict[int, int], incremental: bool) -> D
         error = _error_of(data)
         if error is not None:
             raise WorkerFailed(f"worker reported: {error}") from None
-        raise WorkerFailed(f"unreadable stream chunk ({e.error_count()} errors: {e.errors()[0]['msg']} "
-                           f"at {'.'.join(map(str, e.errors()[0]['loc']))})") from None  # fmt: skip
+        raise WorkerFailed(
+            f"unreadable stream chunk ({e.error_count()} errors: {e.errors()[0]['msg']} "
+            f"at {'.'.join(map(str, e.errors()[0]['loc']))})"
+        ) from None
     meta = chunk.meta_info
     tokens = chunk.output_ids
     logprobs = [entry[0] for entry in meta.output_token_logprobs or ()]
@@ -129,8 +131,10 @@ def parse_chunk(data: str | bytes, seen: dict[int, int], incremental: bool) -> D
     finish_type = meta.finish_reason.type if meta.finish_reason else None
     index, total = chunk.index or 0, meta.completion_tokens
     if not len(tokens) == len(logprobs) == len(versions) or (top and len(top) != len(tokens)):
-        raise WorkerFailed(f"chunk has {len(tokens)} tokens, {len(logprobs)} log-probs, {len(versions)} versions, "
-                           f"{len(top)} top log-probs")  # fmt: skip
+        raise WorkerFailed(
+            f"chunk has {len(tokens)} tokens, {len(logprobs)} log-probs, {len(versions)} versions, "
+            f"{len(top)} top log-probs"
+        )
     before = seen.get(index, 0)
     if not incremental:
         if len(tokens) < before:
@@ -233,9 +237,13 @@ class RemoteBackend:
             raise WorkerUnreachable("stream ended without [DONE]")
 
     async def _exchange(
-        self, url: str, body: bytes, headers: dict[str, str], lines: asyncio.Queue[str | Exception | None],
+        self,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        lines: asyncio.Queue[str | Exception | None],
         stop: asyncio.Event,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """POST and read the response's lines into `lines` (an error instead, then None)
         until it ends or `stop` is set."""
         # One connection per call: httpcore's pool checks every idle connection (a poll()

@@ -79,19 +79,30 @@ class SampleState:
         self._seg_worker = worker_id
         self._seg_tokens, self._seg_logprobs, self._seg_versions = [], [], []
 
-    def extend(self, tokens: list[int], logprobs: list[float], versions: list[int], finish: str | None,
-               top_logprobs: list[list[tuple[int, float]]] | None = None) -> None:
+    def extend(
+        self,
+        tokens: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        finish: str | None,
+        top_logprobs: list[list[tuple[int, float]]] | None = None,
+    ) -> None:
         """New tokens of the running segment, and its finish reason once it has one.
         `top_logprobs` only go to `progress` (a batch's groups do not carry them)."""
         if len(self._seg_tokens) + len(tokens) > self.remaining:
-            raise ValueError(f"worker sent {len(self._seg_tokens) + len(tokens)} tokens for a budget of {self.remaining}")
+            raise ValueError(
+                f"worker sent {len(self._seg_tokens) + len(tokens)} tokens for a budget of {self.remaining}"
+            )
         self._seg_tokens += tokens
         self._seg_logprobs += logprobs
         self._seg_versions += versions
         progress = self.group.batch.progress
         if progress is not None and tokens:  # what arrived is kept, even if the worker dies next
-            progress.put_nowait(SampleDelta(self.group.batch.batch_id, self.index, tokens, logprobs, versions,
-                                            top_logprobs=top_logprobs or []))  # fmt: skip
+            progress.put_nowait(
+                SampleDelta(
+                    self.group.batch.batch_id, self.index, tokens, logprobs, versions, top_logprobs=top_logprobs or []
+                )
+            )
         if finish is not None and finish != "abort":  # abort: handed back, it continues elsewhere
             self.end_segment()
             self.finish_reason = finish
@@ -204,7 +215,9 @@ class Batch:
         return f"<Batch {self.batch_id}: {self.num_groups_done}/{len(self.groups)} groups>"
 
     @classmethod
-    def build(cls, batch_id: str, request: BatchRequest, required_version: int, deadline: float, seeds: list[int]) -> Batch:
+    def build(
+        cls, batch_id: str, request: BatchRequest, required_version: int, deadline: float, seeds: list[int]
+    ) -> Batch:
         batch = cls(batch_id, request, required_version, deadline)
         for prompt, seed in zip(request.prompts, seeds, strict=True):
             group = GroupState(batch, prompt, seed)

@@ -33,7 +33,9 @@ class BatchClient:
         # No read timeout: groups may be minutes apart; the manager's batch deadline ends
         # a stuck batch with an error line.
         timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=connect_timeout_s)
-        self.http = http_client(ca_file, base_url=url.rstrip("/"), headers=headers, timeout=timeout, transport=transport)
+        self.http = http_client(
+            ca_file, base_url=url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
+        )
         self.connect_retries = connect_retries
 
     def generate(self, request: BatchRequest) -> Iterator[GroupResult]:

@@ -104,22 +104,37 @@ class History:
             return
         serving = [r for r in records if r.state in ("active", "draining")]
         prices = [r.usd_per_hour for r in serving if r.usd_per_hour is not None]
-        self.points.append(HistoryPoint(
-            t=now, tokens_per_s=round(sum(r.gen_throughput for r in serving), 3),
-            usd_per_hour=round(sum(prices), 6) if prices else None, num_workers=len(serving),
-        ))  # fmt: skip
+        self.points.append(
+            HistoryPoint(
+                t=now,
+                tokens_per_s=round(sum(r.gen_throughput for r in serving), 3),
+                usd_per_hour=round(sum(prices), 6) if prices else None,
+                num_workers=len(serving),
+            )
+        )
 
 
 def _worker(record: WorkerRecord, now_unix: float, now: float) -> FleetWorker:
     return FleetWorker(
-        worker_id=record.worker_id, url=record.url, host=urlsplit(record.url).hostname or "", device=record.device,
-        node=record.node, instance_type=record.instance_type, state=record.state,
-        weight_version=record.weight_version, tokens_per_s=record.gen_throughput,
-        usd_per_hour=record.usd_per_hour, uptime_s=round(max(0.0, now_unix - record.joined_at), 3),
-        num_inflight=record.inflight, num_running=record.num_running, num_failures=record.num_failures,
-        last_heartbeat_age_s=round(now - record.last_seen, 3), is_local=record.is_local, pid=record.pid,
+        worker_id=record.worker_id,
+        url=record.url,
+        host=urlsplit(record.url).hostname or "",
+        device=record.device,
+        node=record.node,
+        instance_type=record.instance_type,
+        state=record.state,
+        weight_version=record.weight_version,
+        tokens_per_s=record.gen_throughput,
+        usd_per_hour=record.usd_per_hour,
+        uptime_s=round(max(0.0, now_unix - record.joined_at), 3),
+        num_inflight=record.inflight,
+        num_running=record.num_running,
+        num_failures=record.num_failures,
+        last_heartbeat_age_s=round(now - record.last_seen, 3),
+        is_local=record.is_local,
+        pid=record.pid,
         log_path=record.log_path,
-    )  # fmt: skip
+    )
 
 
 class Observed(Protocol):
@@ -139,13 +154,17 @@ def fleet_status(manager: Observed) -> FleetStatus:
     now_unix, now = time.time(), time.monotonic()
     counters = manager.metrics.registry
     return FleetStatus(
-        now=now_unix, started_at=manager.started_at, latest_weight_version=manager.registry.latest_version,
-        num_open_batches=len(manager.batches), num_inflight_samples=sum(r.inflight for r in manager.registry),
+        now=now_unix,
+        started_at=manager.started_at,
+        latest_weight_version=manager.registry.latest_version,
+        num_open_batches=len(manager.batches),
+        num_inflight_samples=sum(r.inflight for r in manager.registry),
         num_waiting_samples=sum(len(u.samples) for u in manager.pending),
         num_migrations=manager.metrics.num_migrations,
         num_lost_samples=int(counters.get_sample_value("polyrl_manager_lost_samples_total") or 0),
         num_generated_tokens=int(counters.get_sample_value("polyrl_manager_generated_tokens_total") or 0),
         workers=[_worker(r, now_unix, now) for r in manager.registry],
-        events=list(manager.registry.events.events), history=list(manager.history.points),
+        events=list(manager.registry.events.events),
+        history=list(manager.history.points),
         last_window=manager.window.last,
-    )  # fmt: skip
+    )

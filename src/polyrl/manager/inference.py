@@ -51,10 +51,13 @@ class ManagerBackend:
             if time.monotonic() >= deadline:
                 counts = self.manager.registry.counts()
                 raise ApiError(
-                    503, f"no rollout worker is active after {self.manager.cfg.inference_wait_s:g}s "
+                    503,
+                    f"no rollout worker is active after {self.manager.cfg.inference_wait_s:g}s "
                     f"({counts['registering']} registering, {counts['syncing']} syncing); retry later",
-                    "service_unavailable", None, "no_workers",
-                )  # fmt: skip
+                    "service_unavailable",
+                    None,
+                    "no_workers",
+                )
             await asyncio.sleep(POLL_S)
         model_path, max_model_len = model
         tokenizer = await self._tokenizer(self.manager.cfg.tokenizer or model_path)
@@ -82,11 +85,15 @@ class ManagerBackend:
             prompts=[BatchPrompt(id="request", input_ids=prompt_ids, seed=sampling.seed)],
             n=sampling.n,
             sampling=BatchSampling(
-                max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+                max_new_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                stop_token_ids=list(sampling.stop_token_ids),
+                ignore_eos=sampling.ignore_eos,
                 top_logprobs=sampling.top_logprobs,
             ),
-        )  # fmt: skip
+        )
         if self.manager.closed:
             raise _shutting_down()
         batch = self.manager.submit(request, watch=True)

@@ -59,7 +59,9 @@ class ManagerService:
         self.url = ""
 
     async def start(self) -> str:
-        self.sock = socket.socket(fileno=self.listen_fd) if self.listen_fd is not None else bind(self.cfg.host, self.cfg.port)
+        self.sock = (
+            socket.socket(fileno=self.listen_fd) if self.listen_fd is not None else bind(self.cfg.host, self.cfg.port)
+        )
         await self.manager.start()
         self.server = QuietServer(server_config(create_app(self.manager), self.cfg.http, self.cfg.tls, GRACEFUL_S))
         self.serving = asyncio.create_task(self.server.serve(sockets=[self.sock]))

@@ -66,7 +66,9 @@ class RolloutManager(Membership, Placement, Settlement):
         self.history = History()
         """Fleet throughput and price over time, for the operator page."""
         self.metrics = ManagerMetrics(self)
-        self.remote = RemoteBackend(cfg.connect_timeout_s, cfg.stall_timeout_s, cfg.token, cfg.stream_interval_s, cfg.tls.ca_file)
+        self.remote = RemoteBackend(
+            cfg.connect_timeout_s, cfg.stall_timeout_s, cfg.token, cfg.stream_interval_s, cfg.tls.ca_file
+        )
         self.pending: deque[WorkUnit] = deque()
         self.batches: dict[str, Batch] = {}
         self.sync_hooks: list[SyncHook] = []
@@ -153,7 +155,9 @@ class RolloutManager(Membership, Placement, Settlement):
             batch.progress = asyncio.Queue()
         self.batches[batch.batch_id] = batch
         self.pending.extend(batch.fresh_units())
-        log.debug("batch %s: %d prompts x %d, weights >= v%d", batch.batch_id, len(request.prompts), request.n, required)
+        log.debug(
+            "batch %s: %d prompts x %d, weights >= v%d", batch.batch_id, len(request.prompts), request.n, required
+        )
         self.wake()
         return batch
 

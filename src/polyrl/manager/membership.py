@@ -46,7 +46,9 @@ class Membership(ManagerState):
         while record.state == "registering":
             remaining = deadline - loop.time()
             if remaining <= 0:
-                self._worker_gone(record, f"not ready within {self.cfg.readiness_timeout_s:g}s: {why}", is_failure=False)
+                self._worker_gone(
+                    record, f"not ready within {self.cfg.readiness_timeout_s:g}s: {why}", is_failure=False
+                )
                 return
             try:
                 response = await self.remote.get(record, "/health_generate", timeout_s=min(remaining, 10.0))
@@ -159,7 +161,9 @@ class Membership(ManagerState):
         """Open the local window now, whatever `manager.local_window` says (tests and
         benchmarks; the trainer's windows open at each publish). `until_synced=False`
         makes the local worker a peer that finishes what it holds when the window closes."""
-        self._open_window(self.window.open_now(Opening(max_s, until_synced, hand_back=until_synced, peer=not until_synced)))
+        self._open_window(
+            self.window.open_now(Opening(max_s, until_synced, hand_back=until_synced, peer=not until_synced))
+        )
 
     def _open_window(self, opening: Opening) -> None:
         if self._window_timer is not None:
@@ -227,8 +231,9 @@ class Membership(ManagerState):
         if is_failure:
             record.num_failures += 1
             self.metrics.worker_events.labels("failed").inc()
-            self.lost_workers.append(LostWorker(worker_id=record.worker_id, lost_at=time.time(), why=why,
-                                                num_samples=num_samples))  # fmt: skip
+            self.lost_workers.append(
+                LostWorker(worker_id=record.worker_id, lost_at=time.time(), why=why, num_samples=num_samples)
+            )
             self.num_lost_workers += 1
         if num_samples:
             log.info("worker %s: migrating %d samples (%s)", record.worker_id, num_samples, why)
@@ -244,7 +249,9 @@ class Membership(ManagerState):
     def worker_list(self) -> WorkerList:
         now = time.monotonic()
         cap = self.cfg.max_inflight_per_worker
-        serving = [r for r in self.registry if not r.is_local and r.state in ("syncing", "active") and now >= r.busy_until]
+        serving = [
+            r for r in self.registry if not r.is_local and r.state in ("syncing", "active") and now >= r.busy_until
+        ]
         free = sum(max(0, r.free_slots(cap)) for r in serving)  # (a syncing worker serves again in a moment)
         waiting = sum(len(u.samples) for u in self.pending)
         return WorkerList(

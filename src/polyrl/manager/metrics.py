@@ -42,7 +42,9 @@ class _StateCollector(Collector):
             "polyrl_manager_inflight_samples", "Samples running on workers", value=sum(r.inflight for r in m.registry)
         )
         yield GaugeMetricFamily(
-            "polyrl_manager_waiting_samples", "Samples waiting for a worker", value=sum(len(u.samples) for u in m.pending)
+            "polyrl_manager_waiting_samples",
+            "Samples waiting for a worker",
+            value=sum(len(u.samples) for u in m.pending),
         )
         yield GaugeMetricFamily("polyrl_manager_open_batches", "Batches in progress", value=len(m.batches))
         yield GaugeMetricFamily(
@@ -71,7 +73,9 @@ class ManagerMetrics:
         )
         self.num_migrations = 0
         """Both causes of `migrations` together, read on every /v1/workers."""
-        self.worker_events = Counter("polyrl_manager_worker_events", "Worker registrations, failures, leaves", ["event"], registry=r)
+        self.worker_events = Counter(
+            "polyrl_manager_worker_events", "Worker registrations, failures, leaves", ["event"], registry=r
+        )
         r.register(_StateCollector(manager))
 
     def migrated(self, cause: str, num: int) -> None:

@@ -55,7 +55,9 @@ class Placement(ManagerState):
         cap = self.cfg.max_inflight_per_worker
         return any(r.state == "active" and now >= r.busy_until and r.free_slots(cap) > 0 for r in self.registry)
 
-    def _pick(self, version: int, now: float, stalled: bool = False, to_local: bool = False) -> tuple[WorkerRecord, int] | None:
+    def _pick(
+        self, version: int, now: float, stalled: bool = False, to_local: bool = False
+    ) -> tuple[WorkerRecord, int] | None:
         """(worker, free slots): the least loaded remote worker with a free slot; the local
         engine only while the local window is open, when no remote worker is left (none
         registering, syncing or active), or when the batch is `stalled` (older than

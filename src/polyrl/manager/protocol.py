@@ -147,10 +147,16 @@ class BatchSampling(_Message):
         own budget when it has one."""
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         return EngineSampling(
-            max_new_tokens=budget, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos, n=n, seed=seed,
+            max_new_tokens=budget,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            n=n,
+            seed=seed,
             top_logprobs=self.top_logprobs,
-        )  # fmt: skip
+        )
 
 
 class BatchPrompt(_Message):

@@ -23,6 +23,7 @@ from polyrl.manager.protocol import Heartbeat, RegisterRequest, WorkerInfo, Work
 
 log = logging.getLogger("polyrl.manager")
 
+
 @dataclass(eq=False, repr=False)
 class WorkerRecord:
     worker_id: str
@@ -227,8 +228,13 @@ class Registry:
         elif not current and record.state != behind:
             record.set_state(behind)
             self.events.add(record.worker_id, behind, self._behind_detail(record))
-            log.info("worker %s %s (has v%d, latest v%d)", record.worker_id, "on standby" if behind == "standby" else behind,
-                     record.weight_version, self.latest_version)  # fmt: skip
+            log.info(
+                "worker %s %s (has v%d, latest v%d)",
+                record.worker_id,
+                "on standby" if behind == "standby" else behind,
+                record.weight_version,
+                self.latest_version,
+            )
 
     def remove(self, record: WorkerRecord, why: str) -> None:
         """The worker is gone; the caller migrates its in-flight work."""

@@ -63,7 +63,7 @@ from polyrl.manager.weight_sync import EndpointPublisher, PublisherSync
 
 CONTROL_BODY_LIMIT = 64 * 1024
 NOT_VLLM = (
-    'the manager\'s /generate takes vLLM\'s form (prompt: {"prompt_token_ids": [...]}, n, max_tokens, '
+    "the manager's /generate takes vLLM's form (prompt: {\"prompt_token_ids\": [...]}, n, max_tokens, "
     "temperature, logprobs); SGLang's form goes to a worker, and batches of prompts to /v1/batches"
 )
 
@@ -171,10 +171,14 @@ class _Handlers:
             try:
                 async for group in self.manager.results(batch):
                     yield _line(group)
-                yield _line(BatchEnd(
-                    batch_id=batch.batch_id, num_groups=len(batch.groups), num_migrated=batch.num_migrated,
-                    elapsed_s=round(time.monotonic() - batch.submitted_at, 6),
-                ))  # fmt: skip
+                yield _line(
+                    BatchEnd(
+                        batch_id=batch.batch_id,
+                        num_groups=len(batch.groups),
+                        num_migrated=batch.num_migrated,
+                        elapsed_s=round(time.monotonic() - batch.submitted_at, 6),
+                    )
+                )
             except BatchError as e:
                 yield _line(e.failure)
 

@@ -121,10 +121,11 @@ class Settlement(ManagerState):
             sample.num_failures += is_failure
             if sample.num_failures > self.cfg.retry_budget:
                 self._fail(
-                    batch, "retry_budget",
+                    batch,
+                    "retry_budget",
                     f"sample {sample.index} of prompt {unit.group.prompt.id!r} met {sample.num_failures} worker "
                     f"failures (retry_budget {self.cfg.retry_budget}); last: {why}",
-                )  # fmt: skip
+                )
                 return
         batch.num_migrated += len(unfinished)
         self.metrics.migrated("failure" if is_failure else "handback", len(unfinished))

@@ -83,7 +83,9 @@ class EndpointPublisher:
         self.tls = endpoint.tls
         self.device: EndpointDevice | None = None
         if endpoint.device_host_id is not None:
-            self.device = EndpointDevice(DeviceIdentity(host_id=endpoint.device_host_id, gpu_uuid=endpoint.device_gpu_uuid))
+            self.device = EndpointDevice(
+                DeviceIdentity(host_id=endpoint.device_host_id, gpu_uuid=endpoint.device_gpu_uuid)
+            )
 
     def grant(self, worker_id: str, version: int) -> str:
         return transfer_token(self.key, worker_id, version)
@@ -109,7 +111,7 @@ class PublisherSync:
             raise ValueError("advertise_port names a relay for one publisher group, not several")
         self.groups: list[tuple[str, int]] = [
             (advertise_host or host, advertise_port or port) for host, port in publisher.addresses
-        ]  # fmt: skip
+        ]
         """Where workers connect, per publisher group: the publisher itself, or a relay (NAT, a fault proxy)."""
         self.group_of: dict[str, int] = {}
         """The group each worker pulls from (kept while it is registered)."""
@@ -151,7 +153,13 @@ class PublisherSync:
         if self.manager.cfg.swap_policy is not None:
             body.swap_policy = self.manager.cfg.swap_policy
         reply = await tell_worker(
-            self.manager, record, version, "/update_weights_from_publisher", body, self.pull_timeout_s + 10, self.retries
+            self.manager,
+            record,
+            version,
+            "/update_weights_from_publisher",
+            body,
+            self.pull_timeout_s + 10,
+            self.retries,
         )
         if reply is None:
             return None
@@ -171,7 +179,9 @@ class PublisherSync:
                 load[g] += 1
             group = self.group_of[worker_id] = min(range(len(load)), key=load.__getitem__)
             if len(self.groups) > 1:
-                log.info("worker %s pulls weights from publisher group %d (%s:%d)", worker_id, group, *self.groups[group])
+                log.info(
+                    "worker %s pulls weights from publisher group %d (%s:%d)", worker_id, group, *self.groups[group]
+                )
         return group
 
     def _note(self, worker_id: str, asked: WeightPath, reply: UpdateWeightsResponse) -> None:
@@ -182,8 +192,9 @@ class PublisherSync:
             self.devices.pop(worker_id, None)  # an older worker: TCP only
         if asked != "tcp" and reply.path not in (asked, None):
             self.tcp_only.add(worker_id)
-            log.warning("worker %s could not use %s (%s); it pulls over TCP from now on",
-                        worker_id, asked, reply.message)  # fmt: skip
+            log.warning(
+                "worker %s could not use %s (%s); it pulls over TCP from now on", worker_id, asked, reply.message
+            )
 
 
 class DiskSync:
@@ -191,7 +202,9 @@ class DiskSync:
     version as a safetensors directory on a filesystem the workers share, and a worker
     that needs it loads it with `/update_weights_from_disk`."""
 
-    def __init__(self, manager: RolloutManager, root: str | Path, retries: int = 3, load_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, manager: RolloutManager, root: str | Path, retries: int = 3, load_timeout_s: float = 300.0
+    ) -> None:
         self.manager, self.root = manager, Path(root)
         self.retries, self.load_timeout_s = retries, load_timeout_s
         self.root.mkdir(parents=True, exist_ok=True)
@@ -245,8 +258,9 @@ async def tell_worker(
         if record.state == "gone" or version < manager.registry.latest_version:
             return None
         try:
-            response = await manager.remote.http.post(f"{record.url}{endpoint}", content=content, headers=headers,
-                                                      timeout=timeout_s)  # fmt: skip
+            response = await manager.remote.http.post(
+                f"{record.url}{endpoint}", content=content, headers=headers, timeout=timeout_s
+            )
             if response.status_code == 200:
                 reply = UpdateWeightsResponse.model_validate_json(response.content)
                 if reply.weight_version is None:
@@ -262,6 +276,8 @@ async def tell_worker(
             why = f"{type(e).__name__}: {e}"
         if attempt < retries:
             await asyncio.sleep(min(2.0**attempt, 10.0))
-    log.warning("worker %s did not get v%d via %s after %d tries: %s", record.worker_id, version, endpoint, retries + 1, why)
+    log.warning(
+        "worker %s did not get v%d via %s after %d tries: %s", record.worker_id, version, endpoint, retries + 1, why
+    )
     record.sync_requested = min(record.sync_requested, version - 1)
     return None

@@ -43,7 +43,9 @@ def version_lag_metrics(groups: list[Group], version: int) -> dict[str, float]:
 
 def num_tokens(groups: list[Group]) -> int:
     """Prompt + completion tokens the step processed (veRL counts both)."""
-    return sum(len(g.prompt.prompt_ids) * len(g.samples) + sum(len(s.completion_ids) for s in g.samples) for g in groups)
+    return sum(
+        len(g.prompt.prompt_ids) * len(g.samples) + sum(len(s.completion_ids) for s in g.samples) for g in groups
+    )
 
 
 def cost_metrics(

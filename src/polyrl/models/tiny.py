@@ -57,9 +57,7 @@ def build_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=PAD
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=PAD)
 
 
 def build_model_config(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:

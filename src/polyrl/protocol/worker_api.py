@@ -72,6 +72,7 @@ class SamplingParams(_Wire):
             raise ValueError("seed and sampling_seed differ; send one of them")
         return self
 
+
 class GenerateRequest(_Wire):
     input_ids: list[int] | None = None
     text: str | None = None
@@ -106,6 +107,7 @@ class GenerateRequest(_Wire):
         if (self.input_ids is None) == (self.text is None):
             raise ValueError("send exactly one of input_ids and text")
         return self
+
 
 class AbortRequest(_Wire):
     rid: str = ""

@@ -60,8 +60,9 @@ class AtroposRollout:
 
     shares_weights = False
 
-    def __init__(self, inner: RemoteRollout, client: AtroposClient, vocab_size: int, temperature: float,
-                 steps_done: int) -> None:  # fmt: skip
+    def __init__(
+        self, inner: RemoteRollout, client: AtroposClient, vocab_size: int, temperature: float, steps_done: int
+    ) -> None:
         self.inner, self.client = inner, client
         self.vocab_size, self.temperature = vocab_size, temperature
         self.steps_done = steps_done
@@ -115,8 +116,9 @@ class AtroposRollout:
             groups = self._convert(self.client.next_batch(self.steps_done))
             self.steps_done += 1
         num_samples = sum(len(g.samples) for g in groups)
-        self.stats = stats = RolloutStats(gen_s=time.perf_counter() - t0, num_requested=num_samples,
-                                          num_received=num_samples)  # fmt: skip
+        self.stats = stats = RolloutStats(
+            gen_s=time.perf_counter() - t0, num_requested=num_samples, num_received=num_samples
+        )
         yield from groups
         self._note_fleet(stats)
 
@@ -157,8 +159,12 @@ class AtroposRollout:
             return
         if temperature not in self._warned_temperatures:
             self._warned_temperatures.add(temperature)
-            log.warning("an Atropos environment samples at temperature %g, the learner computes log-probs at "
-                        "rollout.temperature=%g: set them equal", temperature, self.temperature)  # fmt: skip
+            log.warning(
+                "an Atropos environment samples at temperature %g, the learner computes log-probs at "
+                "rollout.temperature=%g: set them equal",
+                temperature,
+                self.temperature,
+            )
 
     def learner_started(self) -> None:
         self.inner.learner_started()

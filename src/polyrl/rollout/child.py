@@ -24,9 +24,15 @@ class Child:
         self._close_log()
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed when the child is stopped or replaced
         self.proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=tuple(pass_fds),
-            env=env, start_new_session=True, preexec_fn=die_with_parent,
-        )  # fmt: skip
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            pass_fds=tuple(pass_fds),
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -85,9 +85,15 @@ class AsyncFeed:
     """Keeps the fleet fed and hands the learner each step's groups (see the module)."""
 
     def __init__(
-        self, rollout: RemoteRollout, source: PromptSource, sampling: BatchSampling, n: int, batch_size: int,
-        max_staleness: int, resubmit: list[int] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        rollout: RemoteRollout,
+        source: PromptSource,
+        sampling: BatchSampling,
+        n: int,
+        batch_size: int,
+        max_staleness: int,
+        resubmit: list[int] | None = None,
+    ) -> None:
         """`resubmit`: prompt indices a resumed run had in flight, submitted again first."""
         self.rollout, self.source, self.sampling, self.n = rollout, source, sampling, n
         self.batch_size, self.max_staleness = batch_size, max_staleness
@@ -184,8 +190,13 @@ class AsyncFeed:
     def _regenerate(self, group: Group, version: int) -> None:
         """A group too old to train on: its prompt goes out again. Only a group whose result
         was on its way while its batch closed can miss the due list; the bound holds anyway."""
-        log.warning("prompt %d: its oldest token (v%d) is more than %d versions behind v%d; generating it again",
-                    group.prompt.index, oldest_version(group, version), self.max_staleness, version)  # fmt: skip
+        log.warning(
+            "prompt %d: its oldest token (v%d) is more than %d versions behind v%d; generating it again",
+            group.prompt.index,
+            oldest_version(group, version),
+            self.max_staleness,
+            version,
+        )
         self._submit([group.prompt])  # now: the step may be waiting for it
         self.step.num_regenerated += 1
 

@@ -162,9 +162,16 @@ class WorkerFleet(Fleet):
     """Workers as subprocesses of the trainer, on its machine (`fleet.launcher = "local"`)."""
 
     def __init__(
-        self, cfg: FleetConfig, engine: EngineConfig, model_dir: Path, manager_url: str, token: str, log_dir: Path,
-        lora: LoraConfig | None = None, tls: TlsConfig | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        cfg: FleetConfig,
+        engine: EngineConfig,
+        model_dir: Path,
+        manager_url: str,
+        token: str,
+        log_dir: Path,
+        lora: LoraConfig | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
         super().__init__(cfg)
         self.engine, self.model_dir = engine, model_dir
         self.lora, self.tls = lora, tls
@@ -179,10 +186,14 @@ class WorkerFleet(Fleet):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_dir / f"{worker_id}.log", "ab")  # noqa: SIM115 - closed when the worker ends
         proc = subprocess.Popen(
-            self.command(worker_id), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self._env(), start_new_session=True,  # a Ctrl-C in the trainer's terminal is the trainer's
+            self.command(worker_id),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self._env(),
+            start_new_session=True,  # a Ctrl-C in the trainer's terminal is the trainer's
             preexec_fn=die_with_parent,
-        )  # fmt: skip
+        )
         with self._lock:
             self.workers.append(LaunchedWorker(worker_id, proc, log_file))
             self.events.launched += 1
@@ -190,10 +201,18 @@ class WorkerFleet(Fleet):
         return worker_id
 
     def command(self, worker_id: str) -> list[str]:
-        return worker_command(self.model_dir, self.manager_url, worker_id, self.engine, [
-            f"worker.usd_per_hour={self.cfg.usd_per_hour}", f"worker.drain_timeout_s={self.cfg.drain_timeout_s}",
-            *lora_overrides(self.lora), *tls_overrides(self.tls),
-        ])  # fmt: skip
+        return worker_command(
+            self.model_dir,
+            self.manager_url,
+            worker_id,
+            self.engine,
+            [
+                f"worker.usd_per_hour={self.cfg.usd_per_hour}",
+                f"worker.drain_timeout_s={self.cfg.drain_timeout_s}",
+                *lora_overrides(self.lora),
+                *tls_overrides(self.tls),
+            ],
+        )
 
     def _env(self) -> dict[str, str]:
         return worker_env(self.token, self.cfg.worker_threads)
@@ -254,9 +273,20 @@ def worker_command(
     settings = [f"engine.{k}={json.dumps(v)}" for k, v in engine.model_dump(mode="json").items()]
     named = ["--worker-id", worker_id] if worker_id is not None else []
     return [
-        sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--port", "0",
-        "--manager", manager_url, *named, *settings, *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "polyrl.cli",
+        "worker",
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        "--manager",
+        manager_url,
+        *named,
+        *settings,
+        *overrides,
+    ]
 
 
 def lora_overrides(lora: LoraConfig | None) -> list[str]:
@@ -278,9 +308,11 @@ def tls_overrides(tls: TlsConfig | None) -> list[str]:
 def worker_env(token: str, threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The worker's environment: `base` (default: ours) with the token and thread counts."""
     return dict(os.environ if base is None else base) | {
-        "POLYRL_TOKEN": token, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+        "POLYRL_TOKEN": token,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
-    }  # fmt: skip
+    }
 
 
 def churn_direction(count: int, growing: bool, max_workers: int, min_workers: int) -> bool:

@@ -29,9 +29,17 @@ log = logging.getLogger("polyrl.rollout")
 
 class LocalWorker(Child):
     def __init__(
-        self, model_dir: Path, manager_url: str, token: str, engine: EngineConfig, device: torch.device,
-        log_dir: Path, num_threads: int = 1, lora: LoraConfig | None = None, tls: TlsConfig | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        model_dir: Path,
+        manager_url: str,
+        token: str,
+        engine: EngineConfig,
+        device: torch.device,
+        log_dir: Path,
+        num_threads: int = 1,
+        lora: LoraConfig | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self.model_dir, self.manager_url, self.token = model_dir, manager_url, token
         self.lora, self.tls = lora, tls
         self.engine = engine.model_copy(update={"device": device.type})
@@ -41,12 +49,23 @@ class LocalWorker(Child):
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        command = worker_command(self.model_dir, self.manager_url, LOCAL_WORKER_ID, self.engine, [
-            "worker.local=true", "worker.drain_timeout_s=0", *lora_overrides(self.lora), *tls_overrides(self.tls),
-        ])  # fmt: skip
+        command = worker_command(
+            self.model_dir,
+            self.manager_url,
+            LOCAL_WORKER_ID,
+            self.engine,
+            [
+                "worker.local=true",
+                "worker.drain_timeout_s=0",
+                *lora_overrides(self.lora),
+                *tls_overrides(self.tls),
+            ],
+        )
         self._spawn(command, self._env(), self.log_dir / "local.log")
         assert self.proc is not None
-        log.info("launched the local worker on %s (pid %d, log %s)", self.device, self.proc.pid, self.log_dir / "local.log")
+        log.info(
+            "launched the local worker on %s (pid %d, log %s)", self.device, self.proc.pid, self.log_dir / "local.log"
+        )
 
     def _env(self) -> dict[str, str]:
         env = worker_env(self.token, self.num_threads)

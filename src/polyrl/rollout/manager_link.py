@@ -86,7 +86,9 @@ class ManagerLink:
                 response = self.http.request(method, path, json=body)
             except httpx.TransportError as e:
                 if certificate_error(e) is not None:  # no retry or restart mends it
-                    raise ConfigError(f"config error: manager {self.url}: {certificate_error(e)} (manager.tls.ca_file)") from None
+                    raise ConfigError(
+                        f"config error: manager {self.url}: {certificate_error(e)} (manager.tls.ca_file)"
+                    ) from None
                 if time.monotonic() + delay_s > deadline:
                     raise ManagerUnreachable(f"manager {self.url}: {type(e).__name__}: {e}") from None
                 time.sleep(delay_s)
@@ -125,7 +127,9 @@ class BatchStream:
         except BatchError as e:
             self._queue.put(e)
         except Exception as e:  # the HTTP client closed under us, or a bug: the reader raises it
-            self._queue.put(BatchError(BatchFailed(batch_id="", kind="disconnected", message=f"{type(e).__name__}: {e}")))
+            self._queue.put(
+                BatchError(BatchFailed(batch_id="", kind="disconnected", message=f"{type(e).__name__}: {e}"))
+            )
 
     def __iter__(self) -> Iterator[GroupResult]:
         """The groups in completion order; raises BatchError when the batch fails or the

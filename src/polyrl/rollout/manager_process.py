@@ -67,15 +67,27 @@ class ManagerProcess(Child):
         save_config(ManagerRunConfig(manager=self.cfg), config)
         self._ready.unlink(missing_ok=True)
         fd = self.sock.fileno()
-        command = [sys.executable, "-m", "polyrl.cli", "manager", "--config", str(config), "--ready-file",
-                   str(self._ready), "--listen-fd", str(fd)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "polyrl.cli",
+            "manager",
+            "--config",
+            str(config),
+            "--ready-file",
+            str(self._ready),
+            "--listen-fd",
+            str(fd),
+        ]
         self._spawn(command, _env(self.token), self.run_dir / "manager.log", pass_fds=(fd,))
 
     def wait_ready(self) -> str:
         """Wait until the child serves; returns its URL."""
         assert self.proc is not None
         self._wait_ready()
-        log.info("rollout manager (pid %d) serving on %s; log: %s", self.proc.pid, self.url, self.run_dir / "manager.log")
+        log.info(
+            "rollout manager (pid %d) serving on %s; log: %s", self.proc.pid, self.url, self.run_dir / "manager.log"
+        )
         return self.url
 
     def _wait_ready(self) -> None:
@@ -98,8 +110,11 @@ class ManagerProcess(Child):
     def restart(self) -> str:
         """A new child on the same port, after the old one died (or is killed here)."""
         code = self.proc.poll() if self.proc is not None else None
-        log.warning("rollout manager %s; starting it again on %s",
-                    f"exited with code {code}" if code is not None else "unreachable", self.url)  # fmt: skip
+        log.warning(
+            "rollout manager %s; starting it again on %s",
+            f"exited with code {code}" if code is not None else "unreachable",
+            self.url,
+        )
         self.kill()
         self.num_restarts += 1
         return self.start()

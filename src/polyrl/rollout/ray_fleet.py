@@ -99,9 +99,14 @@ class WorkerHost:
         began = time.monotonic()
         with open(self.log_path, "ab") as log_file:
             self.proc = subprocess.Popen(
-                self.command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-                start_new_session=True, preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
-            )  # fmt: skip
+                self.command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
+            )
             started.set()
             self.exit_code = self.proc.wait()
         if not self.retiring and time.monotonic() - began >= HEALTHY_AFTER_S:
@@ -140,9 +145,15 @@ class RayFleet(Fleet):
     """`fleet.num_workers` workers kept alive on a Ray cluster."""
 
     def __init__(
-        self, cfg: FleetConfig, engine: EngineConfig, model_path: str, manager_url: str, token: str,
-        lora: LoraConfig | None = None, tls: TlsConfig | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        cfg: FleetConfig,
+        engine: EngineConfig,
+        model_path: str,
+        manager_url: str,
+        token: str,
+        lora: LoraConfig | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
         super().__init__(cfg)
         ray = sys.modules.get("ray")  # not imported yet: `connect` may set Ray's environment first
         self._owns_connection = ray is None or not ray.is_initialized()
@@ -153,23 +164,42 @@ class RayFleet(Fleet):
         log.info("Ray cluster: %d nodes, %s", len(nodes), _resources(ray.cluster_resources()))
         elsewhere = {n["NodeManagerAddress"] for n in nodes} - {ray.util.get_node_ip_address()}
         if elsewhere and is_loopback(urlsplit(manager_url).hostname or ""):
-            log.warning("the Ray cluster has nodes on other machines (%s), but the manager is at %s, which they "
-                        "cannot reach: set manager.host=0.0.0.0 (and manager.advertise_host)",
-                        ", ".join(sorted(elsewhere)), manager_url)  # fmt: skip
+            log.warning(
+                "the Ray cluster has nodes on other machines (%s), but the manager is at %s, which they "
+                "cannot reach: set manager.host=0.0.0.0 (and manager.advertise_host)",
+                ", ".join(sorted(elsewhere)),
+                manager_url,
+            )
         if not elsewhere and (exposed := exposed_ray_listeners()):
-            log.warning("the Ray cluster runs on this machine alone, but listens beyond loopback: %s; for loopback "
-                        "only, see README, 'Ray on one machine'", ", ".join(exposed))  # fmt: skip
-        self.command = worker_command(Path(model_path), manager_url, None, engine, [
-            f"worker.usd_per_hour={cfg.usd_per_hour}", f"worker.drain_timeout_s={cfg.drain_timeout_s}",
-            *lora_overrides(lora), *tls_overrides(tls),
-        ])  # fmt: skip
+            log.warning(
+                "the Ray cluster runs on this machine alone, but listens beyond loopback: %s; for loopback "
+                "only, see README, 'Ray on one machine'",
+                ", ".join(exposed),
+            )
+        self.command = worker_command(
+            Path(model_path),
+            manager_url,
+            None,
+            engine,
+            [
+                f"worker.usd_per_hour={cfg.usd_per_hour}",
+                f"worker.drain_timeout_s={cfg.drain_timeout_s}",
+                *lora_overrides(lora),
+                *tls_overrides(tls),
+            ],
+        )
         self.env = worker_env(token, cfg.worker_threads, base={})
         self.logs = f"{tempfile.gettempdir()}/polyrl-workers/ on each worker's node"
         self.workers: list[RayWorker]
         self._actor = ray.remote(WorkerHost).options(
-            num_cpus=cfg.ray_num_cpus, num_gpus=cfg.ray_num_gpus, resources=cfg.ray_resources or None,
-            max_restarts=cfg.ray_max_restarts, max_task_retries=-1, max_concurrency=4, scheduling_strategy="SPREAD",
-        )  # fmt: skip
+            num_cpus=cfg.ray_num_cpus,
+            num_gpus=cfg.ray_num_gpus,
+            resources=cfg.ray_resources or None,
+            max_restarts=cfg.ray_max_restarts,
+            max_task_retries=-1,
+            max_concurrency=4,
+            scheduling_strategy="SPREAD",
+        )
 
     def launch(self) -> str:
         slot = self._new_id("ray")
@@ -200,8 +230,12 @@ class RayFleet(Fleet):
                 self._forget(worker, "its actor died for good")
                 continue
             if info["worker_id"] != worker.worker_id:
-                log.warning("worker %s is back as %s on %s (Ray restarted it)",
-                            worker.worker_id, info["worker_id"], info["node"])  # fmt: skip
+                log.warning(
+                    "worker %s is back as %s on %s (Ray restarted it)",
+                    worker.worker_id,
+                    info["worker_id"],
+                    info["node"],
+                )
                 worker.worker_id = info["worker_id"]
             if info["exit_code"] is not None:  # failed early: not restarted (see HEALTHY_AFTER_S)
                 tail = ray.get(worker.handle.log_tail.remote(), timeout=10)

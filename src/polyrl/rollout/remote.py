@@ -86,8 +86,15 @@ class RemoteRollout:
     shares_weights = False
     """The learner may update while generation goes on: nothing here reads its weights."""
 
-    def __init__(self, model: PreTrainedModel, cfg: RunConfig, run_dir: Path, token: str, init_path: Path,
-                 compute_dtype: torch.dtype) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cfg: RunConfig,
+        run_dir: Path,
+        token: str,
+        init_path: Path,
+        compute_dtype: torch.dtype,
+    ) -> None:
         self.model, self.mode = model, cfg.rollout.mode
         self.publish_dtype = engine_dtype(model, compute_dtype)
         self.version = 0
@@ -112,8 +119,12 @@ class RemoteRollout:
         mcfg, transfer = window_policy(cfg, self.model.device), cfg.manager.transfer
         tls = (mcfg.tls.cert_file, mcfg.tls.key_file) if transfer.tls else None
         self.publisher = WeightPublisher(
-            mcfg.host, transfer.port, num_groups=transfer.num_groups, group_hosts=transfer.group_hosts,
-            send_mode=transfer.send_mode, tls=tls,  # type: ignore[arg-type]
+            mcfg.host,
+            transfer.port,
+            num_groups=transfer.num_groups,
+            group_hosts=transfer.group_hosts,
+            send_mode=transfer.send_mode,
+            tls=tls,  # type: ignore[arg-type]
         ).start()
         self._stack.callback(self.publisher.stop)
         # workers on this host pull over NCCL / CUDA IPC (not with TLS: those sockets go to another process)
@@ -124,10 +135,12 @@ class RemoteRollout:
         advertise = None if transfer.group_hosts else reachable
         device = self.publisher.device.identity if self.publisher.device is not None else None
         self.endpoint = PublisherEndpoint(
-            groups=[(advertise or host, port) for host, port in self.publisher.addresses], key=self.publisher.key.hex(),
-            device_host_id=device.host_id if device else None, device_gpu_uuid=device.gpu_uuid if device else None,
+            groups=[(advertise or host, port) for host, port in self.publisher.addresses],
+            key=self.publisher.key.hex(),
+            device_host_id=device.host_id if device else None,
+            device_gpu_uuid=device.gpu_uuid if device else None,
             tls=transfer.tls,
-        )  # fmt: skip
+        )
         self.manager: ManagerProcess | None = None
         if mcfg.url:
             self.url = self.public_url = mcfg.url
@@ -141,8 +154,15 @@ class RemoteRollout:
         self.link = ManagerLink(self.url, token, ca_file=cfg.manager.tls.ca_file)
         self._stack.callback(self.link.close)
         self.local = LocalWorker(
-            init_path, self.url, token, cfg.engine, self.model.device, run_dir / "workers", cfg.fleet.worker_threads,
-            cfg.model.lora, cfg.manager.tls,
+            init_path,
+            self.url,
+            token,
+            cfg.engine,
+            self.model.device,
+            run_dir / "workers",
+            cfg.fleet.worker_threads,
+            cfg.model.lora,
+            cfg.manager.tls,
         )
         self.local.start()  # it registers once the manager serves, as every worker does
         self._stack.callback(self.local.stop)
@@ -253,8 +273,12 @@ class RemoteRollout:
         request = BatchRequest(
             prompts=[
                 # seeds from the run's seeded (and checkpointed) RNG, as in local rollout
-                BatchPrompt(id=str(p.index), input_ids=p.prompt_ids, seed=random.getrandbits(62),
-                            max_new_tokens=None if p.max_new_tokens is None else p.budget(sampling.max_new_tokens))
+                BatchPrompt(
+                    id=str(p.index),
+                    input_ids=p.prompt_ids,
+                    seed=random.getrandbits(62),
+                    max_new_tokens=None if p.max_new_tokens is None else p.budget(sampling.max_new_tokens),
+                )
                 for p in prompts
             ],
             n=n,
@@ -265,12 +289,18 @@ class RemoteRollout:
         return self._groups(request, stream, self.num_recoveries, {str(p.index): p for p in prompts}, stats)
 
     def _groups(
-        self, request: BatchRequest, stream: BatchStream, generation: int, by_id: dict[str, Prompt],
+        self,
+        request: BatchRequest,
+        stream: BatchStream,
+        generation: int,
+        by_id: dict[str, Prompt],
         stats: RolloutStats | None,
-    ) -> Iterator[Group]:  # fmt: skip
+    ) -> Iterator[Group]:
         is_step = stats is None
         if stats is None:
-            self.stats = stats = RolloutStats(num_requested=len(by_id) * request.n)  # the step's: set when it starts reading
+            self.stats = stats = RolloutStats(
+                num_requested=len(by_id) * request.n
+            )  # the step's: set when it starts reading
         received: set[str] = set()
         while True:
             try:

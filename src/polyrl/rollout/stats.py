@@ -83,8 +83,12 @@ class LostWorkers:
         new = now - self._seen if now >= self._seen else now  # a restarted manager counts from 0
         self._seen = now
         for lost in fleet.lost_workers[-new:] if new else []:
-            log.warning("worker %s lost (%s); its %d samples in flight continue on other workers",
-                        lost.worker_id, lost.why, lost.num_samples)  # fmt: skip
+            log.warning(
+                "worker %s lost (%s); its %d samples in flight continue on other workers",
+                lost.worker_id,
+                lost.why,
+                lost.num_samples,
+            )
         if new > len(fleet.lost_workers):
             log.warning("%d more workers lost (see the manager's log)", new - len(fleet.lost_workers))
         self.num_lost += new

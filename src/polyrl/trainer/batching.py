@@ -64,9 +64,15 @@ def sample_item(prompt_ids: list[int], s: Sample, advantage: float, version: int
     elif version is not None and any(v != version for v in s.weight_versions):
         current = [v == version for v in s.weight_versions]
     return SeqItem(
-        prompt_ids + s.completion_ids, len(prompt_ids), s.logprobs, advantage, current, s.has_logprobs, s.loss_mask,
+        prompt_ids + s.completion_ids,
+        len(prompt_ids),
+        s.logprobs,
+        advantage,
+        current,
+        s.has_logprobs,
+        s.loss_mask,
         s.advantages,
-    )  # fmt: skip
+    )
 
 
 def pack_micro_batches(items: list[SeqItem], max_tokens: int) -> list[list[SeqItem]]:
@@ -105,7 +111,9 @@ class MicroBatch:
     """The same sequences as one padding-free row (packing.PackedRow), when trained packed."""
 
     def to(self, device: torch.device) -> MicroBatch:
-        moved = {k: (v if v is None or isinstance(v, int | float) else to_device(v, device)) for k, v in vars(self).items()}
+        moved = {
+            k: (v if v is None or isinstance(v, int | float) else to_device(v, device)) for k, v in vars(self).items()
+        }
         return MicroBatch(**moved)
 
 

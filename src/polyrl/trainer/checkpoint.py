@@ -94,7 +94,9 @@ def save_checkpoint(
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    done = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / STATE_FILE).exists() and not p.name.endswith(".tmp")]
+    done = [
+        p for p in (run_dir / "checkpoints").glob("step_*") if (p / STATE_FILE).exists() and not p.name.endswith(".tmp")
+    ]
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 

@@ -167,7 +167,9 @@ def shard_model(model: PreTrainedModel, compute_dtype: torch.dtype, cast_params:
     """
     mesh = init_device_mesh(model.device.type, (dist.get_world_size(),))
     cast = cast_params and compute_dtype != torch.float32
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if cast else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if cast else MixedPrecisionPolicy()
+    )
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -148,8 +148,7 @@ def token_logprobs(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.dim() != 3 or target_ids.shape != logits.shape[:2]:
         raise ValueError(
-            f"need logits [B, T, V] and target_ids [B, T], got {tuple(logits.shape)} and "
-            f"{tuple(target_ids.shape)}"
+            f"need logits [B, T, V] and target_ids [B, T], got {tuple(logits.shape)} and {tuple(target_ids.shape)}"
         )
     return _LogprobEntropy.apply(logits, target_ids.long(), float(temperature))
 
@@ -170,9 +169,7 @@ class LossInputs:
     ref_logp: torch.Tensor | None = None  # [B, T] frozen reference policy
 
 
-def aggregate(
-    values: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: int, num_seqs: int
-) -> torch.Tensor:
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: int, num_seqs: int) -> torch.Tensor:
     """Reduce a per-token matrix [B, T] to a scalar by `mode`.
 
     The denominators are the MINI-batch totals, not this micro-batch's, so that summing the
@@ -189,9 +186,7 @@ def aggregate(
     return per_seq.sum() / max(num_seqs, 1)
 
 
-def _clipped_pg(
-    log_ratio: torch.Tensor, adv: torch.Tensor, cfg: AlgoConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _clipped_pg(log_ratio: torch.Tensor, adv: torch.Tensor, cfg: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate per token, with clip-higher (DAPO: a wider upper bound lets
     low-probability tokens grow, which slows entropy collapse). Returns (pg, is_clipped)."""
     ratio = log_ratio.exp()  # [B, T]
@@ -203,9 +198,7 @@ def _clipped_pg(
     return torch.where(is_clipped, pg_clipped, pg_unclipped), is_clipped
 
 
-def _kl(
-    logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str
-) -> torch.Tensor:
+def _kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi.
 
     k1 = log pi - log pi_ref is unbiased but can be negative; k3 (Schulman) is unbiased,

@@ -27,8 +27,9 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _forward_kernel(logits_ptr, row_stride, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, vocab, inv_temp,
-                        BLOCK: tl.constexpr):  # fmt: skip
+    def _forward_kernel(
+        logits_ptr, row_stride, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, vocab, inv_temp, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0)
         base = logits_ptr + row.to(tl.int64) * row_stride
         lanes = tl.arange(0, BLOCK)
@@ -58,8 +59,19 @@ if triton is not None:
         tl.store(entropy_ptr + row, lse - t_row / s_row)
 
     @triton.jit
-    def _backward_kernel(logits_ptr, grad_ptr, row_stride, targets_ptr, lse_ptr, entropy_ptr, g_logp_ptr,
-                         g_entropy_ptr, vocab, inv_temp, BLOCK: tl.constexpr):  # fmt: skip
+    def _backward_kernel(
+        logits_ptr,
+        grad_ptr,
+        row_stride,
+        targets_ptr,
+        lse_ptr,
+        entropy_ptr,
+        g_logp_ptr,
+        g_entropy_ptr,
+        vocab,
+        inv_temp,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         valid = cols < vocab
@@ -90,8 +102,9 @@ def chunk_forward(logits: torch.Tensor, target_ids: torch.Tensor, temperature: f
     n, vocab = logits.shape
     logp, entropy, lse = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3))
     if n:
-        _forward_kernel[(n,)](logits, logits.stride(0), target_ids, logp, entropy, lse, vocab, 1.0 / temperature,
-                              BLOCK=FORWARD_BLOCK)  # fmt: skip
+        _forward_kernel[(n,)](
+            logits, logits.stride(0), target_ids, logp, entropy, lse, vocab, 1.0 / temperature, BLOCK=FORWARD_BLOCK
+        )
     return logp, entropy, lse
 
 
@@ -101,6 +114,17 @@ def chunk_backward(logits, target_ids, lse, entropy, g_lp, g_ent, temperature: f
     grad = torch.empty_like(logits)
     if n:
         grid = (n, triton.cdiv(vocab, BACKWARD_BLOCK))
-        _backward_kernel[grid](logits, grad, logits.stride(0), target_ids, lse, entropy, g_lp.float().contiguous(),
-                               g_ent.float().contiguous(), vocab, 1.0 / temperature, BLOCK=BACKWARD_BLOCK)  # fmt: skip
+        _backward_kernel[grid](
+            logits,
+            grad,
+            logits.stride(0),
+            target_ids,
+            lse,
+            entropy,
+            g_lp.float().contiguous(),
+            g_ent.float().contiguous(),
+            vocab,
+            1.0 / temperature,
+            BLOCK=BACKWARD_BLOCK,
+        )
     return grad

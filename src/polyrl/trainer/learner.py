@@ -176,7 +176,9 @@ class Learner:
         # auto packs only where a fused packed attention exists (16-bit compute on CUDA): the
         # exact per-sequence SDPA loop made the tiny float32 model's learner step on an H100 0.62 s, not 0.08
         fused = self.attn_backend != "sdpa"
-        self.is_packed = cfg.learner_impl == "packed" or (cfg.learner_impl == "auto" and model.device.type == "cuda" and fused)
+        self.is_packed = cfg.learner_impl == "packed" or (
+            cfg.learner_impl == "auto" and model.device.type == "cuda" and fused
+        )
         if self.is_packed:
             for m in (model, ref_model):
                 if m is not None:
@@ -199,14 +201,20 @@ class Learner:
         self.trace_attention = self.is_compiled and TRACE_ATTENTION
         attention = self.attn_backend if self.is_packed else "-"
         is_copy = self.work is not self.model
-        log.info("learner: %s, attention %s, working copy %s, compiled layers %s, micro-batches of %d tokens",
-                 "packed" if self.is_packed else "padded", attention,
-                 "(LoRA: frozen base in 16 bits)" if self.is_base_16bit else is_copy, self.is_compiled,
-                 cfg.micro_batch_max_tokens)  # fmt: skip
+        log.info(
+            "learner: %s, attention %s, working copy %s, compiled layers %s, micro-batches of %d tokens",
+            "packed" if self.is_packed else "padded",
+            attention,
+            "(LoRA: frozen base in 16 bits)" if self.is_base_16bit else is_copy,
+            self.is_compiled,
+            cfg.micro_batch_max_tokens,
+        )
         if self.is_compiled and cfg.micro_batch_max_tokens < GPU_BOUND_MICRO_BATCH_TOKENS:
-            log.info("learner: micro-batches under %d tokens leave the GPU waiting on the host, and host load "
-                     "then slows the learner (trainer.micro_batch_max_tokens; README, \"The GRPO learner\")",
-                     GPU_BOUND_MICRO_BATCH_TOKENS)  # fmt: skip
+            log.info(
+                "learner: micro-batches under %d tokens leave the GPU waiting on the host, and host load "
+                'then slows the learner (trainer.micro_batch_max_tokens; README, "The GRPO learner")',
+                GPU_BOUND_MICRO_BATCH_TOKENS,
+            )
 
     def _autocast_dtype(self, model: PreTrainedModel) -> torch.dtype:
         """The bf16 working copy runs as it is; the float32 models under autocast."""

@@ -63,7 +63,13 @@ def train(
                         with timer("learner_idle"):
                             groups = list(groups)  # generated in full before the learner changes the weights
                     result = learn_from_stream(
-                        groups, run.scorer, run.learner, cfg.algo, tcfg.ppo_mini_batch_size, run.version, run.learner_started
+                        groups,
+                        run.scorer,
+                        run.learner,
+                        cfg.algo,
+                        tcfg.ppo_mini_batch_size,
+                        run.version,
+                        run.learner_started,
                     )
                     with timer("update_weights"):
                         run.publish_weights()
@@ -142,8 +148,11 @@ class StopRequest:
             return
         if not HURRY.is_set():
             HURRY.set()
-            log.warning("Ctrl-C%s: stopping now%s; the run's processes are killed, not drained",
-                        " again" if self.requested else "", "" if self.closing else " without saving this step")  # fmt: skip
+            log.warning(
+                "Ctrl-C%s: stopping now%s; the run's processes are killed, not drained",
+                " again" if self.requested else "",
+                "" if self.closing else " without saving this step",
+            )
             if self.closing:
                 return
         raise KeyboardInterrupt

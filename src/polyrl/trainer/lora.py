@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 ADAPTER = "default"
 RANDOM_BASE = (
     "model.lora on the offline tiny model (no model.path), a random init: LoRA trains the decoder's linear layers only, "
-    "the embeddings (tied to the LM head) stay random, and it barely learns (README \"LoRA\"); give it a model that "
+    'the embeddings (tied to the LM head) stay random, and it barely learns (README "LoRA"); give it a model that '
     "knows the task as model.path, e.g. a full fine-tuning run's final_model"
 )
 """Measured on the main job's task, 40 steps: reward 0.040 with LoRA against 0.39 with full
@@ -48,8 +48,15 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
         peft = get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     num_total = sum(p.numel() for p in model.parameters())
-    log.info("LoRA r=%d alpha=%g on %s: %d trainable parameters of %d (%.3f%%)", cfg.rank, cfg.alpha,
-             ",".join(adapter_spec(peft).target_modules), num_trainable, num_total, 100 * num_trainable / num_total)  # fmt: skip
+    log.info(
+        "LoRA r=%d alpha=%g on %s: %d trainable parameters of %d (%.3f%%)",
+        cfg.rank,
+        cfg.alpha,
+        ",".join(adapter_spec(peft).target_modules),
+        num_trainable,
+        num_total,
+        100 * num_trainable / num_total,
+    )
     return peft
 
 
@@ -57,9 +64,11 @@ def adapter_spec(peft: PeftModel) -> LoraSpec:
     cfg = peft.peft_config[ADAPTER]
     targets = cfg.target_modules if not isinstance(cfg.target_modules, str) else [cfg.target_modules]
     return LoraSpec(
-        base_model=base_fingerprint(peft.get_base_model().config), rank=cfg.r, alpha=cfg.lora_alpha,
+        base_model=base_fingerprint(peft.get_base_model().config),
+        rank=cfg.r,
+        alpha=cfg.lora_alpha,
         target_modules=target_names(targets),
-    )  # fmt: skip
+    )
 
 
 def adapter_version(peft: PeftModel) -> dict[str, torch.Tensor]:

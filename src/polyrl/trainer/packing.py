@@ -91,8 +91,12 @@ def pack_row(items: list[SeqItem], pad_id: int) -> PackedRow:
     pos = np.concatenate([np.arange(n) for n in lengths])
     # Position t predicts token t+1; completion targets are tokens prompt_len .. n-1.
     rows = np.concatenate([np.arange(s + it.prompt_len - 1, s + n - 1) for s, n, it in zip(starts, lengths, items)])
-    grid = np.concatenate([np.arange(i * (width - 1) + it.prompt_len - 1, i * (width - 1) + n - 1)
-                           for i, (n, it) in enumerate(zip(lengths, items))])  # fmt: skip
+    grid = np.concatenate(
+        [
+            np.arange(i * (width - 1) + it.prompt_len - 1, i * (width - 1) + n - 1)
+            for i, (n, it) in enumerate(zip(lengths, items))
+        ]
+    )
     targets = ids[rows + 1]
     pad = -len(ids) % PAD_MULTIPLE
     if pad:
@@ -212,8 +216,9 @@ def _eager_attention(query, key, value, attention_mask, scaling, docs: PackedDoc
         query, key, value = _same_dtype(query, key, value, is_flash=False)
     if docs is None:
         k, v = _repeat_kv(key, groups, 1), _repeat_kv(value, groups, 1)
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=attention_mask, scale=scaling,
-                                             is_causal=attention_mask is None)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            query, k, v, attn_mask=attention_mask, scale=scaling, is_causal=attention_mask is None
+        )
     elif docs.backend == "flex":
         out = _compiled_flex()(query, key, value, block_mask=docs.block_mask, scale=scaling, enable_gqa=True)
     else:

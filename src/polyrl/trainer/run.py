@@ -194,7 +194,9 @@ class Run:
             # The rollout first: its engine shares the model (colocated) before sharding, and
             # the local worker sizes its KV cache before the learner allocates.
             rollout, fleet = start_rollout(cfg, run_dir, model, compute_dtype, init_path, cleanup)
-            rollout.publish(state.weight_version, adapter_version(peft) if peft and not rollout.shares_weights else None)
+            rollout.publish(
+                state.weight_version, adapter_version(peft) if peft and not rollout.shares_weights else None
+            )
             if cfg.data.source == "atropos":  # groups from the Atropos API; the fleet still gets every version
                 rollout = AtroposRollout.start(rollout, cfg, run_dir, model, state.step)
                 cleanup.callback(rollout.close)
@@ -216,19 +218,47 @@ class Run:
             cleanup.callback(tracker.close)
             feed = None
             if cfg.rollout.fully_async and isinstance(rollout, RemoteRollout):
-                feed = AsyncFeed(rollout, source, sampling, cfg.rollout.n, tcfg.train_batch_size,
-                                 cfg.rollout.max_staleness, resubmit=state.pending)  # fmt: skip
+                feed = AsyncFeed(
+                    rollout,
+                    source,
+                    sampling,
+                    cfg.rollout.n,
+                    tcfg.train_batch_size,
+                    cfg.rollout.max_staleness,
+                    resubmit=state.pending,
+                )
                 cleanup.callback(feed.close)  # before the rollout closes: its batches' ends are expected
             elif cfg.rollout.fully_async:  # Atropos environments feed themselves
-                log.info("rollout.fully_async with Atropos data: workers keep their running samples across "
-                         "versions; how far groups lag is the environments' max_batches_offpolicy")  # fmt: skip
+                log.info(
+                    "rollout.fully_async with Atropos data: workers keep their running samples across "
+                    "versions; how far groups lag is the environments' max_batches_offpolicy"
+                )
             if ckpt:
-                log.info("resumed from %s at step %d%s", ckpt, state.step,
-                         f" ({len(state.pending)} prompts in flight go out again)" if feed and state.pending else "")  # fmt: skip
+                log.info(
+                    "resumed from %s at step %d%s",
+                    ckpt,
+                    state.step,
+                    f" ({len(state.pending)} prompts in flight go out again)" if feed and state.pending else "",
+                )
             return cls(
-                cfg, run_dir, model, tokenizer, source, rollout, GroupScorer(pool, tokenizer), learner, tracker,
-                sampling, state, dp, fleet, peft, feed=feed, cleanup=cleanup.pop_all(), version=state.weight_version,
-            )  # fmt: skip
+                cfg,
+                run_dir,
+                model,
+                tokenizer,
+                source,
+                rollout,
+                GroupScorer(pool, tokenizer),
+                learner,
+                tracker,
+                sampling,
+                state,
+                dp,
+                fleet,
+                peft,
+                feed=feed,
+                cleanup=cleanup.pop_all(),
+                version=state.weight_version,
+            )
 
     def next_batch(self, step: int) -> Iterator[Group]:
         """Step `step`'s groups. With rollout.max_staleness = k, the next k steps' batches
@@ -308,8 +338,13 @@ class Run:
         metrics.update(cost_metrics(total_tokens, step_s, trainer_usd, prices))
         if self.fleet is not None:
             events = self.fleet.events
-            metrics.update({"fleet/launched": float(events.launched), "fleet/retired": float(events.retired),
-                            "fleet/killed": float(events.killed)})  # fmt: skip
+            metrics.update(
+                {
+                    "fleet/launched": float(events.launched),
+                    "fleet/retired": float(events.retired),
+                    "fleet/killed": float(events.killed),
+                }
+            )
         metrics["training/filtered_groups"] = float(result.num_filtered_groups)
         metrics["reward/failed_samples"] = float(result.num_failed_samples)
         metrics["training/weight_version"] = float(self.version)
@@ -319,9 +354,15 @@ class Run:
         model_state, optimizer_state = gather_state(self.model, self.learner.optimizer, self.dp)
         rng = self.ahead[0].rng if self.ahead else None  # as before the batches in flight (see end_step)
         return save_checkpoint(
-            self.run_dir, self.state, self.peft or self.model, self.tokenizer, optimizer_state, self.learner.scheduler,
-            model_state, rng,
-        )  # fmt: skip
+            self.run_dir,
+            self.state,
+            self.peft or self.model,
+            self.tokenizer,
+            optimizer_state,
+            self.learner.scheduler,
+            model_state,
+            rng,
+        )
 
     def save_final(self, ckpt: Path) -> Path:
         """The final checkpoint's model (an HF directory with the tokenizer), as final_model/;
@@ -357,9 +398,14 @@ def load_policy(
 
 
 def build_learner(
-    cfg: RunConfig, model: PreTrainedModel, init_path: Path, pad_id: int, blob: dict | None, dp: DataParallel,
+    cfg: RunConfig,
+    model: PreTrainedModel,
+    init_path: Path,
+    pad_id: int,
+    blob: dict | None,
+    dp: DataParallel,
     peft: PeftModel | None = None,
-) -> Learner:  # fmt: skip
+) -> Learner:
     """The same on every rank: the model (sharded over the ranks when there are several), the
     reference model, optimizer and scheduler, their state from a checkpoint's `blob`. With
     LoRA (`peft`), the reference is the model with its adapters off: no second copy."""
@@ -382,7 +428,16 @@ def build_learner(
         load_optimizer_state(model, optimizer, blob["optimizer"])
         scheduler.load_state_dict(blob["scheduler"])
     return Learner(
-        model, ref_model, optimizer, scheduler, cfg.algo, tcfg, cfg.rollout.temperature, pad_id, compute_dtype, dp,
+        model,
+        ref_model,
+        optimizer,
+        scheduler,
+        cfg.algo,
+        tcfg,
+        cfg.rollout.temperature,
+        pad_id,
+        compute_dtype,
+        dp,
         (lambda: adapters_off(peft)) if peft is not None else None,
     )
 
@@ -396,9 +451,13 @@ def load_learner(dp: DataParallel, cfg: RunConfig, init_path: Path, pad_id: int,
 
 
 def start_rollout(
-    cfg: RunConfig, run_dir: Path, model: PreTrainedModel, compute_dtype: torch.dtype, init_path: Path,
+    cfg: RunConfig,
+    run_dir: Path,
+    model: PreTrainedModel,
+    compute_dtype: torch.dtype,
+    init_path: Path,
     cleanup: ExitStack,
-) -> tuple[Rollout, Fleet | None]:  # fmt: skip
+) -> tuple[Rollout, Fleet | None]:
     """The rollout and, remote or hybrid, the launched workers; `cleanup` stops them."""
     if cfg.rollout.mode == "local":
         return LocalRollout.colocated(model, cfg.engine, compute_dtype), None
@@ -406,9 +465,13 @@ def start_rollout(
 
 
 def start_remote(
-    cfg: RunConfig, run_dir: Path, model: PreTrainedModel, compute_dtype: torch.dtype, init_path: Path,
+    cfg: RunConfig,
+    run_dir: Path,
+    model: PreTrainedModel,
+    compute_dtype: torch.dtype,
+    init_path: Path,
     cleanup: ExitStack,
-) -> tuple[RemoteRollout, Fleet | None]:  # fmt: skip
+) -> tuple[RemoteRollout, Fleet | None]:
     """The manager, publisher and local worker processes, then the launched workers (if
     any). The manager always has a token (a random one unless given), so that workers
     from anywhere can be added later; it goes to RUN_DIR/manager.json (owner-only), not
@@ -421,7 +484,9 @@ def start_remote(
     try:
         rollout = RemoteRollout(model, cfg, run_dir, token, init_path, compute_dtype)
     except OSError as e:  # the port is taken, the address is not ours
-        raise ConfigError(f"config error: manager: cannot listen on {cfg.manager.host}:{cfg.manager.port}: {e}") from None
+        raise ConfigError(
+            f"config error: manager: cannot listen on {cfg.manager.host}:{cfg.manager.port}: {e}"
+        ) from None
     cleanup.callback(rollout.close)
     info = run_dir / "manager.json"
     ca_file = {"ca_file": cfg.manager.tls.ca_file} if cfg.manager.tls.ca_file else {}
@@ -430,10 +495,21 @@ def start_remote(
     extra = f" worker.tls.ca_file={cfg.manager.tls.ca_file}" if cfg.manager.tls.ca_file else ""
     if cfg.engine.dtype == "float64":  # as the run's own workers (rollout.deterministic)
         extra += " engine.dtype=float64"
-    log.info("rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token-file %s%s",
-             rollout.url, init_path, rollout.public_url, info, extra)  # fmt: skip
-    log.info("operator page: %s/?token=<token in %s> (terminal: polyrl status %s --token-file %s)",
-             rollout.url, info, rollout.url, info)  # fmt: skip
+    log.info(
+        "rollout manager on %s; add a worker: polyrl worker --model %s --manager %s --token-file %s%s",
+        rollout.url,
+        init_path,
+        rollout.public_url,
+        info,
+        extra,
+    )
+    log.info(
+        "operator page: %s/?token=<token in %s> (terminal: polyrl status %s --token-file %s)",
+        rollout.url,
+        info,
+        rollout.url,
+        info,
+    )
     fleet = None
     if cfg.fleet.num_workers:
         fleet = launcher(cfg, init_path, rollout, token, run_dir)
@@ -493,15 +569,25 @@ def wait_for_workers(
         time.sleep(0.2)
     now = active()
     if LOCAL_WORKER_ID not in now:
-        log.warning("the local worker is not active after %.0fs (see %s)", timeout_s, rollout.local.log_dir / "local.log")
+        log.warning(
+            "the local worker is not active after %.0fs (see %s)", timeout_s, rollout.local.log_dir / "local.log"
+        )
     now.discard(LOCAL_WORKER_ID)
     missing = [i for i in ids if i not in now]
     if missing and fleet is not None:  # launched ids come with their fleet
-        log.warning("workers %s died or were not ready within %.0fs (see %s): training goes on without them",
-                    missing, timeout_s, fleet.logs)  # fmt: skip
+        log.warning(
+            "workers %s died or were not ready within %.0fs (see %s): training goes on without them",
+            missing,
+            timeout_s,
+            fleet.logs,
+        )
     if len(now) < min_active:
-        log.warning("%d of fleet.min_workers=%d workers active after %.0fs: training starts with them",
-                    len(now), min_active, timeout_s)  # fmt: skip
+        log.warning(
+            "%d of fleet.min_workers=%d workers active after %.0fs: training starts with them",
+            len(now),
+            min_active,
+            timeout_s,
+        )
     log.info("%d rollout workers ready", len(now))
 
 

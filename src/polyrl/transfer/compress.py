@@ -37,7 +37,9 @@ def decode_zstd(payload: bytes | memoryview, out: np.ndarray) -> None:
         raise ValueError("zstd payload too short")
     magic, word_bytes, size = _HEADER.unpack_from(payload)
     if magic != _MAGIC or word_bytes not in (1, 2, 4, 8) or size != out.size or size % word_bytes:
-        raise ValueError(f"zstd payload does not fit: {size} bytes in words of {word_bytes} for a {out.size}-byte buffer")
+        raise ValueError(
+            f"zstd payload does not fit: {size} bytes in words of {word_bytes} for a {out.size}-byte buffer"
+        )
     frame = memoryview(payload)[_HEADER.size :]
     try:
         # A size written in the frame sizes zstd's output buffer, max_output_size or not: a

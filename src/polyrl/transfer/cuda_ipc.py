@@ -68,21 +68,38 @@ def share(buffer: torch.Tensor) -> IpcHandle:
     _, args = reduce_tensor(buffer)
     _, size, _, offset, _, _, _, handle, size_bytes, offset_bytes, _, counter, counter_offset, event, event_sync = args
     return IpcHandle(
-        numel=size[0], tensor_offset=offset, storage_handle=_b64(handle), storage_size_bytes=size_bytes,
-        storage_offset_bytes=offset_bytes, ref_counter_handle=_b64(counter), ref_counter_offset=counter_offset,
-        event_handle=None if event is None else _b64(event), event_sync_required=event_sync,
-    )  # fmt: skip
+        numel=size[0],
+        tensor_offset=offset,
+        storage_handle=_b64(handle),
+        storage_size_bytes=size_bytes,
+        storage_offset_bytes=offset_bytes,
+        ref_counter_handle=_b64(counter),
+        ref_counter_offset=counter_offset,
+        event_handle=None if event is None else _b64(event),
+        event_sync_required=event_sync,
+    )
 
 
 def open_shared(handle: IpcHandle, device: torch.device) -> torch.Tensor:
     """Map a shared buffer into this process, on `device` (this process's index of the
     GPU the buffer is on). Dropping every reference to the result releases the mapping."""
     return rebuild_cuda_tensor(
-        torch.Tensor, torch.Size([handle.numel]), (1,), handle.tensor_offset, torch.storage.TypedStorage, torch.uint8,
-        device.index, base64.b64decode(handle.storage_handle), handle.storage_size_bytes, handle.storage_offset_bytes,
-        False, base64.b64decode(handle.ref_counter_handle), handle.ref_counter_offset,
-        None if handle.event_handle is None else base64.b64decode(handle.event_handle), handle.event_sync_required,
-    )  # fmt: skip
+        torch.Tensor,
+        torch.Size([handle.numel]),
+        (1,),
+        handle.tensor_offset,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        device.index,
+        base64.b64decode(handle.storage_handle),
+        handle.storage_size_bytes,
+        handle.storage_offset_bytes,
+        False,
+        base64.b64decode(handle.ref_counter_handle),
+        handle.ref_counter_offset,
+        None if handle.event_handle is None else base64.b64decode(handle.event_handle),
+        handle.event_sync_required,
+    )
 
 
 def serve_ipc(sock: socket.socket, buffer: torch.Tensor, manifest: Manifest, gpu_uuid: str, timeout_s: float) -> None:
@@ -104,7 +121,9 @@ class IpcVersion:
         self.sock, self.buffer, self.manifest = sock, buffer, manifest
 
     @classmethod
-    def open(cls, source: PullSource, version: int, device: torch.device, gpu_uuid: str, timeout_s: float = 30.0) -> IpcVersion:
+    def open(
+        cls, source: PullSource, version: int, device: torch.device, gpu_uuid: str, timeout_s: float = 30.0
+    ) -> IpcVersion:
         """Ask for `version` and map it; TransferError if refused, or if it is on another
         GPU than this worker's (`gpu_uuid`)."""
         sock = connect(source.host, source.port, timeout_s)

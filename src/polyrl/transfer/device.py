@@ -33,6 +33,7 @@ from polyrl.transfer.wire import OP_NCCL, STATUS_REFUSED, Request, send_text
 
 log = logging.getLogger("polyrl.transfer")
 
+
 def gpu_uuid(device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
@@ -44,13 +45,19 @@ def local_identity(device: torch.device) -> DeviceIdentity:
     return DeviceIdentity(host_id=host_id(), gpu_uuid=gpu_uuid(device))
 
 
-def flatten_on(state_dict: Mapping[str, torch.Tensor], version: int, device: torch.device) -> tuple[torch.Tensor, Manifest]:
+def flatten_on(
+    state_dict: Mapping[str, torch.Tensor], version: int, device: torch.device
+) -> tuple[torch.Tensor, Manifest]:
     """Pack tensors into one uint8 buffer on `device` (the layout of `manifest.flatten`);
     device-to-device copies when the tensors are already there."""
     entries, offset = [], 0
     for name, t in state_dict.items():
         nbytes = t.numel() * t.element_size()
-        entries.append(TensorEntry(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), offset=offset, nbytes=nbytes))
+        entries.append(
+            TensorEntry(
+                name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), offset=offset, nbytes=nbytes
+            )
+        )
         offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
     manifest = Manifest(version=version, total_bytes=offset, tensors=entries)  # refuses unknown dtypes
     buffer = torch.empty(offset, dtype=torch.uint8, device=device)
@@ -106,7 +113,11 @@ class DeviceVersions:
         with self._lock:
             held = self._held.get(req.version)
         if held is None:
-            send_text(sock, STATUS_REFUSED, f"version {req.version} is not held on the device (held: {self.versions})".encode())
+            send_text(
+                sock,
+                STATUS_REFUSED,
+                f"version {req.version} is not held on the device (held: {self.versions})".encode(),
+            )
         elif req.op == OP_NCCL:
             self.nccl.serve(sock, req, *held)
         elif not held[0].is_cuda:

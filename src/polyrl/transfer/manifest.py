@@ -15,7 +15,10 @@ from polyrl.transfer.schema import ALIGN_BYTES, ITEMSIZES, Manifest, TensorEntry
 
 __all__ = ["ALIGN_BYTES", "Manifest", "TensorEntry", "flatten", "layout", "unflatten"]
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)
+}
 assert _DTYPES.keys() == ITEMSIZES.keys()
 
 
@@ -25,7 +28,10 @@ tensor on an idle host); smaller ones by one memcpy each."""
 
 
 def flatten(
-    state_dict: Mapping[str, torch.Tensor], version: int, pin_memory: bool | None = None, out: torch.Tensor | None = None
+    state_dict: Mapping[str, torch.Tensor],
+    version: int,
+    pin_memory: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Manifest]:
     """Pack tensors into one uint8 CPU buffer. Returns (buffer, manifest).
 
@@ -61,7 +67,11 @@ def layout(state_dict: Mapping[str, torch.Tensor], version: int) -> Manifest:
         if str(t.dtype).removeprefix("torch.") not in _DTYPES:
             raise ValueError(f"{name}: dtype {t.dtype} is not supported")
         nbytes = t.numel() * t.element_size()
-        entries.append(TensorEntry(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), offset=offset, nbytes=nbytes))
+        entries.append(
+            TensorEntry(
+                name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), offset=offset, nbytes=nbytes
+            )
+        )
         offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
     return Manifest(version=version, total_bytes=offset, tensors=entries)
 

@@ -93,7 +93,9 @@ class PairGroup:
         timeout = timedelta(seconds=timeout_s)
         prefixed = dist.PrefixStore(f"polyrl-pair-{session}", store)
         if backend == "gloo":  # the constructor waits (up to `timeout`) for both ranks to connect
-            self.group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+            self.group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL = dist.ProcessGroupGloo(
+                prefixed, rank, 2, timeout
+            )
         else:  # lazy: the communicator is set up by the first broadcast
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -139,9 +141,14 @@ def serve_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
     listener = socket.create_server((host, 0), family=family)
     port = listener.getsockname()[1]
     store = dist.TCPStore(
-        host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
-        master_listen_fd=listener.detach(), use_libuv=True,  # the store owns (and closes) the socket
-    )  # fmt: skip
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=listener.detach(),
+        use_libuv=True,  # the store owns (and closes) the socket
+    )
     return store, port
 
 
@@ -178,8 +185,9 @@ class NcclSender:
             return
         try:
             backend = "nccl" if buffer.is_cuda else "gloo"
-            offer = NcclOffer(manifest=manifest, backend=backend, store_port=pair.port, session=pair.session,
-                              timeout_s=self.timeout_s)  # fmt: skip
+            offer = NcclOffer(
+                manifest=manifest, backend=backend, store_port=pair.port, session=pair.session, timeout_s=self.timeout_s
+            )
             send_text(sock, STATUS_OK, offer.model_dump_json().encode())
             if pair.group is None:
                 pair.group = PairGroup(pair.store, pair.session, 0, backend, self.timeout_s)
@@ -189,8 +197,13 @@ class NcclSender:
             send_text(sock, STATUS_OK, b"")
         except (OSError, RuntimeError) as e:  # TransferError, TimeoutError, torch's DistError
             self._drop(req.worker_id, pair)
-            log.warning("nccl transfer of v%d to %s failed (%s: %s); its pair is dropped",
-                        req.version, req.worker_id, type(e).__name__, e)  # fmt: skip
+            log.warning(
+                "nccl transfer of v%d to %s failed (%s: %s); its pair is dropped",
+                req.version,
+                req.worker_id,
+                type(e).__name__,
+                e,
+            )
             with suppress(OSError):
                 send_text(sock, STATUS_REFUSED, f"nccl transfer failed: {e}".encode()[:4096])
         finally:
@@ -245,7 +258,9 @@ class NcclReceiver:
             try:
                 if offer.session != session or self._group is None:
                     self.close()
-                    store = dist.TCPStore(source.host, offer.store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+                    store = dist.TCPStore(
+                        source.host, offer.store_port, is_master=False, timeout=timedelta(seconds=timeout_s)
+                    )
                     self._group = PairGroup(store, offer.session, 1, offer.backend, timeout_s)
                     self._publisher = (source.host, source.port)
                 buffer = self._landing(offer.manifest.total_bytes, device)

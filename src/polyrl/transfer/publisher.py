@@ -128,9 +128,16 @@ class WeightPublisher:
         self._stats_fd = os.memfd_create("polyrl-publisher-stats")
         os.ftruncate(self._stats_fd, STATS_BYTES)
         self._stats = mmap.mmap(self._stats_fd, STATS_BYTES)
-        self._config = dict(key=self.key, chunk_bytes=chunk_bytes, keep_versions=keep_versions, io_timeout_s=io_timeout_s,
-                            handshake_timeout_s=handshake_timeout_s, send_mode=send_mode,
-                            tls_cert_file=tls[0] if tls else None, tls_key_file=tls[1] if tls else None)  # fmt: skip
+        self._config = dict(
+            key=self.key,
+            chunk_bytes=chunk_bytes,
+            keep_versions=keep_versions,
+            io_timeout_s=io_timeout_s,
+            handshake_timeout_s=handshake_timeout_s,
+            send_mode=send_mode,
+            tls_cert_file=tls[0] if tls else None,
+            tls_key_file=tls[1] if tls else None,
+        )
         self._slots: dict[int, _Slot] = {}
         self._held: dict[int, int] = {}  # version -> slot id, as announced
         self._manifests: dict[int, str] = {}  # version -> its manifest (to announce it again)
@@ -161,7 +168,9 @@ class WeightPublisher:
         if self._failed is not None:
             self.stop()
             raise RuntimeError(f"weight publisher failed to start: {self._failed}") from self._failed
-        log.info("weight publisher serving on %s (process %d)", ", ".join(f"{h}:{p}" for h, p in self.addresses), self.pid)
+        log.info(
+            "weight publisher serving on %s (process %d)", ", ".join(f"{h}:{p}" for h, p in self.addresses), self.pid
+        )
         return self
 
     def stop(self) -> None:
@@ -233,8 +242,12 @@ class WeightPublisher:
         self._announce(version, slot, text)
         sums = self._wait_servable(version, timeout_s)
         log.debug("weights v%d published: %.1f MB in %d chunks", version, manifest.total_bytes / 1e6, len(sums))
-        return TransferInfo(manifest=manifest, chunk_bytes=self.chunk_bytes, chunk_checksums=sums,
-                            buffer_checksum=combined_checksum(sums))  # fmt: skip
+        return TransferInfo(
+            manifest=manifest,
+            chunk_bytes=self.chunk_bytes,
+            chunk_checksums=sums,
+            buffer_checksum=combined_checksum(sums),
+        )
 
     def grant(self, worker_id: str, version: int) -> str:
         """The secret that lets `worker_id` pull `version` (hand it out over an
@@ -317,13 +330,21 @@ class WeightPublisher:
             if died_at is not None:
                 self.restarts += 1
                 self.last_recovery_s = time.monotonic() - died_at
-                log.warning("weight publisher process restarted as %d in %.2fs; serving %s again",
-                            process.pid, self.last_recovery_s, self.versions)  # fmt: skip
+                log.warning(
+                    "weight publisher process restarted as %d in %.2fs; serving %s again",
+                    process.pid,
+                    self.last_recovery_s,
+                    self.versions,
+                )
             self._relay(conn)
             code = _reap(process)
             if not self._stopping:
                 died_at = time.monotonic()
-                log.warning("weight publisher process %d died (exit code %s): restarting it on the same ports", process.pid, code)
+                log.warning(
+                    "weight publisher process %d died (exit code %s): restarting it on the same ports",
+                    process.pid,
+                    code,
+                )
 
     def _spawn(self) -> tuple[Connection, subprocess.Popen[bytes]]:
         """A fresh interpreter (not a fork of the trainer's) that imports only serve.py's needs."""
@@ -380,8 +401,12 @@ class WeightPublisher:
                     if msg.slot in self._slots and msg.slot not in self._held.values():
                         self._free.add(msg.slot)
             elif isinstance(msg, GpuConn) and fd is not None:
-                threading.Thread(target=self._serve_device, args=(socket.socket(fileno=fd), msg.request),
-                                 name="polyrl-publisher-gpu", daemon=True).start()  # fmt: skip
+                threading.Thread(
+                    target=self._serve_device,
+                    args=(socket.socket(fileno=fd), msg.request),
+                    name="polyrl-publisher-gpu",
+                    daemon=True,
+                ).start()
 
     def _serve_device(self, sock: socket.socket, req: Request) -> None:
         """A GPU-path request whose token the publisher process checked."""

@@ -206,7 +206,9 @@ def _recv(sock: socket.socket, view: memoryview) -> memoryview:
         try:
             n = sock.recv_into(view[got:], 0, flags)
         except BlockingIOError:  # SO_RCVTIMEO passed with nothing received
-            raise PullFailed(f"TimeoutError: no data for the socket's timeout after {got} of {len(view)} bytes") from None
+            raise PullFailed(
+                f"TimeoutError: no data for the socket's timeout after {got} of {len(view)} bytes"
+            ) from None
         if n == 0:
             raise PullFailed(f"connection closed after {got} of {len(view)} bytes")
         got += n
@@ -222,8 +224,11 @@ def run(job: Job, view: memoryview) -> tuple[str | None, list[int]]:
 
     def one(request: bytes) -> None:
         try:
-            got.extend(pull_stream(job.host, job.port, job.timeout_s, request, job.chunks, view, tls, job.pipelined,
-                                   job.hash_piece))
+            got.extend(
+                pull_stream(
+                    job.host, job.port, job.timeout_s, request, job.chunks, view, tls, job.pipelined, job.hash_piece
+                )
+            )
         except (OSError, PullFailed) as e:
             errors.append(f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e))
 

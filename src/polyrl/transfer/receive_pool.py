@@ -51,7 +51,9 @@ class _Proc:
         ours, theirs = socket.socketpair()
         entry = f"from polyrl.transfer.pull_proc import main; main({theirs.fileno()}, {os.getpid()})"
         try:
-            self.process = subprocess.Popen([sys.executable, "-c", entry], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", entry], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL
+            )
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
@@ -92,8 +94,18 @@ class ReceiverPool:
             conns: list[Connection] = []
             try:
                 for i, mine in jobs.items():
-                    job = Job(into.id, False, source.host, source.port, timeout_s, mine, chunks, pipelined, source.tls,
-                              source.ca_file)  # fmt: skip
+                    job = Job(
+                        into.id,
+                        False,
+                        source.host,
+                        source.port,
+                        timeout_s,
+                        mine,
+                        chunks,
+                        pipelined,
+                        source.tls,
+                        source.ca_file,
+                    )
                     conns.append(self._send(i, job, into))
             except TransferError:
                 self._kill(set(conns))  # their answers must not be read as the next pull's
@@ -191,4 +203,3 @@ class ReceiverPool:
     @property
     def pids(self) -> list[int]:
         return [p.process.pid for p in self._procs if p is not None]
-

@@ -74,7 +74,9 @@ def describe(source: PullSource, version: int, timeout_s: float = 30.0) -> Trans
             status, text = read_reply_text(sock)
     except OSError as e:  # reset, timed out; a TLS publisher resets a plaintext request
         hint = "" if source.tls else " (a TLS publisher? manager.transfer.tls)"
-        raise TransferError(f"describing v{version} at {source.host}:{source.port} failed: {type(e).__name__}: {e}{hint}") from None
+        raise TransferError(
+            f"describing v{version} at {source.host}:{source.port} failed: {type(e).__name__}: {e}{hint}"
+        ) from None
     if status != STATUS_OK:
         raise TransferError(f"publisher refused v{version}: {text.decode(errors='replace')}")
     return parse_description(text, version)
@@ -134,13 +136,22 @@ def pull(
         pulled = _pull_whole(source, info, OP_ZSTD if codec == "zstd" else OP_INT8, buffer, timeout_s)
     if pulled is not None:
         pulled.seconds = time.perf_counter() - t0
-        log.info("pulled v%d as %s%s: %.1f MB on the wire for %.1f MB in %.2fs", version, pulled.codec,
-                 " (LOSSY)" if pulled.lossy else "", pulled.wire_bytes / 1e6, total / 1e6, pulled.seconds)  # fmt: skip
+        log.info(
+            "pulled v%d as %s%s: %.1f MB on the wire for %.1f MB in %.2fs",
+            version,
+            pulled.codec,
+            " (LOSSY)" if pulled.lossy else "",
+            pulled.wire_bytes / 1e6,
+            total / 1e6,
+            pulled.seconds,
+        )
         return pulled
     num_streams = max(1, min(num_streams, info.num_chunks))
     pull_id = secrets.randbits(63)  # names this pull's streams to the publisher, which deals them its chunks
-    requests = [encode_request(OP_CHUNKS, version, source.worker_id, source.token, i, num_streams, base=pull_id)
-                for i in range(num_streams)]  # fmt: skip
+    requests = [
+        encode_request(OP_CHUNKS, version, source.worker_id, source.token, i, num_streams, base=pull_id)
+        for i in range(num_streams)
+    ]
     chunks = Chunks(info.chunk_bytes, total, info.chunk_checksums)
     landing = pool.landing_of(buffer) if pool is not None and total >= MIN_POOL_BYTES else None
     try:
@@ -151,19 +162,38 @@ def pull(
     except TransferError as e:
         raise TransferError(f"pull of v{version} failed: {e}") from None
     if sorted(got) != list(range(info.num_chunks)):
-        raise TransferError(f"pull of v{version}: the publisher sent {len(got)} chunks, {len(set(got))} distinct, of {info.num_chunks}")
+        raise TransferError(
+            f"pull of v{version}: the publisher sent {len(got)} chunks, {len(set(got))} distinct, of {info.num_chunks}"
+        )
     if combined_checksum(info.chunk_checksums) != info.buffer_checksum:  # each chunk matched its own
         raise TransferError(f"v{version}: the chunk checksums do not add up to the version's checksum")
     pulled = Pulled(buffer, info.manifest, time.perf_counter() - t0, "raw", total)
-    log.info("pulled v%d: %.1f MB in %.2fs over %d streams", version, info.manifest.total_bytes / 1e6,
-             pulled.seconds, num_streams)  # fmt: skip
+    log.info(
+        "pulled v%d: %.1f MB in %.2fs over %d streams",
+        version,
+        info.manifest.total_bytes / 1e6,
+        pulled.seconds,
+        num_streams,
+    )
     return pulled
 
 
-def _pull_streams(source: PullSource, requests: list[bytes], chunks: Chunks, buffer: torch.Tensor, timeout_s: float) -> list[int]:
+def _pull_streams(
+    source: PullSource, requests: list[bytes], chunks: Chunks, buffer: torch.Tensor, timeout_s: float
+) -> list[int]:
     """The streams on threads of this process (`transfer/pull_proc.py` runs them)."""
-    job = Job(0, False, source.host, source.port, timeout_s, requests, chunks, spare_cores_for_checking(len(requests)),
-              source.tls, source.ca_file)  # fmt: skip
+    job = Job(
+        0,
+        False,
+        source.host,
+        source.port,
+        timeout_s,
+        requests,
+        chunks,
+        spare_cores_for_checking(len(requests)),
+        source.tls,
+        source.ca_file,
+    )
     error, got = run(job, memoryview(buffer.numpy()).cast("B"))
     if error is not None:
         raise TransferError(error)
@@ -211,7 +241,9 @@ def _pull_whole(source: PullSource, info: TransferInfo, op: int, out: torch.Tens
     return Pulled(out, info.manifest, 0.0, name, len(payload), lossy=op == OP_INT8)
 
 
-def _pull_payload(source: PullSource, info: TransferInfo, op: int, timeout_s: float, base: int = -1) -> bytearray | None:
+def _pull_payload(
+    source: PullSource, info: TransferInfo, op: int, timeout_s: float, base: int = -1
+) -> bytearray | None:
     """The payload of an encoded op, its checksum verified; None when the publisher
     cannot make it (a delta whose base it no longer holds)."""
     version = info.manifest.version
@@ -227,7 +259,9 @@ def _pull_payload(source: PullSource, info: TransferInfo, op: int, timeout_s: fl
         length = int.from_bytes(recv_exact(sock, 8), "big")
         expected = int.from_bytes(recv_exact(sock, 8), "big")
         if length > 2 * info.manifest.total_bytes + 2**20:
-            raise TransferError(f"v{version}: a {length}-byte {ENCODED_OPS[op]} payload for a {info.manifest.total_bytes}-byte version")
+            raise TransferError(
+                f"v{version}: a {length}-byte {ENCODED_OPS[op]} payload for a {info.manifest.total_bytes}-byte version"
+            )
         payload = bytearray(length)
         recv_into_exact(sock, memoryview(payload))
     if checksum(payload) != expected:

@@ -200,8 +200,12 @@ class Versions:
         view = slot.view[: manifest.total_bytes]
         t0 = time.perf_counter()
         sums = chunk_checksums(view, self.cfg.chunk_bytes)
-        info = TransferInfo(manifest=manifest, chunk_bytes=self.cfg.chunk_bytes, chunk_checksums=sums,
-                            buffer_checksum=combined_checksum(sums))  # fmt: skip
+        info = TransferInfo(
+            manifest=manifest,
+            chunk_bytes=self.cfg.chunk_bytes,
+            chunk_checksums=sums,
+            buffer_checksum=combined_checksum(sums),
+        )
         released = []
         with self._lock:
             replaced = self._held.pop(msg.version, None)  # the same version published again
@@ -214,7 +218,12 @@ class Versions:
         for slot_id in released:  # first: the trainer's next publish may then reuse the slot
             self.send(Released(slot_id))
         self.send(Published(msg.version, sums))
-        log.debug("v%d servable: %.1f MB checksummed in %.2fs", msg.version, manifest.total_bytes / 1e6, time.perf_counter() - t0)
+        log.debug(
+            "v%d servable: %.1f MB checksummed in %.2fs",
+            msg.version,
+            manifest.total_bytes / 1e6,
+            time.perf_counter() - t0,
+        )
 
     def _map(self, slot_id: int, fd: int) -> None:
         size = os.fstat(fd).st_size
@@ -265,7 +274,9 @@ class Versions:
                 del self._deals[k]
             deal = self._deals.setdefault(key, _Deal(req.num_streams, num_chunks))
             if deal.num_streams != req.num_streams or deal.joined >= deal.num_streams:
-                raise ValueError(f"stream {req.stream} of {req.num_streams} does not fit pull {req.base} of {deal.num_streams}")
+                raise ValueError(
+                    f"stream {req.stream} of {req.num_streams} does not fit pull {req.base} of {deal.num_streams}"
+                )
             deal.joined += 1
             deal.active += 1
         return deal
@@ -322,8 +333,14 @@ def _encode(op: int, new: _Held | None, old: _Held | None) -> bytes | None:
         torch.set_num_threads(1)  # the trainer's cores are for learning
         payload = encode_int8(torch.from_numpy(new.array()), new.info.manifest)
     total = new.info.manifest.total_bytes
-    log.debug("v%d as %s: %.1f MB (%.1f%% of raw) in %.2fs", new.info.manifest.version, ENCODED_OPS[op],
-              len(payload) / 1e6, 100 * len(payload) / max(total, 1), time.perf_counter() - t0)  # fmt: skip
+    log.debug(
+        "v%d as %s: %.1f MB (%.1f%% of raw) in %.2fs",
+        new.info.manifest.version,
+        ENCODED_OPS[op],
+        len(payload) / 1e6,
+        100 * len(payload) / max(total, 1),
+        time.perf_counter() - t0,
+    )
     return payload
 
 
@@ -347,7 +364,9 @@ class _Server(socketserver.ThreadingTCPServer):
         self.socket.close()
         self.socket, self.versions = listener, versions  # the trainer's socket: bound and listening
         cfg = versions.cfg
-        self.tls = server_context(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file and cfg.tls_key_file else None
+        self.tls = (
+            server_context(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file and cfg.tls_key_file else None
+        )
 
     def handle_error(self, request: object, client_address: object) -> None:
         """A handler's unexpected error ends its connection with one line, not a traceback."""
@@ -393,7 +412,9 @@ def serve(versions: Versions, sock: socket.socket, req: Request, held: _Held | N
     elif req.op in ENCODED_OPS:
         payload = versions.encoded(req.op, req.version, req.base)
         if payload is None:
-            send_text(sock, STATUS_REFUSED, f"no {ENCODED_OPS[req.op]} from v{req.base} (held: {versions.versions})".encode())
+            send_text(
+                sock, STATUS_REFUSED, f"no {ENCODED_OPS[req.op]} from v{req.base} (held: {versions.versions})".encode()
+            )
         else:
             sock.sendall(bytes([STATUS_OK]) + len(payload).to_bytes(8, "big") + checksum(payload).to_bytes(8, "big"))
             sock.sendall(payload)
@@ -484,4 +505,3 @@ def main(control_fd: int, parent_pid: int) -> None:
             versions.forget(msg.slot)
         else:
             return
-

@@ -54,5 +54,9 @@ def _host_register(buffer: torch.Tensor) -> bool:
         return False
     code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
     if code != 0:
-        log.warning("could not pin %d bytes of shared memory (CUDA error %d): copies to the GPU run slower", buffer.numel(), code)
+        log.warning(
+            "could not pin %d bytes of shared memory (CUDA error %d): copies to the GPU run slower",
+            buffer.numel(),
+            code,
+        )
     return code == 0

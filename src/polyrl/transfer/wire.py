@@ -140,10 +140,16 @@ def encode_request(
     op: int, version: int, worker_id: str, token: str, stream: int = 0, num_streams: int = 1, base: int = -1
 ) -> bytes:
     worker, tok = worker_id.encode(), token.encode()
-    return b"".join([
-        MAGIC, _HEADER.pack(op, version, base, stream, num_streams),
-        _U16.pack(len(worker)), worker, _U16.pack(len(tok)), tok,
-    ])  # fmt: skip
+    return b"".join(
+        [
+            MAGIC,
+            _HEADER.pack(op, version, base, stream, num_streams),
+            _U16.pack(len(worker)),
+            worker,
+            _U16.pack(len(tok)),
+            tok,
+        ]
+    )
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -212,8 +218,10 @@ def read_request(sock: socket.socket, timeout_s: float | None = None) -> Request
     if magic != MAGIC:
         if magic[:4] == MAGIC[:4]:
             theirs = magic[:5].decode(errors="replace")
-            raise WireVersionError(f"weight-transfer wire {theirs}, this side speaks {MAGIC[:5].decode()}: "
-                                   "upgrade the older of the worker and the trainer")
+            raise WireVersionError(
+                f"weight-transfer wire {theirs}, this side speaks {MAGIC[:5].decode()}: "
+                "upgrade the older of the worker and the trainer"
+            )
         raise ValueError("not a polyrl weight-transfer request")
     op, version, base, stream, num_streams = _HEADER.unpack(recv_exact(sock, _HEADER.size, deadline))
     worker = recv_exact(sock, _U16.unpack(recv_exact(sock, 2, deadline))[0], deadline).decode()

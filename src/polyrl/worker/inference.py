@@ -19,7 +19,9 @@ class WorkerBackend:
     async def served(self) -> Served:
         st = self.state
         max_n = min(MAX_N, st.max_num_seqs)
-        names = model_names(st.model_path) + ([st.lora_name] if st.lora_name else [])  # vLLM clients ask by adapter name
+        names = model_names(st.model_path) + (
+            [st.lora_name] if st.lora_name else []
+        )  # vLLM clients ask by adapter name
         return Served(names, st.tokenizer, st.engine.engine.max_model_len, max_n, MAX_TOP_LOGPROBS)
 
     async def generate(self, prompt_ids: list[int], sampling: EngineSampling) -> AsyncIterator[list[SampleDelta]]:

@@ -145,9 +145,13 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
         state.worker_id = reply.worker_id
 
     return ManagerSession(
-        client, registration, lambda: _heartbeat(state), w.heartbeat_interval_s, on_registered=on_registered,
+        client,
+        registration,
+        lambda: _heartbeat(state),
+        w.heartbeat_interval_s,
+        on_registered=on_registered,
         give_up_after_s=w.manager_timeout_s,
-    )  # fmt: skip
+    )
 
 
 def log_file() -> str | None:
@@ -180,9 +184,7 @@ def _heartbeat(state: WorkerState) -> Heartbeat:
     )
 
 
-async def _wait_for_end(
-    state: WorkerState, serving: asyncio.Task[None], membership: asyncio.Task[None] | None
-) -> int:
+async def _wait_for_end(state: WorkerState, serving: asyncio.Task[None], membership: asyncio.Task[None] | None) -> int:
     """Wait for a shutdown request (exit 0), a manager refusal or the server dying (exit 1)."""
     requested = asyncio.create_task(state.shutdown_requested.wait())
     tasks = {requested, serving} | ({membership} if membership else set())
@@ -208,7 +210,10 @@ async def _drain(state: WorkerState, timeout_s: float, session: ManagerSession |
     stats = state.engine.stats()
     log.info(
         "draining (%s): %d running, %d waiting, up to %.1fs",
-        state.shutdown_reason, stats.num_running, stats.num_waiting, timeout_s,
+        state.shutdown_reason,
+        stats.num_running,
+        stats.num_waiting,
+        timeout_s,
     )
     if not await state.engine.wait_idle(timeout_s):
         num_aborted = state.engine.abort_all()

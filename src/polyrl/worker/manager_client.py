@@ -62,7 +62,9 @@ class ManagerClient:
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
-        self._http = async_http_client(ca_file, base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport)
+        self._http = async_http_client(
+            ca_file, base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport
+        )
 
     async def get(self, path: str) -> httpx.Response:
         return await self._http.get(path)
@@ -82,8 +84,11 @@ def _is_transient(response: httpx.Response) -> bool:
 def _rejected(url: str, action: str, response: httpx.Response) -> ManagerRejected:
     """One line: the manager's own message from its error body, not the JSON."""
     code = response.status_code
-    hint = {401: "; check worker.token / POLYRL_TOKEN", 403: "; check worker.token / POLYRL_TOKEN",
-            404: "; is worker.manager_url a polyrl manager?"}.get(code, "")  # fmt: skip
+    hint = {
+        401: "; check worker.token / POLYRL_TOKEN",
+        403: "; check worker.token / POLYRL_TOKEN",
+        404: "; is worker.manager_url a polyrl manager?",
+    }.get(code, "")
     return ManagerRejected(f"the manager at {url} refused {action}: {_error_message(response)} (HTTP {code}){hint}")
 
 
@@ -100,7 +105,9 @@ class ManagerContact:
     capped exponential backoff, and logged as the module says; with `give_up_after_s`
     (None or 0: never), ManagerUnreachable ends an outage that long."""
 
-    def __init__(self, client: ManagerClient, max_backoff_s: float = 10.0, give_up_after_s: float | None = None) -> None:
+    def __init__(
+        self, client: ManagerClient, max_backoff_s: float = 10.0, give_up_after_s: float | None = None
+    ) -> None:
         self.client, self.max_backoff_s = client, max_backoff_s
         self.give_up_after_s = give_up_after_s or None
         self._outage_since: float | None = None
@@ -127,7 +134,9 @@ class ManagerContact:
                 self._outage_started(f"HTTP {response.status_code}")
             except httpx.TransportError as e:
                 if certificate_error(e) is not None:
-                    raise ManagerRejected(f"{self.client.base_url}: {certificate_error(e)} (check worker.tls.ca_file)") from None
+                    raise ManagerRejected(
+                        f"{self.client.base_url}: {certificate_error(e)} (check worker.tls.ca_file)"
+                    ) from None
                 self._outage_started(_describe(e))
             await asyncio.sleep(min(delay_s, self._time_left_s()))  # the last try comes at the deadline
             delay_s = min(delay_s * 2, self.max_backoff_s)
@@ -139,12 +148,17 @@ class ManagerContact:
         url = self.client.base_url
         if self._outage_since is None:
             self._outage_since = self._outage_logged_at = now
-            patience = (f"giving up after {self.give_up_after_s:g}s" if self.give_up_after_s
-                        else "forever; worker.manager_timeout_s sets a limit")  # fmt: skip
+            patience = (
+                f"giving up after {self.give_up_after_s:g}s"
+                if self.give_up_after_s
+                else "forever; worker.manager_timeout_s sets a limit"
+            )
             log.warning("cannot reach the manager at %s: %s; retrying (%s)", url, why, patience)
         elif now - self._outage_logged_at >= RETRY_LOG_INTERVAL_S:
             self._outage_logged_at = now
-            log.warning("still cannot reach the manager at %s after %.0fs: %s; retrying", url, now - self._outage_since, why)
+            log.warning(
+                "still cannot reach the manager at %s after %.0fs: %s; retrying", url, now - self._outage_since, why
+            )
         if self._time_left_s() <= 0:
             raise ManagerUnreachable(
                 f"gave up: the manager at {url} was unreachable for {now - self._outage_since:.0f}s "
@@ -223,7 +237,9 @@ class ManagerSession(ManagerContact):
         if reply.heartbeat_interval_s is not None:
             self.interval_s = reply.heartbeat_interval_s
         self._outage_ended()
-        log.info("registered with %s as %s (heartbeat every %.1fs)", self.client.base_url, reply.worker_id, self.interval_s)
+        log.info(
+            "registered with %s as %s (heartbeat every %.1fs)", self.client.base_url, reply.worker_id, self.interval_s
+        )
         if self.on_registered is not None:
             self.on_registered(reply)
         return reply

@@ -129,8 +129,7 @@ class _Handlers:
         try:
             first = await anext(stream, [])  # refusals (400/429) raise here, before any output
             results = [  # only now: `n` is validated (n = 10**9 would have been built first)
-                SampleResult(wanted.rid, i, len(wanted.input_ids))
-                for i in range(wanted.sampling.n)
+                SampleResult(wanted.rid, i, len(wanted.input_ids)) for i in range(wanted.sampling.n)
             ]
             if body.stream:
                 events = self._events(body, results, first, stream)
@@ -185,9 +184,13 @@ class _Handlers:
         text_ids = text_token_ids(result)[start:]
         text = self.state.tokenizer.decode(text_ids, skip_special_tokens=False) if self.state.tokenizer else ""
         return sample_response(
-            result, text, return_logprob=body.return_logprob, current_version=self.state.weight_version,
-            with_index=True, start=start,
-        )  # fmt: skip
+            result,
+            text,
+            return_logprob=body.return_logprob,
+            current_version=self.state.weight_version,
+            with_index=True,
+            start=start,
+        )
 
     def _sample_json(self, body: GenerateRequest, result: SampleResult, with_index: bool) -> dict[str, Any]:
         return sample_response(
@@ -283,9 +286,13 @@ class _Handlers:
             path = pulled.codec if pulled.codec in ("nccl", "cuda_ipc") else "tcp"
             lossy = ", LOSSY" if pulled.lossy else ""
             fallback = f" ({receiver.fallback})" if receiver.fallback else ""
-            message = (f"pulled {pulled.manifest.total_bytes} bytes ({pulled.codec}{lossy}, {pulled.wire_bytes} on the wire) "
-                       f"in {pulled.seconds:.3f}s, serving it {time.perf_counter() - t0:.3f}s after the request{fallback}")  # fmt: skip
-        reply = UpdateWeightsResponse(success=True, message=message, weight_version=version, path=path, device=receiver.identity)
+            message = (
+                f"pulled {pulled.manifest.total_bytes} bytes ({pulled.codec}{lossy}, {pulled.wire_bytes} on the wire) "
+                f"in {pulled.seconds:.3f}s, serving it {time.perf_counter() - t0:.3f}s after the request{fallback}"
+            )
+        reply = UpdateWeightsResponse(
+            success=True, message=message, weight_version=version, path=path, device=receiver.identity
+        )
         return JSONResponse(reply.model_dump())
 
     async def shutdown(self) -> dict[str, Any]:
@@ -333,7 +340,11 @@ async def _consume_unless_disconnected(
 def create_app(state: WorkerState, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The worker's FastAPI app over `state` (which the caller owns and shuts down)."""
     handlers = error_handlers(
-        {RequestError: (400, "invalid_request"), EngineFullError: (429, "engine_full"), EngineDeadError: (503, "engine_dead")}
+        {
+            RequestError: (400, "invalid_request"),
+            EngineFullError: (429, "engine_full"),
+            EngineDeadError: (503, "engine_dead"),
+        }
     )
     app = FastAPI(title="polyrl worker", exception_handlers=handlers)
     inference = InferenceRoutes(WorkerBackend(state))

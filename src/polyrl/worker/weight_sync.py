@@ -51,7 +51,9 @@ STAGE_ON_DEVICE_BYTES = 256 * 2**20
 
 
 class WeightReceiver:
-    def __init__(self, engine: AsyncEngine, pin_memory: bool | None = None, receive_processes: int | None = None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, pin_memory: bool | None = None, receive_processes: int | None = None
+    ) -> None:
         """`pin_memory`: land TCP pulls in pinned host buffers (default: when the engine is on CUDA).
         `receive_processes`: pull large versions' streams in this many processes (default:
         one per stream, up to the host's cores; 0: threads of this process only)."""
@@ -73,7 +75,11 @@ class WeightReceiver:
     @cached_property
     def device(self) -> torch.device:
         device = self.engine.engine.device
-        return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if device.type == "cuda" and device.index is None
+            else device
+        )
 
     @cached_property
     def identity(self) -> DeviceIdentity:
@@ -92,9 +98,15 @@ class WeightReceiver:
         return codec == "delta", "raw" if codec == "delta" else codec
 
     async def sync(
-        self, source: PullSource, version: int, num_streams: int, timeout_s: float, codec: str = "auto",
-        path: WeightPath = "tcp", swap_policy: SwapPolicy | None = None,
-    ) -> Pulled | None:  # fmt: skip
+        self,
+        source: PullSource,
+        version: int,
+        num_streams: int,
+        timeout_s: float,
+        codec: str = "auto",
+        path: WeightPath = "tcp",
+        swap_policy: SwapPolicy | None = None,
+    ) -> Pulled | None:
         """Pull `version` and load it; None if the engine already serves it or a newer one.
         `pulled.codec` says how it came (raw, delta, zstd, int8, nccl, cuda_ipc). Raises
         TransferError (the engine keeps its weights) or RequestError (the version does
@@ -123,7 +135,9 @@ class WeightReceiver:
             raise RuntimeError("cuda_ipc needs the engine on a GPU")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        shared = await asyncio.to_thread(IpcVersion.open, source, version, self.device, self.identity.gpu_uuid, timeout_s)
+        shared = await asyncio.to_thread(
+            IpcVersion.open, source, version, self.device, self.identity.gpu_uuid, timeout_s
+        )
         try:
             total = shared.manifest.total_bytes
             pulled = Pulled(shared.buffer[:total], shared.manifest, 0.0, "cuda_ipc", total)
@@ -137,7 +151,9 @@ class WeightReceiver:
     async def _load(self, pulled: Pulled) -> None:
         """Load a version that lies on our device; returns once the copies are done, so its
         buffer may be reused or released."""
-        await self.engine.update_weights(unflatten(pulled.buffer, pulled.manifest), pulled.manifest.version, self._swap_policy)
+        await self.engine.update_weights(
+            unflatten(pulled.buffer, pulled.manifest), pulled.manifest.version, self._swap_policy
+        )
         if self.device.type == "cuda":
             await asyncio.to_thread(torch.cuda.synchronize, self.device)
 
@@ -147,15 +163,24 @@ class WeightReceiver:
             self._failed_paths.add(path)
             log.warning("weight path %s failed (%s); pulling over TCP instead (logged once)", path, self.fallback)
 
-    async def _sync_tcp(self, source: PullSource, version: int, num_streams: int, timeout_s: float, codec: str) -> Pulled:
+    async def _sync_tcp(
+        self, source: PullSource, version: int, num_streams: int, timeout_s: float, codec: str
+    ) -> Pulled:
         base, into = self._base, self._spare
         delta, whole = self._plan(codec)
         if into is None:
             into = self._spare = await asyncio.to_thread(self._landing, source, version, num_streams, timeout_s)
         pulled = await asyncio.to_thread(
-            pull, source, version, num_streams=num_streams, timeout_s=timeout_s, into=into,
-            base=base if delta else None, codec=whole, pool=self._pool,
-        )  # fmt: skip
+            pull,
+            source,
+            version,
+            num_streams=num_streams,
+            timeout_s=timeout_s,
+            into=into,
+            base=base if delta else None,
+            codec=whole,
+            pool=self._pool,
+        )
         if pulled.codec == "raw":
             self._raw_bytes_per_s = pulled.bytes_per_s
         staged = self._staged(pulled.buffer, pulled.manifest.total_bytes)
