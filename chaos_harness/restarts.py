@@ -124,7 +124,9 @@ def trainer_restart(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
     run_dir = work / "run"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    total_steps, save_every = 15 + 30 * scale.injections, 2  # ~0.5 s a step: room for each rejoin
+    # each injection takes 3 worker-served steps past a checkpoint, then the kill; the trainer is down
+    # (no step runs) until it is back with the workers (fleet.min_workers): 10 a kill leaves room
+    total_steps, save_every = 15 + 10 * scale.injections, 2
     overrides = [
         f"model.path={json.dumps(str(model_dir))}",
         f"manager.port={port}",

@@ -69,9 +69,10 @@ def test_default_run_learns_through_two_workers(tmp_path: Path) -> None:
 def test_churn_with_kill_minus_9_loses_no_sample(tmp_path: Path) -> None:
     """A worker joins every 5 s up to 2, then the oldest retires every 5 s down to 1, and
     so on; a random one is killed without notice every ~12 s. The run still gets every
-    sample of every step."""
+    sample of every step. 30 steps (~45 s on 2 cores) span both seeded kills, two
+    retirements and several launches."""
     overrides = [
-        *QUICK, "trainer.total_steps=50", "fleet.num_workers=2", "fleet.churn_interval_s=5",
+        *QUICK, "trainer.total_steps=30", "fleet.num_workers=2", "fleet.churn_interval_s=5",
         "fleet.churn_min_workers=1", "fleet.kill_interval_s=12", "fleet.kill_seed=5",  # kills ~12 s and ~28 s in
         "fleet.drain_timeout_s=0.5", "fleet.ready_timeout_s=60",
     ]  # fmt: skip
@@ -88,7 +89,9 @@ def test_zero_workers_then_one_joins_from_outside(tmp_path: Path, tiny_model_dir
     """No launched worker: steps complete on the trainer's engine. A `polyrl worker`
     started by hand with the manager's URL and token joins mid-run and takes over."""
     run_dir = tmp_path / "run"
-    cfg = load_config(None, [*QUICK, "trainer.total_steps=400", "fleet.num_workers=0", f'manager.token="{TOKEN}"'])
+    small_batch = ["trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=8"]  # steps on the joiner's 4 slots
+    cfg = load_config(None, [*QUICK, "trainer.total_steps=400", *small_batch, "fleet.num_workers=0",
+                             f'manager.token="{TOKEN}"'])  # fmt: skip
     joined_at: list[int] = []
     worker: list[WorkerProcess] = []
 
@@ -122,7 +125,8 @@ def test_min_workers_keeps_the_first_step_off_the_trainers_engine(tmp_path: Path
     """fleet.min_workers=1 and no launched worker: training waits for a worker started by
     hand (here once the manager is up) instead of generating step 1 itself."""
     run_dir = tmp_path / "run"
-    overrides = ["trainer.total_steps=2", "fleet.num_workers=0", "fleet.min_workers=1", f'manager.token="{TOKEN}"']
+    overrides = ["trainer.total_steps=2", "trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=8",  # 4 slots
+                 "fleet.num_workers=0", "fleet.min_workers=1", f'manager.token="{TOKEN}"']  # fmt: skip
     cfg = load_config(None, [*QUICK, *overrides])
     worker: list[WorkerProcess] = []
 
