@@ -68,8 +68,9 @@ class Outage:
 
     def failed(self, e: BaseException) -> None:
         if not self.num_failed:
-            log.warning("the inference server at %s fails (%s); groups are tried again until it answers",
-                        self.url, reason(e))  # fmt: skip
+            log.warning(
+                "the inference server at %s fails (%s); groups are tried again until it answers", self.url, reason(e)
+            )
         self.num_failed += 1
 
     def answered(self) -> None:
@@ -121,9 +122,15 @@ class CopyEnv(BaseEnv):
             seed=args.seed,
         )
         server = APIServerConfig(
-            model_name=args.model, tokenizer_name=args.tokenizer, base_url=args.inference, api_key=args.api_key,
-            server_type=args.server_type, health_check=False, timeout=120, num_max_requests_at_once=64,
-        )  # fmt: skip
+            model_name=args.model,
+            tokenizer_name=args.tokenizer,
+            base_url=args.inference,
+            api_key=args.api_key,
+            server_type=args.server_type,
+            health_check=False,
+            timeout=120,
+            num_max_requests_at_once=64,
+        )
         return cls(config, [server])  # a list: a single config would lose its base_url
 
     async def setup(self) -> None:
@@ -139,8 +146,11 @@ class CopyEnv(BaseEnv):
         step, total = self.status_dict["current_step"], self.config.total_steps
         queued = self.status_dict["queue_size"] * self.config.group_size // self.config.batch_size
         if step >= total or step + queued > total:  # taken, or (atroposlib's own rule) queued
-            raise Stop(f"the trainer's batches are all taken or queued (step {step} of {total}, {queued} more "
-                       "queued): stopping", 0)  # fmt: skip
+            raise Stop(
+                f"the trainer's batches are all taken or queued (step {step} of {total}, {queued} more "
+                "queued): stopping",
+                0,
+            )
 
     async def evaluate(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -168,16 +178,20 @@ class CopyEnv(BaseEnv):
             sequences = await self._sample_by_tokens(item["prompt"])
         completions = [self._completion_text(tokens, masks, reason) for tokens, masks, _, reason in sequences]
         reasons = [reason for *_, reason in sequences]
-        scores = char_match_reward([item["prompt"]] * len(sequences), completions,
-                                   [item["answer"]] * len(sequences), finish_reason=reasons)  # fmt: skip
+        scores = char_match_reward(
+            [item["prompt"]] * len(sequences), completions, [item["answer"]] * len(sequences), finish_reason=reasons
+        )
         group = ScoredDataGroup(tokens=[s[0] for s in sequences], masks=[s[1] for s in sequences], scores=scores)
         if all(s[2] is not None for s in sequences):
             group["inference_logprobs"] = [s[2] for s in sequences]
         return group
 
     def _sampling(self) -> dict[str, Any]:
-        return {"n": self.config.group_size, "max_tokens": self.config.max_new_tokens,
-                "temperature": self.config.temperature}  # fmt: skip
+        return {
+            "n": self.config.group_size,
+            "max_tokens": self.config.max_new_tokens,
+            "temperature": self.config.temperature,
+        }
 
     async def _sample_by_tokens(self, prompt: str) -> list[tuple[list[int], list[int], list[float] | None, str]]:
         """ManagedServer over vLLM's /generate: token ids, masks and log-probs as sampled."""
@@ -234,8 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-token-length", type=int, default=256, help="prompt + completion limit of a sequence")
     p.add_argument("--temperature", type=float, default=1.0, help="= the trainer's rollout.temperature")
     p.add_argument("--max-num-workers", type=int, default=8, help="groups in flight at once")
-    p.add_argument("--max-batches-offpolicy", type=int, default=1,
-                   help="batches queued ahead of the trainer (each one a weight version older)")
+    p.add_argument(
+        "--max-batches-offpolicy",
+        type=int,
+        default=1,
+        help="batches queued ahead of the trainer (each one a weight version older)",
+    )
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     try:

@@ -30,10 +30,19 @@ def run_chromium(binary: str, url: str, *args: str, budget_ms: int = 3000, timeo
     """Load `url`, let its scripts run for `budget_ms` of virtual time, return stdout."""
     with tempfile.TemporaryDirectory(prefix="polyrl-chromium-") as profile:
         cmd = [
-            binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-            "--disable-extensions", "--hide-scrollbars", f"--user-data-dir={profile}",
-            f"--virtual-time-budget={budget_ms}", *args, url,
-        ]  # fmt: skip
+            binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--disable-extensions",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            f"--virtual-time-budget={budget_ms}",
+            *args,
+            url,
+        ]
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True
         )

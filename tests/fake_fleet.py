@@ -78,20 +78,29 @@ def sse_event(payload: Any, with_checksum: bool) -> bytes:
     return head + b"data: " + data + b"\n\n"
 
 
-def _chunk(rid: str, seed: int, index: int, start: int, sent: int, total: int, finish: Any,
-           incremental: bool) -> dict[str, Any]:  # fmt: skip
+def _chunk(
+    rid: str, seed: int, index: int, start: int, sent: int, total: int, finish: Any, incremental: bool
+) -> dict[str, Any]:
     """Sample `index` with `total` tokens, `sent` of them already streamed: all of them
     (SGLang's cumulative snapshot), or only the new ones (polyrl's incremental chunk)."""
     positions = range(start + (sent if incremental else 0), start + total)
     tokens = [load_token(seed, p) for p in positions]
     return {
-        "text": "", "output_ids": tokens, "index": index,
+        "text": "",
+        "output_ids": tokens,
+        "index": index,
         "meta_info": {
-            "id": rid, "finish_reason": finish, "prompt_tokens": start, "completion_tokens": total,
-            "weight_version": 0, "output_token_weight_versions": [0] * len(tokens),
-            "output_token_logprobs": [[load_logprob(seed, p), tok, None] for p, tok in zip(positions, tokens, strict=True)],
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": start,
+            "completion_tokens": total,
+            "weight_version": 0,
+            "output_token_weight_versions": [0] * len(tokens),
+            "output_token_logprobs": [
+                [load_logprob(seed, p), tok, None] for p, tok in zip(positions, tokens, strict=True)
+            ],
         },
-    }  # fmt: skip
+    }
 
 
 # ------------------------------------------------------------------------------- the fleet
@@ -152,9 +161,13 @@ class FakeFleet:
         self._churn: asyncio.Task[None] | None = None
         self._churn_stop = asyncio.Event()
         self._control: dict[str, Callable[[dict[str, Any]], Awaitable[Any]]] = {
-            "join": self._join_many, "churn": self._start_churn, "churn/stop": self._stop_churn,
-            "alive": self._alive, "stats": self._stats, "probe": self._add_probe,
-        }  # fmt: skip
+            "join": self._join_many,
+            "churn": self._start_churn,
+            "churn/stop": self._stop_churn,
+            "alive": self._alive,
+            "stats": self._stats,
+            "probe": self._add_probe,
+        }
 
     def serve(self) -> None:
         """Serve until the process is killed (or its parent goes away)."""
@@ -235,15 +248,20 @@ class FakeFleet:
         worker_id = f"w{next(self._ids)}"
         engine = FakeEngine(worker_id, incremental=self.rng.random() < 0.5)
         registration = RegisterRequest(
-            worker_id=worker_id, url=f"{self.url}/{worker_id}", model_path="fake", weight_version=0,
-            max_num_seqs=self.max_num_seqs, max_model_len=4096,
+            worker_id=worker_id,
+            url=f"{self.url}/{worker_id}",
+            model_path="fake",
+            weight_version=0,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=4096,
             capabilities=["incremental_stream"] if engine.incremental else [],
-        )  # fmt: skip
+        )
 
         def beat() -> Heartbeat:
             state = "draining" if engine.state == "draining" else "active"
-            return Heartbeat(state=state, weight_version=0, num_running=engine.num_running, num_waiting=0,
-                             gen_throughput=0.0)  # fmt: skip
+            return Heartbeat(
+                state=state, weight_version=0, num_running=engine.num_running, num_waiting=0, gen_throughput=0.0
+            )
 
         def registered(_: RegisterResponse) -> None:
             self.stats.num_registrations += 1
@@ -251,8 +269,9 @@ class FakeFleet:
             engine.num_registrations += 1
 
         assert self.client is not None
-        engine.session = ManagerSession(self.client, lambda: registration, beat, interval_s=0.5,
-                                        on_registered=registered)  # fmt: skip
+        engine.session = ManagerSession(
+            self.client, lambda: registration, beat, interval_s=0.5, on_registered=registered
+        )
         engine.membership = asyncio.ensure_future(engine.session.run())
         engine.membership.add_done_callback(self._membership_done)
         self.engines[worker_id] = engine
@@ -331,8 +350,10 @@ class FakeFleet:
                 finish = {"type": "abort"} if handback else ({"type": "length"} if t == budget else None)
                 total = t - 1 if handback else t  # a hand-back brings no new token
                 events = b"".join(
-                    sse_event(_chunk(body["rid"], seed + j, j, start, t - 1, total, finish, engine.incremental),
-                              with_checksum=engine.incremental)  # as `polyrl worker` does
+                    sse_event(
+                        _chunk(body["rid"], seed + j, j, start, t - 1, total, finish, engine.incremental),
+                        with_checksum=engine.incremental,
+                    )  # as `polyrl worker` does
                     for j in range(n)
                 )
                 await send({"type": "http.response.body", "body": events, "more_body": True})
@@ -379,8 +400,9 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="fake fleet: %(levelname)s %(name)s: %(message)s")
     logging.getLogger("uvicorn.error").addFilter(_QuietCuts())
-    fleet = FakeFleet(args.manager, args.token, max_num_seqs=args.max_num_seqs, token_delay_s=args.token_delay_s,
-                      seed=args.seed)  # fmt: skip
+    fleet = FakeFleet(
+        args.manager, args.token, max_num_seqs=args.max_num_seqs, token_delay_s=args.token_delay_s, seed=args.seed
+    )
     fleet.serve()
 
 

@@ -53,9 +53,15 @@ def load_cfg(**overrides: Any) -> ManagerConfig:
     """Timeouts generous for a loaded 2-core box. retry_budget is raised: under this churn a
     sample may meet several kills, and the budget's own behaviour is tested in test_manager."""
     base: dict[str, Any] = {
-        "port": 0, "token": TOKEN, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0,
-        "readiness_timeout_s": 3.0, "stall_timeout_s": 10.0, "batch_deadline_s": 120, "retry_budget": 20,
-    }  # fmt: skip
+        "port": 0,
+        "token": TOKEN,
+        "heartbeat_interval_s": 0.5,
+        "heartbeat_timeout_s": 3.0,
+        "readiness_timeout_s": 3.0,
+        "stall_timeout_s": 10.0,
+        "batch_deadline_s": 120,
+        "retry_budget": 20,
+    }
     return ManagerConfig(**(base | overrides))
 
 
@@ -116,8 +122,15 @@ class Audit:
         self.num_lost += sum((p.id, i) not in seen for p in request.prompts for i in range(request.n))
 
     def merge(self, other: Audit) -> None:
-        for name in ("num_samples", "num_ok", "num_lost", "num_duplicated", "num_corrupted", "num_resumed",
-                     "num_failures"):  # fmt: skip
+        for name in (
+            "num_samples",
+            "num_ok",
+            "num_lost",
+            "num_duplicated",
+            "num_corrupted",
+            "num_resumed",
+            "num_failures",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.problems += other.problems[: 20 - len(self.problems)]
 
@@ -147,9 +160,19 @@ class FleetProcess:
 
     def __init__(self, manager_url: str, *, max_num_seqs: int, token_delay_s: float, seed: int) -> None:
         command = [
-            sys.executable, str(FLEET_SCRIPT), "--manager", manager_url, "--token", TOKEN,
-            "--max-num-seqs", str(max_num_seqs), "--token-delay-s", str(token_delay_s), "--seed", str(seed),
-        ]  # fmt: skip
+            sys.executable,
+            str(FLEET_SCRIPT),
+            "--manager",
+            manager_url,
+            "--token",
+            TOKEN,
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--token-delay-s",
+            str(token_delay_s),
+            "--seed",
+            str(seed),
+        ]
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # its only line on stdout; logs go to stderr
@@ -220,9 +243,14 @@ class Probe(threading.Thread):
         self.errors: list[str] = []
         self.stopping = threading.Event()
         self.registration = RegisterRequest(
-            worker_id=PROBE_ID, url=fleet.control("probe", worker_id=PROBE_ID), model_path="fake", weight_version=0,
-            max_num_seqs=max_num_seqs, max_model_len=4096, capabilities=["incremental_stream"],
-        )  # fmt: skip
+            worker_id=PROBE_ID,
+            url=fleet.control("probe", worker_id=PROBE_ID),
+            model_path="fake",
+            weight_version=0,
+            max_num_seqs=max_num_seqs,
+            max_model_len=4096,
+            capabilities=["incremental_stream"],
+        )
         self._lag = asyncio.run_coroutine_threadsafe(self._measure_lag(), mt.loop)
         self.start()
 
@@ -286,11 +314,22 @@ class RoundResult:
 class LoadHarness:
     """A ManagerThread, a fleet of `num_workers` fake engines and the latency Probe."""
 
-    def __init__(self, num_workers: int, cfg: ManagerConfig | None = None, *, max_num_seqs: int = 8,
-                 token_delay_s: float = 0.02, seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_workers: int,
+        cfg: ManagerConfig | None = None,
+        *,
+        max_num_seqs: int = 8,
+        token_delay_s: float = 0.02,
+        seed: int = 0,
+    ) -> None:
         self.num_workers, self.max_num_seqs = num_workers, max_num_seqs
         self.mt = ManagerThread(cfg or load_cfg())
-        self.fleet_options: dict[str, Any] = {"max_num_seqs": max_num_seqs, "token_delay_s": token_delay_s, "seed": seed}
+        self.fleet_options: dict[str, Any] = {
+            "max_num_seqs": max_num_seqs,
+            "token_delay_s": token_delay_s,
+            "seed": seed,
+        }
         self.fleet: FleetProcess | None = None
         self.probe: Probe | None = None
         self._batch_no = itertools.count()
@@ -345,8 +384,15 @@ class LoadHarness:
         finally:
             self.mt.stop()
 
-    def run_round(self, num_batches: int, num_prompts: int, n: int, max_new_tokens: int, churn: Churn | None,
-                  timeout_s: float = 120) -> RoundResult:  # fmt: skip
+    def run_round(
+        self,
+        num_batches: int,
+        num_prompts: int,
+        n: int,
+        max_new_tokens: int,
+        churn: Churn | None,
+        timeout_s: float = 120,
+    ) -> RoundResult:
         """`num_batches` concurrent batches (every other one over HTTP) while the fleet
         churns; returns once all are read and the fleet has settled again."""
         assert self.fleet is not None and self.probe is not None
@@ -375,10 +421,14 @@ class LoadHarness:
         self.settle()
         stats = fleet.stats()
         return RoundResult(
-            audit=audit, errors=errors + stats["errors"][len(stats0["errors"]):] + probe.errors[:5],
-            elapsed_s=elapsed_s, health_s=health_s, heartbeat_s=heartbeat_s, lag_s=lag_s,
+            audit=audit,
+            errors=errors + stats["errors"][len(stats0["errors"]) :] + probe.errors[:5],
+            elapsed_s=elapsed_s,
+            health_s=health_s,
+            heartbeat_s=heartbeat_s,
+            lag_s=lag_s,
             fleet={k: v - stats0[k] for k, v in stats.items() if isinstance(v, int)},
-        )  # fmt: skip
+        )
 
     def settle(self, timeout_s: float = 30) -> None:
         """Wait until the manager knows exactly the live engines, all active and idle
@@ -392,8 +442,10 @@ class LoadHarness:
                 return
             if time.monotonic() > deadline:
                 states = sorted((w.worker_id, w.state, w.num_inflight) for w in workers.values())
-                raise AssertionError(f"fleet did not settle: the manager has {states}, the fleet has {sorted(alive)}; "
-                                     f"fleet errors: {self.fleet.stats()['errors'][:5]}")  # fmt: skip
+                raise AssertionError(
+                    f"fleet did not settle: the manager has {states}, the fleet has {sorted(alive)}; "
+                    f"fleet errors: {self.fleet.stats()['errors'][:5]}"
+                )
             time.sleep(0.1)
 
     def leftovers(self) -> dict[str, Any]:
@@ -406,12 +458,15 @@ class LoadHarness:
             names = [getattr(t.get_coro(), "__qualname__", type(t.get_coro()).__name__) for t in asyncio.all_tasks()]
             pool = m.remote.http._transport._pool  # a leaked connection: neither idle nor closed
             return {
-                "batches": len(m.batches), "pending": len(m.pending), "cancels": len(m._cancels),
-                "inflight": sum(r.inflight for r in m.registry), "worker_tasks": sum(len(r.tasks) for r in m.registry),
+                "batches": len(m.batches),
+                "pending": len(m.pending),
+                "cancels": len(m._cancels),
+                "inflight": sum(r.inflight for r in m.registry),
+                "worker_tasks": sum(len(r.tasks) for r in m.registry),
                 "busy_connections": sum(not (c.is_idle() or c.is_closed()) for c in pool.connections),
                 "manager_tasks": sorted(n for n in names if n.startswith(MANAGER_PARTS)),
                 "loop_tasks": sum(n != "RequestResponseCycle.run_asgi" for n in names),
-            }  # fmt: skip
+            }
 
         return self.mt.call(read)
 
@@ -440,9 +495,11 @@ class LoadHarness:
                 "batches_ok": get("polyrl_manager_batches_total", outcome="ok"),
                 "migrated_failure": get("polyrl_manager_migrations_total", cause="failure"),
                 "migrated_handback": get("polyrl_manager_migrations_total", cause="handback"),
-                **{f"workers_{e}": get("polyrl_manager_worker_events_total", event=e)
-                   for e in ("registered", "failed", "left")},
-            }  # fmt: skip
+                **{
+                    f"workers_{e}": get("polyrl_manager_worker_events_total", event=e)
+                    for e in ("registered", "failed", "left")
+                },
+            }
 
         return self.mt.call(read)
 
@@ -460,9 +517,20 @@ def heap_size() -> dict[str, int]:
 # ------------------------------------------------------------------------------ run_load
 
 
-def run_load(num_workers: int = 32, num_batches: int = 4, num_prompts: int = 128, n: int = 4,
-             max_new_tokens: int = 8, rounds: int = 1, churn: Churn | None = Churn(), *, max_num_seqs: int = 8,
-             token_delay_s: float = 0.02, measure_memory: bool = False, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def run_load(
+    num_workers: int = 32,
+    num_batches: int = 4,
+    num_prompts: int = 128,
+    n: int = 4,
+    max_new_tokens: int = 8,
+    rounds: int = 1,
+    churn: Churn | None = Churn(),
+    *,
+    max_num_seqs: int = 8,
+    token_delay_s: float = 0.02,
+    measure_memory: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
     """`rounds` rounds of `num_batches` concurrent batches of `num_prompts` x `n` samples
     through a churning fleet of about `num_workers`; returns what was measured (the
     numbers of benchmarks/load.py) and what the manager holds afterwards. With
@@ -478,10 +546,15 @@ def run_load(num_workers: int = 32, num_batches: int = 4, num_prompts: int = 128
         for _ in range(rounds):
             r = h.run_round(num_batches, num_prompts, n, max_new_tokens, churn)
             row: dict[str, Any] = {
-                "samples": r.audit.num_samples, "lost": r.audit.num_lost, "duplicated": r.audit.num_duplicated,
-                "corrupted": r.audit.num_corrupted, "elapsed_s": round(r.elapsed_s, 2), **r.fleet,
-                "heartbeat_p99_s": round(quantile(r.heartbeat_s, 0.99), 4), "leftovers": h.leftovers_when_idle(),
-            }  # fmt: skip
+                "samples": r.audit.num_samples,
+                "lost": r.audit.num_lost,
+                "duplicated": r.audit.num_duplicated,
+                "corrupted": r.audit.num_corrupted,
+                "elapsed_s": round(r.elapsed_s, 2),
+                **r.fleet,
+                "heartbeat_p99_s": round(quantile(r.heartbeat_s, 0.99), 4),
+                "leftovers": h.leftovers_when_idle(),
+            }
             if measure_memory:
                 row |= heap_size()
             rows.append(row)
@@ -492,20 +565,34 @@ def run_load(num_workers: int = 32, num_batches: int = 4, num_prompts: int = 128
             fleet = {k: fleet.get(k, 0) + v for k, v in r.fleet.items()}
         counters = {k: v - counters0[k] for k, v in h.counters().items()}
         return {
-            "workers": num_workers, "rounds": rows, "samples": total.num_samples, "ok": total.num_ok,
-            "lost": total.num_lost, "duplicated": total.num_duplicated, "corrupted": total.num_corrupted,
-            "resumed": total.num_resumed, "sample_failures": total.num_failures, "problems": total.problems,
-            "errors": errors, "fleet": fleet, "counters": counters,
+            "workers": num_workers,
+            "rounds": rows,
+            "samples": total.num_samples,
+            "ok": total.num_ok,
+            "lost": total.num_lost,
+            "duplicated": total.num_duplicated,
+            "corrupted": total.num_corrupted,
+            "resumed": total.num_resumed,
+            "sample_failures": total.num_failures,
+            "problems": total.problems,
+            "errors": errors,
+            "fleet": fleet,
+            "counters": counters,
             "churn_events": fleet["num_joined"] + fleet["num_killed"] + fleet["num_drained"],
             "probe_reregistrations": h.probe.num_reregistrations,
-            **{f"{name}_{q}_s": quantile(values, p) for name, values in latencies.items()
-               for q, p in (("p50", 0.5), ("p99", 0.99))},
-            "lag_max_s": max(latencies["lag"], default=0.0), "elapsed_s": sum(row["elapsed_s"] for row in rows),
+            **{
+                f"{name}_{q}_s": quantile(values, p)
+                for name, values in latencies.items()
+                for q, p in (("p50", 0.5), ("p99", 0.99))
+            },
+            "lag_max_s": max(latencies["lag"], default=0.0),
+            "elapsed_s": sum(row["elapsed_s"] for row in rows),
             "memory_growth": _growth(rows) if measure_memory else None,
-            "base": base, "leftovers": h.leftovers_when_idle(),
+            "base": base,
+            "leftovers": h.leftovers_when_idle(),
             "live_objects": h.live_objects(),
             "registry_size": len(h.mt.worker_list().workers),
-        }  # fmt: skip
+        }
 
 
 def _growth(rows: list[dict[str, Any]]) -> dict[str, int] | None:
@@ -525,8 +612,10 @@ def table(result: dict[str, Any]) -> list[tuple[str, str]]:
 
     rows = [
         ("workers (at start)", str(result["workers"])),
-        ("churn events (joined / killed / drained)",
-         f"{result['churn_events']} ({f['num_joined']} / {f['num_killed']} / {f['num_drained']})"),
+        (
+            "churn events (joined / killed / drained)",
+            f"{result['churn_events']} ({f['num_joined']} / {f['num_killed']} / {f['num_drained']})",
+        ),
         ("samples", str(result["samples"])),
         ("lost / duplicated / corrupted", f"{result['lost']} / {result['duplicated']} / {result['corrupted']}"),
         ("migrated (failure / handback)", f"{c['migrated_failure']:.0f} / {c['migrated_handback']:.0f}"),
@@ -535,7 +624,7 @@ def table(result: dict[str, Any]) -> list[tuple[str, str]]:
         ("heartbeat p50 / p99 (ms)", ms("heartbeat")),
         ("manager loop lag p50 / p99 (ms)", ms("lag")),
         ("load time (s)", f"{result['elapsed_s']:.1f}"),
-    ]  # fmt: skip
+    ]
     if growth is not None:
         rows += [
             ("heap growth after warm-up (blocks)", f"{growth['heap_blocks']:+d}"),

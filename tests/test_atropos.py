@@ -79,8 +79,16 @@ def test_a_sequence_with_another_context_keeps_it():
 
 def test_group_advantages_from_scores_and_set_advantage_to_zero():
     algo = AlgoConfig()
-    g = to_group(scored(tokens=[[5, 6, 7]] * 3, masks=[[X, 6, 7]] * 3, scores=[1.0, 0.0, 0.5],
-                        overrides=[{}, {"set_advantage_to_zero": True}, None]), 0, 0)  # fmt: skip
+    g = to_group(
+        scored(
+            tokens=[[5, 6, 7]] * 3,
+            masks=[[X, 6, 7]] * 3,
+            scores=[1.0, 0.0, 0.5],
+            overrides=[{}, {"set_advantage_to_zero": True}, None],
+        ),
+        0,
+        0,
+    )
     assert g.zero_advantage == [False, True, False]
     from polyrl.trainer.stream import StreamResult
 
@@ -135,8 +143,17 @@ def test_base_envs_empty_lists_mean_none_and_bad_groups_are_dropped_not_fatal():
 
     from polyrl.rollout.atropos import AtroposRollout
 
-    good = {"tokens": [[5, 6, 7]], "masks": [[X, X, 7]], "scores": [1.0], "advantages": [], "overrides": [],
-            "inference_logprobs": [], "ref_logprobs": [], "messages": [], "group_overrides": {}}  # fmt: skip
+    good = {
+        "tokens": [[5, 6, 7]],
+        "masks": [[X, X, 7]],
+        "scores": [1.0],
+        "advantages": [],
+        "overrides": [],
+        "inference_logprobs": [],
+        "ref_logprobs": [],
+        "messages": [],
+        "group_overrides": {},
+    }
     misaligned = good | {"masks": [[X, 7]]}
     too_long = good | {"tokens": [[5] * 70], "masks": [[X] * 69 + [5]]}
     client = SimpleNamespace(registration=SimpleNamespace(max_token_len=64))
@@ -183,13 +200,27 @@ def test_polyrl_train_stops_with_one_line_when_the_api_is_unreachable(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
-    cmd = [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(tmp_path / "run"), "data.source=atropos",
-           f"data.atropos.url={url}", "data.atropos.unreachable_timeout_s=1", "manager.port=0", "fleet.num_workers=0",
-           "logging.console=false", "logging.tensorboard=false"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "polyrl.cli",
+        "train",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "data.source=atropos",
+        f"data.atropos.url={url}",
+        "data.atropos.unreachable_timeout_s=1",
+        "manager.port=0",
+        "fleet.num_workers=0",
+        "logging.console=false",
+        "logging.tensorboard=false",
+    ]
     env = os.environ | {"POLYRL_TOKEN": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if f"Atropos API at {url} unreachable for 1s" in line]
+    lines = [
+        line for line in (proc.stdout + proc.stderr).splitlines() if f"Atropos API at {url} unreachable for 1s" in line
+    ]
     assert len(lines) == 1 and "--resume" in lines[0], proc.stderr[-3000:]
     # Logs to a pipe or file are plain lines, not rich's 80 columns padded with spaces.
     manager_log = (tmp_path / "run" / "manager.log").read_text().splitlines()

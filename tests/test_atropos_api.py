@@ -29,13 +29,25 @@ def api(tmp_path):
 
 
 def group(score_a: float = 1.0, score_b: float = 0.0) -> dict:
-    return {"tokens": [[5, 6, 7, 8], [5, 6, 9, 10]], "masks": [[X, X, 7, 8], [X, X, 9, 10]],
-            "scores": [score_a, score_b], "inference_logprobs": [[1.0, 1.0, -0.5, -0.25], [1.0, 1.0, -1.0, -2.0]]}  # fmt: skip
+    return {
+        "tokens": [[5, 6, 7, 8], [5, 6, 9, 10]],
+        "masks": [[X, X, 7, 8], [X, X, 9, 10]],
+        "scores": [score_a, score_b],
+        "inference_logprobs": [[1.0, 1.0, -0.5, -0.25], [1.0, 1.0, -1.0, -2.0]],
+    }
 
 
 def client(url: str, batch_size: int = 4, **cfg) -> AtroposClient:
-    reg = Registration(wandb_group="g", wandb_project="p", batch_size=batch_size, max_token_len=64,
-                       checkpoint_dir="/tmp/ckpt", save_checkpoint_interval=5, starting_step=0, num_steps=10)  # fmt: skip
+    reg = Registration(
+        wandb_group="g",
+        wandb_project="p",
+        batch_size=batch_size,
+        max_token_len=64,
+        checkpoint_dir="/tmp/ckpt",
+        save_checkpoint_interval=5,
+        starting_step=0,
+        num_steps=10,
+    )
     settings = {"url": url, "poll_interval_s": 0.05, "max_poll_interval_s": 0.2, "unreachable_timeout_s": 20} | cfg
     return AtroposClient(AtroposConfig(**settings), reg)
 
@@ -43,9 +55,19 @@ def client(url: str, batch_size: int = 4, **cfg) -> AtroposClient:
 def test_registration_payload_is_what_the_api_requires(tmp_path):
     from atroposlib.api.server import Registration as APIRegistration
 
-    cfg = load_config(None, ["data.source=atropos", "data.atropos.url=http://127.0.0.1:1", "trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=4",
-                             "rollout.n=4", "trainer.save_every=7", "trainer.total_steps=30",
-                             "data.atropos.wandb_project=proj"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "data.source=atropos",
+            "data.atropos.url=http://127.0.0.1:1",
+            "trainer.train_batch_size=8",
+            "trainer.ppo_mini_batch_size=4",
+            "rollout.n=4",
+            "trainer.save_every=7",
+            "trainer.total_steps=30",
+            "data.atropos.wandb_project=proj",
+        ],
+    )
     payload = registration(cfg, tmp_path, max_token_len=256, steps_done=12).model_dump()
     APIRegistration.model_validate(payload)  # every field it requires, with its type
     assert set(payload) == set(APIRegistration.model_fields)
@@ -119,7 +141,9 @@ def test_a_reset_api_is_registered_with_again(api):
     c.register(0)
     c_batch: list = []
     api.get("/batch")  # the trainer started
-    httpx.get(api.url + "/reset_data", timeout=5).raise_for_status()  # forgets the registration; its /batch then fails with HTTP 500
+    httpx.get(
+        api.url + "/reset_data", timeout=5
+    ).raise_for_status()  # forgets the registration; its /batch then fails with HTTP 500
     t = threading.Thread(target=lambda: c_batch.append(c.next_batch(2)))
     t.start()
     deadline = time.monotonic() + 10

@@ -73,13 +73,33 @@ def api(tmp_path: Path) -> Iterator[AtroposAPI]:
     server.stop()
 
 
-def start_env(procs: Processes, api_url: str, inference_url: str, model_dir: Path, server_type: str,
-              *extra: str) -> None:  # fmt: skip
-    procs.start("env", [
-        sys.executable, str(ENV_SCRIPT), "--api", api_url, "--inference", inference_url, "--model", model_dir.name,
-        "--tokenizer", str(model_dir), "--token", TOKEN, "--server-type", server_type,
-        "--group-size", str(GROUP_SIZE), "--max-num-workers", "8", *extra,
-    ])  # fmt: skip
+def start_env(
+    procs: Processes, api_url: str, inference_url: str, model_dir: Path, server_type: str, *extra: str
+) -> None:
+    procs.start(
+        "env",
+        [
+            sys.executable,
+            str(ENV_SCRIPT),
+            "--api",
+            api_url,
+            "--inference",
+            inference_url,
+            "--model",
+            model_dir.name,
+            "--tokenizer",
+            str(model_dir),
+            "--token",
+            TOKEN,
+            "--server-type",
+            server_type,
+            "--group-size",
+            str(GROUP_SIZE),
+            "--max-num-workers",
+            "8",
+            *extra,
+        ],
+    )
 
 
 def check_env_stopped(procs: Processes, code: int, line: str, timeout_s: float = 60) -> str:
@@ -100,21 +120,50 @@ def check_env_stopped(procs: Processes, code: int, line: str, timeout_s: float =
 def start_worker(procs: Processes, model_dir: Path, manager_url: str, port: int) -> None:
     """A `polyrl worker` of its own that joins the trainer's manager (and pulls every
     version from it), so that the environment can call it by its address."""
-    procs.start("worker", [
-        sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--port", str(port),
-        "--manager", manager_url, "--token", TOKEN, "--worker-id", "env-worker", "engine.max_num_seqs=64",
-    ])  # fmt: skip
+    procs.start(
+        "worker",
+        [
+            sys.executable,
+            "-m",
+            "polyrl.cli",
+            "worker",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--manager",
+            manager_url,
+            "--token",
+            TOKEN,
+            "--worker-id",
+            "env-worker",
+            "engine.max_num_seqs=64",
+        ],
+    )
 
 
 def trainer_config(api_url: str, model_dir: Path, manager_port: int, steps: int, *extra: str):
-    return load_config(None, [
-        "logging.console=false", "logging.tensorboard=false", "trainer.save_every=0",
-        f"trainer.total_steps={steps}", "trainer.train_batch_size=32", "trainer.ppo_mini_batch_size=16",
-        f"rollout.n={GROUP_SIZE}", "rollout.mode=remote",
-        "data.source=atropos", f"data.atropos.url={api_url}", "data.atropos.batch_timeout_s=180",
-        f"model.path={model_dir}", f"manager.port={manager_port}", f"manager.token={TOKEN}",
-        "fleet.num_workers=0", *extra,
-    ])  # fmt: skip
+    return load_config(
+        None,
+        [
+            "logging.console=false",
+            "logging.tensorboard=false",
+            "trainer.save_every=0",
+            f"trainer.total_steps={steps}",
+            "trainer.train_batch_size=32",
+            "trainer.ppo_mini_batch_size=16",
+            f"rollout.n={GROUP_SIZE}",
+            "rollout.mode=remote",
+            "data.source=atropos",
+            f"data.atropos.url={api_url}",
+            "data.atropos.batch_timeout_s=180",
+            f"model.path={model_dir}",
+            f"manager.port={manager_port}",
+            f"manager.token={TOKEN}",
+            "fleet.num_workers=0",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture
@@ -122,8 +171,9 @@ def model_dir(tmp_path: Path) -> Path:
     return save_tiny_model(tmp_path / "tiny_model", TinyModelConfig())
 
 
-def run_training(tmp_path: Path, api: AtroposAPI, procs: Processes, model_dir: Path, server_type: str,
-                 target: str, steps: int) -> tuple[list[dict], list[int]]:
+def run_training(
+    tmp_path: Path, api: AtroposAPI, procs: Processes, model_dir: Path, server_type: str, target: str, steps: int
+) -> tuple[list[dict], list[int]]:
     """The environment calls `target`: a `polyrl worker` of its own that joined the
     trainer's manager, or the manager itself (which routes to the worker the trainer
     launched). Returns the metrics and the serving worker's weight version after each step."""
@@ -183,8 +233,9 @@ def test_openai_class_through_the_manager_trains(tmp_path, api, procs, model_dir
 
 
 @pytest.mark.slow
-def test_a_worker_killed_mid_request_shows_in_the_trainers_log_and_metrics(tmp_path, api, procs, model_dir,
-                                                                          caplog) -> None:  # fmt: skip
+def test_a_worker_killed_mid_request_shows_in_the_trainers_log_and_metrics(
+    tmp_path, api, procs, model_dir, caplog
+) -> None:
     """kill -9 of a launched worker while it runs the environment's requests, found by the
     pid that /v1/workers gives (as an operator would): the manager moves its samples to
     the other worker, and the trainer says so, with one line and in its metrics
@@ -194,8 +245,16 @@ def test_a_worker_killed_mid_request_shows_in_the_trainers_log_and_metrics(tmp_p
     # long samples (16 tokens), so that a worker seen busy is still busy when the signal lands
     start_env(procs, api.url, f"{manager_url}/v1", model_dir, "vllm", "--max-new-tokens", "16")
     steps = 3
-    cfg = trainer_config(api.url, model_dir, manager_port, steps, "fleet.num_workers=2", "engine.max_num_seqs=64",
-                         "trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=8")  # fmt: skip
+    cfg = trainer_config(
+        api.url,
+        model_dir,
+        manager_port,
+        steps,
+        "fleet.num_workers=2",
+        "engine.max_num_seqs=64",
+        "trainer.train_batch_size=8",
+        "trainer.ppo_mini_batch_size=8",
+    )
     killed: list[dict] = []
 
     def kill_a_busy_worker() -> None:
@@ -240,9 +299,16 @@ def start_env_without_a_trainer(api: AtroposAPI, procs: Processes, model_dir: Pa
     would, and polls once (then environments may register); the environment's inference
     server is gone (a trainer that finished took its manager along). Returns once the
     environment's first groups failed."""
-    registration = Registration(wandb_group="polyrl", wandb_project="polyrl", batch_size=GROUP_SIZE,
-                                max_token_len=256, checkpoint_dir=str(model_dir), save_checkpoint_interval=0,
-                                starting_step=0, num_steps=num_steps)  # fmt: skip
+    registration = Registration(
+        wandb_group="polyrl",
+        wandb_project="polyrl",
+        batch_size=GROUP_SIZE,
+        max_token_len=256,
+        checkpoint_dir=str(model_dir),
+        save_checkpoint_interval=0,
+        starting_step=0,
+        num_steps=num_steps,
+    )
     api.post("/register", registration.model_dump())
     api.get("/batch")
     start_env(procs, api.url, f"http://127.0.0.1:{free_port()}/v1", model_dir, "vllm")
@@ -261,11 +327,13 @@ def test_the_environment_stops_once_the_trainer_took_its_last_batch(api, procs, 
     killed.)"""
     start_env_without_a_trainer(api, procs, model_dir, num_steps=1)
     tokens = [[random.randrange(3, 40) for _ in range(7)] for _ in range(GROUP_SIZE)]  # within the tiny alphabet
-    api.post("/scored_data", {"tokens": tokens, "masks": [[-100] * 3 + t[3:] for t in tokens],
-                              "scores": [0.5] * GROUP_SIZE})  # fmt: skip
+    api.post(
+        "/scored_data", {"tokens": tokens, "masks": [[-100] * 3 + t[3:] for t in tokens], "scores": [0.5] * GROUP_SIZE}
+    )
     assert api.get("/batch")["batch"], "the pushed group makes the trainer's last batch"
-    log = check_env_stopped(procs, 0, "the trainer's batches are all taken or queued (step 1 of 1, 0 more queued)",
-                            timeout_s=30)  # fmt: skip
+    log = check_env_stopped(
+        procs, 0, "the trainer's batches are all taken or queued (step 1 of 1, 0 more queued)", timeout_s=30
+    )
     assert log.count("the inference server at") == 1, log[-3000:]
 
 
@@ -291,9 +359,12 @@ class GroupPusher:
 
     def group(self) -> dict:
         tokens = [[self.rng.randrange(3, self.vocab_size) for _ in range(7)] for _ in range(self.group_size)]
-        return {"tokens": tokens, "masks": [[-100] * 3 + t[3:] for t in tokens],
-                "scores": [self.rng.random() for _ in tokens],
-                "inference_logprobs": [[1.0] * 3 + [-self.rng.uniform(3, 5) for _ in range(4)] for _ in tokens]}  # fmt: skip
+        return {
+            "tokens": tokens,
+            "masks": [[-100] * 3 + t[3:] for t in tokens],
+            "scores": [self.rng.random() for _ in tokens],
+            "inference_logprobs": [[1.0] * 3 + [-self.rng.uniform(3, 5) for _ in range(4)] for _ in tokens],
+        }
 
     def _run(self) -> None:
         while not self.stopped.is_set():
@@ -322,10 +393,20 @@ class GroupPusher:
 def test_resume_registers_with_the_resumed_step(tmp_path, api, model_dir) -> None:
     """Two steps on pushed groups, then a fresh API (all its state is in memory) and a
     resumed run of one more step: it registers with starting_step 2, so the API counts 3."""
-    overrides = ["trainer.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "rollout.n=4", "rollout.mode=remote",
-                 "data.source=atropos", f"data.atropos.url={api.url}", f"model.path={model_dir}", "manager.port=0",
-                 "fleet.num_workers=0", "logging.console=false", "logging.tensorboard=false",
-                 "data.atropos.batch_timeout_s=60"]  # fmt: skip
+    overrides = [
+        "trainer.train_batch_size=2",
+        "trainer.ppo_mini_batch_size=2",
+        "rollout.n=4",
+        "rollout.mode=remote",
+        "data.source=atropos",
+        f"data.atropos.url={api.url}",
+        f"model.path={model_dir}",
+        "manager.port=0",
+        "fleet.num_workers=0",
+        "logging.console=false",
+        "logging.tensorboard=false",
+        "data.atropos.batch_timeout_s=60",
+    ]
     vocab_size = 40  # within the tiny tokenizer's alphabet
     run_dir = tmp_path / "run"
     with GroupPusher(api, vocab_size):
@@ -345,10 +426,21 @@ def test_resume_registers_with_the_resumed_step(tmp_path, api, model_dir) -> Non
 def test_training_goes_on_through_an_api_restart(tmp_path, api, model_dir) -> None:
     """The API is killed after step 2 and back 1.5 s later with no state: the trainer
     retries, registers again with starting_step 2, and finishes its 5 steps."""
-    overrides = ["trainer.train_batch_size=2", "trainer.ppo_mini_batch_size=2", "rollout.n=4", "rollout.mode=remote",
-                 "data.source=atropos", f"data.atropos.url={api.url}", f"model.path={model_dir}", "manager.port=0",
-                 "fleet.num_workers=0", "logging.console=false", "logging.tensorboard=false",
-                 "data.atropos.batch_timeout_s=60", "trainer.total_steps=5"]  # fmt: skip
+    overrides = [
+        "trainer.train_batch_size=2",
+        "trainer.ppo_mini_batch_size=2",
+        "rollout.n=4",
+        "rollout.mode=remote",
+        "data.source=atropos",
+        f"data.atropos.url={api.url}",
+        f"model.path={model_dir}",
+        "manager.port=0",
+        "fleet.num_workers=0",
+        "logging.console=false",
+        "logging.tensorboard=false",
+        "data.atropos.batch_timeout_s=60",
+        "trainer.total_steps=5",
+    ]
 
     def restart_after_step_2(step: int, _: dict) -> None:
         if step == 2:

@@ -99,20 +99,29 @@ CLI_ERRORS = {
     "unknown task": (["train", "data.task=nosuchtask"], "data.task: unknown task 'nosuchtask'"),
     "missing data file": (["train", "data.task=dataset", "data.path={tmp}/none.jsonl"], "data.path: file not found"),
     "wrong columns": (["train", "data.task=dataset", "data.path={tmp}/qa.jsonl"], "needs column 'prompt'"),
-    "malformed jsonl": (["train", "data.task=dataset", "data.path={tmp}/bad.jsonl"],
-                        "config error: data.path: {tmp}/bad.jsonl line 1 is not JSON: Expecting value (column 1)"),
-    "malformed jsonl, later line": (["train", "data.task=dataset", "data.path={tmp}/bad3.jsonl"],
-                                    "data.path: {tmp}/bad3.jsonl line 3 is not JSON: Expecting ',' delimiter"),
-    "wrong columns, parquet": (["train", "data.task=dataset", "data.path={tmp}/qa.parquet", "data.format=openr1"],
-                               "needs column 'problem'"),
+    "malformed jsonl": (
+        ["train", "data.task=dataset", "data.path={tmp}/bad.jsonl"],
+        "config error: data.path: {tmp}/bad.jsonl line 1 is not JSON: Expecting value (column 1)",
+    ),
+    "malformed jsonl, later line": (
+        ["train", "data.task=dataset", "data.path={tmp}/bad3.jsonl"],
+        "data.path: {tmp}/bad3.jsonl line 3 is not JSON: Expecting ',' delimiter",
+    ),
+    "wrong columns, parquet": (
+        ["train", "data.task=dataset", "data.path={tmp}/qa.parquet", "data.format=openr1"],
+        "needs column 'problem'",
+    ),
     "reward module": (["train", "reward.functions=['no_such_module:score']"], "cannot import module 'no_such_module'"),
     "reward attribute": (["train", "reward.functions=['polyrl.data.tasks:no_such_fn']"], "has no 'no_such_fn'"),
     "taken port": (["train", "manager.port={port}"], "manager.port: 127.0.0.1:{port} is in use"),
     "model path": (["train", "model.path=/no/such/dir"], "model.path: /no/such/dir does not exist"),
     "model file": (["train", "model.path={tmp}/qa.jsonl"], "is not a directory"),
     "manager port": (["manager", "--port", "{port}"], "manager.port: 127.0.0.1:{port} is in use"),
-    "worker port": (["worker", "--model", "{tmp}/model", "--port", "{port}"], "worker.port: 127.0.0.1:{port} is in use"),
-}  # fmt: skip
+    "worker port": (
+        ["worker", "--model", "{tmp}/model", "--port", "{port}"],
+        "worker.port: 127.0.0.1:{port} is in use",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(CLI_ERRORS))
@@ -136,8 +145,9 @@ def test_cli_config_errors_are_one_fast_line_before_anything_is_written(case, tm
         if command[0] == "train":
             argv[1:1] = ["--run-dir", str(run_dir)]
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "polyrl.cli", *argv],
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "polyrl.cli", *argv], capture_output=True, text=True, timeout=60
+        )
         elapsed_s = time.perf_counter() - t0
     imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]

@@ -30,10 +30,17 @@ WORKER_IDS = ("spot-worker-in-europe-west4-a", "spot-worker-in-us-central1-b")
 """Long ids: at rich's 80 columns off a terminal, the table was squeezed and every header cut."""
 
 TRAIN = [
-    "trainer.total_steps=1", "fleet.num_workers=0", "manager.port=0", "logging.tensorboard=false",
-    "trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=4", "rollout.n=4", "rollout.max_new_tokens=8",
-    "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
-]  # fmt: skip
+    "trainer.total_steps=1",
+    "fleet.num_workers=0",
+    "manager.port=0",
+    "logging.tensorboard=false",
+    "trainer.train_batch_size=8",
+    "trainer.ppo_mini_batch_size=4",
+    "rollout.n=4",
+    "rollout.max_new_tokens=8",
+    "model.tiny.hidden_size=32",
+    "model.tiny.intermediate_size=64",
+]
 """One small step of the main job (remote mode: the manager and the trainer's own worker)."""
 
 
@@ -58,10 +65,12 @@ def test_status_through_a_pipe_is_neither_squeezed_nor_wrapped() -> None:
     with ManagerThread(chaos_manager_config(heartbeat_timeout_s=3600.0)) as mt:
         for worker_id in WORKER_IDS:
             register_fake(mt, worker_id, usd_per_hour=0.42)
-        shown = subprocess.run(_polyrl("status", mt.url, "--token", TOKEN), capture_output=True, text=True, env=_env(),
-                               timeout=60)  # fmt: skip
-        refused = subprocess.run(_polyrl("status", mt.url, "--token", "wrong"), capture_output=True, text=True,
-                                 env=_env(), timeout=60)  # fmt: skip
+        shown = subprocess.run(
+            _polyrl("status", mt.url, "--token", TOKEN), capture_output=True, text=True, env=_env(), timeout=60
+        )
+        refused = subprocess.run(
+            _polyrl("status", mt.url, "--token", "wrong"), capture_output=True, text=True, env=_env(), timeout=60
+        )
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     [summary] = [line for line in lines if "step/version" in line]
@@ -83,8 +92,14 @@ def test_status_watch_through_a_pipe_prints_every_refresh() -> None:
     with ManagerThread(chaos_manager_config(heartbeat_timeout_s=3600.0)) as mt:
         register_fake(mt, WORKER_IDS[0])
         command = _polyrl("status", mt.url, "--token", TOKEN, "--watch", "--interval", "0.1")
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                                preexec_fn=_ctrl_c_as_from_a_shell)  # fmt: skip
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            preexec_fn=_ctrl_c_as_from_a_shell,
+        )
         try:
             lines = _lines_of(proc.stdout)
             deadline = time.monotonic() + 30
@@ -171,8 +186,9 @@ def test_a_log_file_gets_no_progress_bar(tmp_path: Path) -> None:
 
 def _train(run_dir: Path, stdout: int | IO[bytes]) -> subprocess.Popen[bytes]:
     command = _polyrl("train", "--run-dir", str(run_dir), *TRAIN)
-    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.STDOUT, env=_env(),
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        command, stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.STDOUT, env=_env(), start_new_session=True
+    )
 
 
 def _wait(proc: subprocess.Popen[bytes], timeout_s: float = 240) -> int:
@@ -183,4 +199,3 @@ def _wait(proc: subprocess.Popen[bytes], timeout_s: float = 240) -> int:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-

@@ -70,8 +70,10 @@ def test_threads_come_back_when_cores_idle_and_go_when_they_wait() -> None:
     threads.is_adaptive, threads.threads = True, 1
     try:
         for wait_s, idle_s, expected in ((0.0, 1.0, 2), (0.0, 1.0, 3), (0.0, 2.0, 3), (0.9, 0.0, 2), (0.1, 0.5, 2)):
-            threads._adjust(_Sample(wall_s=time.monotonic() - 1.0, idle_s=0.0, wait_s=0.0), _Sample(
-                wall_s=time.monotonic(), idle_s=idle_s, wait_s=wait_s * threads.threads))  # fmt: skip
+            threads._adjust(
+                _Sample(wall_s=time.monotonic() - 1.0, idle_s=0.0, wait_s=0.0),
+                _Sample(wall_s=time.monotonic(), idle_s=idle_s, wait_s=wait_s * threads.threads),
+            )
             assert threads.threads == torch.get_num_threads() == expected, (wait_s, idle_s)
     finally:
         torch.set_num_threads(before)
@@ -93,13 +95,21 @@ def test_a_chosen_count_is_kept() -> None:
 def _update_s(run_dir: Path, extra: list[str]) -> tuple[float, list[float]]:
     """The main job (its CPU learner, and workers of one thread each), a few steps: the
     median update time after the first step, and the thread counts it logged."""
-    overrides = ["trainer.total_steps=4", "trainer.save_every=0", "logging.console=false", "logging.tensorboard=false",
-                 *extra]  # fmt: skip
+    overrides = [
+        "trainer.total_steps=4",
+        "trainer.save_every=0",
+        "logging.console=false",
+        "logging.tensorboard=false",
+        *extra,
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     done = subprocess.run(
         [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir), *overrides],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["timing_s/update_actor"] for r in rows[1:]), [r["perf/cpu_threads"] for r in rows]
@@ -128,8 +138,12 @@ def test_runs_that_promise_their_bits_keep_one_count() -> None:
     before = torch.get_num_threads()
     governor = process_threads()
     try:
-        for overrides, adaptive in ((["rollout.mode=local"], False), (["rollout.deterministic=true"], False),
-                                    (["trainer.num_threads=1"], False), ([], CORES > 1)):  # fmt: skip
+        for overrides, adaptive in (
+            (["rollout.mode=local"], False),
+            (["rollout.deterministic=true"], False),
+            (["trainer.num_threads=1"], False),
+            ([], CORES > 1),
+        ):
             governor.__init__(max_threads=CORES)  # as a fresh process starts
             prepare_process(load_config(None, overrides))
             assert governor.is_adaptive == adaptive, overrides

@@ -56,9 +56,16 @@ AS_SAMPLED = [True, True, False]
 
 
 def _train(
-    rank: int, world_size: int, port: int, init_dir: Path, ckpt: Path | None, out: Path, batches: list,
-    overrides: list[str], device: str,
-) -> None:  # fmt: skip
+    rank: int,
+    world_size: int,
+    port: int,
+    init_dir: Path,
+    ckpt: Path | None,
+    out: Path,
+    batches: list,
+    overrides: list[str],
+    device: str,
+) -> None:
     """One rank: the real learner (sharded when world_size > 1, from `ckpt` when given) through
     the real commands; rank 0 saves the metrics, the whole weights and optimizer state. One
     process also checkpoints after the first mini-batch (into out's directory)."""
@@ -234,7 +241,9 @@ def test_two_gpus_match_one_in_bf16(tmp_path, tiny_model_dir, monkeypatch):
     overrides = [*LEARNER, "model.dtype=bfloat16", "trainer.working_copy=false", "trainer.compile_layers=false"]
     batches = _mini_batches(3, [8, 3, 8], vocab=40)
     _train(0, 1, 0, tiny_model_dir, None, tmp_path / "one.pt", batches, overrides, "cuda")
-    mp.spawn(_train, args=(2, free_port(), tiny_model_dir, None, tmp_path / "two.pt", batches, overrides, "cuda"), nprocs=2)
+    mp.spawn(
+        _train, args=(2, free_port(), tiny_model_dir, None, tmp_path / "two.pt", batches, overrides, "cuda"), nprocs=2
+    )
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):

@@ -37,16 +37,12 @@ QUICK = [
 ]
 
 
-
-
 def _check_every_step(rows: list[dict]) -> None:
     for r in rows:
         assert r["rollout/samples_received"] == r["rollout/samples_requested"] > 0, r["step"]
         assert r["rollout/samples_lost"] == 0
         assert r["rollout/logprob_diff"] < ON_POLICY, (r["step"], r["rollout/logprob_diff"])
         assert r["cost/usd_per_hour"] > 0 and r["cost/tokens_per_usd"] > 0
-
-
 
 
 @pytest.mark.slow
@@ -72,10 +68,16 @@ def test_churn_with_kill_minus_9_loses_no_sample(tmp_path: Path) -> None:
     sample of every step. 30 steps (~45 s on 2 cores) span both seeded kills, two
     retirements and several launches."""
     overrides = [
-        *QUICK, "trainer.total_steps=30", "fleet.num_workers=2", "fleet.churn_interval_s=5",
-        "fleet.churn_min_workers=1", "fleet.kill_interval_s=12", "fleet.kill_seed=5",  # kills ~12 s and ~28 s in
-        "fleet.drain_timeout_s=0.5", "fleet.ready_timeout_s=60",
-    ]  # fmt: skip
+        *QUICK,
+        "trainer.total_steps=30",
+        "fleet.num_workers=2",
+        "fleet.churn_interval_s=5",
+        "fleet.churn_min_workers=1",
+        "fleet.kill_interval_s=12",
+        "fleet.kill_seed=5",  # kills ~12 s and ~28 s in
+        "fleet.drain_timeout_s=0.5",
+        "fleet.ready_timeout_s=60",
+    ]
     train(load_config(None, overrides), tmp_path / "run")
     rows = _metrics(tmp_path / "run")
     _check_every_step(rows)
@@ -90,8 +92,9 @@ def test_zero_workers_then_one_joins_from_outside(tmp_path: Path, tiny_model_dir
     started by hand with the manager's URL and token joins mid-run and takes over."""
     run_dir = tmp_path / "run"
     small_batch = ["trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=8"]  # steps on the joiner's 4 slots
-    cfg = load_config(None, [*QUICK, "trainer.total_steps=400", *small_batch, "fleet.num_workers=0",
-                             f'manager.token="{TOKEN}"'])  # fmt: skip
+    cfg = load_config(
+        None, [*QUICK, "trainer.total_steps=400", *small_batch, "fleet.num_workers=0", f'manager.token="{TOKEN}"']
+    )
     joined_at: list[int] = []
     worker: list[WorkerProcess] = []
 
@@ -125,8 +128,14 @@ def test_min_workers_keeps_the_first_step_off_the_trainers_engine(tmp_path: Path
     """fleet.min_workers=1 and no launched worker: training waits for a worker started by
     hand (here once the manager is up) instead of generating step 1 itself."""
     run_dir = tmp_path / "run"
-    overrides = ["trainer.total_steps=2", "trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=8",  # 4 slots
-                 "fleet.num_workers=0", "fleet.min_workers=1", f'manager.token="{TOKEN}"']  # fmt: skip
+    overrides = [
+        "trainer.total_steps=2",
+        "trainer.train_batch_size=16",
+        "trainer.ppo_mini_batch_size=8",  # 4 slots
+        "fleet.num_workers=0",
+        "fleet.min_workers=1",
+        f'manager.token="{TOKEN}"',
+    ]
     cfg = load_config(None, [*QUICK, *overrides])
     worker: list[WorkerProcess] = []
 
@@ -173,7 +182,13 @@ def test_generating_one_step_ahead_then_resuming(tmp_path: Path) -> None:
     prompts again, and every step gets every sample."""
 
     run_dir = tmp_path / "run"
-    overrides = [*QUICK, "trainer.total_steps=6", "trainer.save_every=3", "fleet.num_workers=1", "rollout.max_staleness=1"]
+    overrides = [
+        *QUICK,
+        "trainer.total_steps=6",
+        "trainer.save_every=3",
+        "fleet.num_workers=1",
+        "rollout.max_staleness=1",
+    ]
     with pytest.raises(Crash):
         train(load_config(None, overrides), run_dir, on_step_end=crash_after(4))
     saved = read_trainer_state(run_dir / "checkpoints" / "step_000003")["state"]
@@ -227,13 +242,20 @@ def test_hybrid_window_hands_local_samples_to_a_worker_token_exact(long_context_
             return await sync(record, version)
 
         mt.add_sync_hook(slow_sync)
-        procs = [_start_worker(long_context_model, mt.url, "w1"),
-                 WorkerProcess(long_context_model, "--manager", mt.url, "--token", TOKEN, "worker.local=true")]  # fmt: skip
+        procs = [
+            _start_worker(long_context_model, mt.url, "w1"),
+            WorkerProcess(long_context_model, "--manager", mt.url, "--token", TOKEN, "worker.local=true"),
+        ]
         try:
             for proc in procs:
                 proc.wait_ready()
-            _wait_until(lambda: {w.state for w in mt.worker_list().workers} == {"active"}
-                        and len(mt.worker_list().workers) == 2, 60, "both active")  # fmt: skip
+            _wait_until(
+                lambda: (
+                    {w.state for w in mt.worker_list().workers} == {"active"} and len(mt.worker_list().workers) == 2
+                ),
+                60,
+                "both active",
+            )
             reference = Engine.from_pretrained(str(long_context_model), EngineConfig(max_num_seqs=8))
             weights = {k: p.detach().clone() for k, p in reference.model.named_parameters()}
             pub.publish(weights, 1)  # the same values as v0: the reference stays valid
@@ -289,8 +311,14 @@ PLACEMENT_KEYS = ("rollout/local_samples", "rollout/migrated_samples", "training
 def test_deterministic_remote_runs_repeat_exactly(tmp_path: Path) -> None:
     """rollout.deterministic: two remote runs with 2 workers and the same seed log the same
     metrics (every key but timings and placement) and save bit-identical weights."""
-    overrides = [*QUICK, "rollout.deterministic=true", "trainer.total_steps=3", "trainer.train_batch_size=16",
-                 "trainer.ppo_mini_batch_size=4", "rollout.n=8"]  # fmt: skip
+    overrides = [
+        *QUICK,
+        "rollout.deterministic=true",
+        "trainer.total_steps=3",
+        "trainer.train_batch_size=16",
+        "trainer.ppo_mini_batch_size=4",
+        "rollout.n=8",
+    ]
     runs = [tmp_path / "a", tmp_path / "b"]
     for run_dir in runs:
         train(load_config(None, overrides), run_dir)

@@ -34,8 +34,13 @@ def overlap_decode(request, monkeypatch):
     steps fed on the device, rows of stopped or aborted samples dropped) is the same on CPU."""
     if request.param == "overlap":
         init = Engine.__init__
-        monkeypatch.setattr(Engine, "__init__", lambda self, model, cfg, *a, **k: init(
-            self, model, cfg.model_copy(update={"overlap_decode": "on"}), *a, **k))
+        monkeypatch.setattr(
+            Engine,
+            "__init__",
+            lambda self, model, cfg, *a, **k: init(
+                self, model, cfg.model_copy(update={"overlap_decode": "on"}), *a, **k
+            ),
+        )
     return request.param == "overlap"
 
 
@@ -52,7 +57,10 @@ def spicy_model(path, seed: int = 0):
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def model(request, tmp_path_factory):
-    path = save_tiny_model(tmp_path_factory.mktemp(request.param), TinyModelConfig(arch=request.param, hidden_size=64, intermediate_size=128))
+    path = save_tiny_model(
+        tmp_path_factory.mktemp(request.param),
+        TinyModelConfig(arch=request.param, hidden_size=64, intermediate_size=128),
+    )
     return spicy_model(path)
 
 
@@ -71,7 +79,9 @@ def run(engine: Engine, requests: list[EngineRequest], max_steps: int = 10_000) 
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -86,7 +96,9 @@ def test_greedy_equals_hf_generate(model):
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20), (0.0, 1.0, 0)])
 def test_logprobs_equal_the_trainers_full_forward(model, temperature, top_p, top_k):
-    s = EngineSampling(max_new_tokens=10, temperature=temperature, top_p=top_p, top_k=top_k, n=3, seed=7, ignore_eos=True)
+    s = EngineSampling(
+        max_new_tokens=10, temperature=temperature, top_p=top_p, top_k=top_k, n=3, seed=7, ignore_eos=True
+    )
     results = run(Engine(model, SMALL), [EngineRequest(str(i), p, s) for i, p in enumerate(PROMPTS)])
     for (rid, _), r in results.items():
         prompt = PROMPTS[int(rid)]
@@ -95,7 +107,9 @@ def test_logprobs_equal_the_trainers_full_forward(model, temperature, top_p, top
             logits = model(ids).logits[:, len(prompt) - 1 : -1]
         # The learner's own function, at the temperature the trainer uses (1 for greedy).
         ref, _ = token_logprobs(logits, torch.tensor([r.token_ids]), temperature or 1.0)
-        assert torch.allclose(ref[0], torch.tensor(r.logprobs), atol=1e-4), (ref[0] - torch.tensor(r.logprobs)).abs().max()
+        assert torch.allclose(ref[0], torch.tensor(r.logprobs), atol=1e-4), (
+            (ref[0] - torch.tensor(r.logprobs)).abs().max()
+        )
 
 
 def test_top_logprobs_equal_a_full_forwards_and_only_where_asked(model):
@@ -141,7 +155,9 @@ def test_shared_prefill_equals_separate_seeded_requests(model):
         engine.step()
     assert engine.blocks.num_free == engine.blocks.num_blocks  # shared blocks freed exactly once
     engine = Engine(model, SMALL)
-    separate = run(engine, [EngineRequest(f"s{j}", prompt, dataclasses.replace(s, n=1, seed=123 + j)) for j in range(4)])
+    separate = run(
+        engine, [EngineRequest(f"s{j}", prompt, dataclasses.replace(s, n=1, seed=123 + j)) for j in range(4)]
+    )
     assert len({tuple(r.token_ids) for r in separate.values()}) > 1  # the seeds do differ
     engine = Engine(model, SMALL)
     again = run(engine, [EngineRequest("shared", prompt, s)])
@@ -187,8 +203,13 @@ def test_stop_tokens_and_eos(model):
     ref = hf_greedy(model, PROMPTS[1], 12)
     stop = ref[3]
     engine = Engine(model, SMALL)
-    results = run(engine, [EngineRequest("s", PROMPTS[1], dataclasses.replace(GREEDY, stop_token_ids=(stop,))),
-                           EngineRequest("other", PROMPTS[0], GREEDY)])  # decodes on past the stop
+    results = run(
+        engine,
+        [
+            EngineRequest("s", PROMPTS[1], dataclasses.replace(GREEDY, stop_token_ids=(stop,))),
+            EngineRequest("other", PROMPTS[0], GREEDY),
+        ],
+    )  # decodes on past the stop
     r = results[("s", 0)]
     assert r.finish_reason == "stop" and r.matched_stop == stop
     assert r.token_ids == ref[: ref.index(stop) + 1]
@@ -196,13 +217,21 @@ def test_stop_tokens_and_eos(model):
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
-@pytest.mark.parametrize("policy,per_update", [("recompute", False), ("continue", False), ("abort", False),
-                                               ("continue", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "policy,per_update", [("recompute", False), ("continue", False), ("abort", False), ("continue", True)]
+)
 def test_weight_hot_swap_mid_run(model, tmp_path, policy, per_update, overlap_decode):
     """`per_update`: the policy comes with the update (as the manager sends it for fully
     asynchronous training) and overrides the engine's own "recompute"."""
-    new_model = spicy_model(save_tiny_model(tmp_path / "m2", TinyModelConfig(arch=model.config.model_type, hidden_size=64, intermediate_size=128)), seed=1)
-    engine = Engine(spicy_model(model.name_or_path), SMALL.model_copy(update={"swap_policy": "recompute" if per_update else policy}))
+    new_model = spicy_model(
+        save_tiny_model(
+            tmp_path / "m2", TinyModelConfig(arch=model.config.model_type, hidden_size=64, intermediate_size=128)
+        ),
+        seed=1,
+    )
+    engine = Engine(
+        spicy_model(model.name_or_path), SMALL.model_copy(update={"swap_policy": "recompute" if per_update else policy})
+    )
     part = SampleResult("r", 0, len(PROMPTS[0]))
     engine.add_request(EngineRequest("r", PROMPTS[0], GREEDY))
     while len(part.token_ids) < 4:
@@ -325,7 +354,10 @@ def test_async_engine_survives_callers_that_stop_waiting(model):
         engine = AsyncEngine(Engine(model, SMALL))
         collect = functools.partial(_collect, engine)
         long = EngineSampling(max_new_tokens=200, temperature=0.0, ignore_eos=True)
-        cancelled = [asyncio.create_task(collect("a", [1, 5], long)), asyncio.create_task(engine.update_weights(None, 7))]
+        cancelled = [
+            asyncio.create_task(collect("a", [1, 5], long)),
+            asyncio.create_task(engine.update_weights(None, 7)),
+        ]
         await asyncio.sleep(0.05)  # both wait on their commands: the engine thread has not started
         for task in cancelled:
             task.cancel()
@@ -350,7 +382,9 @@ def test_engine_on_cuda_matches_hf_and_runs_bf16(tmp_path):
     model = spicy_model(path).cuda()
     results = run(Engine(model, SMALL), [EngineRequest(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)])
     for i, p in enumerate(PROMPTS):
-        hf = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        hf = model.generate(
+            torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
         assert results[(str(i), 0)].token_ids == hf[0, len(p) :].tolist()
     # bf16 weights: runs, and sampling with a seed is reproducible across batch compositions.
     engine = Engine(spicy_model(path).to("cuda", torch.bfloat16), SMALL)
@@ -368,9 +402,13 @@ def test_sampled_frequencies_match_the_truncated_softmax(temperature, top_p, top
     logits = torch.randn(1, 8) * 2
     num = 40_000
     batch = SamplingBatch(
-        temperature=torch.full((num,), temperature), top_p=torch.full((num,), top_p),
-        top_k=torch.full((num,), top_k, dtype=torch.long), seeds=torch.arange(num, dtype=torch.long) * 7919,
-        positions=torch.full((num,), 5, dtype=torch.long), needs_truncation=top_p < 1 or top_k > 0, all_greedy=False,
+        temperature=torch.full((num,), temperature),
+        top_p=torch.full((num,), top_p),
+        top_k=torch.full((num,), top_k, dtype=torch.long),
+        seeds=torch.arange(num, dtype=torch.long) * 7919,
+        positions=torch.full((num,), 5, dtype=torch.long),
+        needs_truncation=top_p < 1 or top_k > 0,
+        all_greedy=False,
     )
     token_ids, logprobs = sample(logits.expand(num, 8), batch)
     freq = torch.bincount(token_ids, minlength=8).float() / num
@@ -406,7 +444,9 @@ def test_float64_logprobs_do_not_depend_on_the_batch(model):
     reordered = run(Engine(model64, SMALL.model_copy(update={"max_num_seqs": 5})), requests[::-1])
     float32 = run(Engine(model, SMALL), requests)
     head = alone[("2", 1)]  # sample 1 of request 2 uses seed 17 * 2 + 1
-    resumed = EngineRequest("r", PROMPTS[2] + head.token_ids[:3], dataclasses.replace(sampling, n=1, seed=35, max_new_tokens=5))
+    resumed = EngineRequest(
+        "r", PROMPTS[2] + head.token_ids[:3], dataclasses.replace(sampling, n=1, seed=35, max_new_tokens=5)
+    )
     rest = run(Engine(model64, SMALL), [resumed])[("r", 0)]
     assert (rest.token_ids, rest.logprobs) == (head.token_ids[3:], head.logprobs[3:])
     for key, a in alone.items():

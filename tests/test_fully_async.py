@@ -70,8 +70,15 @@ def test_fully_async_is_refused_where_it_cannot_work() -> None:
 def test_the_trainers_engine_fills_the_learners_waits_unless_asked_for_more(until: str, device: str, mode: str) -> None:
     """Fully asynchronous, the trainer's engine fills the learner's waits by default; with
     `always` it decodes beside the learner all the time (a fleet slower than the learner)."""
-    cfg = load_config(None, ["rollout.mode=hybrid", "rollout.fully_async=true", "rollout.max_staleness=2",
-                             f"rollout.hybrid_local_until={until}"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "rollout.mode=hybrid",
+            "rollout.fully_async=true",
+            "rollout.max_staleness=2",
+            f"rollout.hybrid_local_until={until}",
+        ],
+    )
     manager_cfg = window_policy(cfg, torch.device(device))
     assert manager_cfg.local_window == mode and manager_cfg.swap_policy == "continue"
 
@@ -337,8 +344,13 @@ def test_a_sample_spans_two_versions_without_a_restart(long_context_model: Path,
 # ---------------------------------------------------------------------------- end to end
 
 ASYNC = ["rollout.fully_async=true"]
-LONG = ["rollout.max_new_tokens=200", "trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=4", "rollout.n=4",
-        "engine.max_num_seqs=2"]  # fmt: skip
+LONG = [
+    "rollout.max_new_tokens=200",
+    "trainer.train_batch_size=8",
+    "trainer.ppo_mini_batch_size=4",
+    "rollout.n=4",
+    "engine.max_num_seqs=2",
+]
 """Responses up to 200 tokens (the tiny model stops at random, ~50 on average) on engines
 that run 2 sequences at a time: generation is the bottleneck, so publishes find samples
 half done, as on a GPU fleet with long responses."""
@@ -365,8 +377,11 @@ def _kill_a_busy_worker(run_dir: Path, killed: list[str]) -> None:
     busy: list[str] = []
     while not busy and time.monotonic() < deadline:
         reply = httpx.get(f"{info['url']}/v1/workers", headers={"Authorization": f"Bearer {info['token']}"}, timeout=10)
-        busy = [w.worker_id for w in WorkerList.model_validate_json(reply.content).workers
-                if w.worker_id != "local" and w.num_inflight > 0]  # fmt: skip
+        busy = [
+            w.worker_id
+            for w in WorkerList.model_validate_json(reply.content).workers
+            if w.worker_id != "local" and w.num_inflight > 0
+        ]
         time.sleep(0.01)
     time.sleep(0.05)  # a few tokens streamed (manager.stream_interval_s=0): the samples have some to carry
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
@@ -392,8 +407,16 @@ def test_fully_async_survives_a_kill_and_resumes_within_the_bound(
     signal is timing, so the count of moved samples is not asserted; the migration
     itself is checked token for token by `test_manager.py::test_killed_worker_mid_stream_migrates_token_exact`)."""
     run_dir = tmp_path / "run"
-    overrides = [*QUICK, *ASYNC, *LONG, "rollout.max_staleness=1", "trainer.total_steps=8", "trainer.save_every=4",
-                 "fleet.num_workers=2", "manager.stream_interval_s=0"]  # fmt: skip
+    overrides = [
+        *QUICK,
+        *ASYNC,
+        *LONG,
+        "rollout.max_staleness=1",
+        "trainer.total_steps=8",
+        "trainer.save_every=4",
+        "fleet.num_workers=2",
+        "manager.stream_interval_s=0",
+    ]
     killed: list[str] = []
 
     killer = threading.Thread(target=_kill_a_busy_worker, args=(run_dir, killed), daemon=True)

@@ -248,8 +248,13 @@ def test_publisher_sync_picks_the_path() -> None:
         cfg.transfer.gpu_paths = False
         assert sync.path_for("w", 1) == "tcp"
         cfg.transfer.gpu_paths = True
-        sync._note("w", "nccl", UpdateWeightsResponse(success=True, message="nccl failed", weight_version=1, path="tcp",
-                                                      device=sync.devices["w"]))
+        sync._note(
+            "w",
+            "nccl",
+            UpdateWeightsResponse(
+                success=True, message="nccl failed", weight_version=1, path="tcp", device=sync.devices["w"]
+            ),
+        )
         assert sync.path_for("w", 1) == "tcp" and "w" in sync.tcp_only
 
 
@@ -320,7 +325,12 @@ def test_gpu_paths_between_processes(path: str) -> None:
             expected.append(xxhash.xxh3_64_hexdigest(pub.device._held[version][0].cpu().numpy().tobytes()))
         args = [path, *map(str, pub.address), "cuda:0" if path == "cuda_ipc" else "cuda:1"]
         tokens = [pub.grant("gpu-w", v) for v in (1, 2)]
-        out = subprocess.run([sys.executable, "-c", textwrap.dedent(CONSUMER), *args, *tokens],
-                             capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(CONSUMER), *args, *tokens],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == expected

@@ -133,9 +133,7 @@ def test_token_logprobs_float64_exact_and_gradcheck() -> None:
 
 
 @pytest.mark.parametrize("chunk_elems", [1, 2 * 7, 2 * 4 * 7])
-def test_token_logprobs_chunked_and_noncontiguous(
-    monkeypatch: pytest.MonkeyPatch, chunk_elems: int
-) -> None:
+def test_token_logprobs_chunked_and_noncontiguous(monkeypatch: pytest.MonkeyPatch, chunk_elems: int) -> None:
     # V=7, T=4: chunks of 1 token, of 2 tokens, and of 2 whole sequences (5 seqs: uneven).
     monkeypatch.setattr(grpo, "_CHUNK_ELEMS", chunk_elems)
     gen = torch.Generator().manual_seed(4)
@@ -328,9 +326,7 @@ def test_gradient_by_hand_token_mean_no_tis() -> None:
         ("seq-mean-token-sum", -0.215, [[-1.0, 0.0, -0.125], [0.0, 0.75, 0.0]]),
     ],
 )
-def test_gradient_by_hand_with_tis(
-    mode: str, expected_loss: float, expected_grad: list[list[float]]
-) -> None:
+def test_gradient_by_hand_with_tis(mode: str, expected_loss: float, expected_grad: list[list[float]]) -> None:
     x = _hand_example(w_raw=[[3.0, 1.0, 0.5], [1.0, 0.5, 7.0]])
     cfg = AlgoConfig(tis_cap=2.0, loss_agg_mode=mode)
     loss, metrics = policy_loss(x, cfg, num_tokens=5, num_seqs=2)
@@ -379,8 +375,13 @@ def test_micro_batches_sum_to_mini_batch(mode: str) -> None:
     total = 0.0
     for sl in (slice(0, 2), slice(2, 4)):
         part = LossInputs(
-            x.logp[sl], x.old_logp[sl], x.behav_logp[sl], x.advantages[sl], x.mask[sl],
-            x.entropy[sl], x.ref_logp[sl],
+            x.logp[sl],
+            x.old_logp[sl],
+            x.behav_logp[sl],
+            x.advantages[sl],
+            x.mask[sl],
+            x.entropy[sl],
+            x.ref_logp[sl],
         )
         loss, _ = policy_loss(part, cfg, num_tokens, num_seqs)
         loss.backward()  # accumulates into the shared leaves

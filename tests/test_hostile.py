@@ -95,9 +95,23 @@ refusals, not the engine's speed."""
 # ------------------------------------------------------------------------------ strategies
 
 EDGE_VALUES = [
-    2**63, 10**400, -(10**400), -1, 0, 1e-40, 1e308, float("inf"), float("nan"),
-    "", "x" * 3000, "\x00\u00e9\U0001f600", None, True, [], {},
-]  # fmt: skip
+    2**63,
+    10**400,
+    -(10**400),
+    -1,
+    0,
+    1e-40,
+    1e308,
+    float("inf"),
+    float("nan"),
+    "",
+    "x" * 3000,
+    "\x00\u00e9\U0001f600",
+    None,
+    True,
+    [],
+    {},
+]
 """What a field of a valid body is replaced with: another type, out of range, or beyond
 int64 and beyond what a float holds (fine for Python's int, not for what the value meets
 later: a tensor, a float, a metrics exporter)."""
@@ -184,8 +198,12 @@ class AsgiClient:
     """Requests straight into an app, on the loop that owns its state; `peer` is the
     address the app sees the request come from."""
 
-    def __init__(self, app: Any, run: Callable[[Coroutine[Any, Any, httpx.Response]], httpx.Response],
-                 peer: tuple[str, int] = ("127.0.0.1", 1234)) -> None:  # fmt: skip
+    def __init__(
+        self,
+        app: Any,
+        run: Callable[[Coroutine[Any, Any, httpx.Response]], httpx.Response],
+        peer: tuple[str, int] = ("127.0.0.1", 1234),
+    ) -> None:
         transport = httpx.ASGITransport(app=app, client=peer)
         self.client = httpx.AsyncClient(transport=transport, base_url="http://asgi", timeout=60)
         self.run = run
@@ -247,18 +265,34 @@ class Dripper(threading.Thread):
 # --------------------------------------------------------------------------------- manager
 
 REGISTRATION = {
-    "protocol_version": 1, "worker_id": "fz-1", "url": "http://127.0.0.1:9", "model_path": "m", "weight_version": 0,
-    "max_num_seqs": 4, "max_model_len": 64, "capabilities": ["incremental_stream"], "usd_per_hour": 1.5,
-}  # fmt: skip
+    "protocol_version": 1,
+    "worker_id": "fz-1",
+    "url": "http://127.0.0.1:9",
+    "model_path": "m",
+    "weight_version": 0,
+    "max_num_seqs": 4,
+    "max_model_len": 64,
+    "capabilities": ["incremental_stream"],
+    "usd_per_hour": 1.5,
+}
 HEARTBEAT = {"state": "active", "weight_version": 0, "num_running": 1, "num_waiting": 0, "gen_throughput": 2.5}
 BATCH = {
-    "prompts": [{"id": "p0", "input_ids": [5, 6], "seed": 1}, {"id": "p1", "input_ids": [7]}], "n": 2,
-    "sampling": {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "stop_token_ids": [2],
-                 "ignore_eos": False},
-    "min_weight_version": 0, "deadline_s": 0.1,
-}  # fmt: skip
-GHOST = RegisterRequest(worker_id="ghost", url="http://127.0.0.1:10", model_path="m", weight_version=0, max_num_seqs=4,
-                        max_model_len=64)  # fmt: skip
+    "prompts": [{"id": "p0", "input_ids": [5, 6], "seed": 1}, {"id": "p1", "input_ids": [7]}],
+    "n": 2,
+    "sampling": {
+        "max_new_tokens": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "stop_token_ids": [2],
+        "ignore_eos": False,
+    },
+    "min_weight_version": 0,
+    "deadline_s": 0.1,
+}
+GHOST = RegisterRequest(
+    worker_id="ghost", url="http://127.0.0.1:10", model_path="m", weight_version=0, max_num_seqs=4, max_model_len=64
+)
 
 
 def hostile_manager(**overrides: Any) -> ManagerThread:
@@ -275,10 +309,20 @@ def manager_state(mt: ManagerThread) -> tuple[Any, ...]:
 
     def snapshot(m: RolloutManager) -> tuple[Any, ...]:
         records = sorted(
-            (r.worker_id, r.url, r.state, r.weight_version, r.max_num_seqs, r.num_running, r.num_waiting,
-             r.gen_throughput, r.inflight, r.usd_per_hour)
+            (
+                r.worker_id,
+                r.url,
+                r.state,
+                r.weight_version,
+                r.max_num_seqs,
+                r.num_running,
+                r.num_waiting,
+                r.gen_throughput,
+                r.inflight,
+                r.usd_per_hour,
+            )
             for r in m.registry
-        )  # fmt: skip
+        )
         return m.registry.latest_version, records, sorted(m.batches), len(m.pending)
 
     return mt.call(snapshot, mt.manager)
@@ -319,8 +363,11 @@ def _check_register(mt: ManagerThread, sent: bytes, response: httpx.Response) ->
 def _check_heartbeat(mt: ManagerThread, sent: bytes, response: httpx.Response) -> None:
     beat = Heartbeat.model_validate_json(sent)
     record = mt.call(mt.manager.registry.get, "ghost")
-    assert (record.num_running, record.num_waiting, record.gen_throughput) == (beat.num_running, beat.num_waiting,
-                                                                               beat.gen_throughput)  # fmt: skip
+    assert (record.num_running, record.num_waiting, record.gen_throughput) == (
+        beat.num_running,
+        beat.num_waiting,
+        beat.gen_throughput,
+    )
     mt.call(mt.manager._pick, 0, time.monotonic())  # placing work reads the reported load
 
 
@@ -381,8 +428,16 @@ def test_any_path_and_method_gets_a_clear_answer(target: str, request: pytest.Fi
     clear 4xx, and nothing changes (POST /shutdown, the one unauthenticated call that
     drains the worker, is left out)."""
     known = {
-        "manager": ["/", "/v1/fleet", "/v1/workers", "/health", "/metrics", "/v1/batches", "/v1/workers/register",
-                    "/v1/weights/version"],
+        "manager": [
+            "/",
+            "/v1/fleet",
+            "/v1/workers",
+            "/health",
+            "/metrics",
+            "/v1/batches",
+            "/v1/workers/register",
+            "/v1/weights/version",
+        ],
         "worker": ["/health", "/health_generate", "/get_server_info", "/get_model_info", "/generate", "/shutdown"],
     }[target]
     printable = st.characters(min_codepoint=33, max_codepoint=0x2FF, exclude_characters="\x7f")  # no controls: httpx
@@ -591,8 +646,10 @@ def test_declared_oversize_is_refused_before_the_body_arrives(worker: InProcessW
     client never has to send it. The worker's default limit applies (16 MiB)."""
     with hostile_manager() as mt:
         for url, path in ((mt.url, "/v1/batches"), (worker.http.url, "/generate")):
-            head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-                    "Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n").encode()  # fmt: skip
+            head = (
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n"
+            ).encode()
             reply = _raw_request(url, head)
             assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
             assert b'"too_large"' in reply
@@ -672,9 +729,13 @@ def test_a_worker_with_a_token_acts_only_for_its_holder(auth: str | None, worker
         client = AsgiClient(worker_app(worker.state), loop.run)
         before = worker_state(worker)
         headers = {"Authorization": auth} if auth else {}
-        for path, body in [("/generate", GENERATE), ("/abort_request", {"abort_all": True}),
-                           ("/update_weights_from_disk", FROM_DISK), ("/update_weights_from_publisher", FROM_PUBLISHER),
-                           ("/shutdown", {})]:  # fmt: skip
+        for path, body in [
+            ("/generate", GENERATE),
+            ("/abort_request", {"abort_all": True}),
+            ("/update_weights_from_disk", FROM_DISK),
+            ("/update_weights_from_publisher", FROM_PUBLISHER),
+            ("/shutdown", {}),
+        ]:
             response = client.post(path, json=body, headers=headers)
             assert response.status_code == 401 and response.json()["error"]["type"] == "unauthorized", path
         assert worker_state(worker) == before
@@ -692,14 +753,39 @@ def worker_state(w: InProcessWorker) -> tuple[Any, ...]:
 
 
 GENERATE = {
-    "input_ids": [1, 5, 6, 7], "rid": "fz", "return_logprob": True, "stream": False, "incremental_stream": False,
-    "sampling_params": {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "stop_token_ids": [2],
-                        "ignore_eos": False, "n": 2, "seed": 3, "skip_special_tokens": True},
-}  # fmt: skip
-FROM_DISK = {"model_path": "/nonexistent/polyrl-model", "weight_version": 5, "load_format": "auto",
-             "abort_all_requests": False}  # fmt: skip
-FROM_PUBLISHER = {"host": "127.0.0.1", "port": 9, "weight_version": 5, "token": "t", "worker_id": "w-test",
-                  "num_streams": 2, "timeout_s": 1.0, "codec": "raw"}  # fmt: skip
+    "input_ids": [1, 5, 6, 7],
+    "rid": "fz",
+    "return_logprob": True,
+    "stream": False,
+    "incremental_stream": False,
+    "sampling_params": {
+        "max_new_tokens": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "stop_token_ids": [2],
+        "ignore_eos": False,
+        "n": 2,
+        "seed": 3,
+        "skip_special_tokens": True,
+    },
+}
+FROM_DISK = {
+    "model_path": "/nonexistent/polyrl-model",
+    "weight_version": 5,
+    "load_format": "auto",
+    "abort_all_requests": False,
+}
+FROM_PUBLISHER = {
+    "host": "127.0.0.1",
+    "port": 9,
+    "weight_version": 5,
+    "token": "t",
+    "worker_id": "w-test",
+    "num_streams": 2,
+    "timeout_s": 1.0,
+    "codec": "raw",
+}
 
 
 def _tame_generate(body: Any) -> Any:
@@ -861,8 +947,13 @@ def _description(version: int = 1) -> tuple[dict[str, Any], torch.Tensor]:
 
 
 @FUZZ_PARSERS
-@given(text=st.one_of(st.binary(max_size=80), JSON.map(lambda v: json.dumps(v).encode()),
-                      almost_valid(_description()[0]).map(lambda v: json.dumps(v).encode())))  # fmt: skip
+@given(
+    text=st.one_of(
+        st.binary(max_size=80),
+        JSON.map(lambda v: json.dumps(v).encode()),
+        almost_valid(_description()[0]).map(lambda v: json.dumps(v).encode()),
+    )
+)
 def test_description_parser_refuses_garbage_cleanly(text: bytes) -> None:
     """A version description either raises TransferError or describes a buffer that every
     one of its tensors fits in, so loading it cannot fail halfway (checked on a meta
@@ -1141,8 +1232,10 @@ def test_publisher_drops_a_dripping_client_and_serves_others(publisher: WeightPu
 
 def _drip_http(url: str, path: str, body: bytes, num_clients: int) -> list[Dripper]:
     host, port = url.removeprefix("http://").split(":")
-    request = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+    request = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     drips = [Dripper((host, int(port)), request, interval_s=0.2) for _ in range(num_clients)]
     _wait_until(lambda: all(d.num_sent >= 3 for d in drips), 10, "the drips to start")
     return drips
@@ -1191,14 +1284,43 @@ def test_dripping_clients_do_not_hold_up_the_worker(worker: InProcessWorker) -> 
 
 def inference_posts(model: str) -> dict[str, tuple[str, dict[str, Any], type[BaseModel]]]:
     """Valid bodies of the OpenAI/vLLM endpoints, every field they take set."""
-    completion = {"model": model, "prompt": "1+2=", "max_tokens": 4, "n": 2, "temperature": 0.7, "top_p": 0.9,
-                  "top_k": 5, "seed": 3, "stop": ["="], "logprobs": 1, "stream": True,
-                  "stream_options": {"include_usage": True}, "ignore_eos": False}  # fmt: skip
-    chat = {"model": model, "messages": [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2"}],
-            "max_completion_tokens": 4, "n": 2, "temperature": 0.7, "logprobs": True, "top_logprobs": 2,
-            "stop": "x", "seed": 1, "stream": False}  # fmt: skip
-    vllm = {"prompt": {"prompt_token_ids": [1, 5, 6]}, "logprobs": 0, "n": 2, "max_tokens": 4, "temperature": 0.7,
-            "top_p": 0.9, "seed": 5, "stop": ["1"]}  # fmt: skip
+    completion = {
+        "model": model,
+        "prompt": "1+2=",
+        "max_tokens": 4,
+        "n": 2,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "seed": 3,
+        "stop": ["="],
+        "logprobs": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": False,
+    }
+    chat = {
+        "model": model,
+        "messages": [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2"}],
+        "max_completion_tokens": 4,
+        "n": 2,
+        "temperature": 0.7,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "stop": "x",
+        "seed": 1,
+        "stream": False,
+    }
+    vllm = {
+        "prompt": {"prompt_token_ids": [1, 5, 6]},
+        "logprobs": 0,
+        "n": 2,
+        "max_tokens": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 5,
+        "stop": ["1"],
+    }
     return {
         "completions": ("/v1/completions", completion, CompletionRequest),
         "chat": ("/v1/chat/completions", chat, ChatCompletionRequest),
@@ -1223,8 +1345,9 @@ def _tame_inference(model_type: type[BaseModel]) -> Callable[[Any], Any]:
     return tame
 
 
-def _fuzz_inference(client: AsgiClient, endpoint: str, model: str, headers: dict[str, str],
-                    idle: Callable[[], bool]) -> None:  # fmt: skip
+def _fuzz_inference(
+    client: AsgiClient, endpoint: str, model: str, headers: dict[str, str], idle: Callable[[], bool]
+) -> None:
     path, valid, model_type = inference_posts(model)[endpoint]
     tame = _tame_inference(model_type)
 
@@ -1256,9 +1379,14 @@ def inference_manager(worker: InProcessWorker) -> Iterator[ManagerThread]:
     (no heartbeats: the timeout is long)."""
     with hostile_manager(heartbeat_timeout_s=3600.0, batch_deadline_s=60, inference_wait_s=2.0) as mt:
         info = worker.info()
-        registration = RegisterRequest(worker_id="w-fuzz", url=worker.http.url, model_path=worker.state.model_path,
-                                       weight_version=0, max_num_seqs=info["max_num_seqs"],
-                                       max_model_len=info["max_model_len"])  # fmt: skip
+        registration = RegisterRequest(
+            worker_id="w-fuzz",
+            url=worker.http.url,
+            model_path=worker.state.model_path,
+            weight_version=0,
+            max_num_seqs=info["max_num_seqs"],
+            max_model_len=info["max_model_len"],
+        )
         response = manager_client(mt).post("/v1/workers/register", json=registration.model_dump(), headers=AUTH)
         assert response.status_code == 200, response.text
         wait_active(mt, "w-fuzz")

@@ -128,9 +128,15 @@ def test_models_lists_the_served_model_and_needs_the_token(worker: InProcessWork
 def test_completion_n_logprobs_usage(worker: InProcessWorker, oai: openai.OpenAI) -> None:
     tok = worker.tokenizer
     out = oai.completions.create(
-        model=model_name(worker), prompt=PROMPT, n=3, max_tokens=6, temperature=1.0, seed=7, logprobs=0,
+        model=model_name(worker),
+        prompt=PROMPT,
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=7,
+        logprobs=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert len(out.choices) == 3 and sorted(c.index for c in out.choices) == [0, 1, 2]
     assert out.usage.prompt_tokens == len(tok(PROMPT)["input_ids"])
     assert out.usage.completion_tokens == 18
@@ -141,15 +147,27 @@ def test_completion_n_logprobs_usage(worker: InProcessWorker, oai: openai.OpenAI
         assert "".join(c.logprobs.tokens) == c.text
         assert len(tok(c.text, add_special_tokens=False)["input_ids"]) == 6
     again = oai.completions.create(
-        model=model_name(worker), prompt=PROMPT, n=3, max_tokens=6, temperature=1.0, seed=7, logprobs=0,
+        model=model_name(worker),
+        prompt=PROMPT,
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=7,
+        logprobs=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded: reproducible
 
 
 def test_chat_stream_equals_non_stream_with_usage(worker: InProcessWorker, oai: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = dict(model=model_name(worker), messages=MESSAGES, max_tokens=8, temperature=0.0,
-                                  logprobs=True, extra_body={"ignore_eos": True})  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        model=model_name(worker),
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0.0,
+        logprobs=True,
+        extra_body={"ignore_eos": True},
+    )
     whole = oai.chat.completions.create(**kwargs)
     text, lps, finish, usage = "", [], None, None
     for chunk in oai.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
@@ -170,16 +188,25 @@ def test_chat_stream_equals_non_stream_with_usage(worker: InProcessWorker, oai: 
 
 
 def test_completion_stream_n_and_stop(worker: InProcessWorker, oai: openai.OpenAI) -> None:
-    base = oai.completions.create(model=model_name(worker), prompt=PROMPT, max_tokens=12, temperature=0.0,
-                                  extra_body={"ignore_eos": True})  # fmt: skip
+    base = oai.completions.create(
+        model=model_name(worker), prompt=PROMPT, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True}
+    )
     full = base.choices[0].text
     assert len(full) == 12
     stop = full[5:7]
     cut = full[: full.find(stop)]
     texts: dict[int, str] = {}
     finishes: dict[int, str] = {}
-    stream = oai.completions.create(model=model_name(worker), prompt=PROMPT, max_tokens=12, temperature=0.0, n=2,
-                                    stop=[stop], stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    stream = oai.completions.create(
+        model=model_name(worker),
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0.0,
+        n=2,
+        stop=[stop],
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     for chunk in stream:
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
@@ -214,14 +241,23 @@ def test_bad_requests_get_clear_4xx_and_the_worker_keeps_serving(worker: InProce
 def test_vllm_generate_and_sglang_generate_share_the_path(worker: InProcessWorker) -> None:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     ids = list(worker.tokenizer(PROMPT)["input_ids"])
-    body = {"prompt": {"prompt_token_ids": ids}, "logprobs": 0, "n": 2, "max_tokens": 5, "temperature": 0.0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "prompt": {"prompt_token_ids": ids},
+        "logprobs": 0,
+        "n": 2,
+        "max_tokens": 5,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     vllm = httpx.post(f"{worker.http.url}/generate", json=body, headers=headers, timeout=60).json()
     assert vllm["finish_reasons"] == ["length", "length"]
     tokens = [[int(next(iter(item[0]))) for item in sample] for sample in vllm["logprobs"]]
     assert tokens == vllm["token_ids"] and len(tokens[0]) == 5
-    sglang = {"input_ids": ids, "return_logprob": True,
-              "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}}  # fmt: skip
+    sglang = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True},
+    }
     sg = httpx.post(f"{worker.http.url}/generate", json=sglang, headers=headers, timeout=60).json()
     assert sg["output_ids"] == tokens[0]
     assert [lp for lp, _, _ in sg["meta_info"]["output_token_logprobs"]] == pytest.approx(
@@ -235,8 +271,9 @@ def test_atroposlib_vllm_server_class_against_a_worker(worker: InProcessWorker, 
     _check_atropos_call(model_dir, *asyncio.run(_atropos_vllm_call(worker.http.url, str(model_dir))))
 
 
-def _check_atropos_call(model_dir: Path, prompt: list[int], tokens: list[list[int]], logprobs: list[list[float]],
-                        finishes: list[Any]) -> None:  # fmt: skip
+def _check_atropos_call(
+    model_dir: Path, prompt: list[int], tokens: list[list[int]], logprobs: list[list[float]], finishes: list[Any]
+) -> None:
     """What atroposlib read back is what the model gives: each sample's log-probs are those
     of its own tokens after the prompt, recomputed here by the model itself (float32 on
     CPU: equal to 1e-4), so a route that returned another token's or another position's
@@ -248,7 +285,9 @@ def _check_atropos_call(model_dir: Path, prompt: list[int], tokens: list[list[in
     for sample, lps in zip(tokens, logprobs, strict=True):
         ids = torch.tensor([prompt + sample])
         with torch.no_grad():
-            log_q = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)  # [4, V] (temperature 1)
+            log_q = torch.log_softmax(
+                model(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1
+            )  # [4, V] (temperature 1)
         expected = log_q.gather(-1, torch.tensor(sample).unsqueeze(-1)).squeeze(-1).tolist()
         assert lps == pytest.approx(expected, abs=1e-4)
 
@@ -261,8 +300,14 @@ async def _atropos_vllm_call(
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
     from atroposlib.envs.server_handling.vllm_server import VLLMServer
 
-    config = APIServerConfig(server_type="vllm", base_url=f"{url}/v1", api_key=TOKEN, model_name=model_dir,
-                             tokenizer_name=model_dir, timeout=60)  # fmt: skip
+    config = APIServerConfig(
+        server_type="vllm",
+        base_url=f"{url}/v1",
+        api_key=TOKEN,
+        model_name=model_dir,
+        tokenizer_name=model_dir,
+        timeout=60,
+    )
     server = VLLMServer(config)
     managed = ManagedServer(server, tokenizer=server.tokenizer)
     try:
@@ -313,24 +358,33 @@ def test_manager_serves_completions_and_chat_through_the_fleet(fleet: ManagerThr
     name = str(model_dir)
     with client_for(fleet.url) as oai:
         assert [m.id for m in oai.models.list().data] == [name]
-        out = oai.completions.create(model=name, prompt=PROMPT, n=6, max_tokens=5, logprobs=0, seed=3,
-                                     extra_body={"ignore_eos": True})  # fmt: skip
+        out = oai.completions.create(
+            model=name, prompt=PROMPT, n=6, max_tokens=5, logprobs=0, seed=3, extra_body={"ignore_eos": True}
+        )
         assert sorted(c.index for c in out.choices) == list(range(6))  # n=6 over a worker of 4 slots
         assert out.usage.completion_tokens == 30
         assert all(len(c.logprobs.token_logprobs) == 5 and max(c.logprobs.token_logprobs) <= 0 for c in out.choices)
         text, usage = "", None
-        stream = oai.chat.completions.create(model=Path(name).name, messages=MESSAGES, max_tokens=7, temperature=0.0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})  # fmt: skip
+        stream = oai.chat.completions.create(
+            model=Path(name).name,
+            messages=MESSAGES,
+            max_tokens=7,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         for chunk in stream:
             usage = chunk.usage or usage
             text += "".join(c.delta.content or "" for c in chunk.choices)
-        whole = oai.chat.completions.create(model=name, messages=MESSAGES, max_tokens=7, temperature=0.0,
-                                            extra_body={"ignore_eos": True})  # fmt: skip
+        whole = oai.chat.completions.create(
+            model=name, messages=MESSAGES, max_tokens=7, temperature=0.0, extra_body={"ignore_eos": True}
+        )
         assert text == whole.choices[0].message.content and usage is not None and usage.completion_tokens == 7
         stop = text[2:4]
-        cut = oai.chat.completions.create(model=name, messages=MESSAGES, max_tokens=7, temperature=0.0, stop=stop,
-                                          extra_body={"ignore_eos": True})  # fmt: skip
+        cut = oai.chat.completions.create(
+            model=name, messages=MESSAGES, max_tokens=7, temperature=0.0, stop=stop, extra_body={"ignore_eos": True}
+        )
         assert cut.choices[0].message.content == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
         with pytest.raises(openai.NotFoundError):
             oai.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
@@ -358,8 +412,9 @@ def test_worker_killed_mid_request_the_client_sees_a_complete_answer(model_dir: 
     """Two workers; the one serving an OpenAI request is killed with SIGKILL mid-way: the
     client still gets every token, the same ones an uninterrupted run gives."""
     budget = CONTEXT - 64
-    kwargs: dict[str, Any] = dict(prompt=PROMPT, n=2, max_tokens=budget, temperature=1.0, seed=11, logprobs=0,
-                                  extra_body={"ignore_eos": True})  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        prompt=PROMPT, n=2, max_tokens=budget, temperature=1.0, seed=11, logprobs=0, extra_body={"ignore_eos": True}
+    )
     procs: list[WorkerProcess] = []
     with ManagerThread(fast_cfg(token=TOKEN, heartbeat_timeout_s=3.0, stall_timeout_s=20)) as mt:
         try:
@@ -394,14 +449,23 @@ def test_worker_killed_mid_request_the_client_sees_a_complete_answer(model_dir: 
 
 def test_top_logprobs_on_a_worker(worker: InProcessWorker, oai: openai.OpenAI) -> None:
     name = model_name(worker)
-    chat = oai.chat.completions.create(model=name, messages=MESSAGES, max_tokens=5, temperature=1.0, seed=1,
-                                       logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    chat = oai.chat.completions.create(
+        model=name,
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=1.0,
+        seed=1,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     for entry in chat.choices[0].logprobs.content:
         alts = [a.logprob for a in entry.top_logprobs]
         assert len(alts) == 3 and alts == sorted(alts, reverse=True) and all(lp <= 0 for lp in alts)
         assert entry.logprob <= alts[0] + 1e-6  # nothing beats the most likely token
-    greedy = oai.completions.create(model=name, prompt=PROMPT, max_tokens=5, temperature=0.0, logprobs=2,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    greedy = oai.completions.create(
+        model=name, prompt=PROMPT, max_tokens=5, temperature=0.0, logprobs=2, extra_body={"ignore_eos": True}
+    )
     lp = greedy.choices[0].logprobs
     for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert 2 <= len(top) <= 3 and max(top.values()) == pytest.approx(token_lp) and top[token] == token_lp
@@ -413,12 +477,24 @@ def test_top_logprobs_on_a_worker(worker: InProcessWorker, oai: openai.OpenAI) -
 
 
 def test_top_logprobs_through_the_manager_equal_the_workers(fleet: ManagerThread, model_dir: Path) -> None:
-    kwargs: dict[str, Any] = dict(model=str(model_dir), messages=MESSAGES, max_tokens=4, temperature=0.0, logprobs=True,
-                                  top_logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        messages=MESSAGES,
+        max_tokens=4,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     with client_for(fleet.url) as oai:
         content = oai.chat.completions.create(**kwargs).choices[0].logprobs.content
-        streamed = [e for chunk in oai.chat.completions.create(**kwargs, stream=True)
-                    for c in chunk.choices if c.logprobs for e in c.logprobs.content]  # fmt: skip
+        streamed = [
+            e
+            for chunk in oai.chat.completions.create(**kwargs, stream=True)
+            for c in chunk.choices
+            if c.logprobs
+            for e in c.logprobs.content
+        ]
     assert len(content) == 4 and all(len(e.top_logprobs) == 3 for e in content)
     for entry in content:  # greedy: the sampled token is the most likely one
         best = entry.top_logprobs[0]
@@ -430,8 +506,9 @@ def test_no_op_values_of_unsupported_fields_pass_and_others_are_refused(worker: 
     headers = {"Authorization": f"Bearer {TOKEN}"}
     body = {"prompt": {"prompt_token_ids": [1, 5, 6]}, "max_tokens": 2, "repetition_penalty": 1.0, "min_p": 0.0}
     assert httpx.post(f"{worker.http.url}/generate", json=body, headers=headers, timeout=60).status_code == 200
-    refused = httpx.post(f"{worker.http.url}/generate", json=body | {"repetition_penalty": 1.1}, headers=headers,
-                         timeout=60)  # fmt: skip
+    refused = httpx.post(
+        f"{worker.http.url}/generate", json=body | {"repetition_penalty": 1.1}, headers=headers, timeout=60
+    )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "repetition_penalty"
     chat = {"model": model_name(worker), "messages": MESSAGES, "max_tokens": 2, "min_p": 0.05}
     refused = httpx.post(f"{worker.http.url}/v1/chat/completions", json=chat, headers=headers, timeout=60)
@@ -445,11 +522,14 @@ def test_client_hanging_up_aborts_its_generation(worker: InProcessWorker) -> Non
     before = worker.info()["num_generated_tokens"]
     body = {"model": model_name(worker), "prompt": PROMPT, "max_tokens": CONTEXT - 64, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    with httpx.stream("POST", f"{worker.http.url}/v1/completions", json=body | {"stream": True}, headers=headers,
-                      timeout=30) as response:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{worker.http.url}/v1/completions", json=body | {"stream": True}, headers=headers, timeout=30
+    ) as response:
         next(response.iter_lines())  # running; now hang up
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{worker.http.url}/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(5.0, read=1.0))
+        httpx.post(
+            f"{worker.http.url}/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(5.0, read=1.0)
+        )
     info = worker.wait_for(lambda i: i["num_running_reqs"] == 0 and i["num_queued_reqs"] == 0)
     assert info["num_generated_tokens"] - before < CONTEXT - 64  # both stopped early
     assert worker.state.num_open_generates == 0

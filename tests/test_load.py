@@ -42,8 +42,15 @@ CONTROL_P99_S = 1.0
 """A third of the tests' heartbeat timeout: later than that, live workers start to be
 declared gone."""
 
-IDLE = {"batches": 0, "pending": 0, "cancels": 0, "inflight": 0, "worker_tasks": 0, "busy_connections": 0,
-        "manager_tasks": ["Placement._dispatch_loop", "RolloutManager._monitor_loop"]}  # fmt: skip
+IDLE = {
+    "batches": 0,
+    "pending": 0,
+    "cancels": 0,
+    "inflight": 0,
+    "worker_tasks": 0,
+    "busy_connections": 0,
+    "manager_tasks": ["Placement._dispatch_loop", "RolloutManager._monitor_loop"],
+}
 
 
 def check_idle(result: dict[str, Any], leftovers: dict[str, Any]) -> None:
@@ -75,15 +82,26 @@ def test_thousands_of_samples_survive_a_churning_fleet() -> None:
     check_idle(r, r["leftovers"])
     assert r["live_objects"] == {"Batch": 0, "GroupState": 0, "SampleState": 0, "WorkerRecord": r["registry_size"]}
     assert r["health_p99_s"] < CONTROL_P99_S and r["heartbeat_p99_s"] < CONTROL_P99_S, (
-        r["health_p99_s"], r["heartbeat_p99_s"], r["lag_p99_s"])  # fmt: skip
+        r["health_p99_s"],
+        r["heartbeat_p99_s"],
+        r["lag_p99_s"],
+    )
 
 
 @pytest.mark.slow
 def test_memory_and_tasks_stay_flat_over_rounds() -> None:
     """Four rounds of load; from the end of the second round to the end of the fourth,
     the heap does not grow by more than a fraction of one round's samples."""
-    r = run_load(num_workers=16, num_batches=2, num_prompts=64, n=4, max_new_tokens=8, rounds=4,
-                 churn=Churn(max_events=20), measure_memory=True)  # fmt: skip
+    r = run_load(
+        num_workers=16,
+        num_batches=2,
+        num_prompts=64,
+        n=4,
+        max_new_tokens=8,
+        rounds=4,
+        churn=Churn(max_events=20),
+        measure_memory=True,
+    )
     assert not r["errors"] and r["ok"] == r["samples"] == 4 * 512, (r["errors"], r["problems"])
     for row in r["rounds"]:
         check_idle(r, row["leftovers"])
@@ -118,13 +136,24 @@ def test_heartbeats_do_not_wait_for_the_threadpool() -> None:
     with ManagerThread(load_cfg()) as mt:
         limiter = mt.run(_default_limiter())
         release = threading.Event()
-        blockers = [asyncio.run_coroutine_threadsafe(anyio.to_thread.run_sync(release.wait), mt.loop)
-                    for _ in range(int(limiter.total_tokens))]  # fmt: skip
+        blockers = [
+            asyncio.run_coroutine_threadsafe(anyio.to_thread.run_sync(release.wait), mt.loop)
+            for _ in range(int(limiter.total_tokens))
+        ]
         try:
             t0 = time.monotonic()
-            response = httpx.post(f"{mt.url}/v1/workers/nobody/heartbeat", headers={"Authorization": f"Bearer {TOKEN}"},
-                                  json={"state": "active", "weight_version": 0, "num_running": 0, "num_waiting": 0,
-                                        "gen_throughput": 0.0}, timeout=3)  # fmt: skip
+            response = httpx.post(
+                f"{mt.url}/v1/workers/nobody/heartbeat",
+                headers={"Authorization": f"Bearer {TOKEN}"},
+                json={
+                    "state": "active",
+                    "weight_version": 0,
+                    "num_running": 0,
+                    "num_waiting": 0,
+                    "gen_throughput": 0.0,
+                },
+                timeout=3,
+            )
             assert response.status_code == 404  # answered: the worker is unknown
             assert time.monotonic() - t0 < 2
         finally:

@@ -65,14 +65,21 @@ def _perturb(peft_model: torch.nn.Module, seed: int) -> None:
 
 @pytest.mark.parametrize(
     ("override", "key"),
-    [("model.lora.rank=0", "model.lora.rank"), ("model.lora.target_modules=[]", "model.lora"),
-     ('model.lora.target_modules=["q-proj"]', "model.lora"), ("model.lora.dropout=1.0", "model.lora.dropout"),
-     ("model.lora.ranks=4", "model.lora.ranks")],
-)  # fmt: skip
+    [
+        ("model.lora.rank=0", "model.lora.rank"),
+        ("model.lora.target_modules=[]", "model.lora"),
+        ('model.lora.target_modules=["q-proj"]', "model.lora"),
+        ("model.lora.dropout=1.0", "model.lora.dropout"),
+        ("model.lora.ranks=4", "model.lora.ranks"),
+    ],
+)
 def test_config_errors_name_the_key(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=f"config error: {key}"):
         load_config(None, [override])
-    assert load_config(None, ['model.lora.target_modules=["q_proj","v_proj"]']).model.lora.target_modules == ["q_proj", "v_proj"]
+    assert load_config(None, ['model.lora.target_modules=["q_proj","v_proj"]']).model.lora.target_modules == [
+        "q_proj",
+        "v_proj",
+    ]
     with pytest.raises(ConfigError, match="trainer.working_copy needs full fine-tuning"):
         load_config(None, ["model.lora.enabled=true", "trainer.working_copy=true"])
 
@@ -179,7 +186,9 @@ def test_lora_run_checkpoints_adapters_and_resumes_exactly(tmp_path: Path) -> No
     assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
     assert any(k.endswith("lora_B.weight") and fa[k].abs().sum() > 0 for k in fa)  # trained, not the zero init
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    assert sum(s["exp_avg"].numel() for s in state["optimizer"]["state"].values()) == sum(t.numel() for t in fa.values())
+    assert sum(s["exp_avg"].numel() for s in state["optimizer"]["state"].values()) == sum(
+        t.numel() for t in fa.values()
+    )
 
     run = tmp_path / "straight"
     with warnings.catch_warnings():  # PEFT's own read of a property transformers 5 deprecated
@@ -223,8 +232,13 @@ def test_lora_learns_reverse_on_a_model_trained_on_copy(tmp_path: Path) -> None:
     and ended at 0.27); the first 25 are run here."""
     quick = ["logging.console=false", "logging.tensorboard=false", "rollout.mode=local", "trainer.save_every=0"]
     train(load_config(None, [*quick, "trainer.total_steps=40"]), tmp_path / "copy")
-    lora = ["trainer.total_steps=25", "data.task=reverse", "model.lora.enabled=true", "trainer.lr=3e-3",
-            f"model.path={tmp_path / 'copy' / 'final_model'}"]  # fmt: skip
+    lora = [
+        "trainer.total_steps=25",
+        "data.task=reverse",
+        "model.lora.enabled=true",
+        "trainer.lr=3e-3",
+        f"model.path={tmp_path / 'copy' / 'final_model'}",
+    ]
     train(load_config(None, [*quick, *lora]), tmp_path / "reverse")
     rewards = [r["critic/score/mean"] for r in _metrics(tmp_path / "reverse")]
     assert sum(rewards[-5:]) / 5 > rewards[0] + 0.1, rewards
@@ -262,7 +276,11 @@ def test_worker_loads_a_peft_adapter_from_disk_and_refuses_mismatches(tmp_path: 
         assert httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=30).status_code == 401
         r = httpx.post(f"{url}/v1/load_lora_adapter", json=body, headers=headers, timeout=30)
         assert r.status_code == 200 and r.json()["weight_version"] == 1, r.text
-        gen = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "seed": 7}, "return_logprob": True}
+        gen = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "seed": 7},
+            "return_logprob": True,
+        }
         out = httpx.post(f"{url}/generate", json=gen, headers=headers, timeout=30).json()
         completion = out["output_ids"]
         engine_logp = [lp[0] for lp in out["meta_info"]["output_token_logprobs"]]
@@ -310,6 +328,7 @@ def _wait_for_tokens(worker_url: str, at_least: int, timeout_s: float) -> None:
     """Until the worker's engine has generated `at_least` more tokens (its own counter): on
     a loaded machine a batch can sit placed for a while before its first tokens, and a
     sample killed before its first chunk restarts whole instead of migrating."""
+
     def generated() -> int:
         return httpx.get(f"{worker_url}/get_server_info", timeout=10).json()["num_generated_tokens"]
 
@@ -366,12 +385,22 @@ def test_adapter_versions_reach_two_workers_and_survive_a_kill(tmp_path: Path, m
     samples in flight after step 3, and they finish on the other. Every step gets every
     sample, and every sync leaves the engines on the learner's log-probs."""
     overrides = [
-        "logging.console=false", "logging.tensorboard=false", "manager.port=0", "trainer.save_every=0",
-        "trainer.total_steps=7", "trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=8", "rollout.n=8",
-        "fleet.num_workers=2", "fleet.ready_timeout_s=120", "model.lora.enabled=true", "model.lora.rank=8",
+        "logging.console=false",
+        "logging.tensorboard=false",
+        "manager.port=0",
+        "trainer.save_every=0",
+        "trainer.total_steps=7",
+        "trainer.train_batch_size=16",
+        "trainer.ppo_mini_batch_size=8",
+        "rollout.n=8",
+        "fleet.num_workers=2",
+        "fleet.ready_timeout_s=120",
+        "model.lora.enabled=true",
+        "model.lora.rank=8",
         "algo.kl_coef=0.01",
-        "rollout.max_new_tokens=24", "manager.stream_interval_s=0",  # samples long enough to be killed mid-way
-    ]  # fmt: skip
+        "rollout.max_new_tokens=24",
+        "manager.stream_interval_s=0",  # samples long enough to be killed mid-way
+    ]
     run_dir = tmp_path / "run"
     killed: list[int] = []
     killer = threading.Thread(target=_kill_when_busy, args=(run_dir, "w0", killed), daemon=True)
@@ -414,10 +443,19 @@ def test_remote_resume_sends_the_restored_adapter_to_a_fresh_worker(tmp_path: Pa
     """The trainer dies after step 4 (checkpoint at 3); the resumed run's new worker starts
     from the base model and merges the restored adapter: on policy from the first step."""
     overrides = [
-        "logging.console=false", "logging.tensorboard=false", "manager.port=0", "trainer.total_steps=5",
-        "trainer.save_every=3", "trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=8", "rollout.n=8",
-        "fleet.num_workers=1", "fleet.ready_timeout_s=120", "model.lora.enabled=true", "model.lora.rank=8",
-    ]  # fmt: skip
+        "logging.console=false",
+        "logging.tensorboard=false",
+        "manager.port=0",
+        "trainer.total_steps=5",
+        "trainer.save_every=3",
+        "trainer.train_batch_size=16",
+        "trainer.ppo_mini_batch_size=8",
+        "rollout.n=8",
+        "fleet.num_workers=1",
+        "fleet.ready_timeout_s=120",
+        "model.lora.enabled=true",
+        "model.lora.rank=8",
+    ]
     run_dir = tmp_path / "run"
 
     with pytest.raises(Crash):

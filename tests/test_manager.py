@@ -37,9 +37,14 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 def fast_cfg(**overrides: Any) -> ManagerConfig:
     base: dict[str, Any] = dict(
-        port=0, token=TOKEN, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, readiness_timeout_s=10,
-        stall_timeout_s=5.0, batch_deadline_s=60,
-    )  # fmt: skip
+        port=0,
+        token=TOKEN,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=1.0,
+        readiness_timeout_s=10,
+        stall_timeout_s=5.0,
+        batch_deadline_s=60,
+    )
     return ManagerConfig(**(base | overrides))
 
 
@@ -82,9 +87,19 @@ class FakeWorker:
     "abort", as a draining worker does), "error" (HTTP 500), "busy" (HTTP 429), "refuse"
     (HTTP 400)."""
 
-    def __init__(self, manager_url: str, worker_id: str, *, token_delay_s: float = 0.002, max_num_seqs: int = 64,
-                 version: int = 0, mode: str = "ok", fault_after: int = 3, token: str = TOKEN,
-                 local: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        manager_url: str,
+        worker_id: str,
+        *,
+        token_delay_s: float = 0.002,
+        max_num_seqs: int = 64,
+        version: int = 0,
+        mode: str = "ok",
+        fault_after: int = 3,
+        token: str = TOKEN,
+        local: bool = False,
+    ) -> None:
         self.manager_url, self.worker_id, self.token = manager_url, worker_id, token
         self.local = local
         self.token_delay_s, self.max_num_seqs, self.version = token_delay_s, max_num_seqs, version
@@ -112,13 +127,23 @@ class FakeWorker:
     def _membership(self) -> None:
         with httpx.Client(base_url=self.manager_url, headers={"Authorization": f"Bearer {self.token}"}, timeout=5) as c:
             registration = {
-                "worker_id": self.worker_id, "url": self.url, "model_path": "fake", "weight_version": self.version,
-                "max_num_seqs": self.max_num_seqs, "max_model_len": 4096, "local": self.local,
-            }  # fmt: skip
+                "worker_id": self.worker_id,
+                "url": self.url,
+                "model_path": "fake",
+                "weight_version": self.version,
+                "max_num_seqs": self.max_num_seqs,
+                "max_model_len": 4096,
+                "local": self.local,
+            }
             c.post("/v1/workers/register", json=registration).raise_for_status()
             while self.beating:
-                beat = {"state": "active", "weight_version": self.version, "num_running": self.running,
-                        "num_waiting": 0, "gen_throughput": 0.0}  # fmt: skip
+                beat = {
+                    "state": "active",
+                    "weight_version": self.version,
+                    "num_running": self.running,
+                    "num_waiting": 0,
+                    "gen_throughput": 0.0,
+                }
                 c.post(f"/v1/workers/{self.worker_id}/heartbeat", json=beat)
                 time.sleep(0.05)
 
@@ -154,15 +179,21 @@ class FakeWorker:
                     for j in range(n):
                         tokens = [fake_token(seed + j, start + i) for i in range(t)]
                         chunk = {
-                            "text": "", "output_ids": tokens, "index": j,
+                            "text": "",
+                            "output_ids": tokens,
+                            "index": j,
                             "meta_info": {
-                                "id": body["rid"], "finish_reason": finish, "prompt_tokens": start,
-                                "completion_tokens": t, "weight_version": self.version,
+                                "id": body["rid"],
+                                "finish_reason": finish,
+                                "prompt_tokens": start,
+                                "completion_tokens": t,
+                                "weight_version": self.version,
                                 "output_token_weight_versions": [self.version] * t,
-                                "output_token_logprobs": [[fake_logprob(seed + j, start + i), tok, None]
-                                                          for i, tok in enumerate(tokens)],
+                                "output_token_logprobs": [
+                                    [fake_logprob(seed + j, start + i), tok, None] for i, tok in enumerate(tokens)
+                                ],
                             },
-                        }  # fmt: skip
+                        }
                         yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
                     if finish is not None:
                         break
@@ -202,8 +233,9 @@ def workers_of(mt: ManagerThread) -> dict[str, dict[str, Any]]:
 
 
 def wait_active(mt: ManagerThread, *ids: str, timeout_s: float = 20) -> None:
-    _wait_until(lambda: all(workers_of(mt).get(i, {}).get("state") == "active" for i in ids), timeout_s,
-                f"workers {ids} active")  # fmt: skip
+    _wait_until(
+        lambda: all(workers_of(mt).get(i, {}).get("state") == "active" for i in ids), timeout_s, f"workers {ids} active"
+    )
 
 
 def check_exact(request: BatchRequest, groups: list[GroupResult], version: int = 0) -> None:
@@ -229,7 +261,9 @@ def check_exact(request: BatchRequest, groups: list[GroupResult], version: int =
 def test_generate_body_asks_polyrl_workers_for_the_stream_interval() -> None:
     """The manager's stream interval travels in the body a polyrl worker validates; a
     plain SGLang server (cumulative streams) never sees the extension fields."""
-    call = GenerationCall("r1", [1, 2], num_samples=2, seed=7, remaining_tokens=5, sampling=BatchSampling(max_new_tokens=5))
+    call = GenerationCall(
+        "r1", [1, 2], num_samples=2, seed=7, remaining_tokens=5, sampling=BatchSampling(max_new_tokens=5)
+    )
     body = generate_body(call, incremental=True, stream_interval_s=0.05)
     assert GenerateRequest.model_validate_json(body).stream_interval_s == 0.05
     assert GenerateRequest.model_validate_json(generate_body(call, incremental=True)).stream_interval_s == 0.0
@@ -237,8 +271,16 @@ def test_generate_body_asks_polyrl_workers_for_the_stream_interval() -> None:
     assert "stream_interval_s" not in plain and "incremental_stream" not in plain
     # only what the manager set goes on the wire: SGLang's own defaults stay the worker's
     assert set(plain) == {"rid", "input_ids", "stream", "return_logprob", "sampling_params"}
-    assert plain["sampling_params"] == {"max_new_tokens": 5, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
-                                        "stop_token_ids": [], "ignore_eos": False, "n": 2, "sampling_seed": 7}
+    assert plain["sampling_params"] == {
+        "max_new_tokens": 5,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "stop_token_ids": [],
+        "ignore_eos": False,
+        "n": 2,
+        "sampling_seed": 7,
+    }
 
 
 def test_batch_streams_exact_groups_over_http_and_in_process(manager: ManagerThread) -> None:
@@ -308,8 +350,11 @@ def test_prompts_with_their_own_budgets_keep_them_across_a_migration(manager: Ma
     assert any(len(s.segments) == 2 for g in groups for s in g.samples), "nothing migrated"
     assert dying.calls and healthy.calls
     with pytest.raises(ValueError, match="prompt 'p0': max_new_tokens 21 exceeds the batch's 20"):
-        BatchRequest(prompts=[BatchPrompt(id="p0", input_ids=[1], max_new_tokens=21)], n=1,
-                     sampling=BatchSampling(max_new_tokens=20))  # fmt: skip
+        BatchRequest(
+            prompts=[BatchPrompt(id="p0", input_ids=[1], max_new_tokens=21)],
+            n=1,
+            sampling=BatchSampling(max_new_tokens=20),
+        )
 
 
 def test_frozen_worker_is_detected_and_its_requests_migrate() -> None:
@@ -429,8 +474,14 @@ def test_client_going_away_cancels_the_batch(manager: ManagerThread) -> None:
 def test_refusals_change_nothing() -> None:
     with ManagerThread(fast_cfg(allowed_worker_cidrs=["10.0.0.0/8"], max_body_bytes=4096)) as mt:
         url = mt.url
-        reg = {"worker_id": "x", "url": "http://127.0.0.1:9", "model_path": "m", "weight_version": 0,
-               "max_num_seqs": 4, "max_model_len": 64}  # fmt: skip
+        reg = {
+            "worker_id": "x",
+            "url": "http://127.0.0.1:9",
+            "model_path": "m",
+            "weight_version": 0,
+            "max_num_seqs": 4,
+            "max_model_len": 64,
+        }
         cases = [
             (httpx.post(f"{url}/v1/workers/register", json=reg), 401),  # no token
             (httpx.post(f"{url}/v1/workers/register", json=reg, headers={"Authorization": "Bearer nope"}), 401),
@@ -438,11 +489,26 @@ def test_refusals_change_nothing() -> None:
             (httpx.post(f"{url}/v1/workers/register", json=reg | {"extra": 1}, headers=AUTH), 422),
             (httpx.post(f"{url}/v1/workers/register", content=b"{not json", headers=AUTH), 422),
             (httpx.post(f"{url}/v1/workers/register", json=reg | {"model_path": "m" * 70000}, headers=AUTH), 413),
-            (httpx.post(f"{url}/v1/workers/x/heartbeat", json={"state": "active", "weight_version": 0,
-             "num_running": 0, "num_waiting": 0, "gen_throughput": 0}, headers=AUTH), 404),  # fmt: skip
+            (
+                httpx.post(
+                    f"{url}/v1/workers/x/heartbeat",
+                    json={
+                        "state": "active",
+                        "weight_version": 0,
+                        "num_running": 0,
+                        "num_waiting": 0,
+                        "gen_throughput": 0,
+                    },
+                    headers=AUTH,
+                ),
+                404,
+            ),
             (httpx.post(f"{url}/v1/batches", json=batch(1, 1, 4).model_dump(), headers={}), 401),
             (httpx.post(f"{url}/v1/batches", json=batch(400, 1, 4).model_dump(), headers=AUTH), 413),
-            (httpx.post(f"{url}/v1/batches", json={"prompts": [], "sampling": {"max_new_tokens": 1}}, headers=AUTH), 422),
+            (
+                httpx.post(f"{url}/v1/batches", json={"prompts": [], "sampling": {"max_new_tokens": 1}}, headers=AUTH),
+                422,
+            ),
             (httpx.post(f"{url}/v1/weights/version", json={"version": 3}, headers={}), 401),
             (httpx.post(f"{url}/v1/weights/version", json={"version": -1}, headers=AUTH), 422),
         ]
@@ -477,7 +543,7 @@ def test_config_refuses_open_non_loopback_manager(tmp_path: Path) -> None:
     from polyrl.cli import main
 
     assert main(["manager", "--host", "0.0.0.0", "--port", "0"]) == 2
-    assert main(["manager", "manager.allowed_worker_cidrs=[\"nonsense\"]"]) == 2
+    assert main(["manager", 'manager.allowed_worker_cidrs=["nonsense"]']) == 2
 
 
 # ------------------------------------------------------------------------ local-engine fallback
@@ -535,9 +601,18 @@ def test_an_idle_local_worker_is_on_standby_until_the_fleet_needs_it() -> None:
 
 
 def test_a_worker_may_not_take_the_local_id() -> None:
-    with ManagerThread(fast_cfg()) as mt, httpx.Client(base_url=mt.url, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
-        body = {"worker_id": "local", "url": "http://127.0.0.1:9", "model_path": "m", "weight_version": 0,
-                "max_num_seqs": 1, "max_model_len": 8}  # fmt: skip
+    with (
+        ManagerThread(fast_cfg()) as mt,
+        httpx.Client(base_url=mt.url, headers={"Authorization": f"Bearer {TOKEN}"}) as c,
+    ):
+        body = {
+            "worker_id": "local",
+            "url": "http://127.0.0.1:9",
+            "model_path": "m",
+            "weight_version": 0,
+            "max_num_seqs": 1,
+            "max_model_len": 8,
+        }
         assert c.post("/v1/workers/register", json=body).status_code == 422
         assert c.post("/v1/workers/register", json=body | {"local": True}).status_code == 200
 
@@ -548,8 +623,10 @@ def test_peer_window_gives_the_local_worker_its_share_and_lets_it_finish() -> No
     cap at once (the rest waits for the worker or its next wave); closing the window
     without hand-back lets it finish."""
     with ManagerThread(fast_cfg(max_inflight_per_worker=16)) as mt:
-        with FakeWorker(mt.url, "local", local=True, version=0, token_delay_s=0.01) as local, \
-                FakeWorker(mt.url, "w1", version=0, token_delay_s=0.01) as w1:  # fmt: skip
+        with (
+            FakeWorker(mt.url, "local", local=True, version=0, token_delay_s=0.01) as local,
+            FakeWorker(mt.url, "w1", version=0, token_delay_s=0.01) as w1,
+        ):
             wait_active(mt, "w1")
             wait_active(mt, "local")
             local.version = 1  # the local worker syncs first (the trainer's own device)
@@ -624,7 +701,9 @@ def test_real_workers_join_and_die_mid_batch(long_context_model: Path) -> None:
     assert all(len(s.output_ids) == budget == len(s.logprobs) == len(s.weight_versions) for s in samples)
     workers = {seg.worker for s in samples for seg in s.segments}
     assert workers == {"w1", "w2"}
-    migrated = [(g.prompt_id, s) for g in groups for s in g.samples if [seg.worker for seg in s.segments] == ["w1", "w2"]]
+    migrated = [
+        (g.prompt_id, s) for g in groups for s in g.samples if [seg.worker for seg in s.segments] == ["w1", "w2"]
+    ]
     assert migrated and all(s.num_failures == 1 for _, s in migrated)
     for prompt_id, s in migrated:
         uninterrupted = reference[prompt_id].samples[s.index]
@@ -791,8 +870,10 @@ def test_the_manager_and_publisher_processes_import_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, polyrl.cli, polyrl.manager.main, polyrl.transfer.serve; "
-            "print(sorted(m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys, polyrl.cli, polyrl.manager.main, polyrl.transfer.serve; "
+        "print(sorted(m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -807,8 +888,20 @@ def test_requests_open_at_shutdown_get_503_and_the_manager_exits_at_once(tmp_pat
     from concurrent.futures import ThreadPoolExecutor
 
     ready, log_path = tmp_path / "url", tmp_path / "manager.log"
-    cmd = [sys.executable, "-m", "polyrl.cli", "manager", "--host", "127.0.0.1", "--port", "0", "--token", TOKEN,
-           "--ready-file", str(ready)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "polyrl.cli",
+        "manager",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--token",
+        TOKEN,
+        "--ready-file",
+        str(ready),
+    ]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=os.environ | {"POLYRL_TOKEN": ""})
     try:

@@ -200,7 +200,9 @@ def test_each_prompt_can_carry_its_own_generation_budget(tmp_path, tiny_model_di
     assert sorted((p.text, p.max_new_tokens) for p in prompts) == [("p0", 3), ("p1", 40), ("p2", 7)]
     assert all("budget" not in p.columns and "answer" in p.columns for p in prompts)
     assert [p.budget(10) for p in sorted(prompts, key=lambda p: p.text)] == [3, 10, 7]
-    assert PromptSource(cfg.model_copy(update={"max_new_tokens_key": None}), tok, seed=0).take(1)[0].max_new_tokens is None
+    assert (
+        PromptSource(cfg.model_copy(update={"max_new_tokens_key": None}), tok, seed=0).take(1)[0].max_new_tokens is None
+    )
 
     with pytest.raises(ValueError, match="data.max_new_tokens_key='length': the file has no such column"):
         _check_data(cfg.model_copy(update={"max_new_tokens_key": "length"}))

@@ -44,13 +44,26 @@ def test_tiny_model_command_writes_a_chat_template(tmp_path, tiny_model_dir):
     template in its own alphabet, as a chat client does (Atropos' chat path); without the
     flag it has none."""
     out = tmp_path / "chat"
-    command = [sys.executable, "-m", "polyrl.cli", "tiny-model", "--out", str(out), "--chat-template", "hidden_size=32",
-               "intermediate_size=64"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "polyrl.cli",
+        "tiny-model",
+        "--out",
+        str(out),
+        "--chat-template",
+        "hidden_size=32",
+        "intermediate_size=64",
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (out / "chat_template.jinja").is_file()  # where transformers, vLLM and SGLang look
     tok = AutoTokenizer.from_pretrained(out)
-    messages = [{"role": "user", "content": "abc>"}, {"role": "assistant", "content": "abc"}, {"role": "user", "content": "ba>"}]
+    messages = [
+        {"role": "user", "content": "abc>"},
+        {"role": "assistant", "content": "abc"},
+        {"role": "user", "content": "ba>"},
+    ]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == "<bos>user: abc>|assistant: abc|user: ba>|assistant: "
     ids = tok(text, add_special_tokens=False)["input_ids"]

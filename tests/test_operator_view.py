@@ -60,9 +60,17 @@ def worker_row(dom: str, worker_id: str) -> str | None:
 
 def register_fake(mt: ManagerThread, worker_id: str, usd_per_hour: float | None = None, local: bool = False) -> None:
     """A worker record that serves nothing (no batch dials it): fast tests of the views."""
-    request = RegisterRequest(worker_id=worker_id, url=f"http://127.0.0.1:{free_port()}", model_path="m",
-                              weight_version=0, max_num_seqs=4, max_model_len=64, usd_per_hour=usd_per_hour,
-                              device="cpu", local=local)  # fmt: skip
+    request = RegisterRequest(
+        worker_id=worker_id,
+        url=f"http://127.0.0.1:{free_port()}",
+        model_path="m",
+        weight_version=0,
+        max_num_seqs=4,
+        max_model_len=64,
+        usd_per_hour=usd_per_hour,
+        device="cpu",
+        local=local,
+    )
 
     def add() -> None:
         registry = mt.manager.registry
@@ -83,9 +91,15 @@ def test_fleet_keeps_the_lifecycle_and_bounds_its_logs() -> None:
         mt.call(mt.manager.leave, "b", "spot notice")
         fleet = mt.call(fleet_status, mt.manager)
     assert [(e.worker_id, e.state) for e in fleet.events] == [
-        ("a", "registering"), ("a", "active"), ("b", "registering"), ("b", "active"),
-        ("a", "syncing"), ("b", "syncing"), ("a", "active"), ("b", "gone"),
-    ]  # fmt: skip
+        ("a", "registering"),
+        ("a", "active"),
+        ("b", "registering"),
+        ("b", "active"),
+        ("a", "syncing"),
+        ("b", "syncing"),
+        ("a", "active"),
+        ("b", "gone"),
+    ]
     assert "spot notice" in fleet.events[-1].detail
     assert [(w.worker_id, w.state, w.weight_version, w.device) for w in fleet.workers] == [("a", "active", 1, "cpu")]
     assert fleet.workers[0].tokens_per_s == 900.0 and fleet.workers[0].usd_per_hour == 0.5
@@ -171,7 +185,7 @@ def test_report_draws_two_real_runs_side_by_side(tmp_path: Path) -> None:
             assert data.startswith(PNG)
             _check_drawn(path, num_runs=2)
     page = (tmp_path / "out" / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == len(PANELS) and "src=\"http" not in page
+    assert page.count("data:image/png;base64,") == len(PANELS) and 'src="http' not in page
     assert "<td>remote</td><td>40</td>" in page and "<td>colocated</td><td>40</td>" in page
 
 
@@ -247,8 +261,17 @@ def test_report_on_a_short_run_of_the_main_job(tmp_path: Path, caplog: pytest.Lo
     directory is reported on as it is; the job logged the operator page's URL."""
     from polyrl.trainer.loop import train
 
-    cfg = load_config(None, ["logging.console=false", "logging.tensorboard=false", "manager.port=0",
-                             "trainer.save_every=0", "fleet.ready_timeout_s=120", "trainer.total_steps=3"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "logging.console=false",
+            "logging.tensorboard=false",
+            "manager.port=0",
+            "trainer.save_every=0",
+            "fleet.ready_timeout_s=120",
+            "trainer.total_steps=3",
+        ],
+    )
     with caplog.at_level(logging.INFO, logger="polyrl"):
         train(cfg, tmp_path / "run")
     pages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("operator page: http://127.0.0.1:")]
@@ -275,7 +298,7 @@ def test_page_renders_a_fleet_in_a_browser() -> None:
         refused = dump_dom(binary, f"{mt.url}/?token=wrong")
     row_a, row_b = worker_row(dom, "a"), worker_row(dom, "b")
     assert row_a and 'data-state="active"' in row_a and "v0" in row_a and "0.50" in row_a
-    assert row_b and "<td class=\"num\">-</td>" in row_b  # no price: "-"
+    assert row_b and '<td class="num">-</td>' in row_b  # no price: "-"
     assert 'data-worker="a" data-state="registering"' in dom
     assert "updated" in dom and "worker-a" not in refused and "<form" in refused
 
@@ -328,8 +351,12 @@ def fleet_of_two(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[Manager
         try:
             for worker_id, price in [("spot-a", 0.35), ("spot-b", 0.42)]:
                 log_file = open(tmp_path / f"{worker_id}.log", "wb")  # noqa: SIM115 - closed below
-                procs[worker_id] = (spawn_worker(tiny_model_dir, mt.url, worker_id, free_port(), log_file,
-                                                 extra=[f"worker.usd_per_hour={price}"]), log_file)  # fmt: skip
+                procs[worker_id] = (
+                    spawn_worker(
+                        tiny_model_dir, mt.url, worker_id, free_port(), log_file, extra=[f"worker.usd_per_hour={price}"]
+                    ),
+                    log_file,
+                )
             wait_for(lambda: active_ids(mt) == {"spot-a", "spot-b"}, 120, "two active workers")
             yield mt, {k: p for k, (p, _) in procs.items()}
         finally:

@@ -20,8 +20,15 @@ from polyrl.trainer.packing import collate_packed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-SHAPE = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 64, "intermediate_size": 768, "vocab_size": 8192}  # fmt: skip
+SHAPE = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 768,
+    "vocab_size": 8192,
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +52,9 @@ def _items(vocab: int) -> list[SeqItem]:
 def _learner(model, **kw) -> Learner:
     """Plain unless `kw` asks otherwise: "auto" would turn on the copy and compile here."""
     kw = {"working_copy": False, "compile_layers": False, **kw}
-    cfg = TrainerConfig(lr=1e-5, warmup_steps=0, train_batch_size=16, ppo_mini_batch_size=16,
-                        micro_batch_max_tokens=4096, **kw)  # fmt: skip
+    cfg = TrainerConfig(
+        lr=1e-5, warmup_steps=0, train_batch_size=16, ppo_mini_batch_size=16, micro_batch_max_tokens=4096, **kw
+    )
     opt, sched = build_optimizer(model, cfg, total_updates=10)
     return Learner(model, None, opt, sched, AlgoConfig(), cfg, 1.0, 0, compute_dtype=torch.bfloat16)
 

@@ -54,8 +54,11 @@ def test_head_logprobs_match_full_logits(monkeypatch, temperature, path):
     logp, ent = head_logprobs(hidden, weight, targets, temperature, fused=path != "eager")
     (logp * a + ent * b).sum().backward()
     got = [logp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone()]
-    expected_calls = {"eager": {"compiled": 0, "triton": 0}, "compiled": {"compiled": 2, "triton": 0},
-                      "triton": {"compiled": 0, "triton": 2}}[path]  # fmt: skip
+    expected_calls = {
+        "eager": {"compiled": 0, "triton": 0},
+        "compiled": {"compiled": 2, "triton": 0},
+        "triton": {"compiled": 0, "triton": 2},
+    }[path]
     assert {k: min(v, 2) for k, v in calls.items()} == expected_calls, calls  # (forward and backward, per chunk)
 
     hidden.grad = weight.grad = None

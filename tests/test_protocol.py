@@ -33,22 +33,34 @@ def test_no_manager_request_body_is_a_dict_literal() -> None:
     for path in sorted(MANAGER.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
-                found += [f"{path.name}:{node.lineno}" for kw in node.keywords
-                          if kw.arg in ("json", "content", "data") and isinstance(kw.value, ast.Dict)]  # fmt: skip
+                found += [
+                    f"{path.name}:{node.lineno}"
+                    for kw in node.keywords
+                    if kw.arg in ("json", "content", "data") and isinstance(kw.value, ast.Dict)
+                ]
             if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Dict):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 found += [f"{path.name}:{node.lineno}" for t in targets if isinstance(t, ast.Name) and t.id == "body"]
             if isinstance(node, ast.FunctionDef) and node.name.endswith("_body"):
-                found += [f"{path.name}:{n.lineno}" for n in ast.walk(node)
-                          if isinstance(n, ast.Assign | ast.AnnAssign | ast.Return) and isinstance(n.value, ast.Dict)]  # fmt: skip
+                found += [
+                    f"{path.name}:{n.lineno}"
+                    for n in ast.walk(node)
+                    if isinstance(n, ast.Assign | ast.AnnAssign | ast.Return) and isinstance(n.value, ast.Dict)
+                ]
     assert not found, found
 
 
 def test_a_generate_request_carries_only_what_the_manager_set() -> None:
     """Fields left at their defaults stay off the wire (a plain SGLang server refuses
     polyrl's extensions), and what is sent parses back into the same request."""
-    call = GenerationCall("r1", [1, 2, 3], num_samples=3, seed=11, remaining_tokens=9,
-                          sampling=BatchSampling(max_new_tokens=20, top_k=5, top_logprobs=2))  # fmt: skip
+    call = GenerationCall(
+        "r1",
+        [1, 2, 3],
+        num_samples=3,
+        seed=11,
+        remaining_tokens=9,
+        sampling=BatchSampling(max_new_tokens=20, top_k=5, top_logprobs=2),
+    )
     raw = generate_body(call, incremental=False)
     sent = json.loads(raw)
     assert "incremental_stream" not in sent and "stream_interval_s" not in sent and "text" not in sent
@@ -61,8 +73,17 @@ def test_a_generate_request_carries_only_what_the_manager_set() -> None:
 def test_what_the_worker_streams_the_manager_reads_back() -> None:
     """The worker's chunk builder and the manager's parser agree: tokens, log-probs, each
     token's version, top log-probs, the finish; an incremental chunk continues the count."""
-    result = SampleResult("r", 1, 4, token_ids=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3], weight_versions=[2, 2, 3],
-                          finish_reason="stop", matched_stop=7, top_logprobs=[[(5, -0.1)], [(6, -0.2)], [(7, -0.3)]])  # fmt: skip
+    result = SampleResult(
+        "r",
+        1,
+        4,
+        token_ids=[5, 6, 7],
+        logprobs=[-0.1, -0.2, -0.3],
+        weight_versions=[2, 2, 3],
+        finish_reason="stop",
+        matched_stop=7,
+        top_logprobs=[[(5, -0.1)], [(6, -0.2)], [(7, -0.3)]],
+    )
     seen: dict[int, int] = {}
     first = sample_response(result, "", return_logprob=True, current_version=3, with_index=True, start=0)
     first["output_ids"], first["meta_info"]["finish_reason"] = first["output_ids"][:2], None
@@ -77,9 +98,19 @@ def test_what_the_worker_streams_the_manager_reads_back() -> None:
 
 
 def test_the_manager_reads_a_plain_sglang_chunk_and_names_what_is_wrong() -> None:
-    plain = {"text": "ab", "output_ids": [4, 9], "meta_info": {"id": "x", "prompt_tokens": 3, "completion_tokens": 2,
-             "weight_version": 5, "finish_reason": {"type": "length", "length": 2}, "e2e_latency": 0.1,
-             "output_token_logprobs": [[-1.0, 4, None], [-2.0, 9, None]]}}  # fmt: skip
+    plain = {
+        "text": "ab",
+        "output_ids": [4, 9],
+        "meta_info": {
+            "id": "x",
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "weight_version": 5,
+            "finish_reason": {"type": "length", "length": 2},
+            "e2e_latency": 0.1,
+            "output_token_logprobs": [[-1.0, 4, None], [-2.0, 9, None]],
+        },
+    }
     assert parse_chunk(json.dumps(plain), {}, incremental=False) == Delta(0, [4, 9], [-1.0, -2.0], [5, 5], "length", [])
     with pytest.raises(WorkerFailed, match="worker reported: engine died"):
         parse_chunk(json.dumps({"error": {"message": "engine died", "type": "internal"}}), {}, incremental=True)

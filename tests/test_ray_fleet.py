@@ -35,9 +35,15 @@ missing a beat or two does not lose a node that is alive."""
 @pytest.fixture
 def cluster(tmp_path: Path):
     node_env = {"TMPDIR": str(tmp_path)}  # the workers' logs land here (tempfile.gettempdir on the node)
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "_system_config": FAST_DEATH, "env_vars": node_env,
-    })  # fmt: skip
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "include_dashboard": False,
+            "_system_config": FAST_DEATH,
+            "env_vars": node_env,
+        },
+    )
     c.node_env = node_env
     try:
         yield c
@@ -55,10 +61,19 @@ def test_a_node_lost_mid_step_is_replaced_and_nothing_is_lost(tmp_path: Path, cl
     run_dir = tmp_path / "run"
     spot_env = {**cluster.node_env, "POLYRL_INSTANCE_TYPE": "spot"}
     spot = cluster.add_node(num_cpus=1, env_vars=spot_env)  # one worker per node: each has 1 CPU
-    cfg = load_config(None, [
-        *QUICK, "trainer.total_steps=8", f'manager.token="{TOKEN}"', "fleet.num_workers=2", "fleet.min_workers=2",
-        "fleet.launcher=ray", f"fleet.ray_address={cluster.address}", "fleet.ray_usd_per_hour={spot=0.5}",
-    ])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            *QUICK,
+            "trainer.total_steps=8",
+            f'manager.token="{TOKEN}"',
+            "fleet.num_workers=2",
+            "fleet.min_workers=2",
+            "fleet.launcher=ray",
+            f"fleet.ray_address={cluster.address}",
+            "fleet.ray_usd_per_hour={spot=0.5}",
+        ],
+    )
     removed: dict[str, str] = {}
     stop = threading.Event()
 
@@ -116,4 +131,3 @@ def test_a_node_lost_mid_step_is_replaced_and_nothing_is_lost(tmp_path: Path, cl
     assert last["training/num_rollout_instances"] == 2  # the replacement generated in the last step
     assert last["cost/usd_per_hour"] == pytest.approx(83.79 / 8 + 21.28 / 8 + 0.5)
     assert not ray.is_initialized()  # the fleet closed the connection it opened
-

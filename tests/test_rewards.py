@@ -90,7 +90,10 @@ def test_a_signalled_worker_scores_and_a_killed_one_is_retried(tmp_path, caplog)
 
     hang = tmp_path / "hang"
     columns = {"hang": [str(hang)] * len(PROMPTS)}
-    with caplog.at_level(logging.WARNING, logger=LOGGER), RewardPool(["reward_fns:hang_when_told"], timeout_s=30) as pool:
+    with (
+        caplog.at_level(logging.WARNING, logger=LOGGER),
+        RewardPool(["reward_fns:hang_when_told"], timeout_s=30) as pool,
+    ):
         for sig in (signal.SIGINT, signal.SIGKILL):
             hang.touch()
             future = pool.submit(PROMPTS, COMPLETIONS, columns)
@@ -112,6 +115,7 @@ def test_workers_restarted_from_a_thread_outlive_it(caplog):
     import threading
 
     with RewardPool(["reward_fns:flaky"], timeout_s=0.5) as pool:
+
         def time_out_then_score() -> None:
             pool.score(PROMPTS, COMPLETIONS, {"mode": ["sleep"] * 3})
             _score(pool, "ok")  # the new workers are up (and have asked for their signal) while it lives
@@ -167,7 +171,9 @@ def test_pool_workers_die_with_a_trainer_killed_with_sigkill(tmp_path):
         "pool.score(['p'], ['c'], {})\n"
         "print('ready', flush=True); time.sleep(600)\n"
     )
-    owner = subprocess.Popen([sys.executable, "-c", script, str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script, str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True
+    )
     children: list[int] = []
     try:
         assert owner.stdout is not None and owner.stdout.readline().strip() == "ready"

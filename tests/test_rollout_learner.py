@@ -52,7 +52,11 @@ def test_rollout_groups_and_logprobs_match_a_forward_pass(model_tok):
     # The learner's recomputation (right padding, explicit positions) must reproduce the
     # engine's behaviour log-probs (left padding, KV cache): the on-policy guarantee.
     learner = _learner(model)
-    items = [SeqItem(g.prompt.prompt_ids + s.completion_ids, len(g.prompt.prompt_ids), s.logprobs, 0.0) for g in groups for s in g.samples]
+    items = [
+        SeqItem(g.prompt.prompt_ids + s.completion_ids, len(g.prompt.prompt_ids), s.logprobs, 0.0)
+        for g in groups
+        for s in g.samples
+    ]
     mb = collate(items, pad_id=tok.pad_token_id)
     with torch.no_grad():
         logp, _ = learner.logprobs(model, mb, with_entropy=False)
@@ -165,7 +169,10 @@ def test_bf16_compute_keeps_fp32_master_weights(model_tok):
     model, tok = model_tok
     learner = _learner(model)
     learner.compute_dtype = torch.bfloat16
-    items = [SeqItem(tok("ab>").input_ids + [7, 8], 4, [-3.0, -3.0], 1.0), SeqItem(tok("ab>").input_ids + [9], 4, [-3.0], -1.0)]
+    items = [
+        SeqItem(tok("ab>").input_ids + [7, 8], 4, [-3.0, -3.0], 1.0),
+        SeqItem(tok("ab>").input_ids + [9], 4, [-3.0], -1.0),
+    ]
     before = [p.detach().clone() for p in model.parameters()]
     metrics = learner.train_mini_batch(items, weights_as_sampled=False)
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -190,18 +197,25 @@ def test_logprob_diff_counts_only_tokens_of_the_current_version(model_tok):
     assert mixed.current == [True, True, False, False] and mixed.num_current_tokens == 2
     [unmarked] = group_items(Group(prompt, [sample]), [1.0])
     assert unmarked.current is None
-    diff_mixed = _learner(copy.deepcopy(model)).train_mini_batch([mixed], weights_as_sampled=True)["rollout/logprob_diff"]
-    diff_all = _learner(copy.deepcopy(model)).train_mini_batch([unmarked], weights_as_sampled=True)["rollout/logprob_diff"]
+    diff_mixed = _learner(copy.deepcopy(model)).train_mini_batch([mixed], weights_as_sampled=True)[
+        "rollout/logprob_diff"
+    ]
+    diff_all = _learner(copy.deepcopy(model)).train_mini_batch([unmarked], weights_as_sampled=True)[
+        "rollout/logprob_diff"
+    ]
     assert diff_mixed < 1e-4, diff_mixed
     assert diff_all == pytest.approx(1.5, abs=1e-3)  # 2 of 4 tokens off by 3
     [stale] = group_items(Group(prompt, [Sample(completion, behav, "length", [3] * 4)]), [1.0], version=4)
-    assert "rollout/logprob_diff" not in _learner(copy.deepcopy(model)).train_mini_batch([stale], weights_as_sampled=True)
+    assert "rollout/logprob_diff" not in _learner(copy.deepcopy(model)).train_mini_batch(
+        [stale], weights_as_sampled=True
+    )
 
 
 def test_groups_in_prompt_order_wait_for_the_earlier_ones():
     """rollout.deterministic: groups come out in submission order whatever order they
     finish in; each as soon as the groups before it are there; a missing or extra group
     is an error, not a silently different batch."""
+
     def group(index):
         return Group(prompt=Prompt(index=index, text="", prompt_ids=[1]), samples=[])
 

@@ -54,9 +54,17 @@ def test_the_workload_file_becomes_prompts_with_those_budgets(tmp_path: Path, ti
 
 
 def _row(step: int, seconds: float, tokens: float, fleet: float | None, ready: float | None) -> dict[str, float]:
-    row = {"step": step, "perf/time_per_step": seconds, "perf/total_num_tokens": tokens, "response_length/mean": tokens / 8,
-           "rollout/samples_received": 8.0, "cost/usd_per_hour": 13.0, "rollout/samples_lost": 0.0,
-           "rollout/migrated_samples": 0.0, "rollout/local_samples": 0.0}  # fmt: skip
+    row = {
+        "step": step,
+        "perf/time_per_step": seconds,
+        "perf/total_num_tokens": tokens,
+        "response_length/mean": tokens / 8,
+        "rollout/samples_received": 8.0,
+        "cost/usd_per_hour": 13.0,
+        "rollout/samples_lost": 0.0,
+        "rollout/migrated_samples": 0.0,
+        "rollout/local_samples": 0.0,
+    }
     if ready is not None:
         row["async/ready_groups"] = ready
     if fleet is not None:
@@ -67,7 +75,12 @@ def _row(step: int, seconds: float, tokens: float, fleet: float | None, ready: f
 def test_a_fully_async_row_counts_what_the_fleet_produced_not_only_what_was_trained() -> None:
     """A learner eating a warm-up backlog trains faster than the fleet produces: the row's
     steady rate is the fleet's (the slower); a learner that is slower keeps its own."""
-    backlog = [_row(1, 9.0, 800, 5000, 0), _row(2, 2.0, 1600, 800, 12), _row(3, 2.0, 1600, 800, 10), _row(4, 2.0, 1600, 800, 8)]
+    backlog = [
+        _row(1, 9.0, 800, 5000, 0),
+        _row(2, 2.0, 1600, 800, 12),
+        _row(3, 2.0, 1600, 800, 10),
+        _row(4, 2.0, 1600, 800, 8),
+    ]
     res = summarise("fully_async_k4", backlog, warmup=1, wall=0.0, notes=[], last=3)
     assert res.tokens_per_s == 800 and res.produced_tokens_per_s == 400 and res.steady_tokens_per_s == 400
     assert res.backlog_used == 4 and res.local_made == 0.25

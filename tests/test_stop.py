@@ -33,11 +33,20 @@ from polyrl.trainer.loop import StopRequest, train
 
 TOTAL_STEPS = 14
 OVERRIDES = [
-    "logging.console=false", "logging.tensorboard=false", "manager.port=0", "fleet.num_workers=1",
-    f"trainer.total_steps={TOTAL_STEPS}", "trainer.save_every=2", "trainer.train_batch_size=8",
-    "trainer.ppo_mini_batch_size=4", "rollout.n=4", "rollout.max_new_tokens=8", "model.tiny.hidden_size=32",
-    "model.tiny.intermediate_size=64", 'reward.functions=["reward_fns:one_plus_length"]',
-]  # fmt: skip
+    "logging.console=false",
+    "logging.tensorboard=false",
+    "manager.port=0",
+    "fleet.num_workers=1",
+    f"trainer.total_steps={TOTAL_STEPS}",
+    "trainer.save_every=2",
+    "trainer.train_batch_size=8",
+    "trainer.ppo_mini_batch_size=4",
+    "rollout.n=4",
+    "rollout.max_new_tokens=8",
+    "model.tiny.hidden_size=32",
+    "model.tiny.intermediate_size=64",
+    'reward.functions=["reward_fns:one_plus_length"]',
+]
 """Small; the default reward goes through the pool too, but this one's scores are all >= 1."""
 
 
@@ -96,8 +105,10 @@ def _wait_for_step(trainer: Trainer, run_dir: Path, step: int, timeout_s: float 
     """Until `trainer` has logged `step` (a resumed one first drops the rows of steps past its
     checkpoint, then says so)."""
     deadline = time.monotonic() + timeout_s
-    while "--resume" in trainer.proc.args and "resumed from" not in trainer.text() or not any(
-        r["step"] >= step for r in _rows(run_dir)
+    while (
+        "--resume" in trainer.proc.args
+        and "resumed from" not in trainer.text()
+        or not any(r["step"] >= step for r in _rows(run_dir))
     ):
         assert trainer.proc.poll() is None, trainer.text()[-3000:]
         assert time.monotonic() < deadline, f"no step {step} in {timeout_s:.0f}s: {trainer.text()[-3000:]}"
@@ -166,9 +177,12 @@ def test_ctrl_c_twice_and_kill_minus_9_leave_a_resumable_run_and_no_process(tmp_
     src_dir = tests_dir.parent / "src"
     hold, held = tmp_path / "hold", tmp_path / "hold.held"
     env = os.environ | {
-        "POLYRL_TEST_RUN": tag, "PYTHONPATH": f"{src_dir}{os.pathsep}{tests_dir}", "COLUMNS": "200",
-        "POLYRL_TEST_CRASH_ONCE": str(tmp_path / "crashed"), "POLYRL_TEST_HOLD": str(hold),
-    }  # fmt: skip
+        "POLYRL_TEST_RUN": tag,
+        "PYTHONPATH": f"{src_dir}{os.pathsep}{tests_dir}",
+        "COLUMNS": "200",
+        "POLYRL_TEST_CRASH_ONCE": str(tmp_path / "crashed"),
+        "POLYRL_TEST_HOLD": str(hold),
+    }
     try:
         # One Ctrl-C: the step in progress finishes and is saved; exit 130.
         first = Trainer(["--run-dir", str(run_dir), *OVERRIDES], env, terminal=True)
@@ -213,8 +227,14 @@ def test_ctrl_c_twice_and_kill_minus_9_leave_a_resumable_run_and_no_process(tmp_
         third = Trainer(["--resume", str(run_dir)], env, terminal=False)
         _wait_for_step(third, run_dir, step + 1)
         running = _run_processes(tag)
-        for role in ("polyrl.cli manager", "--worker-id local", "--worker-id w0", "polyrl.transfer.serve",
-                     "multiprocessing.spawn", "multiprocessing.resource_tracker"):  # fmt: skip
+        for role in (
+            "polyrl.cli manager",
+            "--worker-id local",
+            "--worker-id w0",
+            "polyrl.transfer.serve",
+            "multiprocessing.spawn",
+            "multiprocessing.resource_tracker",
+        ):
             assert any(role in cmd for cmd in running.values()), (role, running)
         os.kill(third.proc.pid, signal.SIGKILL)
         third.wait()
@@ -260,15 +280,23 @@ def test_ctrl_c_saves_and_exits_130_although_tee_died_of_it(tmp_path: Path) -> N
     tests_dir = Path(__file__).parent
     hold, held, log_file, codes = tmp_path / "hold", tmp_path / "hold.held", tmp_path / "train.log", tmp_path / "codes"
     env = os.environ | {
-        "POLYRL_TEST_RUN": tag, "PYTHONPATH": f"{tests_dir.parent / 'src'}{os.pathsep}{tests_dir}",
+        "POLYRL_TEST_RUN": tag,
+        "PYTHONPATH": f"{tests_dir.parent / 'src'}{os.pathsep}{tests_dir}",
         "POLYRL_TEST_HOLD": str(hold),
-    }  # fmt: skip
+    }
     overrides = [o for o in OVERRIDES if not o.startswith("logging.console")] + ["trainer.save_every=1000"]
     train = [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir), *overrides]
     master, slave = os.openpty()
     hold.touch()  # the first step waits in its scoring: the Ctrl-C comes mid-step
-    job = subprocess.Popen([sys.executable, "-c", PIPED_JOB, str(log_file), str(codes), *train], env=env,
-                           stdin=slave, stdout=slave, stderr=slave, start_new_session=True, preexec_fn=_take_terminal)  # fmt: skip
+    job = subprocess.Popen(
+        [sys.executable, "-c", PIPED_JOB, str(log_file), str(codes), *train],
+        env=env,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+        preexec_fn=_take_terminal,
+    )
     os.close(slave)
     output = bytearray()
     reader = threading.Thread(target=read_terminal, args=(master, output), daemon=True)
@@ -331,8 +359,15 @@ def test_the_resource_tracker_shares_the_trainers_session_ignores_ctrl_c_and_lea
     tests_dir = Path(__file__).parent
     env = os.environ | {"POLYRL_TEST_RUN": tag, "PYTHONPATH": f"{tests_dir.parent / 'src'}{os.pathsep}{tests_dir}"}
     master, slave = os.openpty()
-    owner = subprocess.Popen([sys.executable, "-c", POOL_IN_A_TERMINAL], env=env, stdin=slave, stdout=slave,
-                             stderr=slave, start_new_session=True, preexec_fn=_take_terminal)  # fmt: skip
+    owner = subprocess.Popen(
+        [sys.executable, "-c", POOL_IN_A_TERMINAL],
+        env=env,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+        preexec_fn=_take_terminal,
+    )
     os.close(slave)
     output = bytearray()
     reader = threading.Thread(target=read_terminal, args=(master, output), daemon=True)

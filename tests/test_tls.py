@@ -109,8 +109,14 @@ def test_train_through_a_tls_manager_and_workers(
     wire). A client without the CA is refused, and plain HTTP on the HTTPS port gets nothing."""
     run_dir = tmp_path / "run"
     tls = [f'manager.tls.{k}_file="{tls_files[v]}"' for k, v in (("cert", "cert"), ("key", "key"), ("ca", "ca"))]
-    overrides = [*QUICK, "trainer.total_steps=2", "fleet.num_workers=1", "manager.transfer.tls=true",
-                 f'manager.token="{TOKEN}"', *tls]  # fmt: skip
+    overrides = [
+        *QUICK,
+        "trainer.total_steps=2",
+        "fleet.num_workers=1",
+        "manager.transfer.tls=true",
+        f'manager.token="{TOKEN}"',
+        *tls,
+    ]
     seen: dict[str, object] = {}
     taps: list[_Tap] = []
 
@@ -169,7 +175,9 @@ def tls_publisher(tls_files: dict[str, str]) -> Iterator[WeightPublisher]:
 
 
 def test_weight_pulls_over_tls_are_bit_exact_and_plaintext_is_refused(
-    tls_publisher: WeightPublisher, tls_files: dict[str, str], pool: ReceiverPool  # noqa: F811
+    tls_publisher: WeightPublisher,
+    tls_files: dict[str, str],
+    pool: ReceiverPool,  # noqa: F811
 ) -> None:
     sent = weights(7)
     tls_publisher.publish(sent, 1)
@@ -220,7 +228,11 @@ def test_slow_drip_clients_are_closed_and_connections_are_bounded(
         from uvicorn.protocols.http.h11_impl import H11Protocol
 
         monkeypatch.setattr("polyrl.serving.AutoHTTPProtocol", H11Protocol)
-    tls = TlsConfig(cert_file=tls_files["cert"], key_file=tls_files["key"], ca_file=tls_files["ca"]) if with_tls else TlsConfig()
+    tls = (
+        TlsConfig(cert_file=tls_files["cert"], key_file=tls_files["key"], ca_file=tls_files["ca"])
+        if with_tls
+        else TlsConfig()
+    )
     limits = HttpLimitsConfig(max_connections=8, header_timeout_s=0.6, body_timeout_s=0.6)
     context = ssl.create_default_context(cafile=tls_files["ca"]) if with_tls else None
     with ManagerThread(fast_cfg(tls=tls, http=limits)) as mt, http_client(tls.ca_file, base_url=mt.url) as client:
@@ -230,7 +242,9 @@ def test_slow_drip_clients_are_closed_and_connections_are_bounded(
         stalled.append(_drip(port, context, b""))  # connects, says nothing
         body = json.dumps({"worker_id": "w"}).encode()
         head = f"POST /v1/workers/heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
-        stalled.append(_drip(port, context, head.encode() + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode() + body[:3]))
+        stalled.append(
+            _drip(port, context, head.encode() + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode() + body[:3])
+        )
         assert client.get("/health").status_code == 200  # the 8th connection: still served
         over = _drip(port, context, b"")
         assert _read_all(over).startswith(b"HTTP/1.1 503 "), "a 9th connection is refused"
@@ -259,7 +273,9 @@ def test_tls_config_errors_name_the_key(tmp_path: Path, tls_files: dict[str, str
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=message):
             load_config(None, [override])
-    cfg = load_config(None, [f'manager.tls.{k}_file="{tls_files[k]}"' for k in ("cert", "key")] + ["manager.transfer.tls=true"])
+    cfg = load_config(
+        None, [f'manager.tls.{k}_file="{tls_files[k]}"' for k in ("cert", "key")] + ["manager.transfer.tls=true"]
+    )
     assert cfg.manager.tls.enabled and cfg.manager.transfer.tls
 
 
@@ -281,8 +297,9 @@ def test_a_certificate_that_does_not_verify_is_not_retried(tls_files: dict[str, 
         with pytest.raises(ConfigError, match="CERTIFICATE_VERIFY_FAILED.*manager.tls.ca_file"):
             link.workers()
         link.close()
-        registration = RegisterRequest(worker_id="w", url="https://127.0.0.1:9", model_path="m", weight_version=0,
-                                       max_num_seqs=1, max_model_len=8)  # fmt: skip
+        registration = RegisterRequest(
+            worker_id="w", url="https://127.0.0.1:9", model_path="m", weight_version=0, max_num_seqs=1, max_model_len=8
+        )
 
         async def register() -> None:
             client = ManagerClient(mt.url, TOKEN, 5.0)

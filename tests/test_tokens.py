@@ -24,7 +24,9 @@ ENV = {k: v for k, v in os.environ.items() if k not in ("POLYRL_TOKEN", "POLYRL_
 
 def polyrl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "polyrl.cli", *args]
-    return subprocess.run(command, env=env or ENV, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        command, env=env or ENV, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120
+    )
 
 
 def cmdline(pid: int) -> str:
@@ -57,9 +59,23 @@ def test_manager_and_status_take_the_token_from_a_file_or_the_environment(
     token, plain, run_info = token_files
     ready = tmp_path / "url"
     manager = subprocess.Popen(
-        [sys.executable, "-m", "polyrl.cli", "manager", "--port", "0", "--token-file", str(plain),
-         "--ready-file", str(ready)], env=ENV, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "polyrl.cli",
+            "manager",
+            "--port",
+            "0",
+            "--token-file",
+            str(plain),
+            "--ready-file",
+            str(ready),
+        ],
+        env=ENV,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for(lambda: ready.exists() or manager.poll() is not None, 60, "the manager to serve")
         url = ready.read_text()
@@ -79,7 +95,9 @@ def test_manager_and_status_take_the_token_from_a_file_or_the_environment(
         empty.write_text("\n")
         for args in (["--token-file", str(empty)], ["--token-file", str(tmp_path / "missing")]):
             out = polyrl("status", url, *args)
-            assert out.returncode == 2 and "--token-file" in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+            assert out.returncode == 2 and "--token-file" in out.stderr and len(out.stderr.splitlines()) == 1, (
+                out.stderr
+            )
     finally:
         manager.terminate()
         manager.wait(timeout=30)
@@ -108,21 +126,56 @@ def test_train_and_a_worker_that_joins_it_take_the_token_from_files(
     token, plain, _ = token_files
     run_dir = tmp_path / "run"
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir), "manager.port=0", "fleet.num_workers=0",
-         "fleet.min_workers=1", "fleet.ready_timeout_s=60", "trainer.total_steps=2", "trainer.save_every=0",
-         "logging.console=false", "logging.tensorboard=false", f"manager.token_file={plain}"],
-        env=ENV, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "polyrl.cli",
+            "train",
+            "--run-dir",
+            str(run_dir),
+            "manager.port=0",
+            "fleet.num_workers=0",
+            "fleet.min_workers=1",
+            "fleet.ready_timeout_s=60",
+            "trainer.total_steps=2",
+            "trainer.save_every=0",
+            "logging.console=false",
+            "logging.tensorboard=false",
+            f"manager.token_file={plain}",
+        ],
+        env=ENV,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     worker = None
     try:
         info = run_dir / "manager.json"
         wait_for(lambda: info.exists() or trainer.poll() is not None, 120, "the run's manager.json")
         assert json.loads(info.read_text())["token"] == token
         worker = subprocess.Popen(
-            [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(run_dir / "init_model"), "--port", "0",
-             "--manager", json.loads(info.read_text())["url"], "--token-file", str(info), "--worker-id", "joined"],
-            env=ENV, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "polyrl.cli",
+                "worker",
+                "--model",
+                str(run_dir / "init_model"),
+                "--port",
+                "0",
+                "--manager",
+                json.loads(info.read_text())["url"],
+                "--token-file",
+                str(info),
+                "--worker-id",
+                "joined",
+            ],
+            env=ENV,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         assert token not in cmdline(worker.pid) and token not in cmdline(trainer.pid)
         output, _ = trainer.communicate(timeout=240)  # it waits for a worker (fleet.min_workers=1): this one
         assert trainer.returncode == 0, output[-3000:]

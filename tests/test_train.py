@@ -146,7 +146,10 @@ def test_cli_refuses_to_overwrite_a_run(tmp_path):
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text("")
     proc = subprocess.run(
-        [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2 and "--resume" in proc.stderr
 
@@ -169,8 +172,9 @@ def test_a_config_error_found_while_loading_leaves_no_run_behind(tmp_path):
 @pytest.mark.slow
 def test_grpo_learns_the_copy_task(tmp_path):
     """A sign or masking error in the learner shows up here: 40 steps must raise the reward."""
-    cfg = load_config(None, ["trainer.total_steps=40", "logging.console=false", "logging.tensorboard=false",
-                             "rollout.mode=local"])  # fmt: skip
+    cfg = load_config(
+        None, ["trainer.total_steps=40", "logging.console=false", "logging.tensorboard=false", "rollout.mode=local"]
+    )
     train(cfg, tmp_path / "run")
     rewards = [r["critic/score/mean"] for r in _metrics(tmp_path / "run")]
     assert sum(rewards[-5:]) / 5 > rewards[0] + 0.15, rewards
@@ -181,7 +185,9 @@ def test_dataset_task_with_math_reward(tmp_path):
     rows = [{"question": f"{a}+{a}=", "answer": f"steps\n#### {2 * a}"} for a in range(10)]
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(None, [*SMALL, "trainer.total_steps=2", "data.task=dataset", f"data.path={data}", "data.format=gsm8k"])
+    cfg = load_config(
+        None, [*SMALL, "trainer.total_steps=2", "data.task=dataset", f"data.path={data}", "data.format=gsm8k"]
+    )
     state = train(cfg, tmp_path / "run")
     assert state.step == 2
     rows = _metrics(tmp_path / "run")

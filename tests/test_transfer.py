@@ -113,10 +113,13 @@ def test_bad_token_and_token_for_another_version_are_refused(publisher: WeightPu
             pull(PullSource(host, port, "w1", token), 1)
 
 
-@pytest.mark.parametrize(("mode", "expected"), [
-    ("flip", "chunk 3 .* failed its checksum"),  # a bit flipped in memory after the checksums were made
-    ("twice", "distinct"),  # every chunk intact, but chunk 0 sent twice and chunk 1 never
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("flip", "chunk 3 .* failed its checksum"),  # a bit flipped in memory after the checksums were made
+        ("twice", "distinct"),  # every chunk intact, but chunk 0 sent twice and chunk 1 never
+    ],
+)
 def test_corrupted_chunk_or_a_bad_deal_is_rejected(mode: str, expected: str) -> None:
     evil = _Evil(weights(), mode)
     threading.Thread(target=evil.serve_forever, daemon=True).start()
@@ -155,7 +158,9 @@ class _Evil(socketserver.ThreadingTCPServer):
         sums = chunk_checksums(self.view, CHUNK)
         if mode == "flip":
             buffer[3 * CHUNK + 7] ^= 0x10
-        self.info = TransferInfo(manifest=manifest, chunk_bytes=CHUNK, chunk_checksums=sums, buffer_checksum=combined_checksum(sums))
+        self.info = TransferInfo(
+            manifest=manifest, chunk_bytes=CHUNK, chunk_checksums=sums, buffer_checksum=combined_checksum(sums)
+        )
         super().__init__(("127.0.0.1", 0), _EvilHandler)
 
 
@@ -181,7 +186,9 @@ class _EvilHandler(socketserver.BaseRequestHandler):
         else:
             sock.sendall(bytes([STATUS_OK]))
             start, end = server.info.chunk_range(req.stream)
-            sock.sendall(CHUNK_INDEX.pack(req.stream) + server.view[start : start + (end - start) // 2])  # half, then hang up
+            sock.sendall(
+                CHUNK_INDEX.pack(req.stream) + server.view[start : start + (end - start) // 2]
+            )  # half, then hang up
             if server.mode == "stall":  # ... or keep the connection open and send nothing more
                 server.release.wait(30)
 
@@ -728,7 +735,9 @@ def test_receiver_processes_pull_bit_exact_into_shared_memory(publisher: WeightP
     assert not any(_alive(pid) for pid in pids) and _weight_slots("polyrl-landing") == before
 
 
-def test_a_receiver_process_killed_mid_pull_fails_that_pull_only(publisher: WeightPublisher, pool: ReceiverPool) -> None:
+def test_a_receiver_process_killed_mid_pull_fails_that_pull_only(
+    publisher: WeightPublisher, pool: ReceiverPool
+) -> None:
     """A pull whose receiver process dies ends in TransferError (not a hang); the next
     pull gets a new process and is bit-exact."""
     evil = _Evil(weights(), "stall")  # half a chunk per stream, then silence: the pull is stuck mid-way
@@ -784,9 +793,7 @@ def test_receiver_processes_reject_a_corrupted_or_cut_stream(
 
 @pytest.mark.parametrize("bad_byte", [None, 4 * 1000 + 3 * 64 + 5])
 @pytest.mark.parametrize("pipelined", [True, False])
-def test_a_stream_checks_every_piece_of_the_chunks_it_is_dealt(
-    bad_byte: int | None, pipelined: bool
-) -> None:
+def test_a_stream_checks_every_piece_of_the_chunks_it_is_dealt(bad_byte: int | None, pipelined: bool) -> None:
     """Chunks of many pieces (the last one short), dealt out of order: each is checked
     over exactly its bytes, and a bad one stops the stream."""
     from polyrl.transfer import pull_proc

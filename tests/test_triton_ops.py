@@ -89,9 +89,17 @@ def test_a_mixed_step_attends_the_same_with_its_decodes_on_the_paged_kernel():
         groups = []
         for decode in (True, False):
             pick = [i for i, (fed, _) in enumerate(rows) if (fed == 1) == decode]
-            groups.append(AttentionGroup.build([offsets[i] for i in pick], [rows[i][0] for i in pick],
-                                               [rows[i][1] for i in pick], [tables[i] for i in pick], block_size,
-                                               DEVICE, kernel_decode=kernel_decode))
+            groups.append(
+                AttentionGroup.build(
+                    [offsets[i] for i in pick],
+                    [rows[i][0] for i in pick],
+                    [rows[i][1] for i in pick],
+                    [tables[i] for i in pick],
+                    block_size,
+                    DEVICE,
+                    kernel_decode=kernel_decode,
+                )
+            )
         return AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long, device=DEVICE), groups=groups)
 
     kernel, sdpa = meta(True), meta(False)
@@ -112,8 +120,15 @@ def test_fused_sample_draws_what_the_torch_sampler_draws():
     seeds = torch.tensor([1, 2, 3, 2**62 + 5, 7, 9, 2**63 - 1, 0, 11, 12, 13, 14], device=DEVICE)
     positions = torch.tensor([0, 5, 9, 100, 3, 4, 2**33 + 1, 7, 8, 9, 10, 11], device=DEVICE)
     tokens, logprobs = triton_ops.fused_sample(logits, temperature, seeds, positions)
-    params = SamplingBatch(temperature.cpu(), torch.ones(rows), torch.zeros(rows, dtype=torch.long), seeds.cpu(),
-                           positions.cpu(), needs_truncation=False, all_greedy=False)
+    params = SamplingBatch(
+        temperature.cpu(),
+        torch.ones(rows),
+        torch.zeros(rows, dtype=torch.long),
+        seeds.cpu(),
+        positions.cpu(),
+        needs_truncation=False,
+        all_greedy=False,
+    )
     ref_tokens, ref_logprobs = sample(logits.cpu(), params)  # the PyTorch path on CPU
     assert tokens.cpu().tolist() == ref_tokens.tolist()
     assert torch.allclose(logprobs.cpu(), ref_logprobs, atol=1e-5)
@@ -160,9 +175,18 @@ def test_the_decode_step_on_the_triton_kernel_matches_the_eager_step(tmp_path):
 
 def qwen3_model(device, dtype, layers=4, vocab=4096):
     """Qwen3-0.6B's layer shape (hidden 1024, head_dim 128, GQA 2:1), random weights."""
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16,
-                      num_key_value_heads=8, head_dim=128, intermediate_size=3072, max_position_embeddings=2048,
-                      tie_word_embeddings=False, initializer_range=0.05)
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        initializer_range=0.05,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     return model.to(device)
@@ -189,8 +213,9 @@ def test_cuda_graph_engine_greedy_equals_hf_generate_in_float32():
     prompts = torch.randint(3, 4096, (16, 24), generator=torch.Generator().manual_seed(0)).tolist()
     results = generate(engine, prompts, EngineSampling(max_new_tokens=32, temperature=0.0, ignore_eos=True))
     assert engine.runner.decode_graphs.graphs  # the decode steps ran as graphs
-    hf = model.generate(torch.tensor(prompts, device="cuda"), max_new_tokens=32, do_sample=False,
-                        eos_token_id=None, pad_token_id=0)[:, 24:].tolist()
+    hf = model.generate(
+        torch.tensor(prompts, device="cuda"), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[:, 24:].tolist()
     assert [tokens for tokens, _ in results] == hf
 
 

@@ -105,9 +105,13 @@ class InProcessWorker:
         self.engine = AsyncEngine(Engine.from_pretrained(str(model_path), cfg))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.state = WorkerState(
-            self.engine, model_path=str(model_path), worker_id="w-test", tokenizer=self.tokenizer,
-            block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-        )  # fmt: skip
+            self.engine,
+            model_path=str(model_path),
+            worker_id="w-test",
+            tokenizer=self.tokenizer,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+        )
         self.http = ThreadedServer(create_app(self.state))
         self.client = httpx.Client(base_url=self.http.url, timeout=HTTP_TIMEOUT_S)
 
@@ -243,7 +247,9 @@ def test_coalesce_merges_what_arrived_and_closes_the_source() -> None:
 
 
 def test_generate_text_input(worker: InProcessWorker) -> None:
-    r = worker.client.post("/generate", json={"text": "abc>", "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    r = worker.client.post(
+        "/generate", json={"text": "abc>", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     meta = out["meta_info"]
@@ -275,8 +281,11 @@ def test_stream_final_chunk_equals_non_stream(worker: InProcessWorker) -> None:
 
 
 def test_incremental_stream_chunks_add_up_to_the_full_answer(worker: InProcessWorker) -> None:
-    body = {"input_ids": [1, 5], "return_logprob": True, "sampling_params": {"max_new_tokens": 9, "n": 2, "seed": 3,
-            "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": [1, 5],
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 9, "n": 2, "seed": 3, "ignore_eos": True},
+    }
     expected = {r["index"]: r for r in worker.client.post("/generate", json=body).json()}
     with worker.client.stream("POST", "/generate", json=body | {"stream": True, "incremental_stream": True}) as r:
         events = list(read_sse(r))
@@ -299,8 +308,12 @@ def test_incremental_stream_chunks_add_up_to_the_full_answer(worker: InProcessWo
 def test_stream_interval_sends_fewer_bigger_chunks(worker: InProcessWorker) -> None:
     """With `stream_interval_s` a chunk covers every engine step since the last one: the
     same tokens arrive, in about elapsed / interval chunks instead of one per step."""
-    body = {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 120, "seed": 3, "ignore_eos": True},
-            "stream": True, "incremental_stream": True}  # fmt: skip
+    body = {
+        "input_ids": [1, 5],
+        "sampling_params": {"max_new_tokens": 120, "seed": 3, "ignore_eos": True},
+        "stream": True,
+        "incremental_stream": True,
+    }
 
     def chunks(interval_s: float) -> tuple[list[dict[str, Any]], float]:
         worker.state.stream_interval_s = interval_s
@@ -324,8 +337,13 @@ def test_stream_interval_sends_fewer_bigger_chunks(worker: InProcessWorker) -> N
 def test_request_stream_interval_spaces_chunks_but_not_the_finish(worker: InProcessWorker) -> None:
     """The manager's `stream_interval_s` (in the request) applies like the worker's own;
     a sample that finishes is sent at once, not at the end of the interval."""
-    body = {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 40, "seed": 3, "ignore_eos": True, "n": 2},
-            "stream": True, "incremental_stream": True, "stream_interval_s": 5.0}  # fmt: skip
+    body = {
+        "input_ids": [1, 5],
+        "sampling_params": {"max_new_tokens": 40, "seed": 3, "ignore_eos": True, "n": 2},
+        "stream": True,
+        "incremental_stream": True,
+        "stream_interval_s": 5.0,
+    }
     t0 = time.monotonic()
     with worker.client.stream("POST", "/generate", json=body) as r:
         assert r.status_code == 200, r.read()
@@ -360,9 +378,13 @@ def test_n_samples_with_logprobs(worker: InProcessWorker) -> None:
 BAD_REQUESTS = [
     pytest.param(b'{"input_ids": [1, 2', 422, "invalid JSON", id="invalid-json"),
     pytest.param({"input_ids": [1, 2], "foo": 1}, 422, "foo: unknown field", id="unknown-field"),
-    pytest.param(greedy(4, sampling={"temprature": 0.5}), 422, "sampling_params.temprature: unknown field", id="unknown-nested"),
+    pytest.param(
+        greedy(4, sampling={"temprature": 0.5}), 422, "sampling_params.temprature: unknown field", id="unknown-nested"
+    ),
     pytest.param({"input_ids": "1 2 3"}, 422, "input_ids", id="wrong-type"),
-    pytest.param(greedy(4, sampling={"temperature": "hot"}), 422, "sampling_params.temperature", id="wrong-type-nested"),
+    pytest.param(
+        greedy(4, sampling={"temperature": "hot"}), 422, "sampling_params.temperature", id="wrong-type-nested"
+    ),
     pytest.param(greedy(0), 422, "max_new_tokens", id="max-new-tokens-zero"),
     pytest.param(greedy(CONTEXT), 400, "exceeds the context length", id="beyond-context"),
     pytest.param({"input_ids": [1, 10_000]}, 400, "outside the vocabulary", id="id-outside-vocab"),
@@ -450,7 +472,9 @@ def test_engine_full_gives_429(model_dir: Path) -> None:
 def _engine_greedy(path: Path, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """Reference: the engine itself, stepped synchronously on `path`'s weights."""
     engine = Engine.from_pretrained(str(path), EngineConfig(max_num_seqs=1))
-    engine.add_request(EngineRequest("ref", input_ids, EngineSampling(max_new_tokens, temperature=0.0, ignore_eos=True)))
+    engine.add_request(
+        EngineRequest("ref", input_ids, EngineSampling(max_new_tokens, temperature=0.0, ignore_eos=True))
+    )
     result = SampleResult("ref", 0, len(input_ids))
     while engine.has_work:
         for delta in engine.step():
@@ -524,7 +548,9 @@ def test_cli_worker_config(model_dir: Path, tmp_path: Path, capsys: pytest.Captu
 
 
 def _registration() -> RegisterRequest:
-    return RegisterRequest(worker_id="w1", url="http://w1:1", model_path="m", weight_version=0, max_num_seqs=4, max_model_len=64)
+    return RegisterRequest(
+        worker_id="w1", url="http://w1:1", model_path="m", weight_version=0, max_num_seqs=4, max_model_len=64
+    )
 
 
 def _beat() -> Heartbeat:
@@ -646,8 +672,18 @@ class WorkerProcess:
 
     def __init__(self, model_dir: Path, *args: str) -> None:
         # argparse wants the dotted overrides after every flag: callers pass them last.
-        cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--port", "0", *args,
-               "engine.max_num_seqs=4"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "polyrl.cli",
+            "worker",
+            "--model",
+            str(model_dir),
+            "--port",
+            "0",
+            *args,
+            "engine.max_num_seqs=4",
+        ]
         env = os.environ | {"POLYRL_TOKEN": ""}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: queue.Queue[str] = queue.Queue()
@@ -709,7 +745,10 @@ def _in_thread(fn: Callable[[], None]) -> threading.Thread:
 def _stream_into(url: str, body: dict[str, Any], events: list[Any], token: str = "") -> Callable[[], None]:
     def run() -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        with httpx.Client(timeout=HTTP_TIMEOUT_S, headers=headers) as c, c.stream("POST", f"{url}/generate", json=body) as r:
+        with (
+            httpx.Client(timeout=HTTP_TIMEOUT_S, headers=headers) as c,
+            c.stream("POST", f"{url}/generate", json=body) as r,
+        ):
             events.extend(read_sse(r))
 
     return run
@@ -725,9 +764,15 @@ def test_sigterm_drains_hands_back_partial_results_and_leaves(model_dir: Path) -
     manager = FakeManager()
     with manager.http:
         worker = WorkerProcess(
-            model_dir, "--manager", manager.http.url, "--token", "s3cret", "--worker-id", "spot-1",
+            model_dir,
+            "--manager",
+            manager.http.url,
+            "--token",
+            "s3cret",
+            "--worker-id",
+            "spot-1",
             "worker.drain_timeout_s=2.0",
-        )  # fmt: skip
+        )
         try:
             url = worker.wait_ready()
             _wait_until(lambda: bool(manager.seen("heartbeat")), 30, "a heartbeat")
@@ -744,7 +789,9 @@ def test_sigterm_drains_hands_back_partial_results_and_leaves(model_dir: Path) -
             signalled = time.monotonic()
             worker.proc.send_signal(signal.SIGTERM)
             _wait_until(lambda: _info(url)["state"] == "draining", 10, "the draining state")
-            refused = httpx.post(f"{url}/generate", json=greedy(2), headers={"Authorization": "Bearer s3cret"}, timeout=10)
+            refused = httpx.post(
+                f"{url}/generate", json=greedy(2), headers={"Authorization": "Bearer s3cret"}, timeout=10
+            )
             exit_code = worker.wait_exit(timeout_s=60)
             elapsed_s = time.monotonic() - signalled
         finally:
@@ -787,8 +834,21 @@ HEAVY = ("torch", "transformers")
 def _run_worker_unloaded(model_dir: Path, url: str, *args: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     """`polyrl worker --manager URL ...` run to its end, output to pipes, and the errors on
     stderr; asserts it never imported the engine's libraries nor said `serving on`."""
-    command = [sys.executable, "-X", "importtime", "-m", "polyrl.cli", "worker", "--model", str(model_dir),
-               "--port", "0", "--manager", url, *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-X",
+        "importtime",
+        "-m",
+        "polyrl.cli",
+        "worker",
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        "--manager",
+        url,
+        *args,
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=60, env=os.environ | {"POLYRL_TOKEN": ""})
     imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
     errors = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
