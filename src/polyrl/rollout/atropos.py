@@ -100,8 +100,8 @@ class AtroposRollout:
     def num_instances(self) -> int:
         return len(self.inner.workers())
 
-    def publish(self, version: int, weights: Mapping[str, torch.Tensor] | None = None) -> None:
-        self.inner.publish(version, weights)
+    def publish(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> None:
+        self.inner.publish(weights, version)
 
     def generate(self, prompts: list[Prompt], n: int, sampling: BatchSampling) -> Iterator[Group]:
         """The next batch's groups, polled for when first read; `prompts` must be empty

@@ -93,7 +93,7 @@ class LocalRollout:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
-    def publish(self, version: int, weights: Mapping[str, torch.Tensor] | None = None) -> None:
+    def publish(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> None:
         """The trainer changed its parameters in place; tokens from now on are `version`.
         An engine on a copy loads them (a device-to-device copy and cast)."""
         if self.model is None and weights is None:

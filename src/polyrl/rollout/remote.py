@@ -196,7 +196,7 @@ class RemoteRollout:
 
     # --------------------------------------------------------------------------- publishing
 
-    def publish(self, version: int, weights: Mapping[str, torch.Tensor] | None = None) -> None:
+    def publish(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> None:
         """Snapshot the learner's weights (or `weights`, full tensors by HF name) as
         `version` for the workers to pull; batches from now on need `version`. On CUDA
         with bf16 compute, the version is published in bf16: what every engine computes

@@ -33,9 +33,10 @@ class Rollout(Protocol):
     @property
     def num_instances(self) -> int: ...
 
-    def publish(self, version: int, weights: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Weights `version` (the learner's, or `weights`) for every engine; batches
-        submitted from now on are generated with it."""
+    def publish(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> None:
+        """Weights `version` (`weights`, or with None the learner's own) for every engine;
+        batches submitted from now on are generated with it. The order is the weight
+        publisher's: `WeightPublisher.publish(state_dict, version)`."""
 
     def generate(self, prompts: list[Prompt], n: int, sampling: BatchSampling) -> Iterator[Group]:
         """Submit now (`n` samples per prompt, the group size); each prompt's group as soon

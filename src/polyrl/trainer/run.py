@@ -195,7 +195,7 @@ class Run:
             # the local worker sizes its KV cache before the learner allocates.
             rollout, fleet = start_rollout(cfg, run_dir, model, compute_dtype, init_path, cleanup)
             rollout.publish(
-                state.weight_version, adapter_version(peft) if peft and not rollout.shares_weights else None
+                adapter_version(peft) if peft and not rollout.shares_weights else None, state.weight_version
             )
             if cfg.data.source == "atropos":  # groups from the Atropos API; the fleet still gets every version
                 rollout = AtroposRollout.start(rollout, cfg, run_dir, model, state.step)
@@ -302,9 +302,9 @@ class Run:
         every rank's shard; with LoRA, of the adapters only)."""
         self.version += 1
         if self.peft is not None and not self.rollout.shares_weights:
-            self.rollout.publish(self.version, adapter_version(self.peft))  # megabytes, not the model
+            self.rollout.publish(adapter_version(self.peft), self.version)  # megabytes, not the model
             return
-        self.rollout.publish(self.version, gather_weights(self.model, self.dp))
+        self.rollout.publish(gather_weights(self.model, self.dp), self.version)
 
     def step_metrics(self, groups: list[Group], result: StreamResult, timings: dict[str, float]) -> dict[str, float]:
         step_s = timings["step"]
