@@ -139,7 +139,18 @@ def train_variant(
         micro_batch_max_tokens=args.micro_batch_max_tokens,
     )
     optimizer, scheduler = build_optimizer(model, tcfg, len(batches))
-    learner = Learner(model, None, optimizer, scheduler, AlgoConfig(), tcfg, 1.0, 0, autocast_dtype, dp)
+    learner = Learner(
+        model=model,
+        ref_model=None,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        algo=AlgoConfig(),
+        cfg=tcfg,
+        temperature=1.0,
+        pad_id=0,
+        compute_dtype=autocast_dtype,
+        dp=dp,
+    )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, metrics = [], []

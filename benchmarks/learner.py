@@ -238,7 +238,17 @@ def build_learner(v: Variant, args: argparse.Namespace, total_steps: int) -> Lea
     optimizer, scheduler = build_optimizer(model, cfg, total_steps)
     learner_mod.TRACE_ATTENTION = v.traced_attention
     lm_head.USE_TRITON, lm_head.FUSED_CHUNK_FACTOR = v.triton_head, v.head_chunk_factor
-    return Learner(model, None, optimizer, scheduler, AlgoConfig(), cfg, 1.0, 0, args.dtype)
+    return Learner(
+        model=model,
+        ref_model=None,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        algo=AlgoConfig(),
+        cfg=cfg,
+        temperature=1.0,
+        pad_id=0,
+        compute_dtype=args.dtype,
+    )
 
 
 def sync(device: torch.device) -> None:

@@ -103,7 +103,18 @@ def build(shape: dict, rank: int | None, args: argparse.Namespace, compiled: boo
     )
     optimizer, scheduler = build_optimizer(model, cfg, args.warmup + args.steps)
     off = (lambda: adapters_off(peft)) if peft is not None else None
-    learner = Learner(model, None, optimizer, scheduler, AlgoConfig(), cfg, 1.0, 0, args.dtype, adapters_off=off)
+    learner = Learner(
+        model=model,
+        ref_model=None,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        algo=AlgoConfig(),
+        cfg=cfg,
+        temperature=1.0,
+        pad_id=0,
+        compute_dtype=args.dtype,
+        adapters_off=off,
+    )
     return learner, peft
 
 

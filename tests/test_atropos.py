@@ -177,7 +177,16 @@ def test_learner_uses_its_own_logprobs_where_none_came(tiny_model_dir, impl):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
         cfg = TrainerConfig(train_batch_size=2, ppo_mini_batch_size=2, warmup_steps=0, learner_impl=impl)
         opt, sched = build_optimizer(model, cfg, total_updates=4)
-        return Learner(model, None, opt, sched, AlgoConfig(tis_cap=2.0), cfg, temperature=1.0, pad_id=0)
+        return Learner(
+            model=model,
+            ref_model=None,
+            optimizer=opt,
+            scheduler=sched,
+            algo=AlgoConfig(tis_cap=2.0),
+            cfg=cfg,
+            temperature=1.0,
+            pad_id=0,
+        )
 
     without = group_items(to_group(scored(), 0, 0), [1.0, -1.0], version=0)
     metrics = learner().train_mini_batch(without, weights_as_sampled=True)

@@ -56,7 +56,17 @@ def _learner(model, **kw) -> Learner:
         lr=1e-5, warmup_steps=0, train_batch_size=16, ppo_mini_batch_size=16, micro_batch_max_tokens=4096, **kw
     )
     opt, sched = build_optimizer(model, cfg, total_updates=10)
-    return Learner(model, None, opt, sched, AlgoConfig(), cfg, 1.0, 0, compute_dtype=torch.bfloat16)
+    return Learner(
+        model=model,
+        ref_model=None,
+        optimizer=opt,
+        scheduler=sched,
+        algo=AlgoConfig(),
+        cfg=cfg,
+        temperature=1.0,
+        pad_id=0,
+        compute_dtype=torch.bfloat16,
+    )
 
 
 def _rel_err(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -110,7 +110,9 @@ def _items(seed: int) -> list[SeqItem]:
 def _learner(model, impl, algo, ref=None, **kw):
     cfg = TrainerConfig(train_batch_size=4, ppo_mini_batch_size=4, warmup_steps=0, learner_impl=impl, **kw)
     opt, sched = build_optimizer(model, cfg, total_updates=10)
-    return Learner(model, ref, opt, sched, algo, cfg, temperature=0.7, pad_id=0)
+    return Learner(
+        model=model, ref_model=ref, optimizer=opt, scheduler=sched, algo=algo, cfg=cfg, temperature=0.7, pad_id=0
+    )
 
 
 @pytest.mark.parametrize("arch_tied", [("qwen3", True), ("qwen3", False), ("llama", True)])
@@ -180,7 +182,17 @@ def test_bf16_working_copy_tracks_fp32_masters(tiny_model_dir):
         cfg = TrainerConfig(train_batch_size=4, ppo_mini_batch_size=4, warmup_steps=0, working_copy=working_copy)
         m = copy.deepcopy(model)
         opt, sched = build_optimizer(m, cfg, total_updates=10)
-        learner = Learner(m, None, opt, sched, AlgoConfig(), cfg, 0.7, 0, compute_dtype=torch.bfloat16)
+        learner = Learner(
+            model=m,
+            ref_model=None,
+            optimizer=opt,
+            scheduler=sched,
+            algo=AlgoConfig(),
+            cfg=cfg,
+            temperature=0.7,
+            pad_id=0,
+            compute_dtype=torch.bfloat16,
+        )
         results[working_copy] = learner.train_mini_batch(items, weights_as_sampled=True)
         assert (learner.work is not m) == working_copy
         assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in m.parameters())
@@ -199,7 +211,17 @@ def test_auto_keeps_cpu_exact(tiny_model_dir):
         cfg = TrainerConfig(train_batch_size=4, ppo_mini_batch_size=4, working_copy=working_copy)
         m = copy.deepcopy(model)
         opt, sched = build_optimizer(m, cfg, total_updates=10)
-        learner = Learner(m, None, opt, sched, AlgoConfig(), cfg, 0.7, 0, compute_dtype=torch.bfloat16)
+        learner = Learner(
+            model=m,
+            ref_model=None,
+            optimizer=opt,
+            scheduler=sched,
+            algo=AlgoConfig(),
+            cfg=cfg,
+            temperature=0.7,
+            pad_id=0,
+            compute_dtype=torch.bfloat16,
+        )
         assert (learner.work is not m) == has_copy and not learner.is_compiled
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert is_fast_path_default(cuda, torch.bfloat16, is_packed=True, world_size=1)

@@ -31,7 +31,9 @@ def _prompts(tok, texts):
 def _learner(model, algo=AlgoConfig(), **trainer_kw):
     cfg = TrainerConfig(**{"train_batch_size": 4, "ppo_mini_batch_size": 4, "warmup_steps": 0, **trainer_kw})
     opt, sched = build_optimizer(model, cfg, total_updates=10)
-    return Learner(model, None, opt, sched, algo, cfg, temperature=0.7, pad_id=0)
+    return Learner(
+        model=model, ref_model=None, optimizer=opt, scheduler=sched, algo=algo, cfg=cfg, temperature=0.7, pad_id=0
+    )
 
 
 def test_rollout_groups_and_logprobs_match_a_forward_pass(model_tok):

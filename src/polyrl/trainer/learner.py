@@ -148,6 +148,7 @@ def _read_back(sums: dict[str, torch.Tensor | float], device: torch.device) -> d
 class Learner:
     def __init__(
         self,
+        *,
         model: PreTrainedModel,
         ref_model: PreTrainedModel | None,
         optimizer: torch.optim.Optimizer,

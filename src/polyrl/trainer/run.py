@@ -428,17 +428,17 @@ def build_learner(
         load_optimizer_state(model, optimizer, blob["optimizer"])
         scheduler.load_state_dict(blob["scheduler"])
     return Learner(
-        model,
-        ref_model,
-        optimizer,
-        scheduler,
-        cfg.algo,
-        tcfg,
-        cfg.rollout.temperature,
-        pad_id,
-        compute_dtype,
-        dp,
-        (lambda: adapters_off(peft)) if peft is not None else None,
+        model=model,
+        ref_model=ref_model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        algo=cfg.algo,
+        cfg=tcfg,
+        temperature=cfg.rollout.temperature,
+        pad_id=pad_id,
+        compute_dtype=compute_dtype,
+        dp=dp,
+        adapters_off=(lambda: adapters_off(peft)) if peft is not None else None,
     )
 
 
