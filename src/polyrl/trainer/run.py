@@ -133,7 +133,7 @@ class PendingBatch:
     """The RNG states before its seeds were drawn."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     cfg: RunConfig
     run_dir: Path
@@ -241,20 +241,20 @@ class Run:
                     f" ({len(state.pending)} prompts in flight go out again)" if feed and state.pending else "",
                 )
             return cls(
-                cfg,
-                run_dir,
-                model,
-                tokenizer,
-                source,
-                rollout,
-                GroupScorer(pool, tokenizer),
-                learner,
-                tracker,
-                sampling,
-                state,
-                dp,
-                fleet,
-                peft,
+                cfg=cfg,
+                run_dir=run_dir,
+                model=model,
+                tokenizer=tokenizer,
+                source=source,
+                rollout=rollout,
+                scorer=GroupScorer(pool, tokenizer),
+                learner=learner,
+                tracker=tracker,
+                sampling=sampling,
+                state=state,
+                dp=dp,
+                fleet=fleet,
+                peft=peft,
                 feed=feed,
                 cleanup=cleanup.pop_all(),
                 version=state.weight_version,
