@@ -61,6 +61,8 @@ def test_fully_async_is_refused_where_it_cannot_work() -> None:
         load_config(None, ["rollout.fully_async=true", "rollout.max_staleness=1", "rollout.hybrid_local_until=learner"])
     with pytest.raises(ConfigError, match="hybrid_local_until=always is for rollout.fully_async"):
         load_config(None, ["rollout.mode=hybrid", "rollout.hybrid_local_until=always"])
+    with pytest.raises(ConfigError, match="async_admission=fresh is for rollout.fully_async"):
+        load_config(None, ["rollout.mode=hybrid", "rollout.async_admission=fresh"])
 
 
 @pytest.mark.parametrize(
@@ -147,9 +149,20 @@ class Source:
         return prompts
 
 
-def _feed(rollout: ScriptedRollout, batch_size: int = 2, k: int = 1, resubmit: list[int] | None = None) -> AsyncFeed:
+def _feed(
+    rollout: ScriptedRollout, batch_size: int = 2, k: int = 1, resubmit: list[int] | None = None, fresh: bool = False
+) -> AsyncFeed:
     sampling = BatchSampling(max_new_tokens=8)
-    return AsyncFeed(rollout, Source(), sampling, n=1, batch_size=batch_size, max_staleness=k, resubmit=resubmit)  # type: ignore[arg-type]
+    return AsyncFeed(
+        rollout,  # type: ignore[arg-type]
+        Source(),  # type: ignore[arg-type]
+        sampling,
+        n=1,
+        batch_size=batch_size,
+        max_staleness=k,
+        resubmit=resubmit,
+        fresh=fresh,
+    )
 
 
 def _take_in_thread(feed: AsyncFeed, version: int) -> tuple[list[int], threading.Thread]:
@@ -174,6 +187,26 @@ def test_admission_keeps_k_plus_one_steps_in_flight() -> None:
     feed.top_up(steps_left=1)
     assert len(rollout.submitted) == 2  # the last step needs no more than it has in flight
     assert feed.pending_indices == [1, 3, 4, 5]
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_fresh_admission_submits_nothing_while_a_step_of_groups_waits(fresh: bool) -> None:
+    """The fleet finished all four prompts in flight; the learner took one step's two. The
+    bound alone tops up two more, which would queue behind the two still waiting; `fresh`
+    submits nothing until the learner has taken those."""
+    rollout = ScriptedRollout(free_slots=4)
+    feed = _feed(rollout, batch_size=2, k=1, fresh=fresh)
+    feed.top_up(steps_left=9)
+    for i in range(4):
+        rollout.finish(i, [0])
+    assert len(list(feed.take(0))) == 2
+    feed.top_up(steps_left=8)
+    assert rollout.submitted[-1] == ([0, 1, 2, 3] if fresh else [4, 5])
+    assert feed.step.admission_paused == fresh and feed.step.metrics()["async/admission_paused"] == float(fresh)
+    assert feed.step.held_back_samples == (4 if fresh else 2) and feed.step.ready_groups == 2
+    assert len(list(feed.take(1))) == 2
+    feed.top_up(steps_left=7)
+    assert rollout.submitted[-1] == ([4, 5, 6, 7] if fresh else [6, 7]) and not feed.step.admission_paused
 
 
 def test_a_due_group_is_waited_for_and_the_bound_holds() -> None:

@@ -202,6 +202,12 @@ class RolloutConfig(_Section):
     than max_staleness versions at the next update is trained on now, waited for if need
     be (`async/due_groups`). Needs max_staleness >= 1 (README, "Fully asynchronous
     training")."""
+    async_admission: Literal["bound", "fresh"] = "bound"
+    """With `fully_async`, what the trainer submits after each update. bound: prompts up to
+    (max_staleness + 1) steps' worth in flight (AReaL's rule). fresh: the same, but nothing
+    while a step's worth of finished groups already waits for the learner: where the fleet
+    is faster than the learner, groups then wait less before they are trained on (lower
+    `rollout/version_lag/mean`) and the fleet idles instead (`async/admission_paused`)."""
     n: int = Field(16, ge=1)
     """Samples per prompt (the GRPO group size)."""
     max_new_tokens: int = Field(6, ge=1)
@@ -245,6 +251,8 @@ class RolloutConfig(_Section):
                     "rollout.fully_async needs rollout.max_staleness >= 1: the versions a token may lag behind "
                     "the weights it trains (0 would wait for every response, as the synchronous loop does; try 2)"
                 )
+        if self.async_admission != "bound" and not self.fully_async:
+            raise ValueError(f"rollout.async_admission={self.async_admission} is for rollout.fully_async")
         if self.hybrid_local_until in ("idle", "always") and not self.fully_async:
             raise ValueError(
                 f"rollout.hybrid_local_until={self.hybrid_local_until} is for rollout.fully_async; the "

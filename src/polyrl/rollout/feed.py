@@ -18,6 +18,11 @@ placed on, and new work goes only to workers at the latest version, so no group 
 due between that question and the next publish. Waits for due groups are the bound's
 cost (`async/due_wait_s`); prompts the bound keeps out of a fleet with free slots are the
 other (`async/held_back_samples`).
+
+Where the fleet outpaces the learner, finished groups queue for the learner and are
+trained on near k versions late. `fresh` admission (`rollout.async_admission`) submits
+nothing while a step's worth of them waits, so the fleet idles rather than add to the
+queue.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class FeedStep:
     ready_groups: int = 0
     """Groups finished and waiting for the learner when the step began (a backlog: the
     fleet is ahead of the learner)."""
+    admission_paused: bool = False
+    """`fresh` admission submitted nothing: a step's worth of groups was already waiting."""
     arrived_groups: int = 0
     arrived_tokens: int = 0
     """Groups (and their prompt + completion tokens) that the fleet delivered during the
@@ -71,6 +78,7 @@ class FeedStep:
             "async/held_back_samples": float(self.held_back_samples),
             "async/in_flight_groups": float(self.in_flight_groups),
             "async/ready_groups": float(self.ready_groups),
+            "async/admission_paused": float(self.admission_paused),
             "async/arrived_groups": float(self.arrived_groups),
             "async/arrived_tokens": float(self.arrived_tokens),
             "async/regenerated_groups": float(self.num_regenerated),
@@ -93,10 +101,12 @@ class AsyncFeed:
         batch_size: int,
         max_staleness: int,
         resubmit: list[int] | None = None,
+        fresh: bool = False,
     ) -> None:
-        """`resubmit`: prompt indices a resumed run had in flight, submitted again first."""
+        """`resubmit`: prompt indices a resumed run had in flight, submitted again first.
+        `fresh`: submit nothing while a step's worth of finished groups waits."""
         self.rollout, self.source, self.sampling, self.n = rollout, source, sampling, n
-        self.batch_size, self.max_staleness = batch_size, max_staleness
+        self.batch_size, self.max_staleness, self.fresh = batch_size, max_staleness, fresh
         self.outstanding: dict[str, Prompt] = {}
         """Submitted and not trained on, by prompt id."""
         self.arrived: list[Group] = []
@@ -109,11 +119,15 @@ class AsyncFeed:
     # ------------------------------------------------------------------------------- feeding
 
     def top_up(self, steps_left: int) -> None:
-        """Submit prompts up to (k + 1) steps' worth in flight, or what the run still needs."""
+        """Submit prompts up to (k + 1) steps' worth in flight, or what the run still needs
+        (with `fresh`, none while a step's worth of finished groups waits)."""
         self.step = FeedStep()
         target = min(self.max_staleness + 1, steps_left) * self.batch_size
         free = self.rollout.fleet().num_free_slots
-        prompts = self._prompts(max(target - len(self.outstanding), 0))
+        self._drain()
+        self.step.admission_paused = self.fresh and len(self.arrived) >= self.batch_size
+        count = 0 if self.step.admission_paused else max(target - len(self.outstanding), 0)
+        prompts = self._prompts(count)
         if prompts:
             self._submit(prompts)
         self.step.held_back_samples = max(0, free - len(prompts) * self.n)

@@ -226,6 +226,7 @@ class Run:
                     tcfg.train_batch_size,
                     cfg.rollout.max_staleness,
                     resubmit=state.pending,
+                    fresh=cfg.rollout.async_admission == "fresh",
                 )
                 cleanup.callback(feed.close)  # before the rollout closes: its batches' ends are expected
             elif cfg.rollout.fully_async:  # Atropos environments feed themselves
