@@ -38,3 +38,17 @@ def tls_files(tmp_path_factory) -> dict[str, str]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     return self_signed(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="session")
+def copy_run(tmp_path_factory) -> Path:
+    """The default job, colocated: the copy task from a from-scratch tiny model, 40 steps.
+    Trained once per session: tests/test_train.py checks that it learns, and
+    tests/test_lora.py trains LoRA on `reverse` from its final model."""
+    from polyrl.config import load_config
+    from polyrl.trainer.loop import train
+
+    run_dir = tmp_path_factory.mktemp("copy") / "run"
+    overrides = ["trainer.total_steps=40", "logging.console=false", "logging.tensorboard=false", "rollout.mode=local"]
+    train(load_config(None, overrides), run_dir)
+    return run_dir

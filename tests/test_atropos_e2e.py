@@ -157,6 +157,9 @@ def trainer_config(api_url: str, model_dir: Path, manager_port: int, steps: int,
             "data.source=atropos",
             f"data.atropos.url={api_url}",
             "data.atropos.batch_timeout_s=180",
+            # /batch polled every 0.2 s, not backing off to 2 s: a batch the environment
+            # completes is taken within 0.2 s, not up to 2 s later (a /batch call is cheap)
+            "data.atropos.max_poll_interval_s=0.2",
             f"model.path={model_dir}",
             f"manager.port={manager_port}",
             f"manager.token={TOKEN}",
@@ -406,6 +409,7 @@ def test_resume_registers_with_the_resumed_step(tmp_path, api, model_dir) -> Non
         "logging.console=false",
         "logging.tensorboard=false",
         "data.atropos.batch_timeout_s=60",
+        "data.atropos.max_poll_interval_s=0.2",  # as in trainer_config: no 2 s back-off between polls
     ]
     vocab_size = 40  # within the tiny tokenizer's alphabet
     run_dir = tmp_path / "run"
@@ -439,6 +443,7 @@ def test_training_goes_on_through_an_api_restart(tmp_path, api, model_dir) -> No
         "logging.console=false",
         "logging.tensorboard=false",
         "data.atropos.batch_timeout_s=60",
+        "data.atropos.max_poll_interval_s=0.2",  # as in trainer_config: no 2 s back-off between polls
         "trainer.total_steps=5",
     ]
 

@@ -224,20 +224,20 @@ def test_lora_out_of_the_box_says_why_it_barely_learns_and_no_future_warning(
 
 
 @pytest.mark.slow
-def test_lora_learns_reverse_on_a_model_trained_on_copy(tmp_path: Path) -> None:
+def test_lora_learns_reverse_on_a_model_trained_on_copy(tmp_path: Path, copy_run: Path) -> None:
     """The issue's set-up: a from-scratch tiny model learns the task format by full
-    fine-tuning on `copy` (40 steps, the default job of test_train.py); then LoRA alone,
+    fine-tuning on `copy` (40 steps, the default job of test_train.py: conftest.py's
+    `copy_run`, trained once per session); then LoRA alone,
     the base frozen, trains it on `reverse`. Measured on CPU: the reward went from 0.19 to
     0.39 (mean of the last 5 steps) in 40 LoRA steps at lr 3e-3 (at 1e-2 it dipped first
     and ended at 0.27); the first 25 are run here."""
     quick = ["logging.console=false", "logging.tensorboard=false", "rollout.mode=local", "trainer.save_every=0"]
-    train(load_config(None, [*quick, "trainer.total_steps=40"]), tmp_path / "copy")
     lora = [
         "trainer.total_steps=25",
         "data.task=reverse",
         "model.lora.enabled=true",
         "trainer.lr=3e-3",
-        f"model.path={tmp_path / 'copy' / 'final_model'}",
+        f"model.path={copy_run / 'final_model'}",
     ]
     train(load_config(None, [*quick, *lora]), tmp_path / "reverse")
     rewards = [r["critic/score/mean"] for r in _metrics(tmp_path / "reverse")]

@@ -170,13 +170,10 @@ def test_a_config_error_found_while_loading_leaves_no_run_behind(tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_learns_the_copy_task(tmp_path):
-    """A sign or masking error in the learner shows up here: 40 steps must raise the reward."""
-    cfg = load_config(
-        None, ["trainer.total_steps=40", "logging.console=false", "logging.tensorboard=false", "rollout.mode=local"]
-    )
-    train(cfg, tmp_path / "run")
-    rewards = [r["critic/score/mean"] for r in _metrics(tmp_path / "run")]
+def test_grpo_learns_the_copy_task(copy_run):
+    """A sign or masking error in the learner shows up here: 40 steps must raise the reward.
+    (The run is conftest.py's `copy_run`, which tests/test_lora.py starts from too.)"""
+    rewards = [r["critic/score/mean"] for r in _metrics(copy_run)]
     assert sum(rewards[-5:]) / 5 > rewards[0] + 0.15, rewards
 
 
