@@ -684,7 +684,7 @@ def test_real_workers_join_and_die_mid_batch(long_context_model: Path) -> None:
             procs.append(_start_worker(long_context_model, mt.url, "w2"))
             procs[1].wait_ready()
             wait_active(mt, "w2")
-            _wait_until(lambda: workers_of(mt).get("w2", {}).get("num_inflight", 0) > 0, 30, "w2 gets work")
+            _wait_until(lambda: workers_of(mt).get("w2", {}).get("num_inflight", 0) > 0, 60, "w2 gets work")
             assert mt.call(lambda: mt.manager.registry.get("w2").incremental_stream)  # polyrl workers stream deltas
             assert consumer.is_alive(), "the batch ended before the kill: raise the budget"
             procs[0].proc.send_signal(signal.SIGKILL)
