@@ -26,7 +26,7 @@ from polyrl.config import ConfigError, EngineConfig, LoraConfig, load_config
 from polyrl.engine.engine import Engine
 from polyrl.engine.lora import META_KEY, AdapterError, AdapterMerger, base_fingerprint, expected_spec, unpack
 from polyrl.engine.types import EngineRequest, EngineSampling
-from polyrl.manager.protocol import WorkerList
+from polyrl.manager.protocol import WorkerInfo, WorkerList
 from polyrl.trainer.checkpoint import latest_checkpoint
 from polyrl.trainer.grpo import token_logprobs
 from polyrl.trainer.loop import train
@@ -338,23 +338,34 @@ def _wait_for_tokens(worker_url: str, at_least: int, timeout_s: float) -> None:
 
 
 def _kill_when_busy(run_dir: Path, worker_id: str, killed: list[int]) -> None:
-    """kill -9 the launched `worker_id` once the manager has a batch's worth of samples in
-    flight on it (not the last few of a batch, which can finish before the signal lands)
-    and they streamed a few tokens (`manager.stream_interval_s=0`): samples with tokens to
-    carry, so that they migrate (one killed before its first chunk restarts whole)."""
+    """kill -9 the launched `worker_id` while the manager has samples in flight on it that
+    streamed tokens (`manager.stream_interval_s=0`): samples with tokens to carry, so that
+    they migrate (one killed before its first chunk restarts whole). Samples of 24 tokens
+    finish within a fraction of a second, so the worker is first frozen (SIGSTOP) and the
+    manager asked what it still has there; if nothing, the worker goes on and the next
+    batch is tried."""
     info = json.loads((run_dir / "manager.json").read_text())
     headers, deadline = {"Authorization": f"Bearer {info['token']}"}, time.monotonic() + 60
-    while time.monotonic() < deadline:
+
+    def on_worker() -> WorkerInfo | None:
         reply = httpx.get(f"{info['url']}/v1/workers", headers=headers, timeout=10)
-        workers = WorkerList.model_validate_json(reply.content).workers
-        busy = [w for w in workers if w.worker_id == worker_id and w.num_inflight >= 8]
-        if busy:
-            _wait_for_tokens(busy[0].url, at_least=16, timeout_s=10)
-            time.sleep(0.05)
+        return next(
+            (w for w in WorkerList.model_validate_json(reply.content).workers if w.worker_id == worker_id), None
+        )
+
+    while time.monotonic() < deadline:
+        busy = on_worker()
+        if busy is not None and busy.num_inflight >= 8:
+            _wait_for_tokens(busy.url, at_least=16, timeout_s=10)
             pid = _child_pid(worker_id)
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-            return
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.3)  # the manager reads the chunks already sent
+            frozen = on_worker()
+            if frozen is not None and frozen.num_inflight > 0:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            os.kill(pid, signal.SIGCONT)
         time.sleep(0.01)
 
 
