@@ -48,7 +48,9 @@ def fed_run(
     fixed_budget: int,
     warm_s: float = 2.0,
 ) -> dict[str, float]:
-    """Generated tokens/s with `level` sequences in flight; `budgets` None: no refill."""
+    """Generated tokens/s, steps/s, mean running sequences and KV preemptions with `level`
+    sequences in flight, each finished one replaced at once by the next budget's; `budgets`
+    None: `fixed_budget` each, no refill."""
     ids = itertools.count()
     active: set[str] = set()
 
@@ -72,17 +74,23 @@ def fed_run(
                 add()
         if start is None and time.monotonic() - t0 >= warm_s:
             sync(engine.device)
-            start = (time.monotonic(), engine.stats().num_generated_tokens)
+            stats = engine.stats()
+            start = (time.monotonic(), stats.num_generated_tokens, stats.num_preemptions)
             steps = running = 0
         steps += 1
         running += len(engine.scheduler.running)
     sync(engine.device)
     span = time.monotonic() - start[0]
-    made = engine.stats().num_generated_tokens - start[1]
+    stats = engine.stats()
     engine.abort_all()
     while engine.has_work:
         engine.step()
-    return {"tok_s": made / span, "steps_s": steps / span, "mean_running": running / max(steps, 1)}
+    return {
+        "tok_s": (stats.num_generated_tokens - start[1]) / span,
+        "steps_s": steps / span,
+        "mean_running": running / max(steps, 1),
+        "preemptions": stats.num_preemptions - start[2],
+    }
 
 
 def main() -> int:

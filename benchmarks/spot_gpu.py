@@ -630,45 +630,13 @@ def decode_capacity(
     `levels` (each finished sequence replaced at once by one with the next long-tail
     budget), with the spot worker's KV cache (`blocks`): the most a spot worker of this
     shape can give the fleet, whatever the scheduling above it."""
+    from engine_fed import fed_run  # benchmarks/engine_fed.py: the same loop, one level at a time
+
     from polyrl.config import EngineConfig
     from polyrl.engine.engine import Engine
-    from polyrl.engine.types import EngineRequest, EngineSampling
 
     engine = Engine.from_pretrained(str(model), EngineConfig(max_num_seqs=max(levels), num_kv_blocks=blocks))
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
-    out: dict[int, dict[str, float]] = {}
-    next_id = 0
-    for c in levels:
-        active: set[str] = set()
-        t0, first = time.monotonic(), None
-        running: list[int] = []
-        while time.monotonic() - t0 < warm_s + measure_s:
-            while len(active) < c:
-                sampling = EngineSampling(max_new_tokens=budgets[next_id % len(budgets)], ignore_eos=True, seed=next_id)
-                engine.add_request(EngineRequest(f"c{next_id}", [1 + next_id % 40, 2, 3, 4, 5, 6, 7, 8], sampling))
-                active.add(f"c{next_id}")
-                next_id += 1
-            for delta in engine.step():
-                if delta.finish_reason is not None:
-                    active.discard(delta.rid)
-            if first is None and time.monotonic() - t0 >= warm_s:
-                sync()
-                stats = engine.stats()
-                first = (time.monotonic(), stats.num_generated_tokens, stats.num_preemptions)
-            if first is not None:
-                running.append(len(engine.scheduler.running))
-        sync()
-        stats = engine.stats()
-        span = time.monotonic() - first[0]
-        out[c] = {
-            "tok_s": (stats.num_generated_tokens - first[1]) / span,
-            "preemptions": stats.num_preemptions - first[2],
-            "mean_running": float(np.mean(running)) if running else 0.0,
-        }
-        engine.abort_all()
-        while engine.has_work:
-            engine.step()
-    return out
+    return {c: fed_run(engine, c, measure_s, budgets, prompt_len=8, fixed_budget=0, warm_s=warm_s) for c in levels}
 
 
 def train_loop(model: Path, seconds: float) -> None:
