@@ -79,6 +79,10 @@ def fed_run(
             steps = running = 0
         steps += 1
         running += len(engine.scheduler.running)
+        if budgets is None and not engine.has_work:
+            break  # a closed batch is measured until its last sequence ends
+    if start is None:  # it ended within the warm-up: nothing measured
+        return {"tok_s": float("nan"), "steps_s": float("nan"), "mean_running": float("nan"), "preemptions": 0}
     sync(engine.device)
     span = time.monotonic() - start[0]
     stats = engine.stats()
