@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from chaos_harness.harness import AUTH, free_port, wait_for
+from chaos_harness.harness import AUTH, free_port, kill_while_holding, wait_for
 from chaos_harness.restarts import CONTROL, _active_workers, _check_run, _cli, _serving, _start_workers, _stop
 from chaos_harness.scenarios import FaultRow, Scale
 
@@ -144,10 +144,11 @@ def manager_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
 
 
 def local_worker_killed(model_dir: Path, work: Path, scale: Scale, tries: int = 3) -> FaultRow:
-    """Each injection kills the local worker while it holds samples. A kill can still miss
-    (its samples finished between the look and the signal, which a slow machine makes
-    likely), so an injection counts once the run's metrics show samples moved after it;
-    it is tried again, up to `tries` kills, while enough steps remain."""
+    """Each injection kills the local worker while it holds unfinished samples: it is frozen
+    first and the manager asked again (`kill_while_holding`), since 64-token samples of the
+    tiny model finish within a fraction of a second. A freeze that finds nothing left is not
+    a kill; the next step is tried. An injection counts once the run's metrics show samples
+    moved after it, and is tried again, up to `tries` kills, while enough steps remain."""
     row = FaultRow("local worker kill -9 mid-window")
     # every engine step streamed: a killed sample has tokens to carry, so it migrates (not restarts)
     extra = [
@@ -166,19 +167,28 @@ def local_worker_killed(model_dir: Path, work: Path, scale: Scale, tries: int = 
     def migrated() -> int:
         return sum(int(r.get("rollout/migrated_samples", 0)) for r in run.steps())
 
+    def steps_left() -> int:
+        return total_steps - len(run.steps())
+
+    def kill_once() -> bool:
+        """Freeze-and-look until a kill lands on held samples (False: too few steps left)."""
+        while steps_left() >= 20:
+            done = len(run.steps())
+            run.until(lambda: len(run.steps()) > done + 1, 300, "steps served")
+            pids = pids_with("polyrl.cli", " worker ", "worker.local=true", f"--manager {run.url}")
+            if not pids:
+                raise RuntimeError("no local worker process found")
+            run.until(lambda: local("num_inflight") > 0, 120, "the local worker holding samples", poll_s=0.005)
+            if kill_while_holding(pids, lambda: local("num_inflight") > 0):
+                return True
+        return False
+
     try:
         for _ in range(scale.injections):
             before = migrated()
             for _ in range(tries):
-                done = len(run.steps())
-                run.until(lambda: len(run.steps()) > done + 1, 300, "steps served")
-                # looked up first, so the signal follows the sight of samples at once
-                pids = pids_with("polyrl.cli", " worker ", "worker.local=true", f"--manager {run.url}")
-                if not pids:
-                    raise RuntimeError("no local worker process found")
-                run.until(lambda: local("num_inflight") > 0, 120, "the local worker holding samples", poll_s=0.005)
-                for pid in pids:
-                    _kill(pid)
+                if not kill_once():
+                    break
                 row.injected += 1
                 killed, at = time.monotonic(), len(run.steps())
                 run.until(lambda: local("num_inflight") < 0, 60, "the manager dropping the local worker")
@@ -186,7 +196,7 @@ def local_worker_killed(model_dir: Path, work: Path, scale: Scale, tries: int = 
                 row.recovery_s.append(time.monotonic() - killed)
                 # the batch the kill hit is logged within a step or two
                 wait_for(lambda: len(run.steps()) > at + 2 or run.trainer.poll() is not None, 120, "steps after")
-                if migrated() > before or total_steps - len(run.steps()) < 20:
+                if migrated() > before:
                     break
         run.finish(row)
     except Exception as e:
