@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -31,8 +30,9 @@ import torch
 
 from polyrl.config import EngineConfig, TinyModelConfig, load_config
 from polyrl.engine.engine import Engine
-from polyrl.engine.types import EngineRequest, EngineSampling
+from polyrl.engine.types import EngineRequest
 from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.trainer.loop import train
 
 CASES = {
@@ -55,12 +55,12 @@ def engine_seconds(dtype: str, model_dir: str, requests: list[EngineRequest]) ->
 def engine_cost(repeats: int) -> None:
     model_dir = str(save_tiny_model(tempfile.mkdtemp(prefix="polyrl-det-"), TinyModelConfig()))
     rng = random.Random(0)
-    sampling = EngineSampling(max_new_tokens=6, temperature=1.0, ignore_eos=True, n=16)
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True, n=16)
     requests = [
         EngineRequest(
             str(i),
             [1] + [rng.randrange(3, 40) for _ in range(rng.randrange(6, 14))],
-            dataclasses.replace(sampling, seed=1000 * i),
+            sampling.model_copy(update={"seed": 1000 * i}),
         )
         for i in range(32)
     ]

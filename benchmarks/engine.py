@@ -35,7 +35,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
 from polyrl.config import EngineConfig
 from polyrl.engine.engine import Engine
-from polyrl.engine.types import EngineRequest, EngineSampling
+from polyrl.engine.types import EngineRequest
+from polyrl.protocol.sampling import SamplingParams
 
 PRESETS = {  # hidden, layers, heads, kv heads, intermediate, vocab
     "tiny": (96, 2, 4, 2, 192, 64),
@@ -118,7 +119,7 @@ def hf_continuous_batching(model, prompts: list[list[int]], new_tokens: int, n: 
 
 
 def engine_generate(engine: Engine, prompts: list[list[int]], new_tokens: int, n: int, sample: bool) -> list[list[int]]:
-    sampling = EngineSampling(
+    sampling = SamplingParams(
         max_new_tokens=new_tokens, temperature=1.0 if sample else 0.0, ignore_eos=True, n=n, seed=0
     )
     outputs: dict[tuple[int, int], list[int]] = {}

@@ -36,7 +36,8 @@ from spot_gpu import longtail_budgets  # noqa: E402
 
 from polyrl.config import EngineConfig  # noqa: E402
 from polyrl.engine.engine import Engine  # noqa: E402
-from polyrl.engine.types import EngineRequest, EngineSampling  # noqa: E402
+from polyrl.engine.types import EngineRequest  # noqa: E402
+from polyrl.protocol.sampling import SamplingParams  # noqa: E402
 
 
 def fed_run(
@@ -57,7 +58,7 @@ def fed_run(
     def add() -> None:
         i = next(ids)
         budget = fixed_budget if budgets is None else budgets[i % len(budgets)]
-        sampling = EngineSampling(max_new_tokens=budget, ignore_eos=True, seed=i)
+        sampling = SamplingParams(max_new_tokens=budget, ignore_eos=True, seed=i)
         vocab = engine.vocab_size
         engine.add_request(EngineRequest(f"r{i}", [(i + j) % (vocab - 1) + 1 for j in range(prompt_len)], sampling))
         active.add(f"r{i}")

@@ -35,8 +35,9 @@ import torch
 
 from polyrl.config import ManagerConfig, TinyModelConfig
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchPrompt, BatchRequest, BatchSampling, GroupResult, WorkerList
+from polyrl.manager.protocol import BatchPrompt, BatchRequest, GroupResult, WorkerList
 from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.manager_link import ManagerLink
 from polyrl.rollout.manager_process import ManagerProcess
 
@@ -116,7 +117,7 @@ def measure(manager: InProcess | OwnProcess, args: argparse.Namespace, seed: int
     alone = dispatch_loop(args.window_s)
     prompts = [BatchPrompt(id=f"{seed}-{i}", input_ids=[1, 2, 3], seed=seed * 1000 + i) for i in range(args.prompts)]
     request = BatchRequest(
-        prompts=prompts, n=args.n, sampling=BatchSampling(max_new_tokens=args.new_tokens, ignore_eos=True)
+        prompts=prompts, sampling=SamplingParams(n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True)
     )
     done: list[tuple[int, float]] = []
 

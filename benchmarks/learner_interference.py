@@ -313,7 +313,8 @@ class Stream:
             lane.start()
 
     def _lane(self, lane: int) -> None:
-        from polyrl.manager.protocol import BatchPrompt, BatchRequest, BatchSampling
+        from polyrl.manager.protocol import BatchPrompt, BatchRequest
+        from polyrl.protocol.sampling import SamplingParams
 
         rng = random.Random(lane)
         for b in range(10**9):
@@ -331,7 +332,7 @@ class Stream:
                 )
                 for i in range(self.args.prompts_per_batch)
             ]
-            request = BatchRequest(prompts=prompts, n=8, sampling=BatchSampling(max_new_tokens=top, ignore_eos=True))
+            request = BatchRequest(prompts=prompts, sampling=SamplingParams(n=8, max_new_tokens=top, ignore_eos=True))
             with self._count:
                 self.open_batches += 1
             try:

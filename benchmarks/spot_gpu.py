@@ -607,12 +607,13 @@ def decode_latency(model: Path, num_tokens: int) -> float:
     """Milliseconds per decode step of one sequence on polyrl's engine (CUDA graphs)."""
     from polyrl.config import EngineConfig
     from polyrl.engine.engine import Engine
-    from polyrl.engine.types import EngineRequest, EngineSampling
+    from polyrl.engine.types import EngineRequest
+    from polyrl.protocol.sampling import SamplingParams
 
     engine = Engine.from_pretrained(str(model), EngineConfig(max_num_seqs=8, num_kv_blocks=512))
     times = []
     for i in range(3):  # the first is a warm-up
-        sampling = EngineSampling(max_new_tokens=num_tokens, temperature=1.0, ignore_eos=True, seed=i)
+        sampling = SamplingParams(max_new_tokens=num_tokens, temperature=1.0, ignore_eos=True, seed=i)
         engine.add_request(EngineRequest(f"r{i}", [1, 2, 3, 4], sampling))
         torch.cuda.synchronize()
         t0 = time.perf_counter()

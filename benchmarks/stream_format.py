@@ -22,8 +22,9 @@ from pathlib import Path
 
 from polyrl.config import ManagerConfig, TinyModelConfig
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchPrompt, BatchRequest, BatchSampling
+from polyrl.manager.protocol import BatchPrompt, BatchRequest
 from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.sampling import SamplingParams
 
 
 def main() -> None:
@@ -93,8 +94,8 @@ def run_once(mt: ManagerThread, args: argparse.Namespace, incremental: bool) -> 
 
     mt.call(set_mode)
     prompts = [BatchPrompt(id=str(i), input_ids=[1, 2, 3], seed=i) for i in range(args.prompts)]
-    sampling = BatchSampling(max_new_tokens=args.new_tokens, ignore_eos=True)
-    request = BatchRequest(prompts=prompts, n=args.n, sampling=sampling)
+    sampling = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True)
+    request = BatchRequest(prompts=prompts, sampling=sampling)
     t0 = time.perf_counter()
     num_tokens = sum(len(s.output_ids) for g in mt.generate(request) for s in g.samples)
     return num_tokens / (time.perf_counter() - t0)

@@ -30,8 +30,9 @@ import torch
 from chaos_harness.proxy import FaultProxy
 from polyrl.config import ManagerConfig
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchError, BatchPrompt, BatchRequest, BatchSampling, GroupResult, WorkerInfo
+from polyrl.manager.protocol import BatchError, BatchPrompt, BatchRequest, GroupResult, WorkerInfo
 from polyrl.manager.weight_sync import PublisherSync
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.transfer.publisher import WeightPublisher
 
 log = logging.getLogger("chaos_harness")
@@ -186,7 +187,7 @@ class BatchCheck:
 def check_groups(request: BatchRequest, groups: list[GroupResult], error: str = "") -> BatchCheck:
     """Every prompt exactly once, `n` samples each, every sample its whole budget
     (`ignore_eos` batches): anything else is lost, duplicated or cut short."""
-    check = BatchCheck(requested=len(request.prompts) * request.n, error=error)
+    check = BatchCheck(requested=len(request.prompts) * request.sampling.n, error=error)
     seen: set[tuple[str, int]] = set()
     for group in groups:
         for s in group.samples:
@@ -198,7 +199,7 @@ def check_groups(request: BatchRequest, groups: list[GroupResult], error: str = 
             check.delivered += 1
             check.wrong_length += len(s.output_ids) != request.sampling.max_new_tokens
             check.migrated += len(s.segments) > 1
-    wanted = {(p.id, i) for p in request.prompts for i in range(request.n)}
+    wanted = {(p.id, i) for p in request.prompts for i in range(request.sampling.n)}
     check.lost = len(wanted - seen)
     check.duplicated += len(seen - wanted)
     return check
@@ -206,8 +207,8 @@ def check_groups(request: BatchRequest, groups: list[GroupResult], error: str = 
 
 def make_batch(num_prompts: int, n: int, max_new_tokens: int, tag: str = "b", temperature: float = 1.0) -> BatchRequest:
     prompts = [BatchPrompt(id=f"{tag}{i}", input_ids=[3 + i % 40, 4, 5, 6], seed=7919 * i) for i in range(num_prompts)]
-    sampling = BatchSampling(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True)
-    return BatchRequest(prompts=prompts, n=n, sampling=sampling)
+    sampling = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True)
+    return BatchRequest(prompts=prompts, sampling=sampling)
 
 
 class RunningBatch(threading.Thread):

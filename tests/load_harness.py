@@ -33,13 +33,13 @@ from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import (
     BatchPrompt,
     BatchRequest,
-    BatchSampling,
     GroupResult,
     Heartbeat,
     RegisterRequest,
     SampleResultOut,
 )
 from polyrl.manager.registry import WorkerRecord
+from polyrl.protocol.sampling import SamplingParams
 
 MANAGER_PARTS = ("RolloutManager.", "Membership.", "Placement.", "Settlement.")
 """The classes the manager's own tasks are methods of (manager/manager.py and its mixins)."""
@@ -72,7 +72,7 @@ def make_request(batch_no: int, num_prompts: int, n: int, max_new_tokens: int) -
         BatchPrompt(id=f"b{batch_no}-p{i}", input_ids=[7 + i % 5] * (1 + i % 4), seed=64 * (batch_no * num_prompts + i))
         for i in range(num_prompts)
     ]
-    return BatchRequest(prompts=prompts, n=n, sampling=BatchSampling(max_new_tokens=max_new_tokens))
+    return BatchRequest(prompts=prompts, sampling=SamplingParams(n=n, max_new_tokens=max_new_tokens))
 
 
 # ------------------------------------------------------------------------------- the audit
@@ -96,7 +96,7 @@ class Audit:
     def add(self, request: BatchRequest, groups: list[GroupResult]) -> None:
         prompts = {p.id: p for p in request.prompts}
         budget = request.sampling.max_new_tokens
-        self.num_samples += len(prompts) * request.n
+        self.num_samples += len(prompts) * request.sampling.n
         seen: dict[tuple[str, int], int] = {}
         for g in groups:
             prompt = prompts.get(g.prompt_id)
@@ -107,7 +107,7 @@ class Audit:
             for s in g.samples:
                 key = (g.prompt_id, s.index)
                 seen[key] = seen.get(key, 0) + 1
-                if seen[key] > 1 or not 0 <= s.index < request.n:
+                if seen[key] > 1 or not 0 <= s.index < request.sampling.n:
                     self.num_duplicated += 1
                     self._problem(f"{key} delivered {seen[key]} times")
                     continue
@@ -119,7 +119,7 @@ class Audit:
                 self.num_ok += 1
                 self.num_resumed += len(s.segments) > 1
                 self.num_failures += s.num_failures
-        self.num_lost += sum((p.id, i) not in seen for p in request.prompts for i in range(request.n))
+        self.num_lost += sum((p.id, i) not in seen for p in request.prompts for i in range(request.sampling.n))
 
     def merge(self, other: Audit) -> None:
         for name in (

@@ -17,10 +17,11 @@ from test_worker import WorkerProcess, _wait_until
 
 from polyrl.config import EngineConfig, load_config
 from polyrl.engine.engine import Engine
-from polyrl.engine.types import EngineRequest, EngineSampling
+from polyrl.engine.types import EngineRequest
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchPrompt, BatchRequest, BatchSampling
+from polyrl.manager.protocol import BatchPrompt, BatchRequest
 from polyrl.manager.weight_sync import PublisherSync
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.trainer.checkpoint import read_trainer_state
 from polyrl.trainer.loop import train
 from polyrl.transfer.publisher import WeightPublisher
@@ -216,7 +217,7 @@ def test_hybrid_run_completes_on_policy(tmp_path: Path) -> None:
 
 def _reference(engine: Engine, prompt: BatchPrompt, n: int, max_new_tokens: int) -> list[list[int]]:
     """The uninterrupted samples of `prompt`, generated in-process."""
-    sampling = EngineSampling(max_new_tokens=max_new_tokens, temperature=1.0, ignore_eos=True, n=n, seed=prompt.seed)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, ignore_eos=True, n=n, seed=prompt.seed)
     engine.add_request(EngineRequest(f"ref-{prompt.id}", prompt.input_ids, sampling))
     out: list[list[int]] = [[] for _ in range(n)]
     while engine.has_work:
@@ -232,7 +233,7 @@ def test_hybrid_window_hands_local_samples_to_a_worker_token_exact(long_context_
     continue there, token for token."""
     budget = 600
     prompts = [BatchPrompt(id=f"p{i}", input_ids=[5 + i, 6, 7], seed=100 * i + 1) for i in range(2)]
-    request = BatchRequest(prompts=prompts, n=2, sampling=BatchSampling(max_new_tokens=budget, ignore_eos=True))
+    request = BatchRequest(prompts=prompts, sampling=SamplingParams(n=2, max_new_tokens=budget, ignore_eos=True))
     with ManagerThread(fast_cfg()) as mt, WeightPublisher(chunk_bytes=64 * 1024) as pub:
         sync = PublisherSync(mt.manager, pub, codec="raw")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import functools
 
 import pytest
@@ -16,13 +15,14 @@ from polyrl.config import EngineConfig, TinyModelConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.engine.sampler import SamplingBatch, gumbel_noise, mix32, sample
-from polyrl.engine.types import EngineFullError, EngineRequest, EngineSampling, RequestError, SampleResult
+from polyrl.engine.types import EngineFullError, EngineRequest, RequestError, SampleResult
 from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.trainer.grpo import token_logprobs
 from polyrl.transfer.manifest import flatten, unflatten
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10], [1, 11, 12], [1, *range(3, 30)], [1, 40, 41, 42, 43, 44, 45, 46, 47]]
-GREEDY = EngineSampling(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 # Small blocks and a small token budget: prompts are prefilled in chunks next to decodes.
 SMALL = EngineConfig(block_size=4, max_num_batched_tokens=16)
 
@@ -96,7 +96,7 @@ def test_greedy_equals_hf_generate(model):
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20), (0.0, 1.0, 0)])
 def test_logprobs_equal_the_trainers_full_forward(model, temperature, top_p, top_k):
-    s = EngineSampling(
+    s = SamplingParams(
         max_new_tokens=10, temperature=temperature, top_p=top_p, top_k=top_k, n=3, seed=7, ignore_eos=True
     )
     results = run(Engine(model, SMALL), [EngineRequest(str(i), p, s) for i, p in enumerate(PROMPTS)])
@@ -116,8 +116,8 @@ def test_top_logprobs_equal_a_full_forwards_and_only_where_asked(model):
     """Top log-probs are the k best of log softmax(logits / T) at each position (the
     sampled token's definition), for the request that asks; its neighbour in the same
     batch gets none, and its tokens are as if nobody had asked."""
-    asked = EngineSampling(max_new_tokens=6, temperature=0.7, n=2, seed=3, ignore_eos=True, top_logprobs=4)
-    plain = dataclasses.replace(asked, top_logprobs=0)
+    asked = SamplingParams(max_new_tokens=6, temperature=0.7, n=2, seed=3, ignore_eos=True, top_logprobs=4)
+    plain = asked.model_copy(update={"top_logprobs": 0})
     results = run(Engine(model, SMALL), [EngineRequest("a", PROMPTS[0], asked), EngineRequest("b", PROMPTS[1], plain)])
     alone = run(Engine(model, SMALL), [EngineRequest("b", PROMPTS[1], plain)])
     for i in range(2):
@@ -132,16 +132,16 @@ def test_top_logprobs_equal_a_full_forwards_and_only_where_asked(model):
 
 
 def test_sampling_respects_top_k_and_top_p(model):
-    s = EngineSampling(max_new_tokens=8, temperature=1.0, top_k=1, n=4, seed=3, ignore_eos=True)
+    s = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=1, n=4, seed=3, ignore_eos=True)
     results = run(Engine(model, SMALL), [EngineRequest("k", PROMPTS[0], s)])
     assert all(r.token_ids == hf_greedy(model, PROMPTS[0], 8) for r in results.values())  # top-1 == greedy
-    s = dataclasses.replace(s, top_k=0, top_p=1e-6)
+    s = s.model_copy(update={"top_k": 0, "top_p": 1e-6})
     results = run(Engine(model, SMALL), [EngineRequest("p", PROMPTS[0], s)])
     assert all(r.token_ids == hf_greedy(model, PROMPTS[0], 8) for r in results.values())
 
 
 def test_shared_prefill_equals_separate_seeded_requests(model):
-    s = EngineSampling(max_new_tokens=10, temperature=1.0, n=4, seed=123, ignore_eos=True)
+    s = SamplingParams(max_new_tokens=10, temperature=1.0, n=4, seed=123, ignore_eos=True)
     prompt = [1, *range(3, 32)]  # 30 tokens: 7 full blocks of 4 and a partial one
     engine = Engine(model, SMALL)
     engine.add_request(EngineRequest("shared", prompt, s))
@@ -156,7 +156,7 @@ def test_shared_prefill_equals_separate_seeded_requests(model):
     assert engine.blocks.num_free == engine.blocks.num_blocks  # shared blocks freed exactly once
     engine = Engine(model, SMALL)
     separate = run(
-        engine, [EngineRequest(f"s{j}", prompt, dataclasses.replace(s, n=1, seed=123 + j)) for j in range(4)]
+        engine, [EngineRequest(f"s{j}", prompt, s.model_copy(update={"n": 1, "seed": 123 + j})) for j in range(4)]
     )
     assert len({tuple(r.token_ids) for r in separate.values()}) > 1  # the seeds do differ
     engine = Engine(model, SMALL)
@@ -167,7 +167,7 @@ def test_shared_prefill_equals_separate_seeded_requests(model):
 
 
 def test_abort_then_resume_equals_uninterrupted(model):
-    for sampling in (GREEDY, EngineSampling(max_new_tokens=12, temperature=1.0, seed=99, ignore_eos=True)):
+    for sampling in (GREEDY, SamplingParams(max_new_tokens=12, temperature=1.0, seed=99, ignore_eos=True)):
         full = run(Engine(model, SMALL), [EngineRequest("r", PROMPTS[0], sampling)])[("r", 0)]
         engine = Engine(model, SMALL)
         part = SampleResult("r", 0, len(PROMPTS[0]))
@@ -179,14 +179,16 @@ def test_abort_then_resume_equals_uninterrupted(model):
             part.add(d)
         assert part.finish_reason == "abort" and len(part.token_ids) == 5 and not engine.has_work
         # Resume on a fresh engine (another worker): prompt + partial tokens, fewer new tokens.
-        resumed_req = EngineRequest("r2", PROMPTS[0] + part.token_ids, dataclasses.replace(sampling, max_new_tokens=7))
+        resumed_req = EngineRequest(
+            "r2", PROMPTS[0] + part.token_ids, sampling.model_copy(update={"max_new_tokens": 7})
+        )
         rest = run(Engine(model, SMALL), [resumed_req])[("r2", 0)]
         assert part.token_ids + rest.token_ids == full.token_ids
         assert part.logprobs + rest.logprobs == pytest.approx(full.logprobs, abs=1e-4)
 
 
 def test_preemption_under_a_small_kv_cache_changes_nothing(model, caplog):
-    s = EngineSampling(max_new_tokens=12, temperature=1.0, n=3, seed=5, ignore_eos=True)
+    s = SamplingParams(max_new_tokens=12, temperature=1.0, n=3, seed=5, ignore_eos=True)
     requests = [EngineRequest(str(i), p, s) for i, p in enumerate(PROMPTS)]
     roomy = run(Engine(model, SMALL), requests)
     tight_engine = Engine(model, SMALL.model_copy(update={"num_kv_blocks": 14}))
@@ -206,7 +208,7 @@ def test_stop_tokens_and_eos(model):
     results = run(
         engine,
         [
-            EngineRequest("s", PROMPTS[1], dataclasses.replace(GREEDY, stop_token_ids=(stop,))),
+            EngineRequest("s", PROMPTS[1], GREEDY.model_copy(update={"stop_token_ids": (stop,)})),
             EngineRequest("other", PROMPTS[0], GREEDY),
         ],
     )  # decodes on past the stop
@@ -283,11 +285,11 @@ def test_bad_weights_are_refused_and_leave_the_model_alone(model):
         ([], GREEDY, "empty"),
         ([1, 999], GREEDY, "outside the vocabulary"),
         ([1, -1], GREEDY, "outside the vocabulary"),
-        ([1, 2], dataclasses.replace(GREEDY, max_new_tokens=0), "max_new_tokens"),
-        ([1, 2], dataclasses.replace(GREEDY, max_new_tokens=255), "context length"),
-        ([1, 2], dataclasses.replace(GREEDY, top_p=0.0), "top_p"),
-        ([1, 2], dataclasses.replace(GREEDY, n=0), "n must be"),
-        ([1, 2], dataclasses.replace(GREEDY, stop_token_ids=(500,)), "outside"),
+        ([1, 2], GREEDY.model_copy(update={"max_new_tokens": 0}), "max_new_tokens"),
+        ([1, 2], GREEDY.model_copy(update={"max_new_tokens": 255}), "context length"),
+        ([1, 2], GREEDY.model_copy(update={"top_p": 0.0}), "top_p"),
+        ([1, 2], GREEDY.model_copy(update={"n": 0}), "n must be"),
+        ([1, 2], GREEDY.model_copy(update={"stop_token_ids": (500,)}), "outside"),
     ],
 )
 def test_invalid_requests_are_refused(model, ids, sampling, match):
@@ -308,7 +310,7 @@ def test_sampler_noise_is_uniform_enough_and_keyed():
     assert mix32(x).unique().numel() == 1 << 16 and int(mix32(x).max()) < 2**32
 
 
-async def _collect(engine: AsyncEngine, rid: str, prompt: list[int], sampling: EngineSampling) -> SampleResult:
+async def _collect(engine: AsyncEngine, rid: str, prompt: list[int], sampling: SamplingParams) -> SampleResult:
     """One streamed request, accumulated."""
     r = SampleResult(rid, 0, len(prompt))
     async for deltas in engine.generate(EngineRequest(rid, prompt, sampling)):
@@ -323,7 +325,7 @@ def test_async_engine_streams_aborts_and_refuses_when_full(model):
         engine.start()
         try:
             collect = functools.partial(_collect, engine)
-            long = EngineSampling(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+            long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
             first = asyncio.create_task(collect("a", [1, 5], long))
             second = asyncio.create_task(collect("b", PROMPTS[0], GREEDY))
             await asyncio.sleep(0.05)
@@ -353,7 +355,7 @@ def test_async_engine_survives_callers_that_stop_waiting(model):
     async def main():
         engine = AsyncEngine(Engine(model, SMALL))
         collect = functools.partial(_collect, engine)
-        long = EngineSampling(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+        long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
         cancelled = [
             asyncio.create_task(collect("a", [1, 5], long)),
             asyncio.create_task(engine.update_weights(None, 7)),
@@ -388,7 +390,7 @@ def test_engine_on_cuda_matches_hf_and_runs_bf16(tmp_path):
         assert results[(str(i), 0)].token_ids == hf[0, len(p) :].tolist()
     # bf16 weights: runs, and sampling with a seed is reproducible across batch compositions.
     engine = Engine(spicy_model(path).to("cuda", torch.bfloat16), SMALL)
-    s = EngineSampling(max_new_tokens=12, temperature=1.0, n=4, seed=11, ignore_eos=True)
+    s = SamplingParams(max_new_tokens=12, temperature=1.0, n=4, seed=11, ignore_eos=True)
     a = run(engine, [EngineRequest("a", PROMPTS[0], s)])
     b = run(engine, [EngineRequest("a", PROMPTS[0], s), EngineRequest("b", PROMPTS[1], s)])
     assert all(len(r.token_ids) == 12 and all(lp <= 0 for lp in r.logprobs) for r in a.values())
@@ -407,7 +409,7 @@ def test_sampled_frequencies_match_the_truncated_softmax(temperature, top_p, top
         top_k=torch.full((num,), top_k, dtype=torch.long),
         seeds=torch.arange(num, dtype=torch.long) * 7919,
         positions=torch.full((num,), 5, dtype=torch.long),
-        needs_truncation=top_p < 1 or top_k > 0,
+        needs_truncation=SamplingParams(top_p=top_p, top_k=top_k).truncates,
         all_greedy=False,
     )
     token_ids, logprobs = sample(logits.expand(num, 8), batch)
@@ -425,7 +427,7 @@ def test_float32_weights_generate_under_bf16_autocast(model):
     """The colocated trainer's case: float32 master weights, bf16 compute and KV cache."""
     engine = Engine(model, SMALL, compute_dtype=torch.bfloat16)
     assert engine.runner.kv_cache.dtype == torch.bfloat16
-    s = EngineSampling(max_new_tokens=8, temperature=1.0, n=2, seed=1, ignore_eos=True)
+    s = SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=1, ignore_eos=True)
     results = run(engine, [EngineRequest(str(i), p, s) for i, p in enumerate(PROMPTS)])
     assert all(len(r.token_ids) == 8 and all(-30 < lp <= 0 for lp in r.logprobs) for r in results.values())
     assert next(model.parameters()).dtype == torch.float32
@@ -437,15 +439,15 @@ def test_float64_logprobs_do_not_depend_on_the_batch(model):
     order, and resumed from its first 3 tokens (a migration: the prefix is prefilled, not
     decoded); its log-probs are the float32 engine's within 1e-4 (the on-policy bound)."""
     model64 = copy.deepcopy(model).double()
-    sampling = EngineSampling(max_new_tokens=8, temperature=1.0, ignore_eos=True, n=3)
-    requests = [EngineRequest(str(i), p, dataclasses.replace(sampling, seed=17 * i)) for i, p in enumerate(PROMPTS)]
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, n=3)
+    requests = [EngineRequest(str(i), p, sampling.model_copy(update={"seed": 17 * i})) for i, p in enumerate(PROMPTS)]
     alone = {k: r for req in requests for k, r in run(Engine(model64, SMALL), [req]).items()}
     together = run(Engine(model64, SMALL), requests)
     reordered = run(Engine(model64, SMALL.model_copy(update={"max_num_seqs": 5})), requests[::-1])
     float32 = run(Engine(model, SMALL), requests)
     head = alone[("2", 1)]  # sample 1 of request 2 uses seed 17 * 2 + 1
     resumed = EngineRequest(
-        "r", PROMPTS[2] + head.token_ids[:3], dataclasses.replace(sampling, n=1, seed=35, max_new_tokens=5)
+        "r", PROMPTS[2] + head.token_ids[:3], sampling.model_copy(update={"n": 1, "seed": 35, "max_new_tokens": 5})
     )
     rest = run(Engine(model64, SMALL), [resumed])[("r", 0)]
     assert (rest.token_ids, rest.logprobs) == (head.token_ids[3:], head.logprobs[3:])
@@ -462,8 +464,8 @@ def test_a_busy_overlapped_batch_gathers_arrivals_before_it_admits_them(model, w
     overlapped steps (a chain of captured decodes is not broken for each arrival), is
     admitted at once past `admit_batch` waiting samples, and its tokens are the same."""
     engine = Engine(model, EngineConfig(overlap_decode="on", admit_wait_steps=wait_steps, admit_batch=8))
-    long = EngineSampling(max_new_tokens=40, temperature=0.0, ignore_eos=True)
-    engine.add_request(EngineRequest("busy", PROMPTS[0], dataclasses.replace(long, n=8)))
+    long = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest("busy", PROMPTS[0], long.model_copy(update={"n": 8})))
     for _ in range(3):
         engine.step()
     assert len(engine.scheduler.running) == 8 and engine._in_flight is not None  # chaining
@@ -479,7 +481,7 @@ def test_a_busy_overlapped_batch_gathers_arrivals_before_it_admits_them(model, w
         steps += 1
     # the step that settles the one in flight admits; the wait is counted in chained steps
     assert steps == (1 if wait_steps == 0 else wait_steps + 1)
-    engine.add_request(EngineRequest("group", PROMPTS[2], dataclasses.replace(GREEDY, n=8)))
+    engine.add_request(EngineRequest("group", PROMPTS[2], GREEDY.model_copy(update={"n": 8})))
     step()
     assert not engine.scheduler.waiting  # 8 samples waiting: admitted without a wait
     while engine.has_work:

@@ -34,12 +34,13 @@ from test_worker import _tiny, _wait_until
 
 from polyrl.config import ConfigError, EngineConfig, load_config
 from polyrl.engine.engine import Engine
-from polyrl.engine.types import EngineRequest, EngineSampling
+from polyrl.engine.types import EngineRequest
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.manager import RolloutManager
-from polyrl.manager.protocol import BatchSampling, WorkerList
+from polyrl.manager.protocol import WorkerList
 from polyrl.manager.window import LocalWindow
 from polyrl.protocol.samples import Group, Prompt, Sample
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.feed import AsyncFeed
 from polyrl.rollout.remote import window_policy
 from polyrl.rollout.stats import RolloutStats
@@ -106,7 +107,7 @@ class ScriptedRollout:
     def fleet(self) -> WorkerList:
         return WorkerList(latest_weight_version=0, workers=[], num_free_slots=self.free_slots)
 
-    def generate(self, prompts: list[Prompt], n: int, sampling: BatchSampling, stats: RolloutStats | None = None):
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams, stats: RolloutStats | None = None):
         self.submitted.append([p.index for p in prompts])
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         for p in prompts:
@@ -152,12 +153,11 @@ class Source:
 def _feed(
     rollout: ScriptedRollout, batch_size: int = 2, k: int = 1, resubmit: list[int] | None = None, fresh: bool = False
 ) -> AsyncFeed:
-    sampling = BatchSampling(max_new_tokens=8)
+    sampling = SamplingParams(max_new_tokens=8)
     return AsyncFeed(
         rollout,  # type: ignore[arg-type]
         Source(),  # type: ignore[arg-type]
         sampling,
-        n=1,
         batch_size=batch_size,
         max_staleness=k,
         resubmit=resubmit,
@@ -341,7 +341,7 @@ def test_a_sample_spans_two_versions_without_a_restart(long_context_model: Path,
 
     budget = 1500
     request = batch(1, 2, budget)
-    request.sampling.ignore_eos = True
+    request.sampling = request.sampling.model_copy(update={"ignore_eos": True})
     reference = Engine.from_pretrained(str(long_context_model), EngineConfig(max_num_seqs=4))
     other = Engine.from_pretrained(str(_tiny(tmp_path / "other", seed=3)), EngineConfig(max_num_seqs=4))
     v1 = {k: p.detach().clone() for k, p in other.model.named_parameters()}
@@ -360,7 +360,7 @@ def test_a_sample_spans_two_versions_without_a_restart(long_context_model: Path,
         finally:
             proc.kill()
     prompt = request.prompts[0]
-    sampling = EngineSampling(max_new_tokens=budget, temperature=1.0, ignore_eos=True, n=2, seed=prompt.seed)
+    sampling = SamplingParams(max_new_tokens=budget, temperature=1.0, ignore_eos=True, n=2, seed=prompt.seed)
     reference.add_request(EngineRequest("ref", prompt.input_ids, sampling))
     expected: list[list[int]] = [[], []]
     while reference.has_work:

@@ -278,14 +278,15 @@ REGISTRATION = {
 HEARTBEAT = {"state": "active", "weight_version": 0, "num_running": 1, "num_waiting": 0, "gen_throughput": 2.5}
 BATCH = {
     "prompts": [{"id": "p0", "input_ids": [5, 6], "seed": 1}, {"id": "p1", "input_ids": [7]}],
-    "n": 2,
     "sampling": {
+        "n": 2,
         "max_new_tokens": 4,
         "temperature": 0.7,
         "top_p": 0.9,
         "top_k": 5,
         "stop_token_ids": [2],
         "ignore_eos": False,
+        "seed": 3,
     },
     "min_weight_version": 0,
     "deadline_s": 0.1,
@@ -837,25 +838,27 @@ def test_worker_endpoint_fuzz(endpoint: str, worker: InProcessWorker, worker_cli
 
 
 @pytest.mark.parametrize(
-    ("sampling", "needle"),
+    ("sampling", "needle", "status"),
     [
-        ({"top_k": 2**63}, "top_k"),
-        ({"top_k": 10**30}, "top_k"),
-        ({"temperature": 1e-40}, "temperature"),
-        ({"temperature": 1e999}, "temperature"),
+        ({"top_k": 2**63}, "top_k", 422),
+        ({"top_k": 10**30}, "top_k", 422),
+        ({"temperature": 1e-40}, "temperature", 400),
+        ({"temperature": 1e999}, "temperature", 422),
     ],
 )
 def test_worker_refuses_sampling_values_the_engine_cannot_run(
-    worker: InProcessWorker, worker_client: AsgiClient, sampling: dict[str, Any], needle: str
+    worker: InProcessWorker, worker_client: AsgiClient, sampling: dict[str, Any], needle: str, status: int
 ) -> None:
     """Regression: top_k >= 2**63 passed validation and overflowed the engine's int64
     tensor, killing the engine loop (every later request: 503 engine_dead); a temperature
-    of 1e-40 made logits / temperature overflow, and the NaN log-probs a 500."""
+    of 1e-40 made logits / temperature overflow, and the NaN log-probs a 500. Values out
+    of `SamplingParams`' bounds are refused as it is parsed (422), the rest by the engine
+    (400)."""
     body = GenerateRequest.model_validate(greedy(3, return_logprob=True)).model_dump()
     body["sampling_params"] |= sampling
     content = json.dumps(body).replace("Infinity", "1e999").encode()  # 1e999: a JSON number that parses to inf
     response = worker_client.post("/generate", content=content, headers=JSON_TYPE)
-    assert response.status_code == 400, response.text
+    assert response.status_code == status, response.text
     assert needle in response.json()["error"]["message"]
     assert worker_client.post("/generate", json=greedy(3)).status_code == 200
 
@@ -875,8 +878,10 @@ def test_worker_refuses_a_huge_n_before_allocating_for_it(
         return SampleResult(*args)
 
     monkeypatch.setattr(server_module, "SampleResult", counting)
-    response = worker_client.post("/generate", json=greedy(2, sampling={"n": 10**6}))
+    response = worker_client.post("/generate", json=greedy(2, sampling={"n": 4000}))  # > the engine's max_num_seqs
     assert response.status_code == 400 and "n must be in" in response.json()["error"]["message"]
+    response = worker_client.post("/generate", json=greedy(2, sampling={"n": 10**6}))  # > any group
+    assert response.status_code == 422 and "sampling_params.n" in response.json()["error"]["message"]
     assert made == []
     assert worker_client.post("/generate", json=greedy(2, sampling={"n": 3})).status_code == 200
     assert len(made) == 3

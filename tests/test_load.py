@@ -35,8 +35,8 @@ from test_worker import ThreadedServer
 
 from polyrl.manager.backends import GenerationCall, RemoteBackend
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import WorkerRecord
+from polyrl.protocol.sampling import SamplingParams
 
 CONTROL_P99_S = 1.0
 """A third of the tests' heartbeat timeout: later than that, live workers start to be
@@ -200,7 +200,7 @@ def test_cancelled_calls_leave_no_connection_behind() -> None:
     row; afterwards the pool holds no connection that is neither idle nor closed."""
     with ThreadedServer(_slow_sse) as server:  # type: ignore[arg-type]
         worker = WorkerRecord("w", server.url, "fake", 8, 4096, 0)
-        call = GenerationCall("r", [1, 2, 3], 1, 0, 4, BatchSampling(max_new_tokens=4))
+        call = GenerationCall("r", [1, 2, 3], SamplingParams(max_new_tokens=4, seed=0))
 
         async def consume(backend: RemoteBackend) -> None:
             async for _ in backend.stream(worker, call):

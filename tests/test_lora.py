@@ -25,8 +25,9 @@ from transformers import AutoModelForCausalLM
 from polyrl.config import ConfigError, EngineConfig, LoraConfig, load_config
 from polyrl.engine.engine import Engine
 from polyrl.engine.lora import META_KEY, AdapterError, AdapterMerger, base_fingerprint, expected_spec, unpack
-from polyrl.engine.types import EngineRequest, EngineSampling
+from polyrl.engine.types import EngineRequest
 from polyrl.manager.protocol import WorkerInfo, WorkerList
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.trainer.checkpoint import latest_checkpoint
 from polyrl.trainer.grpo import token_logprobs
 from polyrl.trainer.loop import train
@@ -127,7 +128,7 @@ def test_a_worker_configured_for_lora_expects_its_rank_and_resolves_all_linear_a
 
 
 def _generate(engine: Engine, prompt: list[int], seed: int) -> tuple[list[int], list[float]]:
-    sampling = EngineSampling(n=1, max_new_tokens=8, temperature=1.0, seed=seed, ignore_eos=True)
+    sampling = SamplingParams(n=1, max_new_tokens=8, temperature=1.0, seed=seed, ignore_eos=True)
     engine.add_request(EngineRequest(f"r{seed}", prompt, sampling))
     ids, logps = [], []
     while engine.has_work:

@@ -23,12 +23,13 @@ from test_worker import ThreadedServer, WorkerProcess, _tiny, _wait_until
 
 from polyrl.config import EngineConfig, ManagerConfig
 from polyrl.engine.engine import Engine
-from polyrl.engine.types import EngineRequest, EngineSampling
+from polyrl.engine.types import EngineRequest
 from polyrl.manager.backends import GenerationCall, generate_body
 from polyrl.manager.client import BatchClient
 from polyrl.manager.fleet import fleet_status
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchError, BatchPrompt, BatchRequest, BatchSampling, GroupResult
+from polyrl.manager.protocol import BatchError, BatchPrompt, BatchRequest, GroupResult
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.worker_api import GenerateRequest
 
 TOKEN = "test-token"
@@ -56,7 +57,7 @@ def manager() -> Iterator[ManagerThread]:
 
 def batch(num_prompts: int, n: int, max_new_tokens: int, **extra: Any) -> BatchRequest:
     prompts = [BatchPrompt(id=f"p{i}", input_ids=[5 + i, 6, 7], seed=1000 * i) for i in range(num_prompts)]
-    return BatchRequest(prompts=prompts, n=n, sampling=BatchSampling(max_new_tokens=max_new_tokens), **extra)
+    return BatchRequest(prompts=prompts, sampling=SamplingParams(n=n, max_new_tokens=max_new_tokens), **extra)
 
 
 # ------------------------------------------------------------------------------ fake workers
@@ -245,7 +246,7 @@ def check_exact(request: BatchRequest, groups: list[GroupResult], version: int =
     for g in groups:
         prompt = prompts[g.prompt_id]
         budget = request.sampling.max_new_tokens if prompt.max_new_tokens is None else prompt.max_new_tokens
-        assert [s.index for s in g.samples] == list(range(request.n))
+        assert [s.index for s in g.samples] == list(range(request.sampling.n))
         for s in g.samples:
             assert s.output_ids == expected_sample(prompt, s.index, budget)
             start, seed = len(prompt.input_ids), (prompt.seed or 0) + s.index
@@ -261,9 +262,7 @@ def check_exact(request: BatchRequest, groups: list[GroupResult], version: int =
 def test_generate_body_asks_polyrl_workers_for_the_stream_interval() -> None:
     """The manager's stream interval travels in the body a polyrl worker validates; a
     plain SGLang server (cumulative streams) never sees the extension fields."""
-    call = GenerationCall(
-        "r1", [1, 2], num_samples=2, seed=7, remaining_tokens=5, sampling=BatchSampling(max_new_tokens=5)
-    )
+    call = GenerationCall("r1", [1, 2], SamplingParams(max_new_tokens=5, n=2, seed=7))
     body = generate_body(call, incremental=True, stream_interval_s=0.05)
     assert GenerateRequest.model_validate_json(body).stream_interval_s == 0.05
     assert GenerateRequest.model_validate_json(generate_body(call, incremental=True)).stream_interval_s == 0.0
@@ -352,8 +351,7 @@ def test_prompts_with_their_own_budgets_keep_them_across_a_migration(manager: Ma
     with pytest.raises(ValueError, match="prompt 'p0': max_new_tokens 21 exceeds the batch's 20"):
         BatchRequest(
             prompts=[BatchPrompt(id="p0", input_ids=[1], max_new_tokens=21)],
-            n=1,
-            sampling=BatchSampling(max_new_tokens=20),
+            sampling=SamplingParams(max_new_tokens=20),
         )
 
 
@@ -673,7 +671,7 @@ def test_real_workers_join_and_die_mid_batch(long_context_model: Path) -> None:
     a migrated sample is token for token what an uninterrupted run produces."""
     budget = 1000
     request = batch(8, 2, budget)
-    request.sampling.ignore_eos = True
+    request.sampling = request.sampling.model_copy(update={"ignore_eos": True})
     procs: list[WorkerProcess] = []
     with ManagerThread(fast_cfg(heartbeat_timeout_s=3.0, stall_timeout_s=20)) as mt:
         consumer = Consumer(mt, request)
@@ -726,7 +724,7 @@ def _streamed_from(mt: ManagerThread, worker_id: str) -> bool:
 def test_real_worker_frozen_with_sigstop_is_detected(long_context_model: Path) -> None:
     budget = 300
     request = batch(4, 2, budget)
-    request.sampling.ignore_eos = True
+    request.sampling = request.sampling.model_copy(update={"ignore_eos": True})
     procs = []
     with ManagerThread(fast_cfg(heartbeat_timeout_s=2.0, stall_timeout_s=60)) as mt:
         try:
@@ -753,7 +751,7 @@ def test_real_worker_frozen_with_sigstop_is_detected(long_context_model: Path) -
 
 def greedy_tokens(engine: Engine, input_ids: list[int], max_new_tokens: int) -> list[int]:
     """What `engine` generates greedily, in-process: the reference for a worker's output."""
-    sampling = EngineSampling(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     engine.add_request(EngineRequest(f"ref-{len(input_ids)}-{input_ids[0]}", input_ids, sampling))
     out: list[int] = []
     while engine.has_work:
@@ -774,7 +772,7 @@ def test_real_worker_pulls_published_weights(long_context_model: Path, tmp_path:
     reference = Engine.from_pretrained(str(other), EngineConfig(max_num_seqs=4))
     new_weights = {k: p.detach().clone() for k, p in reference.model.named_parameters()}
     request = batch(2, 1, 12)
-    request.sampling.temperature, request.sampling.ignore_eos = 0.0, True
+    request.sampling = request.sampling.model_copy(update={"temperature": 0.0, "ignore_eos": True})
     with ManagerThread(fast_cfg()) as mt, WeightPublisher(chunk_bytes=64 * 1024, num_groups=2) as pub:
         sync = PublisherSync(mt.manager, pub, codec="delta")  # auto would pick raw on loopback
         mt.add_sync_hook(sync)
@@ -816,7 +814,7 @@ def test_real_worker_loads_versions_from_a_shared_directory(long_context_model: 
     reference = Engine.from_pretrained(str(other), EngineConfig(max_num_seqs=4))
     new_weights = {k: p.detach().clone() for k, p in reference.model.named_parameters()}
     request = batch(1, 1, 8)
-    request.sampling.temperature, request.sampling.ignore_eos = 0.0, True
+    request.sampling = request.sampling.model_copy(update={"temperature": 0.0, "ignore_eos": True})
     with ManagerThread(fast_cfg()) as mt:
         disk = DiskSync(mt.manager, tmp_path / "versions")
         mt.add_sync_hook(disk)

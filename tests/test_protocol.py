@@ -12,8 +12,8 @@ import pytest
 from polyrl.engine.types import SampleResult
 from polyrl.manager import backends, weight_sync
 from polyrl.manager.backends import Delta, GenerationCall, WorkerFailed, generate_body, parse_chunk
-from polyrl.manager.protocol import BatchSampling
 from polyrl.protocol import worker_api
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.worker import server
 from polyrl.worker.protocol import sample_response
 
@@ -53,21 +53,16 @@ def test_no_manager_request_body_is_a_dict_literal() -> None:
 def test_a_generate_request_carries_only_what_the_manager_set() -> None:
     """Fields left at their defaults stay off the wire (a plain SGLang server refuses
     polyrl's extensions), and what is sent parses back into the same request."""
-    call = GenerationCall(
-        "r1",
-        [1, 2, 3],
-        num_samples=3,
-        seed=11,
-        remaining_tokens=9,
-        sampling=BatchSampling(max_new_tokens=20, top_k=5, top_logprobs=2),
-    )
+    call = GenerationCall("r1", [1, 2, 3], SamplingParams(max_new_tokens=9, top_k=5, top_logprobs=2, n=3, seed=11))
     raw = generate_body(call, incremental=False)
     sent = json.loads(raw)
     assert "incremental_stream" not in sent and "stream_interval_s" not in sent and "text" not in sent
     assert sent["top_logprobs_num"] == 2 and sent["sampling_params"]["top_k"] == 5
-    assert sent["sampling_params"]["max_new_tokens"] == 9  # the call's remaining budget, not the batch's
+    assert sent["sampling_params"]["max_new_tokens"] == 9 and sent["sampling_params"]["sampling_seed"] == 11
+    assert "top_logprobs" not in sent["sampling_params"] and "seed" not in sent["sampling_params"]  # SGLang's names
     again = worker_api.GenerateRequest.model_validate_json(raw)
-    assert again.sampling_params.sampling_seed == 11 and again.sampling_params.n == 3 and again.input_ids == [1, 2, 3]
+    assert again.sampling_params == call.sampling.model_copy(update={"top_logprobs": 0})
+    assert again.input_ids == [1, 2, 3] and again.top_logprobs_num == 2
 
 
 def test_what_the_worker_streams_the_manager_reads_back() -> None:

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from polyrl.config import AlgoConfig, EngineConfig, TrainerConfig
 from polyrl.engine.engine import Engine
-from polyrl.manager.protocol import BatchSampling
 from polyrl.protocol.samples import Group, Prompt, Sample
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.local import LocalRollout
 from polyrl.trainer.batching import SeqItem, collate, group_items, pack_micro_batches
 from polyrl.trainer.learner import Learner, build_optimizer, lr_lambda
@@ -41,9 +41,9 @@ def test_rollout_groups_and_logprobs_match_a_forward_pass(model_tok):
     torch.manual_seed(0)
     # 5 running sequences at most: the groups of different prompts interleave.
     rollout = LocalRollout(Engine(model, EngineConfig(block_size=4, max_num_seqs=5)))
-    params = BatchSampling(max_new_tokens=6, temperature=0.7, stop_token_ids=[tok.eos_token_id], ignore_eos=True)
+    params = SamplingParams(n=3, max_new_tokens=6, temperature=0.7, stop_token_ids=[tok.eos_token_id], ignore_eos=True)
     prompts = _prompts(tok, ["1+2=", "13+4=", "ab>", "abcd|"])
-    groups = list(rollout.generate(prompts, n=3, sampling=params))
+    groups = list(rollout.generate(prompts, params))
     assert sorted(g.prompt.text for g in groups) == sorted(p.text for p in prompts)
     assert all(len(g.samples) == 3 for g in groups)
     samples = [s for g in groups for s in g.samples]
@@ -73,7 +73,7 @@ def test_local_rollout_gives_each_prompt_its_own_budget(model_tok):
     prompts = _prompts(tok, ["1+2=", "13+4=", "ab>"])
     for p, budget in zip(prompts, [2, None, 50], strict=True):
         p.max_new_tokens = budget
-    groups = list(rollout.generate(prompts, n=2, sampling=BatchSampling(max_new_tokens=5, ignore_eos=True)))
+    groups = list(rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=5, ignore_eos=True)))
     lengths = {g.prompt.text: [len(s.completion_ids) for s in g.samples] for g in groups}
     assert lengths == {"1+2=": [2, 2], "13+4=": [5, 5], "ab>": [5, 5]}  # 50 is capped by the run's 5
 
@@ -161,8 +161,8 @@ def test_rollout_ignores_the_models_generation_config(model_tok):
     model.generation_config.repetition_penalty = 5.0
     torch.manual_seed(0)
     rollout = LocalRollout(Engine(model, EngineConfig()))
-    params = BatchSampling(max_new_tokens=8, temperature=1.0, ignore_eos=True)
-    groups = list(rollout.generate(_prompts(tok, ["ab>", "1+1="]), n=16, sampling=params))
+    params = SamplingParams(n=16, max_new_tokens=8, temperature=1.0, ignore_eos=True)
+    groups = list(rollout.generate(_prompts(tok, ["ab>", "1+1="]), params))
     samples = [s for g in groups for s in g.samples]
     assert any(len(set(s.completion_ids)) < len(s.completion_ids) for s in samples)
 

@@ -21,8 +21,9 @@ from polyrl.engine.attention import AttentionGroup, AttentionMetadata, paged_att
 from polyrl.engine.cuda_graphs import DecodeMetadata, batch_buckets, decode_inputs
 from polyrl.engine.engine import Engine
 from polyrl.engine.sampler import SamplingBatch, sample
-from polyrl.engine.types import EngineRequest, EngineSampling
+from polyrl.engine.types import EngineRequest
 from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.sampling import SamplingParams
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -154,7 +155,7 @@ def test_the_decode_step_on_the_triton_kernel_matches_the_eager_step(tmp_path):
     """What the CUDA graph captures (`_decode_logits` over DecodeMetadata) gives the eager
     path's logits for the same step, padding rows included."""
     engine = tiny_engine(tmp_path, cuda_graphs=False, overlap_decode="off")  # nothing in flight to schedule around
-    s = EngineSampling(max_new_tokens=20, temperature=1.0, seed=3, ignore_eos=True)
+    s = SamplingParams(max_new_tokens=20, temperature=1.0, seed=3, ignore_eos=True)
     for i, p in enumerate([[1, 5, 6], [1, *range(3, 20)], [1, 7]]):
         engine.add_request(EngineRequest(str(i), p, s))
     for _ in range(4):
@@ -211,7 +212,7 @@ def test_cuda_graph_engine_greedy_equals_hf_generate_in_float32():
     engine = Engine(model, EngineConfig(max_num_seqs=64, max_model_len=512))
     assert engine.runner.decode_graphs is not None
     prompts = torch.randint(3, 4096, (16, 24), generator=torch.Generator().manual_seed(0)).tolist()
-    results = generate(engine, prompts, EngineSampling(max_new_tokens=32, temperature=0.0, ignore_eos=True))
+    results = generate(engine, prompts, SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True))
     assert engine.runner.decode_graphs.graphs  # the decode steps ran as graphs
     hf = model.generate(
         torch.tensor(prompts, device="cuda"), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
@@ -226,7 +227,7 @@ def test_cuda_graph_engine_in_bf16_matches_a_full_forward():
     model = qwen3_model("cuda", torch.bfloat16)
     engine = Engine(model, EngineConfig(max_num_seqs=64, max_model_len=512))
     prompts = torch.randint(3, 4096, (16, 24), generator=torch.Generator().manual_seed(0)).tolist()
-    results = generate(engine, prompts, EngineSampling(max_new_tokens=32, temperature=0.0, ignore_eos=True))
+    results = generate(engine, prompts, SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True))
     for p, (tokens, logprobs) in zip(prompts, results):
         with torch.inference_mode():
             logits = model(torch.tensor([p + tokens], device="cuda")).logits[0, len(p) - 1 : -1].float()
@@ -242,7 +243,7 @@ def test_cuda_graphs_give_the_eager_engines_samples():
     """Sampled (T=1, n=4) in float32: the graph path draws exactly what the eager path draws."""
     model = qwen3_model("cuda", torch.float32, layers=2)
     prompts = torch.randint(3, 4096, (6, 17), generator=torch.Generator().manual_seed(1)).tolist()
-    s = EngineSampling(max_new_tokens=24, temperature=1.0, n=4, seed=5, ignore_eos=True)
+    s = SamplingParams(max_new_tokens=24, temperature=1.0, n=4, seed=5, ignore_eos=True)
     fast = generate(Engine(model, EngineConfig(max_model_len=512)), prompts, s)
     slow = generate(Engine(model, EngineConfig(max_model_len=512, cuda_graphs=False)), prompts, s)
     assert [t for t, _ in fast] == [t for t, _ in slow]
@@ -261,7 +262,7 @@ def test_kv_cache_frees_and_regrows_across_weight_swaps_without_leaking():
     engine.sleep()
     assert runner() is None  # freed by reference counting, not left for the garbage collector
     prompts = [[5, 6, 7, 8]] * 8
-    s = EngineSampling(max_new_tokens=16, temperature=1.0, seed=1, ignore_eos=True)
+    s = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1, ignore_eos=True)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     held = []
     for version in range(1, 21):

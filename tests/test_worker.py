@@ -32,11 +32,12 @@ from chaos_harness.harness import chaos_manager_config
 from polyrl.config import EngineConfig, TinyModelConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
-from polyrl.engine.types import EngineRequest, EngineSampling, SampleDelta, SampleResult
+from polyrl.engine.types import EngineRequest, SampleDelta, SampleResult
 from polyrl.httpapi import checksum, error_body
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.protocol import Heartbeat, RegisterRequest
 from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.worker_api import GenerateRequest
 from polyrl.worker import manager_client
 from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession, ManagerUnreachable
@@ -473,7 +474,7 @@ def _engine_greedy(path: Path, input_ids: list[int], max_new_tokens: int) -> tup
     """Reference: the engine itself, stepped synchronously on `path`'s weights."""
     engine = Engine.from_pretrained(str(path), EngineConfig(max_num_seqs=1))
     engine.add_request(
-        EngineRequest("ref", input_ids, EngineSampling(max_new_tokens, temperature=0.0, ignore_eos=True))
+        EngineRequest("ref", input_ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True))
     )
     result = SampleResult("ref", 0, len(input_ids))
     while engine.has_work:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import difflib
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from polyrl.protocol.sampling import SamplingParams
 
 SwapPolicy = Literal["recompute", "continue", "abort"]
 """What an engine's weight update does to its running requests (`EngineConfig.swap_policy`)."""
@@ -213,7 +216,7 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(6, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, lt=2**63)
     """0 disables top-k."""
     deterministic: bool = False
     """Remote and hybrid: two runs with the same seed and config train on the same data in
@@ -226,6 +229,19 @@ class RolloutConfig(_Section):
     float64 engine alone is 1.8x slower, and waiting in order costs more when completion
     times spread (long generations). On GPUs the data repeats but the kernels' bits do
     not (README, "Reproducible runs"). Local mode is reproducible without it."""
+
+    def sampling(self, stop_token_ids: Sequence[int]) -> SamplingParams:
+        """How the run's samples are drawn: these settings, ending on `stop_token_ids`
+        (the EOS tokens the run wants; the model's own are not added)."""
+        return SamplingParams(
+            n=self.n,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop_token_ids=tuple(stop_token_ids),
+            ignore_eos=True,
+        )
 
     @model_validator(mode="after")
     def _staleness_needs_workers(self) -> RolloutConfig:

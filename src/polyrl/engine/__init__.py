@@ -5,9 +5,10 @@ speak the engine's vocabulary (the manager) should not pay for importing torch."
 
 from typing import Any
 
-from polyrl.engine.types import EngineRequest, EngineSampling, SampleDelta, SampleResult
+from polyrl.engine.types import EngineRequest, SampleDelta, SampleResult
+from polyrl.protocol.sampling import SamplingParams
 
-__all__ = ["Engine", "EngineRequest", "EngineSampling", "SampleDelta", "SampleResult"]
+__all__ = ["Engine", "EngineRequest", "SamplingParams", "SampleDelta", "SampleResult"]
 
 
 def __getattr__(name: str) -> Any:

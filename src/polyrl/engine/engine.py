@@ -42,12 +42,11 @@ from polyrl.engine.scheduler import ScheduledSeq, Scheduler
 from polyrl.engine.sequence import SeqStatus, Sequence
 from polyrl.engine.types import EngineRequest, EngineStats, RequestError, SampleDelta
 from polyrl.gc_heap import freeze_gc_heap
+from polyrl.protocol.sampling import MAX_TOP_LOGPROBS
 
 log = logging.getLogger(__name__)
 
 MAX_SEED = 2**63
-MAX_TOP_LOGPROBS = 20
-"""OpenAI's own limit on alternatives per token."""
 MAX_TOP_K = 2**63
 """top_k travels to the sampler in an int64 tensor; a larger value would overflow it
 inside the engine loop (and stop the loop) instead of being refused here."""
@@ -383,7 +382,7 @@ class Engine:
             top_k=ints[0],
             seeds=ints[1],
             positions=ints[2],
-            needs_truncation=any(p < 1 for p in top_p) or any(k > 0 for k in top_k),
+            needs_truncation=any(p.truncates for p in params),
             all_greedy=not any(temperatures),
             num_top_logprobs=max(p.top_logprobs for p in params),
         )

@@ -2,7 +2,8 @@
 
 Sampling is Gumbel-max: argmax(logits / T + g) over the allowed tokens, with the Gumbel
 noise g computed by hashing (seed, absolute position, token id). That is an exact draw
-from softmax(logits / T) restricted to the top-k/top-p support, and it makes every draw
+from softmax(logits / T) restricted to the tokens that pass the cuts (top-k, top-p),
+and it makes every draw
 reproducible wherever the sequence runs: the same request gives the same tokens alone or
 in any batch, after a preemption, or resumed on another worker with the same seed (up to
 the floating-point noise of the logits themselves). That noise is removed too for float64
@@ -95,7 +96,7 @@ def to_float32(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [S, V] -> (token ids [S], log-probs [S] float32). On CUDA without top-k/top-p
+    """logits [S, V] -> (token ids [S], log-probs [S] float32). On CUDA without cuts
     this is one fused Triton kernel (`triton_ops.fused_sample`): the same draws, one pass."""
     if (
         logits.is_cuda

@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from polyrl.engine.types import EngineSampling, FinishReason
+from polyrl.engine.types import FinishReason
+from polyrl.protocol.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -27,7 +28,7 @@ class Sequence:
     index: int  # sample index within its request
     token_ids: list[int]  # prompt (incl. resumed tokens) + generated here
     num_prompt_tokens: int
-    sampling: EngineSampling
+    sampling: SamplingParams
     seed: int
     stop_ids: frozenset[int]
     num_forks: int = 1  # > 1: a shared-prefill parent; forks into samples index..index+num_forks-1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.worker_api import FinishReason
 
 
@@ -23,31 +24,13 @@ class EngineFullError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class EngineSampling:
-    """Per-request sampling. Sample `i` of a request with `seed` s draws from the random
-    stream of seed s + i, so `n` samples of one request equal `n` requests with seeds
-    s, s+1, ..., s+n-1, and a request resumed elsewhere with the same seed continues the
-    same stream (draws are keyed by seed and absolute token position, not by step)."""
-
-    max_new_tokens: int
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off (the HTTP APIs' -1 is read as 0 at their boundary)
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False  # True: the model's EOS ids do not stop generation
-    n: int = 1
-    seed: int | None = None  # None: a fresh random seed per request
-    top_logprobs: int = 0  # > 0: also report this many most likely tokens per position (OpenAI's top_logprobs)
-
-
-@dataclass(frozen=True)
 class EngineRequest:
     """`input_ids` is the prompt, or for a resumed request the prompt followed by the tokens
     already generated elsewhere (with `max_new_tokens` reduced by their number)."""
 
     rid: str
     input_ids: list[int]
-    sampling: EngineSampling
+    sampling: SamplingParams
 
 
 @dataclass

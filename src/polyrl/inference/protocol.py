@@ -1,9 +1,9 @@
 """Wire models of the OpenAI- and vLLM-compatible endpoints (worker and manager alike).
 
 Only requests are modelled: responses are built as plain JSON by `render.py`, in the
-shapes the `openai` client and atroposlib parse. Every request turns into the engine's
-one sampling type, `EngineSampling`, at this boundary (`to_sampling`); nothing past here
-knows which dialect a request came in.
+shapes the `openai` client and atroposlib parse. Every request turns into the one
+sampling type, `polyrl.protocol.sampling.SamplingParams`, at this boundary (each model's
+`to_sampling`); nothing past here knows which dialect a request came in.
 
 Unlike the SGLang models (`worker/protocol.py`), unknown fields are ignored: OpenAI
 clients send fields we have no use for (`user`, `presence_penalty: 0`, vendor
@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from polyrl.engine.types import EngineSampling
+from polyrl.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 128
 """Most samples one OpenAI/vLLM request may ask for (a worker allows at most its
@@ -26,8 +26,6 @@ MAX_N = 128
 belongs in `/v1/batches`."""
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
-MAX_TOP_LOGPROBS = 20
-"""OpenAI's own limit for chat's `top_logprobs` (completions allow 5)."""
 
 TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 """Whether an id is in the vocabulary is the engine's to say (400); beyond int64 is the wire's."""
@@ -111,8 +109,8 @@ class SampledRequest(_Wire):
     def num_top_logprobs(self) -> int:
         return 0
 
-    def to_sampling(self, max_new_tokens: int) -> EngineSampling:
-        return EngineSampling(
+    def to_sampling(self, max_new_tokens: int) -> SamplingParams:
+        return SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -234,8 +232,8 @@ class VllmGenerateRequest(BaseModel):
 
     _stop = field_validator("stop", mode="before")(_stop_list)
 
-    def to_sampling(self, max_new_tokens: int) -> EngineSampling:
-        return EngineSampling(
+    def to_sampling(self, max_new_tokens: int) -> SamplingParams:
+        return SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,

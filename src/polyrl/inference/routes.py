@@ -7,7 +7,7 @@ tokens: a worker's engine (`worker/inference.py`) or the manager's fleet
     POST /v1/chat/completions    ChatCompletionRequest (idem)
     POST /generate               VllmGenerateRequest   (vLLM's form; the app dispatches)
 
-A request becomes one prompt's token ids and the engine's `EngineSampling` here; the
+A request becomes one prompt's token ids and the engine's `SamplingParams` here; the
 backend streams `SampleDelta`s back; `render.py` turns them into each dialect's JSON.
 Refusals are 4xx in OpenAI's error shape, raised before any output is sent.
 """
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from polyrl.engine.types import EngineSampling, SampleDelta
+from polyrl.engine.types import SampleDelta
 from polyrl.httpapi import ApiError, EventStream, error_body
 from polyrl.inference import render
 from polyrl.inference.protocol import (
@@ -37,6 +37,7 @@ from polyrl.inference.protocol import (
     unsupported_field,
 )
 from polyrl.inference.render import Choice
+from polyrl.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class InferenceBackend(Protocol):
     async def served(self) -> Served:
         """Raise ApiError (503) when nothing can serve."""
 
-    def generate(self, prompt_ids: list[int], sampling: EngineSampling) -> AsyncIterator[list[SampleDelta]]:
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> AsyncIterator[list[SampleDelta]]:
         """The request's deltas until all its samples finish; refusals raise ApiError
         (or the app's mapped errors) before the first yield. Closing it early aborts
         the rest."""
@@ -174,7 +175,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _started(
-    backend: InferenceBackend, prompt_ids: list[int], sampling: EngineSampling, tokenizer: Any, stops: list[str]
+    backend: InferenceBackend, prompt_ids: list[int], sampling: SamplingParams, tokenizer: Any, stops: list[str]
 ) -> Generation:
     """Start generating; refusals raise here, before any response is sent."""
     stream = backend.generate(prompt_ids, sampling)
@@ -207,13 +208,13 @@ class InferenceRoutes:
 
     def _checks(
         self, served: Served, body: SampledRequest, prompt_ids: list[int], budget: int | None
-    ) -> EngineSampling:
+    ) -> SamplingParams:
         field = body.unsupported()
         if field is not None:
             raise ApiError(400, f"{field} is not supported by this server", BAD, field, "unsupported_parameter")
         return self._sampling(served, body, prompt_ids, budget)
 
-    def _sampling(self, served: Served, body: Any, prompt_ids: list[int], budget: int | None) -> EngineSampling:
+    def _sampling(self, served: Served, body: Any, prompt_ids: list[int], budget: int | None) -> SamplingParams:
         if body.n > served.max_n:
             raise ApiError(400, f"n is {body.n}; this server allows at most {served.max_n}", BAD, "n", "n_too_large")
         if body.num_top_logprobs > served.max_top_logprobs:

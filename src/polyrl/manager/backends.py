@@ -25,9 +25,9 @@ import httpx
 from pydantic import ValidationError
 
 from polyrl.httpapi import CHECKSUM_HEADER, checksum
-from polyrl.manager.protocol import BatchSampling
 from polyrl.manager.registry import WorkerRecord
-from polyrl.protocol.worker_api import GenerateRequest, GenerateResponse, SamplingParams
+from polyrl.protocol.sampling import SamplingParams
+from polyrl.protocol.worker_api import GenerateRequest, GenerateResponse
 from polyrl.tls import async_http_client
 
 
@@ -54,13 +54,10 @@ class GenerationCall:
 
     rid: str
     input_ids: list[int]
-    num_samples: int
-    """Samples in this call (a group may be split over several calls)."""
-    seed: int
-    """Sample j of the call uses seed + j."""
-    remaining_tokens: int
-    """This call's budget: the batch's max_new_tokens less what the samples already have."""
-    sampling: BatchSampling
+    sampling: SamplingParams
+    """The batch's, for this call: `n` is the samples in it (a group may be split over
+    several calls), sample j uses `seed` + j, and `max_new_tokens` is the budget left (the
+    batch's less what the samples already have)."""
 
 
 class Delta(NamedTuple):
@@ -81,25 +78,11 @@ class Delta(NamedTuple):
 def generate_body(call: GenerationCall, incremental: bool, stream_interval_s: float = 0.0) -> bytes:
     """The worker's `/generate` request for a call, as JSON: only the fields set here go
     on the wire (a plain SGLang server refuses polyrl's extensions)."""
-    s = call.sampling
     request = GenerateRequest(
-        rid=call.rid,
-        input_ids=call.input_ids,
-        stream=True,
-        return_logprob=True,
-        sampling_params=SamplingParams(
-            max_new_tokens=call.remaining_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k if s.top_k > 0 else -1,
-            stop_token_ids=s.stop_token_ids,
-            ignore_eos=s.ignore_eos,
-            n=call.num_samples,
-            sampling_seed=call.seed,
-        ),
+        rid=call.rid, input_ids=call.input_ids, stream=True, return_logprob=True, sampling_params=call.sampling
     )
-    if s.top_logprobs:  # SGLang's own field
-        request.top_logprobs_num = s.top_logprobs
+    if call.sampling.top_logprobs:  # SGLang's request-level field
+        request.top_logprobs_num = call.sampling.top_logprobs
     if incremental:  # polyrl's extensions
         request.incremental_stream = True
         if stream_interval_s:

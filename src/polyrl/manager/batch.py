@@ -221,7 +221,7 @@ class Batch:
         batch = cls(batch_id, request, required_version, deadline)
         for prompt, seed in zip(request.prompts, seeds, strict=True):
             group = GroupState(batch, prompt, seed)
-            group.samples = [SampleState(group, i) for i in range(request.n)]
+            group.samples = [SampleState(group, i) for i in range(request.sampling.n)]
             batch.groups.append(group)
         return batch
 

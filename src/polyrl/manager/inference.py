@@ -16,12 +16,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from polyrl.engine.types import EngineSampling, SampleDelta
+from polyrl.engine.types import SampleDelta
 from polyrl.httpapi import ApiError
-from polyrl.inference.protocol import MAX_N, MAX_TOP_LOGPROBS
+from polyrl.inference.protocol import MAX_N
 from polyrl.inference.routes import Served, model_names
 from polyrl.manager.manager import RolloutManager
-from polyrl.manager.protocol import BatchFailed, BatchPrompt, BatchRequest, BatchSampling
+from polyrl.manager.protocol import BatchFailed, BatchPrompt, BatchRequest
+from polyrl.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 log = logging.getLogger("polyrl.manager")
 
@@ -80,20 +81,8 @@ class ManagerBackend:
             self._tokenizers[path] = tokenizer
         return self._tokenizers[path]
 
-    async def generate(self, prompt_ids: list[int], sampling: EngineSampling) -> AsyncIterator[list[SampleDelta]]:
-        request = BatchRequest(
-            prompts=[BatchPrompt(id="request", input_ids=prompt_ids, seed=sampling.seed)],
-            n=sampling.n,
-            sampling=BatchSampling(
-                max_new_tokens=sampling.max_new_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                stop_token_ids=list(sampling.stop_token_ids),
-                ignore_eos=sampling.ignore_eos,
-                top_logprobs=sampling.top_logprobs,
-            ),
-        )
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> AsyncIterator[list[SampleDelta]]:
+        request = BatchRequest(prompts=[BatchPrompt(id="request", input_ids=prompt_ids)], sampling=sampling)
         if self.manager.closed:
             raise _shutting_down()
         batch = self.manager.submit(request, watch=True)

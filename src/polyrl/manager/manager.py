@@ -149,14 +149,22 @@ class RolloutManager(Membership, Placement, Settlement):
         if required is None:
             required = self.registry.latest_version
         deadline = time.monotonic() + (request.deadline_s or self.cfg.batch_deadline_s)
-        seeds = [p.seed if p.seed is not None else self._rng.getrandbits(62) for p in request.prompts]
+        default = request.sampling.seed
+        seeds = [
+            p.seed if p.seed is not None else default if default is not None else self._rng.getrandbits(62)
+            for p in request.prompts
+        ]
         batch = Batch.build(f"b{next(self._ids)}", request, required, deadline, seeds)
         if watch:
             batch.progress = asyncio.Queue()
         self.batches[batch.batch_id] = batch
         self.pending.extend(batch.fresh_units())
         log.debug(
-            "batch %s: %d prompts x %d, weights >= v%d", batch.batch_id, len(request.prompts), request.n, required
+            "batch %s: %d prompts x %d, weights >= v%d",
+            batch.batch_id,
+            len(request.prompts),
+            request.sampling.n,
+            required,
         )
         self.wake()
         return batch

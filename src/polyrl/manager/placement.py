@@ -91,10 +91,10 @@ class Placement(ManagerState):
         call = GenerationCall(
             rid=f"{unit.group.batch.batch_id}-{next(self._ids)}",
             input_ids=unit.group.prompt.input_ids + first.token_ids,
-            num_samples=len(unit.samples),
-            seed=first.seed,
-            remaining_tokens=first.remaining,
-            sampling=unit.group.batch.request.sampling,
+            # the samples of the call, from the first one's seed, with what is left of its budget
+            sampling=unit.group.batch.request.sampling.model_copy(
+                update={"n": len(unit.samples), "seed": first.seed, "max_new_tokens": first.remaining}
+            ),
         )
         for sample in unit.samples:
             sample.start_segment(worker.worker_id, worker.weight_version)

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from polyrl.engine.types import EngineSampling
 from polyrl.protocol.ids import LOCAL_WORKER_ID
+from polyrl.protocol.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
 
@@ -120,52 +120,13 @@ WorkerState = Literal["registering", "standby", "syncing", "active", "draining",
 run with no local window; it is synced only once placement needs it (registry.py)."""
 
 
-class BatchSampling(_Message):
-    """How every sample of a batch is drawn: the one sampling vocabulary from the trainer
-    to the fleet (the trainer's local rollout turns it into the engine's `EngineSampling`
-    with `to_engine`, workers get it as SGLang's `sampling_params`)."""
-
-    max_new_tokens: int = Field(ge=1, lt=2**63)
-    """The token budget of each sample, kept across migrations."""
-    temperature: Finite = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, lt=2**63)
-    """0: off (SGLang's -1 is accepted and read as 0)."""
-    stop_token_ids: list[Int64] = []
-    ignore_eos: bool = False
-    top_logprobs: int = Field(0, ge=0, le=20)
-    """> 0: workers also report this many most likely tokens per position (the OpenAI
-    endpoints' `top_logprobs`; groups of `/v1/batches` do not carry them)."""
-
-    @field_validator("top_k", mode="before")
-    @classmethod
-    def _sglang_off(cls, value: object) -> object:
-        return 0 if value == -1 else value
-
-    def to_engine(self, n: int, seed: int | None, max_new_tokens: int | None = None) -> EngineSampling:
-        """The engine's request sampling for `n` samples from `seed` on, with a prompt's
-        own budget when it has one."""
-        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        return EngineSampling(
-            max_new_tokens=budget,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            stop_token_ids=tuple(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-            n=n,
-            seed=seed,
-            top_logprobs=self.top_logprobs,
-        )
-
-
 class BatchPrompt(_Message):
     id: str = Field(min_length=1, max_length=256)
     """The client's name for the prompt, returned with its group."""
     input_ids: list[Int64] = Field(min_length=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     """Sample i uses seed + i wherever it runs, so a migrated sample continues the same
-    random stream. Default: drawn by the manager."""
+    random stream. Default: the batch's `sampling.seed`, else drawn by the manager."""
     max_new_tokens: int | None = Field(None, ge=1, lt=2**63)
     """This prompt's own token budget per sample, at most the batch's
     `sampling.max_new_tokens` (default: that)."""
@@ -173,9 +134,9 @@ class BatchPrompt(_Message):
 
 class BatchRequest(_Message):
     prompts: list[BatchPrompt] = Field(min_length=1)
-    n: int = Field(1, ge=1, le=4096)
-    """Samples per prompt (the GRPO group size)."""
-    sampling: BatchSampling
+    sampling: SamplingParams
+    """How every sample is drawn; `sampling.n` samples per prompt (the GRPO group size).
+    A prompt's own seed and budget, when it has them, replace the batch's."""
     min_weight_version: Int64 | None = None
     """Only workers at this weight version or newer serve the batch. Default: the
     manager's latest version at submission."""

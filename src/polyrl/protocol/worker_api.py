@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
+from polyrl.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from polyrl.transfer.identity import DeviceIdentity, WeightPath
 
 BATCHED_INPUT_MESSAGE = "batched input is not supported: send one request per prompt"
@@ -48,31 +49,6 @@ def _refuse_batched(value: Any) -> Any:
 # ---------------------------------------------------------------------------------- requests
 
 
-class SamplingParams(_Wire):
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    """0: greedy."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    """-1 or 0: off (SGLang's convention; the engine's is 0)."""
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = Field(1, ge=1)
-    seed: int | None = None
-    sampling_seed: int | None = None
-    """SGLang's name for `seed`."""
-    # Accepted for SGLang clients, ignored: the text is always decoded the same way.
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-
-    @model_validator(mode="after")
-    def _one_seed(self) -> SamplingParams:
-        if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
-            raise ValueError("seed and sampling_seed differ; send one of them")
-        return self
-
-
 class GenerateRequest(_Wire):
     input_ids: list[int] | None = None
     text: str | None = None
@@ -80,7 +56,7 @@ class GenerateRequest(_Wire):
     """Default: a fresh uuid4 hex. `/abort_request` takes this id."""
     sampling_params: SamplingParams = SamplingParams()
     return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=20)
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     """With `return_logprob`: also the this-many most likely tokens per position
     (`meta_info.output_top_logprobs`, as SGLang's)."""
     stream: bool = False
@@ -94,6 +70,10 @@ class GenerateRequest(_Wire):
     (the manager, in the trainer's process) then parses fewer, bigger chunks."""
 
     _no_batched_ids = field_validator("input_ids", mode="before")(_refuse_batched)
+
+    @field_serializer("sampling_params")
+    def _sglang_sampling(self, params: SamplingParams) -> dict[str, Any]:
+        return params.sglang()
 
     @field_validator("text", "rid", mode="before")
     @classmethod

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from polyrl.manager.protocol import BatchSampling, WorkerInfo
+    from polyrl.manager.protocol import WorkerInfo
+    from polyrl.protocol.sampling import SamplingParams
     from polyrl.rollout.remote import RemoteRollout
 
 log = logging.getLogger("polyrl.atropos")
@@ -103,7 +104,7 @@ class AtroposRollout:
     def publish(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> None:
         self.inner.publish(weights, version)
 
-    def generate(self, prompts: list[Prompt], n: int, sampling: BatchSampling) -> Iterator[Group]:
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams) -> Iterator[Group]:
         """The next batch's groups, polled for when first read; `prompts` must be empty
         (the environments choose them)."""
         assert not prompts, "Atropos environments choose the prompts"

@@ -35,8 +35,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from polyrl.data.source import PromptSource
-from polyrl.manager.protocol import BatchSampling
 from polyrl.protocol.samples import Group, Prompt
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.remote import RemoteRollout
 from polyrl.rollout.stats import RolloutStats
 
@@ -96,8 +96,7 @@ class AsyncFeed:
         self,
         rollout: RemoteRollout,
         source: PromptSource,
-        sampling: BatchSampling,
-        n: int,
+        sampling: SamplingParams,
         batch_size: int,
         max_staleness: int,
         resubmit: list[int] | None = None,
@@ -105,7 +104,7 @@ class AsyncFeed:
     ) -> None:
         """`resubmit`: prompt indices a resumed run had in flight, submitted again first.
         `fresh`: submit nothing while a step's worth of finished groups waits."""
-        self.rollout, self.source, self.sampling, self.n = rollout, source, sampling, n
+        self.rollout, self.source, self.sampling, self.n = rollout, source, sampling, sampling.n
         self.batch_size, self.max_staleness, self.fresh = batch_size, max_staleness, fresh
         self.outstanding: dict[str, Prompt] = {}
         """Submitted and not trained on, by prompt id."""
@@ -146,7 +145,7 @@ class AsyncFeed:
     def _submit(self, prompts: list[Prompt]) -> None:
         for p in prompts:
             self.outstanding[str(p.index)] = p
-        groups = self.rollout.generate(prompts, self.n, self.sampling, stats=RolloutStats())
+        groups = self.rollout.generate(prompts, self.sampling, stats=RolloutStats())
         threading.Thread(target=self._read, args=(groups,), name="polyrl-feed", daemon=True).start()
 
     def _read(self, groups: Iterator[Group]) -> None:

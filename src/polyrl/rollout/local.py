@@ -22,9 +22,9 @@ from transformers import PreTrainedModel
 from polyrl.config import EngineConfig
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest, SampleResult
-from polyrl.manager.protocol import BatchSampling
 from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.protocol.samples import Group, Prompt, Sample
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.stats import RolloutStats
 
 
@@ -103,17 +103,17 @@ class LocalRollout:
             weights = learner_weights(self.model)
         self.engine.update_weights(weights, version)
 
-    def generate(self, prompts: list[Prompt], n: int, sampling: BatchSampling) -> Iterator[Group]:
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams) -> Iterator[Group]:
         """Yield each prompt's group as soon as its last sample is finished."""
         t0 = time.perf_counter()
-        self.stats = stats = RolloutStats(num_requested=len(prompts) * n)
+        self.stats = stats = RolloutStats(num_requested=len(prompts) * sampling.n)
         pending: dict[str, tuple[Prompt, list[SampleResult]]] = {}
         for p in prompts:
             rid = f"local-{p.index}"
             # seeds from the run's seeded (and checkpointed) RNG
-            engine_sampling = sampling.to_engine(n, random.getrandbits(63), p.budget(sampling.max_new_tokens))
-            self.engine.add_request(EngineRequest(rid, p.prompt_ids, engine_sampling))
-            pending[rid] = (p, [SampleResult(rid, i, len(p.prompt_ids)) for i in range(n)])
+            own = {"seed": random.getrandbits(63), "max_new_tokens": p.budget(sampling.max_new_tokens)}
+            self.engine.add_request(EngineRequest(rid, p.prompt_ids, sampling.model_copy(update=own)))
+            pending[rid] = (p, [SampleResult(rid, i, len(p.prompt_ids)) for i in range(sampling.n)])
         while pending:
             for d in self.engine.step():
                 prompt, results = pending[d.rid]

@@ -31,7 +31,6 @@ from polyrl.manager.protocol import (
     BatchError,
     BatchPrompt,
     BatchRequest,
-    BatchSampling,
     GroupResult,
     PublisherEndpoint,
     WorkerInfo,
@@ -39,6 +38,7 @@ from polyrl.manager.protocol import (
 )
 from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.protocol.samples import Group, Prompt, Sample
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.local import engine_dtype, learner_weights
 from polyrl.rollout.local_worker import LocalWorker
 from polyrl.rollout.manager_link import BatchStream, ManagerLink, ManagerUnreachable
@@ -265,7 +265,7 @@ class RemoteRollout:
     # --------------------------------------------------------------------------- generating
 
     def generate(
-        self, prompts: list[Prompt], n: int, sampling: BatchSampling, stats: RolloutStats | None = None
+        self, prompts: list[Prompt], sampling: SamplingParams, stats: RolloutStats | None = None
     ) -> Iterator[Group]:
         """Submits the batch now (workers start on it at once, even ahead of its step); the
         iterator gives each prompt's group as soon as its last sample is done. `stats`:
@@ -281,7 +281,6 @@ class RemoteRollout:
                 )
                 for p in prompts
             ],
-            n=n,
             sampling=sampling,
             min_weight_version=self.version,
         )
@@ -298,9 +297,8 @@ class RemoteRollout:
     ) -> Iterator[Group]:
         is_step = stats is None
         if stats is None:
-            self.stats = stats = RolloutStats(
-                num_requested=len(by_id) * request.n
-            )  # the step's: set when it starts reading
+            # the step's: set when it starts reading
+            self.stats = stats = RolloutStats(num_requested=len(by_id) * request.sampling.n)
         received: set[str] = set()
         while True:
             try:

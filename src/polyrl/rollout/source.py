@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from polyrl.manager.protocol import BatchSampling, WorkerInfo
+    from polyrl.manager.protocol import WorkerInfo
     from polyrl.protocol.samples import Group, Prompt
+    from polyrl.protocol.sampling import SamplingParams
     from polyrl.rollout.stats import RolloutStats
 
 
@@ -38,9 +39,9 @@ class Rollout(Protocol):
         batches submitted from now on are generated with it. The order is the weight
         publisher's: `WeightPublisher.publish(state_dict, version)`."""
 
-    def generate(self, prompts: list[Prompt], n: int, sampling: BatchSampling) -> Iterator[Group]:
-        """Submit now (`n` samples per prompt, the group size); each prompt's group as soon
-        as its last sample is done."""
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams) -> Iterator[Group]:
+        """Submit now (`sampling.n` samples per prompt, the group size); each prompt's group
+        as soon as its last sample is done."""
 
     def learner_started(self) -> None:
         """The learner is about to take its first update of the step."""

@@ -25,7 +25,6 @@ from polyrl.config import ConfigError, EngineConfig, RunConfig, save_config
 from polyrl.cpu_threads import process_threads
 from polyrl.data.rewards import RewardPool
 from polyrl.data.source import PromptSource
-from polyrl.manager.protocol import BatchSampling
 from polyrl.metrics.step_stats import (
     cost_metrics,
     cuda_memory_metrics,
@@ -40,6 +39,7 @@ from polyrl.models.tiny import save_tiny_model
 from polyrl.preflight import check_world_size, shared_token
 from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.protocol.samples import Group
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.atropos import AtroposRollout
 from polyrl.rollout.feed import AsyncFeed
 from polyrl.rollout.fleet import Fleet, WorkerFleet
@@ -144,7 +144,7 @@ class Run:
     scorer: GroupScorer
     learner: Learner
     tracker: Tracker
-    sampling: BatchSampling
+    sampling: SamplingParams
     state: TrainState
     dp: DataParallel
     fleet: Fleet | None = None
@@ -204,14 +204,7 @@ class Run:
                 learner = build_learner(cfg, model, init_path, pad_id, blob, dp, peft)
             if blob:
                 set_rng_state(blob["rng"])
-            sampling = BatchSampling(
-                max_new_tokens=cfg.rollout.max_new_tokens,
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                top_k=cfg.rollout.top_k,
-                stop_token_ids=list(stop_token_ids(model, tokenizer)),
-                ignore_eos=True,  # the stop ids already name the EOS tokens the run wants
-            )
+            sampling = cfg.rollout.sampling(stop_token_ids(model, tokenizer))
             name = cfg.run_name or run_dir.name
             # On resume, metrics past the checkpoint (or all of them, without one) are dropped.
             tracker = Tracker(cfg.logging, run_dir, state.step if resume else None, name, cfg.model_dump(mode="json"))
@@ -222,7 +215,6 @@ class Run:
                     rollout,
                     source,
                     sampling,
-                    cfg.rollout.n,
                     tcfg.train_batch_size,
                     cfg.rollout.max_staleness,
                     resubmit=state.pending,
@@ -272,7 +264,7 @@ class Run:
         while step + len(self.ahead) <= last:
             cursor, rng = self.source.cursor, rng_state()
             prompts = self.source.take(self.num_prompts_per_step)
-            groups = self.rollout.generate(prompts, self.cfg.rollout.n, self.sampling)
+            groups = self.rollout.generate(prompts, self.sampling)
             if self.cfg.rollout.deterministic and prompts:  # (Atropos environments choose their own groups)
                 groups = in_prompt_order(groups, [p.index for p in prompts])
             self.ahead.append(PendingBatch(groups, cursor, rng))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from polyrl.engine.types import EngineRequest, EngineSampling, SampleDelta
-from polyrl.inference.protocol import MAX_N, MAX_TOP_LOGPROBS
+from polyrl.engine.types import EngineRequest, SampleDelta
+from polyrl.inference.protocol import MAX_N
 from polyrl.inference.render import new_id
 from polyrl.inference.routes import Served, model_names
+from polyrl.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from polyrl.worker.state import WorkerState
 from polyrl.worker.stream import coalesce
 
@@ -24,7 +25,7 @@ class WorkerBackend:
         )  # vLLM clients ask by adapter name
         return Served(names, st.tokenizer, st.engine.engine.max_model_len, max_n, MAX_TOP_LOGPROBS)
 
-    async def generate(self, prompt_ids: list[int], sampling: EngineSampling) -> AsyncIterator[list[SampleDelta]]:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> AsyncIterator[list[SampleDelta]]:
         """The engine's deltas, merged while the reader is busy (as /generate's stream);
         counted as an open generation, which a drain waits for."""
         st = self.state

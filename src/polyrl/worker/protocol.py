@@ -7,36 +7,21 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import replace
 from typing import Any
 
-from polyrl.engine.types import EngineRequest, EngineSampling, SampleResult
+from polyrl.engine.types import EngineRequest, SampleResult
 from polyrl.httpapi import checksum
-from polyrl.protocol.worker_api import FinishReasonInfo, GenerateRequest, GenerateResponse, MetaInfo, SamplingParams
+from polyrl.protocol.worker_api import FinishReasonInfo, GenerateRequest, GenerateResponse, MetaInfo
 
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def engine_sampling(params: SamplingParams) -> EngineSampling:
-    """SGLang's sampling parameters as the engine's (top_k -1 or 0: off, which is 0 there)."""
-    return EngineSampling(
-        max_new_tokens=params.max_new_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=max(params.top_k, 0),
-        stop_token_ids=tuple(params.stop_token_ids or ()),
-        ignore_eos=params.ignore_eos,
-        n=params.n,
-        seed=params.seed if params.seed is not None else params.sampling_seed,
-    )
-
-
 def engine_request(body: GenerateRequest, input_ids: list[int]) -> EngineRequest:
-    """A `/generate` request for the engine; its rid defaults to a fresh uuid4 hex."""
+    """A `/generate` request for the engine; its rid defaults to a fresh uuid4 hex. Top
+    log-probs are SGLang's request-level `top_logprobs_num`, wanted with `return_logprob`."""
     rid = body.rid if body.rid is not None else uuid.uuid4().hex
-    sampling = engine_sampling(body.sampling_params)
-    if body.return_logprob and body.top_logprobs_num:
-        sampling = replace(sampling, top_logprobs=body.top_logprobs_num)
+    top = body.top_logprobs_num if body.return_logprob else 0
+    sampling = body.sampling_params.model_copy(update={"top_logprobs": top})
     return EngineRequest(rid=rid, input_ids=input_ids, sampling=sampling)
 
 

@@ -33,7 +33,6 @@ from polyrl.engine.lora import base_fingerprint, pack, read_adapter_dir, spec_of
 from polyrl.engine.types import (
     EngineFullError,
     EngineRequest,
-    EngineSampling,
     RequestError,
     SampleDelta,
     SampleResult,
@@ -41,6 +40,7 @@ from polyrl.engine.types import (
 from polyrl.httpapi import ApiError, BodyLimit, ChecksumGuard, EventStream, check_bearer, error_body, error_handlers
 from polyrl.inference.protocol import VllmGenerateRequest
 from polyrl.inference.routes import InferenceRoutes
+from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.worker_api import (
     AbortRequest,
     AbortResponse,
@@ -212,7 +212,7 @@ class _Handlers:
     async def health_generate(self) -> dict[str, Any]:
         """A one-token greedy generation through the engine: proves the loop is alive."""
         self.state.require_active()
-        sampling = EngineSampling(max_new_tokens=1, temperature=0.0)
+        sampling = SamplingParams(max_new_tokens=1, temperature=0.0)
         request = EngineRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=[0], sampling=sampling)
         try:
             await asyncio.wait_for(_run_to_end(self.state.engine.generate(request)), self.state.health_timeout_s)
