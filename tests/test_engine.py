@@ -397,9 +397,20 @@ def test_engine_on_cuda_matches_hf_and_runs_bf16(tmp_path):
     assert sum(a[k].token_ids == b[k].token_ids for k in a) >= 3  # bf16 batch noise may flip a rare draw
 
 
-@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.8, 0), (1.0, 1.0, 3)])
-def test_sampled_frequencies_match_the_truncated_softmax(temperature, top_p, top_k):
-    """Gumbel-max over hashed noise is an exact draw: 40k seeds reproduce the distribution."""
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k,min_p",
+    [
+        (1.0, 1.0, 0, 0.0),
+        (0.7, 1.0, 0, 0.0),
+        (1.0, 0.8, 0, 0.0),
+        (1.0, 1.0, 3, 0.0),
+        (0.7, 1.0, 0, 0.05),
+        (1.0, 0.95, 4, 0.2),
+    ],
+)
+def test_sampled_frequencies_match_the_truncated_softmax(temperature, top_p, top_k, min_p):
+    """Gumbel-max over hashed noise is an exact draw: 40k seeds reproduce the distribution,
+    restricted to the tokens that pass every cut (each measured on the tempered softmax)."""
     torch.manual_seed(0)
     logits = torch.randn(1, 8) * 2
     num = 40_000
@@ -407,9 +418,10 @@ def test_sampled_frequencies_match_the_truncated_softmax(temperature, top_p, top
         temperature=torch.full((num,), temperature),
         top_p=torch.full((num,), top_p),
         top_k=torch.full((num,), top_k, dtype=torch.long),
+        min_p=torch.full((num,), min_p),
         seeds=torch.arange(num, dtype=torch.long) * 7919,
         positions=torch.full((num,), 5, dtype=torch.long),
-        needs_truncation=SamplingParams(top_p=top_p, top_k=top_k).truncates,
+        needs_truncation=SamplingParams(top_p=top_p, top_k=top_k, min_p=min_p).truncates,
         all_greedy=False,
     )
     token_ids, logprobs = sample(logits.expand(num, 8), batch)
@@ -417,6 +429,8 @@ def test_sampled_frequencies_match_the_truncated_softmax(temperature, top_p, top
     probs = (logits[0] / temperature).softmax(-1)
     sorted_probs, order = probs.sort(descending=True)
     keep = (sorted_probs.cumsum(0) - sorted_probs < top_p) & ((top_k <= 0) | (torch.arange(8) < top_k))
+    keep &= sorted_probs >= min_p * sorted_probs[0]
+    assert 1 < keep.sum() < 8 or (top_p, top_k, min_p) == (1, 0, 0)  # each case cuts, and leaves a choice
     target = torch.zeros(8).index_put((order[keep],), sorted_probs[keep])
     target /= target.sum()
     assert (freq - target).abs().max() < 0.012  # ~5 standard errors at 40k draws

@@ -504,15 +504,33 @@ def test_top_logprobs_through_the_manager_equal_the_workers(fleet: ManagerThread
 
 def test_no_op_values_of_unsupported_fields_pass_and_others_are_refused(worker: InProcessWorker) -> None:
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    body = {"prompt": {"prompt_token_ids": [1, 5, 6]}, "max_tokens": 2, "repetition_penalty": 1.0, "min_p": 0.0}
+    body = {"prompt": {"prompt_token_ids": [1, 5, 6]}, "max_tokens": 2, "repetition_penalty": 1.0, "min_tokens": 0}
     assert httpx.post(f"{worker.http.url}/generate", json=body, headers=headers, timeout=60).status_code == 200
     refused = httpx.post(
         f"{worker.http.url}/generate", json=body | {"repetition_penalty": 1.1}, headers=headers, timeout=60
     )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "repetition_penalty"
-    chat = {"model": model_name(worker), "messages": MESSAGES, "max_tokens": 2, "min_p": 0.05}
+    chat = {"model": model_name(worker), "messages": MESSAGES, "max_tokens": 2, "frequency_penalty": 0.5}
     refused = httpx.post(f"{worker.http.url}/v1/chat/completions", json=chat, headers=headers, timeout=60)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_p"
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "frequency_penalty"
+
+
+def test_min_p_is_honoured_by_both_dialects(worker: InProcessWorker) -> None:
+    """vLLM's min_p, on its `/generate` and on the OpenAI endpoints: 1 keeps only the most
+    likely token, so temperature-1 samples are the greedy ones."""
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    vllm = {"prompt": {"prompt_token_ids": [1, 5, 6]}, "max_tokens": 6, "ignore_eos": True, "logprobs": 0}
+    url = f"{worker.http.url}/generate"
+    greedy = httpx.post(url, json=vllm | {"temperature": 0}, headers=headers, timeout=60).json()
+    cut = httpx.post(url, json=vllm | {"min_p": 1.0, "n": 3, "seed": 5}, headers=headers, timeout=60).json()
+    assert cut["token_ids"] == greedy["token_ids"] * 3
+    free = httpx.post(url, json=vllm | {"n": 3, "seed": 5}, headers=headers, timeout=60).json()
+    assert free["token_ids"] != cut["token_ids"]
+    chat = {"model": model_name(worker), "messages": MESSAGES, "max_tokens": 6, "ignore_eos": True, "seed": 3}
+    url = f"{worker.http.url}/v1/chat/completions"
+    greedy = httpx.post(url, json=chat | {"temperature": 0}, headers=headers, timeout=60).json()
+    cut = httpx.post(url, json=chat | {"min_p": 1.0, "n": 2}, headers=headers, timeout=60).json()
+    assert [c["message"]["content"] for c in cut["choices"]] == [greedy["choices"][0]["message"]["content"]] * 2
 
 
 def test_client_hanging_up_aborts_its_generation(worker: InProcessWorker) -> None:

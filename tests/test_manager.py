@@ -751,12 +751,19 @@ def test_real_worker_frozen_with_sigstop_is_detected(long_context_model: Path) -
 
 def greedy_tokens(engine: Engine, input_ids: list[int], max_new_tokens: int) -> list[int]:
     """What `engine` generates greedily, in-process: the reference for a worker's output."""
+    return _greedy_run(engine, input_ids, max_new_tokens)[0]
+
+
+def _greedy_run(engine: Engine, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     engine.add_request(EngineRequest(f"ref-{len(input_ids)}-{input_ids[0]}", input_ids, sampling))
-    out: list[int] = []
+    tokens: list[int] = []
+    logprobs: list[float] = []
     while engine.has_work:
-        out += [t for d in engine.step() for t in d.token_ids]
-    return out
+        for d in engine.step():
+            tokens += d.token_ids
+            logprobs += d.logprobs
+    return tokens, logprobs
 
 
 @pytest.mark.slow
@@ -832,6 +839,36 @@ def test_real_worker_loads_versions_from_a_shared_directory(long_context_model: 
     sample = group.samples[0]
     assert sample.weight_versions == [3] * 8
     assert sample.output_ids == greedy_tokens(reference, request.prompts[0].input_ids, 8)
+
+
+def test_min_p_travels_from_the_run_config_to_a_real_workers_engine(long_context_model: Path) -> None:
+    """min_p, the worked example of one sampling vocabulary: set in `rollout.*`, it goes in
+    the trainer's batch to the manager, in SGLang's `/generate` body to a worker process, and
+    into its engine. min_p = 1 keeps only the most likely token, so sampling at temperature
+    1 gives the greedy tokens and log-probs (log softmax(logits) either way); without it the
+    same seeds sample other tokens."""
+    from polyrl.config import RolloutConfig
+
+    rollout = RolloutConfig(n=2, max_new_tokens=8, temperature=1.0, min_p=1.0)
+    prompts = [BatchPrompt(id=f"p{i}", input_ids=ids, seed=100 + i) for i, ids in enumerate(([1, 5, 6], [2, 7, 9, 4]))]
+    cut = BatchRequest(prompts=prompts, sampling=rollout.sampling([]))
+    free = BatchRequest(prompts=prompts, sampling=rollout.model_copy(update={"min_p": 0.0}).sampling([]))
+    assert cut.sampling.min_p == 1.0 and cut.sampling.n == 2
+    reference = Engine.from_pretrained(str(long_context_model), EngineConfig(max_num_seqs=4))
+    greedy = {p.id: _greedy_run(reference, p.input_ids, 8) for p in prompts}
+    with ManagerThread(fast_cfg()) as mt:
+        proc = _start_worker(long_context_model, mt.url, "w1")
+        try:
+            proc.wait_ready()
+            wait_active(mt, "w1")
+            with_cut, without = list(mt.generate(cut)), list(mt.generate(free))
+        finally:
+            proc.kill()
+    for g in with_cut:
+        tokens, logprobs = greedy[g.prompt_id]
+        assert [s.output_ids for s in g.samples] == [tokens, tokens]
+        assert all(s.logprobs == pytest.approx(logprobs, abs=1e-4) for s in g.samples)
+    assert any(s.output_ids != greedy[g.prompt_id][0] for g in without for s in g.samples)
 
 
 def test_task_reprs_stay_short() -> None:

@@ -125,6 +125,7 @@ def test_fused_sample_draws_what_the_torch_sampler_draws():
         temperature.cpu(),
         torch.ones(rows),
         torch.zeros(rows, dtype=torch.long),
+        torch.zeros(rows),
         seeds.cpu(),
         positions.cpu(),
         needs_truncation=False,

@@ -218,6 +218,10 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, lt=2**63)
     """0 disables top-k."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Sample only tokens at least min_p times as likely as the most likely one (vLLM's and
+    SGLang's min_p). 0 disables it. Log-probs are those of the untruncated distribution,
+    for the engines and the learner alike (README, "Log-probs")."""
     deterministic: bool = False
     """Remote and hybrid: two runs with the same seed and config train on the same data in
     the same order, so they give the same losses and (on CPU) bit-identical weights. The
@@ -239,6 +243,7 @@ class RolloutConfig(_Section):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             stop_token_ids=tuple(stop_token_ids),
             ignore_eos=True,
         )

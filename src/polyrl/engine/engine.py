@@ -201,8 +201,8 @@ class Engine:
             )
         if not (s.temperature == 0 or MIN_TEMPERATURE <= s.temperature < float("inf")):
             raise RequestError(f"temperature must be 0 (greedy) or finite and >= {MIN_TEMPERATURE:g}")
-        if not 0 < s.top_p <= 1 or not 0 <= s.top_k < MAX_TOP_K:
-            raise RequestError("need 0 < top_p <= 1 and 0 <= top_k < 2**63 (0: off)")
+        if not 0 < s.top_p <= 1 or not 0 <= s.top_k < MAX_TOP_K or not 0 <= s.min_p <= 1:
+            raise RequestError("need 0 < top_p <= 1, 0 <= top_k < 2**63 (0: off) and 0 <= min_p <= 1")
         if not 1 <= s.n <= self.cfg.max_num_seqs:
             raise RequestError(f"n must be in [1, {self.cfg.max_num_seqs}] (got {s.n})")
         if s.seed is not None and not 0 <= s.seed < MAX_SEED:
@@ -370,9 +370,9 @@ class Engine:
         dev = self.device
         params = [s.sampling for s in seqs]
         temperatures = [p.temperature for p in params]
-        top_p, top_k = [p.top_p for p in params], [p.top_k for p in params]
+        top_p, top_k, min_p = [p.top_p for p in params], [p.top_k for p in params], [p.min_p for p in params]
         # Rows of plain lists convert fastest; one float and one int copy to the device.
-        floats = torch.tensor([temperatures, top_p], dtype=torch.float32).to(dev, non_blocking=True)
+        floats = torch.tensor([temperatures, top_p, min_p], dtype=torch.float32).to(dev, non_blocking=True)
         # The position of the token being sampled: the one after the last fed.
         ints = torch.tensor([top_k, [s.seed for s in seqs], [s.num_computed_tokens for s in seqs]], dtype=torch.long)
         ints = ints.to(dev, non_blocking=True)
@@ -380,6 +380,7 @@ class Engine:
             temperature=floats[0],
             top_p=floats[1],
             top_k=ints[0],
+            min_p=floats[2],
             seeds=ints[1],
             positions=ints[2],
             needs_truncation=any(p.truncates for p in params),

@@ -2,8 +2,8 @@
 
 Sampling is Gumbel-max: argmax(logits / T + g) over the allowed tokens, with the Gumbel
 noise g computed by hashing (seed, absolute position, token id). That is an exact draw
-from softmax(logits / T) restricted to the tokens that pass the cuts (top-k, top-p),
-and it makes every draw
+from softmax(logits / T) restricted to the tokens that pass the cuts (top-k, top-p,
+min-p), and it makes every draw
 reproducible wherever the sequence runs: the same request gives the same tokens alone or
 in any batch, after a preemption, or resumed on another worker with the same seed (up to
 the floating-point noise of the logits themselves). That noise is removed too for float64
@@ -65,13 +65,21 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     return -torch.log(-torch.log(uniform))
 
 
-def truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """[S, V] bool, True for tokens inside each row's top-k and top-p (nucleus) sets."""
+def truncation_mask(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """[S, V] bool, True for tokens that pass each row's cuts: among the top_k most likely
+    (<= 0: off), inside the top_p nucleus, and at least min_p times as likely as the most
+    likely token (0: off). Every cut is measured on the same temperature-scaled
+    distribution, so their order does not matter (as in SGLang's PyTorch sampler; vLLM
+    applies min-p first and measures top-p on what is left, which differs only when both
+    are on). The most likely token always passes."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # [S, V] probability of strictly better tokens
     rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
     keep_sorted = (mass_before < top_p[:, None]) & ((top_k[:, None] <= 0) | (rank < top_k[:, None]))
+    keep_sorted &= probs >= min_p[:, None] * probs[:, :1]
     keep_sorted[:, 0] = True
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
@@ -81,6 +89,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # [S] float32, 0 = greedy
     top_p: torch.Tensor  # [S] float32
     top_k: torch.Tensor  # [S] int64, <= 0 = off
+    min_p: torch.Tensor  # [S] float32, 0 = off
     seeds: torch.Tensor  # [S] int64 in [0, 2**63)
     positions: torch.Tensor  # [S] int64 absolute position of the token being sampled
     needs_truncation: bool
@@ -114,7 +123,9 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
     if not params.all_greedy:
         scores = scaled + gumbel_noise(params.seeds, params.positions, logits.shape[-1])
         if params.needs_truncation:
-            scores = scores.masked_fill(~truncation_mask(scaled, params.top_k, params.top_p), float("-inf"))
+            scores = scores.masked_fill(
+                ~truncation_mask(scaled, params.top_k, params.top_p, params.min_p), float("-inf")
+            )
         token_ids = torch.where(greedy, token_ids, scores.argmax(dim=-1))
     return token_ids, logprobs.gather(-1, token_ids[:, None])[:, 0]
 

@@ -34,7 +34,6 @@ NO_OP_VALUES: dict[str, Any] = {
     "presence_penalty": 0,
     "frequency_penalty": 0,
     "repetition_penalty": 1,
-    "min_p": 0,
     "min_tokens": 0,
     "best_of": 1,
     "echo": False,
@@ -89,6 +88,8 @@ class SampledRequest(_Wire):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, lt=2**63)
     """-1 or 0: off."""
+    min_p: float | None = Field(None, ge=0, le=1)
+    """vLLM's: tokens at least min_p times as likely as the most likely one. None or 0: off."""
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = Field([], max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[TokenId] = Field([], max_length=64)
@@ -115,6 +116,7 @@ class SampledRequest(_Wire):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),
+            min_p=self.min_p or 0.0,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             n=self.n,
@@ -209,6 +211,7 @@ class VllmGenerateRequest(BaseModel):
     temperature: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, lt=2**63)
+    min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = Field([], max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
@@ -224,7 +227,6 @@ class VllmGenerateRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_p: float | None = None
     min_tokens: int | None = None
     prompt_logprobs: int | None = None
     """Accepted at the values that change nothing (0, 1 for repetition_penalty, null);
@@ -238,6 +240,7 @@ class VllmGenerateRequest(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
+            min_p=self.min_p,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             n=self.n,

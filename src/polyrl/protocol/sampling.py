@@ -8,11 +8,11 @@ turn into one with one function (`to_sampling`). Only the engine has a second fo
 batched tensors its sampler reads on the device (`engine.sampler.SamplingBatch`).
 
 Names and meanings are vLLM's and SGLang's (`max_new_tokens` is SGLang's name for vLLM's
-`max_tokens`). One convention for "off": top_k 0, top_p 1. SGLang spells top_k
+`max_tokens`). One convention for "off": top_k 0, min_p 0, top_p 1. SGLang spells top_k
 off as -1 and the seed as `sampling_seed`; both are read here, and `GenerateRequest`
 writes them back in SGLang's spelling, so a real SGLang server reads what a worker does.
 
-Log-probs do not depend on the cuts (top-k, top-p): a token's log-prob is that of
+Log-probs do not depend on the cuts (top-k, top-p, min-p): a token's log-prob is that of
 the temperature-scaled distribution before them (README, "Log-probs").
 """
 
@@ -51,6 +51,8 @@ class SamplingParams(BaseModel):
     """Nucleus: the fewest most likely tokens whose probability reaches top_p. 1: off."""
     top_k: int = Field(0, ge=0, lt=2**63)
     """The k most likely tokens. 0: off (-1, SGLang's and vLLM's off, is read as 0)."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Tokens at least min_p times as likely as the most likely one. 0: off."""
     stop_token_ids: tuple[int, ...] = ()
     """Besides the model's EOS tokens (unless `ignore_eos`), these end a sample; the stop
     token is the sample's last."""
@@ -86,12 +88,13 @@ class SamplingParams(BaseModel):
     @property
     def truncates(self) -> bool:
         """Whether any cut is on (the engine's fused sampling path has none)."""
-        return self.top_p < 1 or self.top_k > 0
+        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0
 
     def sglang(self) -> dict[str, Any]:
         """SGLang's `sampling_params` for this: top_k off as -1, the seed as
-        `sampling_seed`; `top_logprobs` goes to the request (`top_logprobs_num`)."""
-        out = self.model_dump(exclude={"seed", "top_logprobs"})
+        `sampling_seed`; `top_logprobs` goes to the request (`top_logprobs_num`), and
+        min_p only when on (servers that predate it then read the same body)."""
+        out = self.model_dump(exclude={"seed", "top_logprobs"} | ({"min_p"} if self.min_p == 0 else set()))
         out["stop_token_ids"] = list(self.stop_token_ids)
         if self.top_k == 0:
             out["top_k"] = -1
