@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from polyrl.engine.types import EngineSampling
 from polyrl.protocol.ids import LOCAL_WORKER_ID
+from polyrl.protocol.version import WeightVersion
 
 PROTOCOL_VERSION = 1
 
@@ -45,7 +46,7 @@ class RegisterRequest(_Message):
     url: str = Field(max_length=2048)
     """Where the manager reaches the worker's HTTP API: http(s)://host:port."""
     model_path: str
-    weight_version: Int64
+    weight_version: WeightVersion
     max_num_seqs: int = Field(ge=1, lt=2**63)
     max_model_len: int = Field(ge=1, lt=2**63)
     capabilities: list[str] = []
@@ -96,7 +97,7 @@ class RegisterResponse(_Message):
 
 class Heartbeat(_Message):
     state: WorkerLifecycleState
-    weight_version: Int64
+    weight_version: WeightVersion
     num_running: Count
     num_waiting: Count
     gen_throughput: Finite
@@ -176,7 +177,7 @@ class BatchRequest(_Message):
     n: int = Field(1, ge=1, le=4096)
     """Samples per prompt (the GRPO group size)."""
     sampling: BatchSampling
-    min_weight_version: Int64 | None = None
+    min_weight_version: WeightVersion | None = None
     """Only workers at this weight version or newer serve the batch. Default: the
     manager's latest version at submission."""
     deadline_s: Finite | None = Field(None, gt=0)
@@ -267,7 +268,7 @@ class WorkerInfo(_Message):
     worker_id: str
     url: str
     state: WorkerState
-    weight_version: int
+    weight_version: WeightVersion
     num_running: int
     num_waiting: int
     num_inflight: int
@@ -312,7 +313,7 @@ MAX_LOST_WORKERS = 16
 
 
 class WorkerList(_Message):
-    latest_weight_version: int
+    latest_weight_version: WeightVersion
     workers: list[WorkerInfo]
     last_window: LocalWindowReport | None = None
     sync_s: dict[str, float] = {}
@@ -333,7 +334,7 @@ class PublishVersion(_Message):
     """`POST {manager}/v1/weights/version`: the trainer has weights `version`; new batches
     need it by default and workers below it go to `syncing`."""
 
-    version: int = Field(ge=0, lt=2**63)
+    version: WeightVersion
     on_device: bool = False
     """The trainer also holds `version` on its GPU, for same-host workers (NCCL, CUDA IPC)."""
 
@@ -351,6 +352,8 @@ class DueGroupsRequest(_Message):
     version `max_floor_version` or older (the trainer's staleness deadline)."""
 
     max_floor_version: Int64
+    """The trainer's version less `rollout.max_staleness`: below 0 early in a run, so no
+    `WeightVersion`."""
 
 
 class DueGroups(_Message):
