@@ -118,3 +118,21 @@ def test_the_manager_reads_a_plain_sglang_chunk_and_names_what_is_wrong() -> Non
     plain["meta_info"]["output_token_logprobs"] = [[-1.0, 4, None]]
     with pytest.raises(WorkerFailed, match="2 tokens, 1 log-probs"):
         parse_chunk(json.dumps(plain), {}, incremental=False)
+
+
+def test_a_weight_version_is_a_non_negative_int64_and_keeps_its_wire_name() -> None:
+    from pydantic import ValidationError
+
+    from polyrl.manager.protocol import DueGroupsRequest, Heartbeat, PublishVersion
+
+    assert PublishVersion(version=2**63 - 1).model_dump() == {"version": 2**63 - 1, "on_device": False}
+    beat = {"state": "active", "num_running": 0, "num_waiting": 0, "gen_throughput": 0.0}
+    assert Heartbeat(weight_version=3, **beat).model_dump()["weight_version"] == 3
+    for bad in (-1, 2**63):
+        with pytest.raises(ValidationError):
+            PublishVersion(version=bad)
+        with pytest.raises(ValidationError):
+            Heartbeat(weight_version=bad, **beat)
+        with pytest.raises(ValidationError):
+            worker_api.UpdateWeightsFromDiskRequest(model_path="m", weight_version=bad)
+    assert DueGroupsRequest(max_floor_version=-2).max_floor_version == -2  # v0 less a staleness of 2

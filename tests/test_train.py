@@ -98,6 +98,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
 
     straight, resumed = _metrics(tmp_path / "straight"), _metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # the crashed step 3 appears once
+    assert [r["training/weight_version"] for r in resumed] == [1, 2, 3, 4]  # the checkpoint's, counted on
     for a, b in zip(straight, resumed):
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
             assert a[key] == b[key], (a["step"], key)

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.protocol.sampling import SamplingParams
+from polyrl.protocol.version import WeightVersion
 
 PROTOCOL_VERSION = 1
 
@@ -45,7 +46,7 @@ class RegisterRequest(_Message):
     url: str = Field(max_length=2048)
     """Where the manager reaches the worker's HTTP API: http(s)://host:port."""
     model_path: str
-    weight_version: Int64
+    weight_version: WeightVersion
     max_num_seqs: int = Field(ge=1, lt=2**63)
     max_model_len: int = Field(ge=1, lt=2**63)
     capabilities: list[str] = []
@@ -96,7 +97,7 @@ class RegisterResponse(_Message):
 
 class Heartbeat(_Message):
     state: WorkerLifecycleState
-    weight_version: Int64
+    weight_version: WeightVersion
     num_running: Count
     num_waiting: Count
     gen_throughput: Finite
@@ -137,7 +138,7 @@ class BatchRequest(_Message):
     sampling: SamplingParams
     """How every sample is drawn; `sampling.n` samples per prompt (the GRPO group size).
     A prompt's own seed and budget, when it has them, replace the batch's."""
-    min_weight_version: Int64 | None = None
+    min_weight_version: WeightVersion | None = None
     """Only workers at this weight version or newer serve the batch. Default: the
     manager's latest version at submission."""
     deadline_s: Finite | None = Field(None, gt=0)
@@ -228,7 +229,7 @@ class WorkerInfo(_Message):
     worker_id: str
     url: str
     state: WorkerState
-    weight_version: int
+    weight_version: WeightVersion
     num_running: int
     num_waiting: int
     num_inflight: int
@@ -273,7 +274,7 @@ MAX_LOST_WORKERS = 16
 
 
 class WorkerList(_Message):
-    latest_weight_version: int
+    latest_weight_version: WeightVersion
     workers: list[WorkerInfo]
     last_window: LocalWindowReport | None = None
     sync_s: dict[str, float] = {}
@@ -294,7 +295,7 @@ class PublishVersion(_Message):
     """`POST {manager}/v1/weights/version`: the trainer has weights `version`; new batches
     need it by default and workers below it go to `syncing`."""
 
-    version: int = Field(ge=0, lt=2**63)
+    version: WeightVersion
     on_device: bool = False
     """The trainer also holds `version` on its GPU, for same-host workers (NCCL, CUDA IPC)."""
 
@@ -312,6 +313,8 @@ class DueGroupsRequest(_Message):
     version `max_floor_version` or older (the trainer's staleness deadline)."""
 
     max_floor_version: Int64
+    """The trainer's version less `rollout.max_staleness`: below 0 early in a run, so no
+    `WeightVersion`."""
 
 
 class DueGroups(_Message):

@@ -2,4 +2,5 @@
 boundary or a role's, so that both sides use one class. `worker_api`: the worker's HTTP
 API (the manager's requests to workers, and their replies). `samples`: the prompt, the
 sample and the group, from the data sources through the rollout sources to the learner.
-`ids`: the names several roles must spell the same way."""
+`version`: the policy's weight version, and what every role may assume of it. `ids`: the
+names several roles must spell the same way."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyrl.protocol.version import WeightVersion
 from polyrl.protocol.worker_api import FinishReason
 
 
@@ -38,7 +39,7 @@ class Sample:
     completion_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
-    weight_versions: list[int]  # version of the weights that produced each token
+    weight_versions: list[WeightVersion]  # version of the weights that produced each token
     workers: list[str] = field(default_factory=list)
     """The engines that produced the tokens, in order (more than one: it migrated)."""
     worker_tokens: list[int] = field(default_factory=list)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from polyrl.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from polyrl.protocol.version import WeightVersion
 from polyrl.transfer.identity import DeviceIdentity, WeightPath
 
 BATCHED_INPUT_MESSAGE = "batched input is not supported: send one request per prompt"
@@ -102,7 +103,7 @@ class AbortRequest(_Wire):
 
 class UpdateWeightsFromDiskRequest(_Wire):
     model_path: str
-    weight_version: int | None = None
+    weight_version: WeightVersion | None = None
     """Default: the current version + 1."""
     load_format: str | None = None
     """Ignored: the directory's `*.safetensors` files are read."""
@@ -119,7 +120,7 @@ class LoadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1)
-    weight_version: int | None = Field(None, ge=0)
+    weight_version: WeightVersion | None = None
     """polyrl extension; default: the current version + 1."""
 
 
@@ -129,7 +130,7 @@ class UpdateWeightsFromPublisherRequest(_Wire):
 
     host: str
     port: int = Field(ge=1, le=65535)
-    weight_version: int = Field(ge=0)
+    weight_version: WeightVersion
     token: str
     """The per-transfer secret the manager got from the publisher for this worker."""
     worker_id: str
@@ -167,7 +168,7 @@ class MetaInfo(_Reply):
     prompt_tokens: int
     completion_tokens: int
     """Every token of the sample so far (an incremental chunk carries only the new ones)."""
-    weight_version: int = 0
+    weight_version: WeightVersion = 0
     """Version of the weights that produced the last token (the current one if none)."""
     output_token_weight_versions: list[int] | None = None
     """The version of each output token (polyrl's; always sent by a polyrl worker). A plain
@@ -195,7 +196,7 @@ class AbortResponse(_Reply):
 class UpdateWeightsResponse(_Reply):
     success: bool
     message: str
-    weight_version: int | None = None
+    weight_version: WeightVersion | None = None
     path: WeightPath | None = None
     """How a publisher pull came (tcp after a failed GPU path, too); None: nothing pulled."""
     device: DeviceIdentity | None = None
@@ -207,7 +208,7 @@ class ServerInfo(_Reply):
     worker_id: str
     state: Literal["active", "draining"]
     model_path: str
-    weight_version: int
+    weight_version: WeightVersion
     num_running_reqs: int
     num_queued_reqs: int
     gen_throughput: float

@@ -25,6 +25,7 @@ from polyrl.config import RunConfig
 from polyrl.data.atropos import Registration, ScoredGroup, check_group, to_group
 from polyrl.data.atropos_client import AtroposClient
 from polyrl.protocol.samples import Group, Prompt
+from polyrl.protocol.version import WeightVersion
 from polyrl.rollout.stats import RolloutStats
 
 if TYPE_CHECKING:
@@ -94,14 +95,14 @@ class AtroposRollout:
         return rollout
 
     @property
-    def weight_version(self) -> int:
+    def weight_version(self) -> WeightVersion:
         return self.inner.weight_version
 
     @property
     def num_instances(self) -> int:
         return len(self.inner.workers())
 
-    def publish(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> None:
+    def publish(self, weights: Mapping[str, torch.Tensor] | None, version: WeightVersion) -> None:
         self.inner.publish(weights, version)
 
     def generate(self, prompts: list[Prompt], sampling: SamplingParams) -> Iterator[Group]:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from polyrl.data.source import PromptSource
 from polyrl.protocol.samples import Group, Prompt
 from polyrl.protocol.sampling import SamplingParams
+from polyrl.protocol.version import WeightVersion
 from polyrl.rollout.remote import RemoteRollout
 from polyrl.rollout.stats import RolloutStats
 
@@ -159,7 +160,7 @@ class AsyncFeed:
 
     # ------------------------------------------------------------------------------- taking
 
-    def take(self, version: int) -> Iterator[Group]:
+    def take(self, version: WeightVersion) -> Iterator[Group]:
         """The groups to train version `version` on: every due group, then the first to
         finish, `batch_size` in all (more if more are due)."""
         limit = version - self.max_staleness
@@ -200,7 +201,7 @@ class AsyncFeed:
         self.arrived.remove(group)
         return group
 
-    def _regenerate(self, group: Group, version: int) -> None:
+    def _regenerate(self, group: Group, version: WeightVersion) -> None:
         """A group too old to train on: its prompt goes out again. Only a group whose result
         was on its way while its batch closed can miss the due list; the bound holds anyway."""
         log.warning(

@@ -25,6 +25,7 @@ from polyrl.engine.types import EngineRequest, SampleResult
 from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.protocol.sampling import SamplingParams
+from polyrl.protocol.version import WeightVersion
 from polyrl.rollout.stats import RolloutStats
 
 
@@ -90,10 +91,10 @@ class LocalRollout:
         return 1
 
     @property
-    def weight_version(self) -> int:
+    def weight_version(self) -> WeightVersion:
         return self.engine.weight_version
 
-    def publish(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> None:
+    def publish(self, weights: Mapping[str, torch.Tensor] | None, version: WeightVersion) -> None:
         """The trainer changed its parameters in place; tokens from now on are `version`.
         An engine on a copy loads them (a device-to-device copy and cast)."""
         if self.model is None and weights is None:

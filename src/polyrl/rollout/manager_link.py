@@ -35,6 +35,7 @@ from polyrl.manager.protocol import (
     PublishVersion,
     WorkerList,
 )
+from polyrl.protocol.version import WeightVersion
 from polyrl.tls import certificate_error, http_client
 
 RETRY_S = 10.0
@@ -58,7 +59,7 @@ class ManagerLink:
     def set_publisher(self, endpoint: PublisherEndpoint) -> None:
         self._post("/v1/publisher", endpoint)
 
-    def publish_version(self, version: int, on_device: bool) -> None:
+    def publish_version(self, version: WeightVersion, on_device: bool) -> None:
         self._post("/v1/weights/version", PublishVersion(version=version, on_device=on_device))
 
     def learner_started(self) -> None:

@@ -9,8 +9,8 @@ it: one per batch, reading finished groups. The hybrid window's policy is the
 manager's; the trainer only says when its learner starts.
 
 If the manager's process dies, the trainer starts it again on the same port, tells it
-the publisher and the current version, and resubmits the prompts whose groups had not
-arrived (same seeds): nothing is lost, and workers register again by themselves.
+the publisher and the last version published, and resubmits the prompts whose groups
+had not arrived (same seeds): nothing is lost, and workers register again by themselves.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from polyrl.manager.protocol import (
 from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.protocol.sampling import SamplingParams
+from polyrl.protocol.version import WeightVersion
 from polyrl.rollout.local import engine_dtype, learner_weights
 from polyrl.rollout.local_worker import LocalWorker
 from polyrl.rollout.manager_link import BatchStream, ManagerLink, ManagerUnreachable
@@ -97,7 +98,10 @@ class RemoteRollout:
     ) -> None:
         self.model, self.mode = model, cfg.rollout.mode
         self.publish_dtype = engine_dtype(model, compute_dtype)
-        self.version = 0
+        self.weight_version: WeightVersion = 0
+        """The last version `publish` was given (the trainer's `TrainState` counts them):
+        what new batches need, and what a restarted manager, which forgets it, is told
+        again. 0 until the first publish, the initial weights, as a fresh manager assumes."""
         self.stats = RolloutStats()
         self.fleet_idle = FleetIdle()
         self.lost_workers = LostWorkers()
@@ -176,10 +180,6 @@ class RemoteRollout:
         self.lost_workers = LostWorkers(seen=self.fleet().num_lost_workers)  # a standalone manager's past is not ours
 
     @property
-    def weight_version(self) -> int:
-        return self.version
-
-    @property
     def num_instances(self) -> int:
         """Engines that generated for the last step (workers and the local one)."""
         return len(self.stats.tokens_by_worker)
@@ -196,7 +196,7 @@ class RemoteRollout:
 
     # --------------------------------------------------------------------------- publishing
 
-    def publish(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> None:
+    def publish(self, weights: Mapping[str, torch.Tensor] | None, version: WeightVersion) -> None:
         """Snapshot the learner's weights (or `weights`, full tensors by HF name) as
         `version` for the workers to pull; batches from now on need `version`. On CUDA
         with bf16 compute, the version is published in bf16: what every engine computes
@@ -208,7 +208,7 @@ class RemoteRollout:
         self.publisher.publish(weights, version)
         if self.publisher.device is not None:
             self.publisher.device.publish(weights, version)
-        self.version = version
+        self.weight_version = version
         self.local.restart_if_dead()
         self._control(lambda: self.link.publish_version(version, self.publisher.device is not None))
         self._window_may_be_open = self.mode == "hybrid"  # the synced and learner windows open now
@@ -249,7 +249,7 @@ class RemoteRollout:
 
     def _recover(self, generation: int, why: str) -> None:
         """Start the manager again (unless another thread did since `generation`) and tell
-        it what it forgot: the publisher and the current version."""
+        it what it forgot: the publisher and the last version published."""
         with self._recover_lock:
             if self.num_recoveries != generation:
                 return
@@ -259,7 +259,7 @@ class RemoteRollout:
             else:
                 self.manager.restart()
             self.link.set_publisher(self.endpoint)
-            self.link.publish_version(self.version, self.publisher.device is not None)
+            self.link.publish_version(self.weight_version, self.publisher.device is not None)
             self.num_recoveries += 1
 
     # --------------------------------------------------------------------------- generating
@@ -282,7 +282,7 @@ class RemoteRollout:
                 for p in prompts
             ],
             sampling=sampling,
-            min_weight_version=self.version,
+            min_weight_version=self.weight_version,
         )
         stream = self.link.open_batch(request)
         return self._groups(request, stream, self.num_recoveries, {str(p.index): p for p in prompts}, stats)

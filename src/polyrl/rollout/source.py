@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from polyrl.manager.protocol import WorkerInfo
     from polyrl.protocol.samples import Group, Prompt
     from polyrl.protocol.sampling import SamplingParams
+    from polyrl.protocol.version import WeightVersion
     from polyrl.rollout.stats import RolloutStats
 
 
@@ -29,12 +30,15 @@ class Rollout(Protocol):
     """The step's generation, once its batch has been read."""
 
     @property
-    def weight_version(self) -> int: ...
+    def weight_version(self) -> WeightVersion:
+        """The last version `publish` was given: what batches submitted now are generated
+        with. The trainer's `TrainState` counts versions; a rollout only keeps what it was
+        told."""
 
     @property
     def num_instances(self) -> int: ...
 
-    def publish(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> None:
+    def publish(self, weights: Mapping[str, torch.Tensor] | None, version: WeightVersion) -> None:
         """Weights `version` (`weights`, or with None the learner's own) for every engine;
         batches submitted from now on are generated with it. The order is the weight
         publisher's: `WeightPublisher.publish(state_dict, version)`."""

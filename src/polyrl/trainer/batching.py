@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from polyrl.protocol.samples import Group, Sample
+from polyrl.protocol.version import WeightVersion
 
 
 @dataclass
@@ -48,7 +49,7 @@ class SeqItem:
         return sum(c and m for c, m in zip(current, counted, strict=True))
 
 
-def group_items(group: Group, advantages: list[float], version: int | None = None) -> list[SeqItem]:
+def group_items(group: Group, advantages: list[float], version: WeightVersion | None = None) -> list[SeqItem]:
     """version: the learner's weight version at the step's start (None: no token lags)."""
     return [
         sample_item(group.prompt.prompt_ids if s.prompt_ids is None else s.prompt_ids, s, a, version)
@@ -57,7 +58,7 @@ def group_items(group: Group, advantages: list[float], version: int | None = Non
     ]
 
 
-def sample_item(prompt_ids: list[int], s: Sample, advantage: float, version: int | None) -> SeqItem:
+def sample_item(prompt_ids: list[int], s: Sample, advantage: float, version: WeightVersion | None) -> SeqItem:
     current = None
     if not s.has_logprobs:  # no engine log-probs: nothing to measure the mismatch with
         current = [False] * len(s.completion_ids)

@@ -21,6 +21,8 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from polyrl.protocol.version import WeightVersion
+
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
@@ -29,11 +31,22 @@ MODEL_DIR, ADAPTER_DIR = "model", "adapter"
 
 @dataclass
 class TrainState:
+    """Where a resumed run continues from. Between steps (after `Run.end_step`) its fields
+    agree with each other and with the model, optimizer and RNG: a save point."""
+
     step: int = 0  # steps completed
     cursor: int = 0  # prompts taken from the source
-    weight_version: int = 0
+    weight_version: WeightVersion = 0
+    """The policy's version, counted here and nowhere else in the trainer's process (it
+    must survive a resume): the rollouts are told it by `publish`, the learner and the
+    fully asynchronous feed are given it."""
     pending: list[int] = field(default_factory=list)
     """Fully asynchronous: prompts taken but not trained on (in flight), generated again on resume."""
+
+    def next_version(self) -> WeightVersion:
+        """The version of the weights the learner has just updated (one per step)."""
+        self.weight_version += 1
+        return self.weight_version
 
 
 def rng_state() -> dict[str, Any]:

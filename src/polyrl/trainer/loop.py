@@ -68,7 +68,7 @@ def train(
                         run.learner,
                         cfg.algo,
                         tcfg.ppo_mini_batch_size,
-                        run.version,
+                        run.state.weight_version,
                         run.learner_started,
                     )
                     with timer("update_weights"):

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -156,9 +156,6 @@ class Run:
     """Submitted batches of the steps to come (rollout.max_staleness of them), oldest first."""
     cleanup: ExitStack = field(default_factory=ExitStack)
     """Stops what the run started (reward pool, rollout, fleet, tracker), last first."""
-    version: int = 0
-    """The policy's weight version: the trainer's to count (one per step), the rollout's
-    to deliver."""
 
     @classmethod
     def create(cls, cfg: RunConfig, run_dir: Path, resume: bool, dp: DataParallel) -> Run:
@@ -250,7 +247,6 @@ class Run:
                 peft=peft,
                 feed=feed,
                 cleanup=cleanup.pop_all(),
-                version=state.weight_version,
             )
 
     def next_batch(self, step: int) -> Iterator[Group]:
@@ -259,7 +255,7 @@ class Run:
         Fully asynchronous: the first groups to finish of those in flight (rollout/feed.py)."""
         if self.feed is not None:
             self.feed.top_up(steps_left=self.cfg.trainer.total_steps - step + 1)
-            return self.feed.take(self.version)
+            return self.feed.take(self.state.weight_version)
         last = min(step + self.cfg.rollout.max_staleness, self.cfg.trainer.total_steps)
         while step + len(self.ahead) <= last:
             cursor, rng = self.source.cursor, rng_state()
@@ -280,10 +276,10 @@ class Run:
         state: a resumed run takes their prompts and draws their seeds again (fully
         asynchronous: the prompts in flight are listed, and go out again)."""
         if self.feed is not None:
-            self.state = TrainState(step, self.source.cursor, self.version, self.feed.pending_indices)
+            self.state = replace(self.state, step=step, cursor=self.source.cursor, pending=self.feed.pending_indices)
             return
         cursor = self.ahead[0].cursor if self.ahead else self.source.cursor
-        self.state = TrainState(step, cursor, self.version)
+        self.state = replace(self.state, step=step, cursor=cursor, pending=[])
 
     def learner_started(self) -> None:
         """The learner is about to update (before each mini-batch): the local window closes."""
@@ -293,11 +289,11 @@ class Run:
         """Colocated: a version bump (the engine runs on the trainer's model, adapters
         included); remote: a snapshot the workers pull (of the whole weights, gathered from
         every rank's shard; with LoRA, of the adapters only)."""
-        self.version += 1
+        version = self.state.next_version()
         if self.peft is not None and not self.rollout.shares_weights:
-            self.rollout.publish(adapter_version(self.peft), self.version)  # megabytes, not the model
+            self.rollout.publish(adapter_version(self.peft), version)  # megabytes, not the model
             return
-        self.rollout.publish(gather_weights(self.model, self.dp), self.version)
+        self.rollout.publish(gather_weights(self.model, self.dp), version)
 
     def step_metrics(self, groups: list[Group], result: StreamResult, timings: dict[str, float]) -> dict[str, float]:
         step_s = timings["step"]
@@ -340,7 +336,7 @@ class Run:
             )
         metrics["training/filtered_groups"] = float(result.num_filtered_groups)
         metrics["reward/failed_samples"] = float(result.num_failed_samples)
-        metrics["training/weight_version"] = float(self.version)
+        metrics["training/weight_version"] = float(self.state.weight_version)
         return metrics
 
     def save(self) -> Path:

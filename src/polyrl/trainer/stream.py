@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from polyrl.config import AlgoConfig
 from polyrl.data.rewards import RewardPool
 from polyrl.protocol.samples import Group, Sample
+from polyrl.protocol.version import WeightVersion
 from polyrl.trainer.batching import SeqItem, group_items
 from polyrl.trainer.grpo import group_advantages
 from polyrl.trainer.learner import Learner
@@ -82,7 +83,7 @@ class StreamResult:
     num_filtered_groups: int = 0
     num_failed_samples: int = 0
     """Samples scored 0.0 because a reward function raised, returned a bad value or timed out."""
-    version: int | None = None
+    version: WeightVersion | None = None
     """The learner's weight version when the step began."""
     wait_s: float = 0.0
     """Seconds the learner waited for the next group (idle: nothing to score or train)."""
@@ -94,7 +95,7 @@ def learn_from_stream(
     learner: Learner,
     algo: AlgoConfig,
     mini_batch_size: int,
-    version: int | None = None,
+    version: WeightVersion | None = None,
     before_update: Callable[[], None] | None = None,
 ) -> StreamResult:
     """Score and train on groups in arrival order; one optimizer step per mini-batch.
