@@ -313,7 +313,7 @@ class Stream:
             lane.start()
 
     def _lane(self, lane: int) -> None:
-        from polyrl.manager.protocol import BatchPrompt, BatchRequest
+        from polyrl.protocol.manager_api import BatchPrompt, BatchRequest
         from polyrl.protocol.sampling import SamplingParams
 
         rng = random.Random(lane)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from polyrl.config import ManagerConfig, TinyModelConfig
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchPrompt, BatchRequest
 from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.manager_api import BatchPrompt, BatchRequest
 from polyrl.protocol.sampling import SamplingParams
 
 

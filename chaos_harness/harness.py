@@ -30,8 +30,8 @@ import torch
 from chaos_harness.proxy import FaultProxy
 from polyrl.config import ManagerConfig
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchError, BatchPrompt, BatchRequest, GroupResult, WorkerInfo
 from polyrl.manager.weight_sync import PublisherSync
+from polyrl.protocol.manager_api import BatchError, BatchPrompt, BatchRequest, GroupResult, WorkerInfo
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.transfer.publisher import WeightPublisher
 

@@ -44,7 +44,7 @@ from typing import Any, Literal
 import uvicorn
 
 from polyrl.httpapi import checksum
-from polyrl.manager.protocol import BatchPrompt, Heartbeat, RegisterRequest, RegisterResponse
+from polyrl.protocol.manager_api import BatchPrompt, Heartbeat, RegisterRequest, RegisterResponse
 from polyrl.serving import QuietServer, bind
 from polyrl.worker.manager_client import ManagerClient, ManagerSession
 

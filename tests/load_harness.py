@@ -30,7 +30,8 @@ from polyrl.config import ManagerConfig
 from polyrl.manager.batch import Batch
 from polyrl.manager.client import BatchClient
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import (
+from polyrl.manager.registry import WorkerRecord
+from polyrl.protocol.manager_api import (
     BatchPrompt,
     BatchRequest,
     GroupResult,
@@ -38,7 +39,6 @@ from polyrl.manager.protocol import (
     RegisterRequest,
     SampleResultOut,
 )
-from polyrl.manager.registry import WorkerRecord
 from polyrl.protocol.sampling import SamplingParams
 
 MANAGER_PARTS = ("RolloutManager.", "Membership.", "Placement.", "Settlement.")

@@ -36,8 +36,8 @@ from chaos_harness.scenarios import SCENARIOS, Context, FaultRow, Scale
 from polyrl.config import TinyModelConfig
 from polyrl.httpapi import CHECKSUM_HEADER, ChecksumGuard, checksum
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchError
 from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.manager_api import BatchError
 
 SCALE = Scale(num_prompts=6, n=2, max_new_tokens=300, injections=1, num_workers=2)
 

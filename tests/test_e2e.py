@@ -19,8 +19,8 @@ from polyrl.config import EngineConfig, load_config
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchPrompt, BatchRequest
 from polyrl.manager.weight_sync import PublisherSync
+from polyrl.protocol.manager_api import BatchPrompt, BatchRequest
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.trainer.checkpoint import read_trainer_state
 from polyrl.trainer.loop import train

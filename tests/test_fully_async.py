@@ -37,8 +37,8 @@ from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.manager import RolloutManager
-from polyrl.manager.protocol import WorkerList
 from polyrl.manager.window import LocalWindow
+from polyrl.protocol.manager_api import WorkerList
 from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.feed import AsyncFeed

@@ -50,9 +50,9 @@ from polyrl.inference.protocol import ChatCompletionRequest, CompletionRequest, 
 from polyrl.manager.fleet import FleetStatus
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.manager import RolloutManager
-from polyrl.manager.protocol import BatchRequest, Heartbeat, PublishVersion, RegisterRequest, WorkerList
 from polyrl.manager.server import create_app as manager_app
 from polyrl.models.tiny import add_chat_template
+from polyrl.protocol.manager_api import BatchRequest, Heartbeat, PublishVersion, RegisterRequest, WorkerList
 from polyrl.protocol.worker_api import GenerateRequest, UpdateWeightsFromPublisherRequest
 from polyrl.transfer.compress import decode_zstd, encode_zstd
 from polyrl.transfer.delta import apply_delta, encode_delta

@@ -87,8 +87,8 @@ def test_the_graph_is_read() -> None:
     """The checker sees imports of every kind (a guard against it passing by seeing none)."""
     graph = import_graph()
     assert len(graph) > 100
-    assert "polyrl.manager.protocol" in graph["polyrl.manager.batch"]  # module level
-    assert "polyrl.manager.protocol" in graph["polyrl.rollout.source"]  # under TYPE_CHECKING
+    assert "polyrl.protocol.manager_api" in graph["polyrl.manager.batch"]  # module level
+    assert "polyrl.protocol.manager_api" in graph["polyrl.rollout.source"]  # under TYPE_CHECKING
     assert "polyrl.console" in graph["polyrl.cli"]  # inside a function
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

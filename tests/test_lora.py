@@ -26,7 +26,7 @@ from polyrl.config import ConfigError, EngineConfig, LoraConfig, load_config
 from polyrl.engine.engine import Engine
 from polyrl.engine.lora import META_KEY, AdapterError, AdapterMerger, base_fingerprint, expected_spec, unpack
 from polyrl.engine.types import EngineRequest
-from polyrl.manager.protocol import WorkerInfo, WorkerList
+from polyrl.protocol.manager_api import WorkerInfo, WorkerList
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.trainer.checkpoint import latest_checkpoint
 from polyrl.trainer.grpo import token_logprobs

@@ -28,7 +28,7 @@ from polyrl.manager.backends import GenerationCall, generate_body
 from polyrl.manager.client import BatchClient
 from polyrl.manager.fleet import fleet_status
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchError, BatchPrompt, BatchRequest, GroupResult
+from polyrl.protocol.manager_api import BatchError, BatchPrompt, BatchRequest, GroupResult
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.worker_api import GenerateRequest
 

@@ -30,7 +30,7 @@ from polyrl.cli import main as cli_main
 from polyrl.config import load_config
 from polyrl.manager.fleet import FleetStatus, fleet_status
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import BatchError, RegisterRequest
+from polyrl.protocol.manager_api import BatchError, RegisterRequest
 from polyrl.report import PANELS, ReportError, draw, load_runs, report
 from polyrl.status import status
 
@@ -116,7 +116,7 @@ def test_fleet_keeps_the_lifecycle_and_bounds_its_logs() -> None:
 
 
 def _beat(version: int, tokens_per_s: float):  # type: ignore[no-untyped-def]
-    from polyrl.manager.protocol import Heartbeat
+    from polyrl.protocol.manager_api import Heartbeat
 
     return Heartbeat(state="active", weight_version=version, num_running=0, num_waiting=0, gen_throughput=tokens_per_s)
 

@@ -123,7 +123,7 @@ def test_the_manager_reads_a_plain_sglang_chunk_and_names_what_is_wrong() -> Non
 def test_a_weight_version_is_a_non_negative_int64_and_keeps_its_wire_name() -> None:
     from pydantic import ValidationError
 
-    from polyrl.manager.protocol import DueGroupsRequest, Heartbeat, PublishVersion
+    from polyrl.protocol.manager_api import DueGroupsRequest, Heartbeat, PublishVersion
 
     assert PublishVersion(version=2**63 - 1).model_dump() == {"version": 2**63 - 1, "on_device": False}
     beat = {"state": "active", "num_running": 0, "num_waiting": 0, "gen_throughput": 0.0}

@@ -27,7 +27,7 @@ from test_transfer import CHUNK, assert_same, pool, weights  # noqa: F401 - a fi
 import polyrl.rollout.remote
 from polyrl.config import HttpLimitsConfig, TlsConfig, load_config
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import PublisherEndpoint
+from polyrl.protocol.manager_api import PublisherEndpoint
 from polyrl.status import StatusError, fetch
 from polyrl.tls import http_client
 from polyrl.trainer.loop import train
@@ -286,7 +286,7 @@ def test_a_certificate_that_does_not_verify_is_not_retried(tls_files: dict[str, 
     import asyncio
 
     from polyrl.config import ConfigError
-    from polyrl.manager.protocol import Heartbeat, RegisterRequest
+    from polyrl.protocol.manager_api import Heartbeat, RegisterRequest
     from polyrl.rollout.manager_link import ManagerLink
     from polyrl.worker.manager_client import ManagerClient, ManagerRejected, ManagerSession
 

@@ -35,8 +35,8 @@ from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest, SampleDelta, SampleResult
 from polyrl.httpapi import checksum, error_body
 from polyrl.manager.main import ManagerThread
-from polyrl.manager.protocol import Heartbeat, RegisterRequest
 from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.manager_api import Heartbeat, RegisterRequest
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.worker_api import GenerateRequest
 from polyrl.worker import manager_client

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyrl.engine.types import SampleDelta
-from polyrl.manager.protocol import (
+from polyrl.protocol.manager_api import (
     BatchFailed,
     BatchPrompt,
     BatchRequest,

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
-from polyrl.manager.protocol import BatchEnd, BatchError, BatchFailed, BatchRequest, GroupResult
+from polyrl.protocol.manager_api import BatchEnd, BatchError, BatchFailed, BatchRequest, GroupResult
 from polyrl.tls import http_client
 
 _Line = TypeAdapter(GroupResult | BatchEnd | BatchFailed)

@@ -13,7 +13,7 @@ from collections import deque
 
 from pydantic import BaseModel, ConfigDict
 
-from polyrl.manager.protocol import WorkerState
+from polyrl.protocol.manager_api import WorkerState
 
 MAX_EVENTS = 2000
 """About 60 steps of a 16-worker fleet that syncs every step (two events per sync)."""

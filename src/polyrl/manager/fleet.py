@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict
 
 from polyrl.manager.events import WorkerEvent
-from polyrl.manager.protocol import LocalWindowReport, WorkerState
+from polyrl.protocol.manager_api import LocalWindowReport, WorkerState
 
 if TYPE_CHECKING:
     from polyrl.manager.batch import Batch, WorkUnit

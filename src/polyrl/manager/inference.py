@@ -21,7 +21,7 @@ from polyrl.httpapi import ApiError
 from polyrl.inference.protocol import MAX_N
 from polyrl.inference.routes import Served, model_names
 from polyrl.manager.manager import RolloutManager
-from polyrl.manager.protocol import BatchFailed, BatchPrompt, BatchRequest
+from polyrl.protocol.manager_api import BatchFailed, BatchPrompt, BatchRequest
 from polyrl.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 log = logging.getLogger("polyrl.manager")

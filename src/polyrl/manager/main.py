@@ -24,15 +24,15 @@ from polyrl.config import ManagerConfig
 from polyrl.gc_heap import freeze_gc_heap
 from polyrl.manager.batch import Batch
 from polyrl.manager.manager import RolloutManager, SyncHook
-from polyrl.manager.protocol import (
+from polyrl.manager.server import create_app
+from polyrl.preflight import resolve_token
+from polyrl.protocol.manager_api import (
     BatchError,
     BatchFailed,
     BatchRequest,
     GroupResult,
     WorkerList,
 )
-from polyrl.manager.server import create_app
-from polyrl.preflight import resolve_token
 from polyrl.serving import QuietServer, bind, server_config, wait_started
 from polyrl.tls import base_url
 

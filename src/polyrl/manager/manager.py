@@ -36,7 +36,12 @@ from polyrl.manager.fleet import History
 from polyrl.manager.membership import Membership
 from polyrl.manager.metrics import ManagerMetrics
 from polyrl.manager.placement import Placement
-from polyrl.manager.protocol import (
+from polyrl.manager.registry import Registry, WorkerRecord
+from polyrl.manager.settlement import Settlement
+from polyrl.manager.state import SyncHook
+from polyrl.manager.window import LocalWindow
+from polyrl.protocol.ids import LOCAL_WORKER_ID
+from polyrl.protocol.manager_api import (
     MAX_LOST_WORKERS,
     BatchError,
     BatchFailed,
@@ -44,11 +49,6 @@ from polyrl.manager.protocol import (
     BatchRequest,
     GroupResult,
 )
-from polyrl.manager.registry import Registry, WorkerRecord
-from polyrl.manager.settlement import Settlement
-from polyrl.manager.state import SyncHook
-from polyrl.manager.window import LocalWindow
-from polyrl.protocol.ids import LOCAL_WORKER_ID
 
 __all__ = ["RolloutManager", "SyncHook"]
 

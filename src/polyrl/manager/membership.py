@@ -13,11 +13,11 @@ from collections.abc import Awaitable
 
 import httpx
 
-from polyrl.manager.protocol import Heartbeat, LostWorker, RegisterRequest, RegisterResponse, WorkerList
 from polyrl.manager.registry import WorkerRecord
 from polyrl.manager.state import Cancel, ManagerState
 from polyrl.manager.window import SYNCED, Opening
 from polyrl.protocol.ids import LOCAL_WORKER_ID
+from polyrl.protocol.manager_api import Heartbeat, LostWorker, RegisterRequest, RegisterResponse, WorkerList
 
 log = logging.getLogger("polyrl.manager")
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from polyrl.manager.events import EventLog
-from polyrl.manager.protocol import Heartbeat, RegisterRequest, WorkerInfo, WorkerState
+from polyrl.protocol.manager_api import Heartbeat, RegisterRequest, WorkerInfo, WorkerState
 
 log = logging.getLogger("polyrl.manager")
 

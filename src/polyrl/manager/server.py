@@ -44,7 +44,8 @@ from polyrl.manager.inference import ManagerBackend
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.metrics import CONTENT_TYPE
 from polyrl.manager.page import Readers
-from polyrl.manager.protocol import (
+from polyrl.manager.weight_sync import EndpointPublisher, PublisherSync
+from polyrl.protocol.manager_api import (
     BatchEnd,
     BatchError,
     BatchRequest,
@@ -59,7 +60,6 @@ from polyrl.manager.protocol import (
     RegisterResponse,
     WorkerList,
 )
-from polyrl.manager.weight_sync import EndpointPublisher, PublisherSync
 
 CONTROL_BODY_LIMIT = 64 * 1024
 NOT_VLLM = (

@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from polyrl.manager.backends import RemoteBackend
     from polyrl.manager.batch import Batch, WorkUnit
     from polyrl.manager.metrics import ManagerMetrics
-    from polyrl.manager.protocol import LostWorker
     from polyrl.manager.registry import Registry
     from polyrl.manager.window import LocalWindow
+    from polyrl.protocol.manager_api import LostWorker
 
 SyncHook = Callable[[WorkerRecord, int], Awaitable[int | None] | int | None]
 """Called with (worker, version) when a worker needs weights `version` (the transfer

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Protocol
 import httpx
 
 from polyrl.manager.manager import RolloutManager
-from polyrl.manager.protocol import PublisherEndpoint
 from polyrl.manager.registry import WorkerRecord
+from polyrl.protocol.manager_api import PublisherEndpoint
 from polyrl.protocol.worker_api import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromPublisherRequest,

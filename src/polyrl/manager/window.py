@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from polyrl.manager.protocol import LocalWindowReport
+from polyrl.protocol.manager_api import LocalWindowReport
 
 WindowMode = Literal["off", "synced", "learner", "idle", "always"]
 

@@ -15,7 +15,7 @@ Every role relies on three things:
   version among a sample's tokens says how far it lags;
 * non-negative: 0 is the lowest; a negative number is never a version (the staleness
   limit `v - k` may be, so it is an `Int64`, not a version);
-* fits an int64, as every integer on the wire does (`manager.protocol.Int64`): the
+* fits an int64, as every integer on the wire does (`protocol.manager_api.Int64`): the
   weight transfer packs it as an i64 (`transfer/wire.py`).
 
 `WeightVersion` is `int` to Python and to type checkers (no wrapper to build or unwrap),

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from polyrl.manager.protocol import WorkerInfo
+    from polyrl.protocol.manager_api import WorkerInfo
     from polyrl.protocol.sampling import SamplingParams
     from polyrl.rollout.remote import RemoteRollout
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from polyrl.config import ConfigError
 from polyrl.manager.client import BatchClient
-from polyrl.manager.protocol import (
+from polyrl.protocol.manager_api import (
     BatchError,
     BatchFailed,
     BatchRequest,

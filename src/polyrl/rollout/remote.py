@@ -27,7 +27,8 @@ import torch
 from transformers import PreTrainedModel
 
 from polyrl.config import ManagerConfig, RunConfig
-from polyrl.manager.protocol import (
+from polyrl.protocol.ids import LOCAL_WORKER_ID
+from polyrl.protocol.manager_api import (
     BatchError,
     BatchPrompt,
     BatchRequest,
@@ -36,7 +37,6 @@ from polyrl.manager.protocol import (
     WorkerInfo,
     WorkerList,
 )
-from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.version import WeightVersion

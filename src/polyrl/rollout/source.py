@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from polyrl.manager.protocol import WorkerInfo
+    from polyrl.protocol.manager_api import WorkerInfo
     from polyrl.protocol.samples import Group, Prompt
     from polyrl.protocol.sampling import SamplingParams
     from polyrl.protocol.version import WeightVersion

@@ -6,8 +6,8 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
-from polyrl.manager.protocol import WorkerList
 from polyrl.protocol.ids import LOCAL_WORKER_ID
+from polyrl.protocol.manager_api import WorkerList
 from polyrl.protocol.samples import Group
 
 log = logging.getLogger("polyrl.rollout")

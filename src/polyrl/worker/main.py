@@ -25,9 +25,9 @@ from polyrl.config import LoraConfig, WorkerRunConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.engine.lora import AdapterMerger, expected_spec
-from polyrl.manager.protocol import Heartbeat, RegisterRequest, RegisterResponse
 from polyrl.preflight import shared_token
 from polyrl.protocol.ids import LOCAL_WORKER_ID
+from polyrl.protocol.manager_api import Heartbeat, RegisterRequest, RegisterResponse
 from polyrl.serving import QuietServer, bind, server_config, wait_started
 from polyrl.tls import base_url, reachable_host
 from polyrl.worker.manager_client import ManagerRejected, ManagerSession, ManagerUnreachable, worker_client

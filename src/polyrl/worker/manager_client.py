@@ -28,8 +28,8 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from polyrl.config import ConfigError, WorkerConfig
-from polyrl.manager.protocol import Heartbeat, LeaveRequest, RegisterRequest, RegisterResponse
 from polyrl.preflight import shared_token
+from polyrl.protocol.manager_api import Heartbeat, LeaveRequest, RegisterRequest, RegisterResponse
 from polyrl.tls import async_http_client, certificate_error
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
-"""Messages between a rollout worker and the rollout manager (protocol version 1).
+"""The rollout manager's API, for both of its sides: the messages between a rollout worker
+and the manager (protocol version 1), and the trainer-facing batch API below.
 
-Endpoints, all `POST` with `Authorization: Bearer <token>`:
+Worker endpoints, all `POST` with `Authorization: Bearer <token>`:
 
 * `{manager}/v1/workers/register`              RegisterRequest -> RegisterResponse
 * `{manager}/v1/workers/{worker_id}/heartbeat` Heartbeat (404: the manager forgot the worker,
