@@ -136,3 +136,25 @@ def test_a_weight_version_is_a_non_negative_int64_and_keeps_its_wire_name() -> N
         with pytest.raises(ValidationError):
             worker_api.UpdateWeightsFromDiskRequest(model_path="m", weight_version=bad)
     assert DueGroupsRequest(max_floor_version=-2).max_floor_version == -2  # v0 less a staleness of 2
+
+
+def test_one_sampling_class_reads_sglang_spellings_and_refuses_the_rest() -> None:
+    """SGLang's -1 for top_k off and `sampling_seed` read as the one convention (0, `seed`);
+    its detokenisation-only fields are dropped; a conflict, an unknown field or a value
+    beyond the wire's int64 is refused as the body is parsed."""
+    from pydantic import ValidationError
+
+    sglang = {"top_k": -1, "sampling_seed": 4, "skip_special_tokens": True, "max_new_tokens": 7}
+    assert SamplingParams.model_validate(sglang) == SamplingParams(seed=4, max_new_tokens=7)
+    assert SamplingParams.model_validate({"seed": 4, "sampling_seed": 4}).seed == 4
+    for bad in ({"seed": 4, "sampling_seed": 5}, {"top_k_typo": 3}, {"stop_token_ids": [2**63]}, {"top_k": -2}):
+        with pytest.raises(ValidationError):
+            SamplingParams.model_validate(bad)
+    params = SamplingParams(top_k=0, seed=9, top_logprobs=3, min_p=0.0)
+    assert params.sglang() == {
+        **params.model_dump(exclude={"seed", "top_logprobs", "min_p"}),
+        "top_k": -1,
+        "stop_token_ids": [],
+        "sampling_seed": 9,
+    }
+    assert SamplingParams.model_validate(params.sglang()) == params.model_copy(update={"top_logprobs": 0})

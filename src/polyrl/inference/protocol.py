@@ -14,11 +14,11 @@ honour and cannot (a non-default penalty, `logit_bias`, `echo`, tools) are refus
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from polyrl.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from polyrl.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenId
 
 MAX_N = 128
 """Most samples one OpenAI/vLLM request may ask for (a worker allows at most its
@@ -27,8 +27,6 @@ belongs in `/v1/batches`."""
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 
-TokenId = Annotated[int, Field(ge=0, lt=2**63)]
-"""Whether an id is in the vocabulary is the engine's to say (400); beyond int64 is the wire's."""
 
 NO_OP_VALUES: dict[str, Any] = {
     "presence_penalty": 0,

@@ -18,12 +18,15 @@ the temperature-scaled distribution before them (README, "Log-probs").
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_TOP_LOGPROBS = 20
 """OpenAI's own limit for chat's `top_logprobs`; SGLang and vLLM clients ask for fewer."""
+
+TokenId = Annotated[int, Field(ge=0, lt=2**63)]
+"""Whether an id is in the vocabulary is the engine's to say (400); beyond int64 is the wire's."""
 
 SGLANG_IGNORED = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 """SGLang fields that only shape detokenisation; accepted and dropped (text is always
@@ -53,7 +56,7 @@ class SamplingParams(BaseModel):
     """The k most likely tokens. 0: off (-1, SGLang's and vLLM's off, is read as 0)."""
     min_p: float = Field(0.0, ge=0, le=1)
     """Tokens at least min_p times as likely as the most likely one. 0: off."""
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[TokenId, ...] = Field((), max_length=1024)
     """Besides the model's EOS tokens (unless `ignore_eos`), these end a sample; the stop
     token is the sample's last."""
     ignore_eos: bool = False
