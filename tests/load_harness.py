@@ -41,8 +41,8 @@ from polyrl.protocol.manager_api import (
 )
 from polyrl.protocol.sampling import SamplingParams
 
-MANAGER_PARTS = ("RolloutManager.", "Membership.", "Placement.", "Settlement.")
-"""The classes the manager's own tasks are methods of (manager/manager.py and its mixins)."""
+MANAGER_PARTS = ("RolloutManager.", "Membership.", "VersionSync.", "WindowControl.", "Placement.", "Settlement.")
+"""The classes the manager's own tasks are methods of (manager/manager.py and its parts)."""
 
 TOKEN = "load-token"
 PROBE_ID = "probe"
@@ -460,7 +460,7 @@ class LoadHarness:
             return {
                 "batches": len(m.batches),
                 "pending": len(m.pending),
-                "cancels": len(m._cancels),
+                "cancels": len(m.state.cancels),
                 "inflight": sum(r.inflight for r in m.registry),
                 "worker_tasks": sum(len(r.tasks) for r in m.registry),
                 "busy_connections": sum(not (c.is_idle() or c.is_closed()) for c in pool.connections),

@@ -370,7 +370,7 @@ def _check_heartbeat(mt: ManagerThread, sent: bytes, response: httpx.Response) -
         beat.num_waiting,
         beat.gen_throughput,
     )
-    mt.call(mt.manager._pick, 0, time.monotonic())  # placing work reads the reported load
+    mt.call(mt.manager.placement.pick, 0, time.monotonic())  # placing work reads the reported load
 
 
 def _check_batch(mt: ManagerThread, sent: bytes, response: httpx.Response) -> None:
@@ -682,7 +682,7 @@ def test_manager_refuses_integers_beyond_int64(ghost_manager: ManagerThread) -> 
         assert_clear(response)
     assert manager_state(mt) == before
     assert_manager_serves(client)
-    assert mt.call(mt.manager._pick, 0, time.monotonic())[0].worker_id == "ghost"
+    assert mt.call(mt.manager.placement.pick, 0, time.monotonic())[0].worker_id == "ghost"
 
 
 def test_manager_refuses_non_finite_floats(ghost_manager: ManagerThread) -> None:

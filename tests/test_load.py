@@ -49,7 +49,7 @@ IDLE = {
     "inflight": 0,
     "worker_tasks": 0,
     "busy_connections": 0,
-    "manager_tasks": ["Placement._dispatch_loop", "RolloutManager._monitor_loop"],
+    "manager_tasks": ["Placement.dispatch_loop", "RolloutManager._monitor_loop"],
 }
 
 

@@ -35,7 +35,7 @@ class SampleState:
     finish_reason: str | None = None
     num_failures: int = 0
     num_refusals: int = 0
-    """Workers that answered this sample's request with a 4xx (see RolloutManager._settle)."""
+    """Workers that answered this sample's request with a 4xx (see settlement.py)."""
     counted: bool = False
     """Reported to the batch as finished (exactly once)."""
     placed_at: float | None = None

@@ -5,33 +5,41 @@ when one has too few slots); the local worker only by the local window's rules."
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections import deque
 
 from polyrl.manager.backends import GenerationCall
 from polyrl.manager.batch import WorkUnit
 from polyrl.manager.registry import WorkerRecord
-from polyrl.manager.settlement import Outcome
+from polyrl.manager.settlement import Settlement
 from polyrl.manager.state import ManagerState
+from polyrl.manager.sync import VersionSync
 
 
-class Placement(ManagerState):
-    async def _dispatch_loop(self) -> None:
-        assert self._wake is not None
+class Placement:
+    """Decides where work runs; settlement runs it. It asks sync for the local worker
+    when that is the only one that could take the work."""
+
+    def __init__(self, state: ManagerState, sync: VersionSync, settlement: Settlement) -> None:
+        self.state, self.cfg, self.registry, self.window = state, state.cfg, state.registry, state.window
+        self.sync, self.settlement = sync, settlement
+
+    async def dispatch_loop(self, wake: asyncio.Event) -> None:
+        """Place waiting work each time something wakes the dispatcher (`ManagerState.wake`)."""
         while True:
-            await self._wake.wait()
-            self._wake.clear()
+            await wake.wait()
+            wake.clear()
             self._place()
 
     def _place(self) -> None:
+        state = self.state
         now = time.monotonic()
-        if self.pending and not self._any_free_slot(now) and (self.local_wanted or self.local_record is None):
+        if state.pending and not self._any_free_slot(now) and (self.sync.local_wanted or state.local_record is None):
             return  # the common case under load: every worker is full (a lazy local worker is asked below)
         waiting: deque[WorkUnit] = deque()
         no_worker: set[tuple[int, bool, bool]] = set()  # (version, stalled, to_local) with nothing free right now
-        while self.pending:
-            unit = self.pending.popleft()
+        while state.pending:
+            unit = state.pending.popleft()
             batch = unit.group.batch
             if batch.finished:
                 continue
@@ -39,7 +47,7 @@ class Placement(ManagerState):
             stalled = now - batch.submitted_at > self.cfg.local_fallback_s
             to_local = unit.samples[0].to_local
             key = (version, stalled, to_local)
-            picked = None if key in no_worker else self._pick(version, now, stalled, to_local)
+            picked = None if key in no_worker else self.pick(version, now, stalled, to_local)
             if picked is None:
                 no_worker.add(key)
                 waiting.append(unit)
@@ -48,14 +56,14 @@ class Placement(ManagerState):
             piece, rest = unit.split(slots)
             self._launch(piece, worker)
             if rest is not None:
-                self.pending.appendleft(rest)
-        self.pending = waiting
+                state.pending.appendleft(rest)
+        state.pending = waiting
 
     def _any_free_slot(self, now: float) -> bool:
         cap = self.cfg.max_inflight_per_worker
         return any(r.state == "active" and now >= r.busy_until and r.free_slots(cap) > 0 for r in self.registry)
 
-    def _pick(
+    def pick(
         self, version: int, now: float, stalled: bool = False, to_local: bool = False
     ) -> tuple[WorkerRecord, int] | None:
         """(worker, free slots): the least loaded remote worker with a free slot; the local
@@ -65,7 +73,7 @@ class Placement(ManagerState):
         syncing is waited for, one that cannot sync is not. `to_local`: the learner waits
         for this work, so the local engine comes first while the window is open."""
         cap = self.cfg.max_inflight_per_worker
-        local = self.local_record
+        local = self.state.local_record
         if to_local and self.window.is_open and local is not None and local.serves(version, now):
             if local.free_slots(cap) > 0:
                 return local, local.free_slots(cap)
@@ -74,7 +82,7 @@ class Placement(ManagerState):
         if free:
             worker = min(free, key=lambda r: (r.load(), r.inflight))
             return worker, worker.free_slots(cap)
-        alive = self._alive_remote()
+        alive = self.registry.alive_remote()
         use_local = self.window.takes_any or not alive or (stalled and not serving)
         if use_local and local is not None:
             peers = [r for r in alive if r.state != "registering"]  # one still starting may take a minute
@@ -82,14 +90,14 @@ class Placement(ManagerState):
                 cap = max(1, cap // (1 + len(peers)))  # a peer: its share, not the whole batch
             if local.serves(version, now) and local.free_slots(cap) > 0:
                 return local, local.free_slots(cap)
-            if not self.local_wanted:
-                self.want_local()  # type: ignore[attr-defined]  # Membership's
+            if not self.sync.local_wanted:
+                self.sync.want_local()
         return None
 
     def _launch(self, unit: WorkUnit, worker: WorkerRecord) -> None:
         first = unit.samples[0]
         call = GenerationCall(
-            rid=f"{unit.group.batch.batch_id}-{next(self._ids)}",
+            rid=f"{unit.group.batch.batch_id}-{next(self.state.ids)}",
             input_ids=unit.group.prompt.input_ids + first.token_ids,
             # the samples of the call, from the first one's seed, with what is left of its budget
             sampling=unit.group.batch.request.sampling.model_copy(
@@ -98,12 +106,4 @@ class Placement(ManagerState):
         )
         for sample in unit.samples:
             sample.start_segment(worker.worker_id, worker.weight_version)
-        worker.add_inflight(len(unit.samples))
-        outcome = Outcome()
-        task = asyncio.ensure_future(self._run(unit, worker, call, outcome))
-        worker.tasks.add(task)
-        unit.group.batch.tasks.add(task)
-        self.units[task] = unit
-        # a done-callback, not a `finally`: a task cancelled before its first step never
-        # runs its body, and its samples and slots must come back all the same
-        task.add_done_callback(functools.partial(self._call_done, unit, worker, outcome))
+        self.settlement.launch(unit, worker, call)

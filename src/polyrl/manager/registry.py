@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from polyrl.manager.events import EventLog
+from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.protocol.manager_api import Heartbeat, RegisterRequest, WorkerInfo, WorkerState
 
 log = logging.getLogger("polyrl.manager")
@@ -138,6 +139,20 @@ class Registry:
 
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self.workers.get(worker_id)
+
+    def local(self) -> WorkerRecord | None:
+        """The trainer's own engine, while it is registered."""
+        record = self.workers.get(LOCAL_WORKER_ID)
+        return record if record is not None and record.is_local else None
+
+    def alive_remote(self) -> list[WorkerRecord]:
+        """Remote workers that serve now or soon (not leaving, not gone)."""
+        return [r for r in self if not r.is_local and r.state in ("registering", "syncing", "active")]
+
+    def fleet_synced(self) -> bool:
+        """Some remote worker is alive, and every one serves the latest version."""
+        alive = self.alive_remote()
+        return bool(alive) and all(r.state == "active" for r in alive)
 
     def add(self, request: RegisterRequest, worker_id: str) -> WorkerRecord:
         record = WorkerRecord(

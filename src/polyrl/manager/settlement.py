@@ -1,13 +1,14 @@
-"""Settling generation calls: each call streams deltas into its samples; when it ends
-without finishing them (worker died, froze, errored, was busy, handed back, or its
-request was refused), this decides what the worker gets (gone, back-off) and puts the
-unfinished samples back at the front of the queue, to continue from their tokens so far
-on the next worker with the budget reduced (token-level migration)."""
+"""Running and settling generation calls: each call streams deltas into its samples; when
+it ends without finishing them (worker died, froze, errored, was busy, handed back, or
+its request was refused), this decides what the worker gets (gone, back-off) and puts
+the unfinished samples back at the front of the queue, to continue from their tokens so
+far on the next worker with the budget reduced (token-level migration)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 
@@ -20,8 +21,9 @@ from polyrl.manager.backends import (
     WorkerUnreachable,
 )
 from polyrl.manager.batch import SampleState, WorkUnit
+from polyrl.manager.membership import Membership
 from polyrl.manager.registry import WorkerRecord
-from polyrl.manager.state import Cancel, ManagerState
+from polyrl.manager.state import Cancel, FailBatch, ManagerState
 
 log = logging.getLogger("polyrl.manager")
 
@@ -46,10 +48,31 @@ class Outcome:
     error: Exception | None = None
 
 
-class Settlement(ManagerState):
+class Settlement:
+    """Owns each call from its start to its end: the worker's slots and the task's
+    bookkeeping are taken in `launch` and given back when the task ends. A worker found
+    unreachable goes through membership; a batch beyond saving through `fail`."""
+
+    def __init__(self, state: ManagerState, membership: Membership, fail: FailBatch) -> None:
+        self.state, self.cfg, self.metrics = state, state.cfg, state.metrics
+        self.membership, self.fail = membership, fail
+
+    def launch(self, unit: WorkUnit, worker: WorkerRecord, call: GenerationCall) -> None:
+        """Run `call` for `unit`'s samples (their segments started) on `worker`."""
+        worker.add_inflight(len(unit.samples))
+        outcome = Outcome()
+        task = asyncio.ensure_future(self._run(unit, worker, call, outcome))
+        worker.tasks.add(task)
+        unit.group.batch.tasks.add(task)
+        self.state.units[task] = unit
+        # a done-callback, not a `finally`: a task cancelled before its first step never
+        # runs its body, and its samples and slots must come back all the same
+        task.add_done_callback(functools.partial(self._call_done, unit, worker, outcome))
+
     async def _run(self, unit: WorkUnit, worker: WorkerRecord, call: GenerationCall, outcome: Outcome) -> None:
         try:
-            async with contextlib.aclosing(self.remote.stream(worker, call)) as stream:  # closed at once on errors
+            stream = self.state.remote.stream(worker, call)
+            async with contextlib.aclosing(stream):  # closed at once on errors
                 async for deltas in stream:
                     for d in deltas:
                         self._apply(unit, d)
@@ -76,8 +99,8 @@ class Settlement(ManagerState):
         worker.add_inflight(-len(unit.samples))
         worker.tasks.discard(task)
         unit.group.batch.tasks.discard(task)
-        self.units.pop(task, None)
-        cancel = self._cancels.pop(task, None)  # no reason: cancelled because its batch ended
+        self.state.units.pop(task, None)
+        cancel = self.state.cancels.pop(task, None)  # no reason: cancelled because its batch ended
         self._settle(unit, worker, outcome.error, cancel)
 
     def _settle(self, unit: WorkUnit, worker: WorkerRecord, error: Exception | None, cancel: Cancel | None) -> None:
@@ -89,7 +112,7 @@ class Settlement(ManagerState):
         unfinished = [s for s in unit.samples if not s.done]
         is_failure, why = False, "handed back"
         if isinstance(error, WorkerUnreachable):
-            self._worker_gone(worker, str(error), is_failure=True, num_moving=len(unfinished))
+            self.membership.worker_gone(worker, str(error), is_failure=True, num_moving=len(unfinished))
             is_failure, why = True, str(error)
         elif isinstance(error, WorkerFailed):
             worker.num_failures += 1
@@ -104,7 +127,7 @@ class Settlement(ManagerState):
             for sample in unit.samples:
                 sample.num_refusals += 1
             if any(s.num_refusals > REFUSALS_TOLERATED for s in unit.samples):
-                self._fail(batch, "invalid_request", f"worker {worker.worker_id} refused a request: {error}")
+                self.fail(batch, "invalid_request", f"worker {worker.worker_id} refused a request: {error}")
             else:
                 is_failure, why = True, f"refused: {error}"
                 log.warning("worker %s refused a request (retrying it once): %s", worker.worker_id, error)
@@ -115,12 +138,12 @@ class Settlement(ManagerState):
         elif error is None and cancel is None:
             worker.consecutive_failures = 0
         if batch.finished or not unfinished:
-            self.wake()
+            self.state.wake()
             return
         for sample in unfinished:
             sample.num_failures += is_failure
             if sample.num_failures > self.cfg.retry_budget:
-                self._fail(
+                self.fail(
                     batch,
                     "retry_budget",
                     f"sample {sample.index} of prompt {unit.group.prompt.id!r} met {sample.num_failures} worker "
@@ -130,8 +153,8 @@ class Settlement(ManagerState):
         batch.num_migrated += len(unfinished)
         self.metrics.migrated("failure" if is_failure else "handback", len(unfinished))
         for sample in reversed(unfinished):  # to the front: the oldest work goes first
-            self.pending.appendleft(WorkUnit(unit.group, [sample]))
-        self.wake()
+            self.state.pending.appendleft(WorkUnit(unit.group, [sample]))
+        self.state.wake()
 
     def _back_off(self, worker: WorkerRecord) -> None:
         """No new work for the worker for a while, longer with each failure in a row; the
@@ -143,11 +166,12 @@ class Settlement(ManagerState):
         low, high = FAILURE_BACKOFF_S
         worker.busy_until = now + min(high, low * 2 ** (worker.consecutive_failures - 1))
         entry = (worker.consecutive_failures, worker.busy_until)
+        failed_before = self.state.failed_before
         for key in (worker.worker_id, worker.url):
-            self._failed_before.pop(key, None)  # re-inserted last: the dict stays oldest-first
-            self._failed_before[key] = entry
-        while len(self._failed_before) > FAILURE_MEMORY:  # bounded: forget the oldest
-            del self._failed_before[next(iter(self._failed_before))]
+            failed_before.pop(key, None)  # re-inserted last: the dict stays oldest-first
+            failed_before[key] = entry
+        while len(failed_before) > FAILURE_MEMORY:  # bounded: forget the oldest
+            del failed_before[next(iter(failed_before))]
 
     def _count_if_done(self, sample: SampleState) -> None:
         if sample.done and not sample.counted:

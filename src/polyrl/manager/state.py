@@ -1,66 +1,93 @@
-"""The state every part of the rollout manager shares. One asyncio loop owns it, so
-nothing locks; each part (membership.py, placement.py, settlement.py) is a mixin of
-`RolloutManager` that reads and changes it."""
+"""The state every part of the rollout manager shares, and the loop's two services: wake the
+dispatcher, run a background task. One asyncio loop owns it, so nothing locks. The parts
+(membership, sync, the local window, placement, settlement) are objects that each get this
+and the parts they call; what one part alone keeps stays in that part."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from polyrl.config import ManagerConfig
-from polyrl.manager.registry import WorkerRecord
+from polyrl.manager.backends import RemoteBackend
+from polyrl.manager.batch import Batch, WorkUnit
+from polyrl.manager.metrics import ManagerMetrics
+from polyrl.manager.registry import Registry, WorkerRecord
+from polyrl.manager.window import LocalWindow
+from polyrl.protocol.manager_api import BatchFailureKind
 
-if TYPE_CHECKING:
-    from polyrl.manager.backends import RemoteBackend
-    from polyrl.manager.batch import Batch, WorkUnit
-    from polyrl.manager.metrics import ManagerMetrics
-    from polyrl.manager.registry import Registry
-    from polyrl.manager.window import LocalWindow
-    from polyrl.protocol.manager_api import LostWorker
+log = logging.getLogger("polyrl.manager")
 
 SyncHook = Callable[[WorkerRecord, int], Awaitable[int | None] | int | None]
 """Called with (worker, version) when a worker needs weights `version` (the transfer
 layer); returns the version the worker serves once it has it (None: not delivered). The
 manager marks the worker synced itself."""
 
+FailBatch = Callable[[Batch, BatchFailureKind, str], None]
+"""Ends a batch with an error (`RolloutManager.fail`): the parts that find a batch beyond
+saving call it, the manager that owns the batches does it."""
+
 
 class Cancel:
-    """Why a generation task was cancelled; no reason means its batch ended. Here, beside
-    the `_cancels` that hold it: membership.py cancels tasks and settlement.py reads why,
-    and this module must not import the mixins built on it."""
+    """Why a generation task was cancelled; no reason means its batch ended. The parts that
+    take work off a worker (membership, the local window) cancel its tasks with one, and
+    settlement reads it to decide what the worker gets and where the samples go."""
 
     def __init__(self, why: str, is_failure: bool) -> None:
         self.why, self.is_failure = why, is_failure
 
 
 class ManagerState:
-    cfg: ManagerConfig
-    registry: Registry
-    metrics: ManagerMetrics
-    remote: RemoteBackend
-    pending: deque[WorkUnit]
-    """Work waiting for a worker, oldest first."""
-    batches: dict[str, Batch]
-    sync_hooks: list[SyncHook]
-    window: LocalWindow
-    sync_s: dict[str, float]
-    """Worker id -> seconds from `publish_version` of the latest version to the worker
-    serving it (the weight update as the trainer sees it)."""
-    _cancels: dict[asyncio.Task[None], Cancel]
-    units: dict[asyncio.Task[None], WorkUnit]
-    """The work of each running generation call."""
-    _failed_before: dict[str, tuple[int, float]]
-    """Worker id or URL -> (failures in a row, back-off end) of a worker that failed
-    lately, for when it registers again."""
-    lost_workers: deque[LostWorker]
-    """The latest workers gone without leaving, for the trainer's log (`WorkerList`)."""
-    num_lost_workers: int
-    local_wanted: bool
-    """Placement has needed the local worker (no local window: it syncs only from then on)."""
-    _ids: itertools.count[int]
-    _wake: asyncio.Event | None
-    _window_timer: asyncio.TimerHandle | None
-    _published_at: float
+    def __init__(self, cfg: ManagerConfig) -> None:
+        self.cfg = cfg
+        self.registry = Registry()
+        self.registry.local_on_demand = cfg.local_window == "off"
+        self.remote = RemoteBackend(
+            cfg.connect_timeout_s, cfg.stall_timeout_s, cfg.token, cfg.stream_interval_s, cfg.tls.ca_file
+        )
+        self.window = LocalWindow(cfg.local_window, cfg.local_window_max_s)
+        self.pending: deque[WorkUnit] = deque()
+        """Work waiting for a worker, oldest first."""
+        self.batches: dict[str, Batch] = {}
+        self.metrics = ManagerMetrics(self)
+        self.units: dict[asyncio.Task[None], WorkUnit] = {}
+        """The work of each running generation call."""
+        self.cancels: dict[asyncio.Task[None], Cancel] = {}
+        """Why each generation call that is being taken off its worker was cancelled."""
+        self.failed_before: dict[str, tuple[int, float]] = {}
+        """Worker id or URL -> (failures in a row, back-off end) of a worker that failed
+        lately, for when it registers again."""
+        self.ids = itertools.count()
+        """Batch ids and request ids."""
+        self.background: set[asyncio.Task[None]] = set()
+        self._wake: asyncio.Event | None = None
+
+    def start(self) -> asyncio.Event:
+        """The dispatcher's event (made on the running loop)."""
+        self._wake = asyncio.Event()
+        return self._wake
+
+    def wake(self) -> None:
+        """Something changed that placement may act on: a worker, a slot, waiting work."""
+        if self._wake is not None:
+            self._wake.set()
+
+    def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        """Run `coro` in the background; `RolloutManager.close` cancels what is left."""
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self._background_done)
+        return task
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("manager task failed: %r", task.exception(), exc_info=task.exception())
+
+    @property
+    def local_record(self) -> WorkerRecord | None:
+        """The trainer's own engine, while it is registered."""
+        return self.registry.local()
