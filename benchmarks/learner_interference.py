@@ -554,8 +554,8 @@ def loaded_phases(
     """Start the manager, the fleet and the receivers; stream; run the loaded phase (or,
     with --pairs, quiet and loaded phases in turn, the children staying up); stop them."""
     from polyrl.config import ManagerConfig
+    from polyrl.launch.manager_process import ManagerProcess
     from polyrl.rollout.manager_link import ManagerLink
-    from polyrl.rollout.manager_process import ManagerProcess
 
     args = bench.args
     manager = ManagerProcess(ManagerConfig(port=0, token=TOKEN), TOKEN, run_dir)
