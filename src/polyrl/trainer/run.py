@@ -102,7 +102,7 @@ class Run:
             blob = read_trainer_state(ckpt) if ckpt else None
             state = TrainState(**blob["state"]) if blob else TrainState()
             source.cursor = state.cursor
-            rollout, fleet = start_rollout_of(cfg, run_dir, policy, init_path, state, cleanup)
+            rollout, fleet = start_run_rollout(cfg, run_dir, policy, init_path, state, cleanup)
             with dp.command("start", cfg, init_path, policy.pad_id, ckpt):
                 learner = build_learner(
                     cfg, policy.model, init_path=init_path, pad_id=policy.pad_id, blob=blob, dp=dp, peft=policy.peft
@@ -229,7 +229,7 @@ class Run:
         self.cleanup.close()
 
 
-def start_rollout_of(
+def start_run_rollout(
     cfg: RunConfig, run_dir: Path, policy: Policy, init_path: Path, state: TrainState, cleanup: ExitStack
 ) -> tuple[Rollout, Fleet | None]:
     """The rollout, its processes started (`cleanup` stops them) and the resumed version
