@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 
 from polyrl.config import ManagerConfig, TinyModelConfig
+from polyrl.launch.manager_process import ManagerProcess
 from polyrl.manager.main import ManagerThread
 from polyrl.models.tiny import save_tiny_model
 from polyrl.protocol.manager_api import BatchPrompt, BatchRequest, GroupResult, WorkerList
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.manager_link import ManagerLink
-from polyrl.rollout.manager_process import ManagerProcess
 
 TOKEN = "bench"
 

@@ -429,7 +429,7 @@ class Bench:
 
         from polyrl.config import load_config
         from polyrl.trainer.distributed import DataParallel
-        from polyrl.trainer.run import build_learner, prepare_process
+        from polyrl.trainer.policy import build_learner, prepare_process
 
         self.torch, self.args = torch, args
         self.device = torch.device(args.device)
@@ -454,7 +454,7 @@ class Bench:
         with self.device:  # random init on the GPU: on the host it took longer than the whole phase
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         self.model = model
-        self.learner = build_learner(cfg, model, Path("unused"), 0, None, DataParallel())
+        self.learner = build_learner(cfg, model, init_path=Path("unused"), pad_id=0, blob=None, dp=DataParallel())
         self.publish_dtype = torch.bfloat16 if on_cuda else torch.float32
         self.items = self._items(shape["vocab_size"])
         self.version = 0
@@ -554,8 +554,8 @@ def loaded_phases(
     """Start the manager, the fleet and the receivers; stream; run the loaded phase (or,
     with --pairs, quiet and loaded phases in turn, the children staying up); stop them."""
     from polyrl.config import ManagerConfig
+    from polyrl.launch.manager_process import ManagerProcess
     from polyrl.rollout.manager_link import ManagerLink
-    from polyrl.rollout.manager_process import ManagerProcess
 
     args = bench.args
     manager = ManagerProcess(ManagerConfig(port=0, token=TOKEN), TOKEN, run_dir)

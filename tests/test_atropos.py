@@ -237,4 +237,4 @@ def test_polyrl_train_stops_with_one_line_when_the_api_is_unreachable(tmp_path):
         assert text and not [line for line in text if line != line.rstrip()], text
     [add_worker] = [line for line in proc.stdout.splitlines() if "add a worker: polyrl worker" in line]
     assert add_worker.endswith(f"--token-file {tmp_path / 'run' / 'manager.json'}"), add_worker
-    assert " INFO polyrl.trainer.run: rollout manager on " in add_worker
+    assert " INFO polyrl.launch.start: rollout manager on " in add_worker

@@ -133,7 +133,7 @@ def test_runs_that_promise_their_bits_keep_one_count() -> None:
     threads split it, so the count is not left to the machine's load."""
     from polyrl.config import load_config
     from polyrl.cpu_threads import process_threads
-    from polyrl.trainer.run import prepare_process
+    from polyrl.trainer.policy import prepare_process
 
     before = torch.get_num_threads()
     governor = process_threads()

@@ -24,7 +24,8 @@ from polyrl.trainer.checkpoint import TrainState, latest_checkpoint, read_traine
 from polyrl.trainer.distributed import DataParallel, data_parallel, gather_state, gather_weights, split_items
 from polyrl.trainer.learner import enable_gradient_checkpointing
 from polyrl.trainer.loop import run_commands, train
-from polyrl.trainer.run import Run, build_learner, load_learner, load_model
+from polyrl.trainer.policy import build_learner, load_learner, load_model
+from polyrl.trainer.run import Run
 
 LEARNER = [
     "trainer.micro_batch_max_tokens=40",  # several micro-batches per rank, and idle ones
@@ -212,7 +213,7 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir):
             enable_gradient_checkpointing(model)
         calls.append(0)
         model.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.__setitem__(-1, calls[-1] + 1))
-        learner = build_learner(cfg, model, tiny_model_dir, 0, None, DataParallel())
+        learner = build_learner(cfg, model, init_path=tiny_model_dir, pad_id=0, blob=None, dp=DataParallel())
         metrics.append(learner.train_mini_batch(batch, weights_as_sampled=True))
         grads.append([p.grad for p in model.parameters()])
         assert not model.training  # the engine's forward passes never recompute

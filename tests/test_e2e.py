@@ -293,7 +293,7 @@ def test_a_taken_manager_port_is_a_config_error(tmp_path: Path) -> None:
 
 def test_churn_schedule_follows_the_seeds() -> None:
     """Up to K, one every T; then the oldest retires every T down to the minimum; again."""
-    from polyrl.rollout.fleet import churn_direction
+    from polyrl.launch.fleet import churn_direction
 
     count, growing, counts = 0, True, []
     for _ in range(10):

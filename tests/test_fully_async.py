@@ -35,6 +35,7 @@ from test_worker import _tiny, _wait_until
 from polyrl.config import ConfigError, EngineConfig, load_config
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest
+from polyrl.launch.supervisor import window_policy
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.window import LocalWindow
@@ -42,7 +43,6 @@ from polyrl.protocol.manager_api import WorkerList
 from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.feed import AsyncFeed
-from polyrl.rollout.remote import window_policy
 from polyrl.rollout.stats import RolloutStats
 from polyrl.trainer.checkpoint import read_trainer_state
 from polyrl.trainer.loop import train

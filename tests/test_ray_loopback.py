@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason=
 LISTENERS = """
 import json, logging, sys, time
 from polyrl.config import EngineConfig, FleetConfig
-from polyrl.rollout.ray_fleet import RayFleet, connect, import_ray, ray_listeners
+from polyrl.launch.ray_fleet import RayFleet, connect, import_ray, ray_listeners
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 if sys.argv[1] == "launcher":

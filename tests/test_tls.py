@@ -24,7 +24,7 @@ from test_manager import TOKEN, fast_cfg
 from test_train import _metrics
 from test_transfer import CHUNK, assert_same, pool, weights  # noqa: F401 - a fixture
 
-import polyrl.rollout.remote
+import polyrl.launch.supervisor
 from polyrl.config import HttpLimitsConfig, TlsConfig, load_config
 from polyrl.manager.main import ManagerThread
 from polyrl.protocol.manager_api import PublisherEndpoint
@@ -127,7 +127,7 @@ def test_train_through_a_tls_manager_and_workers(
         taps.append(_Tap(tuple(publisher)))
         return PublisherEndpoint(**{**fields, "groups": [("127.0.0.1", taps[-1].port)]})  # type: ignore[arg-type]
 
-    monkeypatch.setattr(polyrl.rollout.remote, "PublisherEndpoint", through_a_tap)
+    monkeypatch.setattr(polyrl.launch.supervisor, "PublisherEndpoint", through_a_tap)
 
     def on_step_end(step: int, metrics: dict[str, float]) -> None:
         if step != 1:

@@ -456,11 +456,11 @@ class FleetConfig(_Section):
     """Where the launched workers run. `local`: subprocesses on this machine. `ray`: one
     Ray actor per worker on a Ray cluster (`pip install 'polyrl[ray]'`); each actor runs
     `polyrl worker` on its node, and Ray starts it again elsewhere when the node is lost,
-    so `num_workers` stay alive (`polyrl.rollout.ray_fleet`)."""
+    so `num_workers` stay alive (`polyrl.launch.ray_fleet`)."""
     ray_address: str | None = None
     """The Ray cluster to join: "HOST:6379", "auto" (the one `ray start` left on this
     machine), or None: the RAY_ADDRESS variable, else that one, else a new local cluster
-    that listens on loopback only (Ray's single-machine mode, `rollout/ray_fleet.py`)."""
+    that listens on loopback only (Ray's single-machine mode, `launch/ray_fleet.py`)."""
     ray_num_cpus: float = Field(1.0, ge=0)
     """Ray CPUs each worker reserves."""
     ray_num_gpus: float = Field(0.0, ge=0)

@@ -1,16 +1,17 @@
 """Disaggregated rollout: every sample comes through the rollout manager, from workers
 that pull each weight version from the trainer's publisher.
 
-Each role runs in a process of its own (README, "What runs where"): the manager
-(`manager_process.py`, or a standalone one at `manager.url`), the publisher's data
-plane, the trainer's own engine (the `local` worker, `local_worker.py`) and the
-launched workers. The trainer's process keeps the learner, and only I/O threads beside
-it: one per batch, reading finished groups. The hybrid window's policy is the
-manager's; the trainer only says when its learner starts.
+The processes behind it (the manager, the publisher's data plane, the trainer's own
+engine as the `local` worker, the launched workers) are started and kept alive by
+`polyrl.launch` (README, "What runs where"); this module is only the rollout source. The
+trainer's process keeps the learner, and only I/O threads beside it: one per batch,
+reading finished groups. The hybrid window's policy is the manager's; the trainer only
+says when its learner starts.
 
-If the manager's process dies, the trainer starts it again on the same port, tells it
-the publisher and the last version published, and resubmits the prompts whose groups
-had not arrived (same seeds): nothing is lost, and workers register again by themselves.
+If the manager goes away, the rollout asks its supervisor (`Processes`) to bring it back,
+tells it the publisher and the last version published, and resubmits the prompts whose
+groups had not arrived (same seeds): nothing is lost, and workers register again by
+themselves.
 """
 
 from __future__ import annotations
@@ -19,14 +20,11 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack
-from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 from transformers import PreTrainedModel
 
-from polyrl.config import ManagerConfig, RunConfig
 from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.protocol.manager_api import (
     BatchError,
@@ -41,12 +39,8 @@ from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.version import WeightVersion
 from polyrl.rollout.local import engine_dtype, learner_weights
-from polyrl.rollout.local_worker import LocalWorker
 from polyrl.rollout.manager_link import BatchStream, ManagerLink, ManagerUnreachable
-from polyrl.rollout.manager_process import ManagerProcess
 from polyrl.rollout.stats import FleetIdle, LostWorkers, RolloutStats
-from polyrl.tls import reachable_host
-from polyrl.transfer.device import DeviceVersions
 from polyrl.transfer.publisher import WeightPublisher
 
 log = logging.getLogger("polyrl.rollout")
@@ -57,28 +51,15 @@ RECOVERABLE = ("disconnected", "shutdown")
 """Batch failures that mean the manager went away, not that the batch was bad."""
 
 
-def window_policy(cfg: RunConfig, device: torch.device) -> ManagerConfig:
-    """The manager's config with the hybrid window's mode (see `manager/window.py`) and,
-    for fully asynchronous training, workers that keep their running samples across
-    versions (`manager.swap_policy`, unless set)."""
-    r = cfg.rollout
-    if r.mode != "hybrid":
-        mode = "off"
-    elif r.fully_async:
-        # auto: the trainer's engine fills the learner's waits only. `always` (beside the
-        # learner) helps where the fleet is the bottleneck (one H100 split by MPS: it made
-        # 47% of the tokens) and costs where the learner is (2 H200s: the spot idled 30%
-        # of the time while the learner's updates took 1.5x as long per token); see
-        # BENCHMARKS.md.
-        mode = "idle" if r.hybrid_local_until == "auto" else r.hybrid_local_until
-    elif r.hybrid_local_until == "auto":
-        mode = "learner" if device.type == "cuda" and not r.max_staleness else "synced"
-    else:
-        mode = r.hybrid_local_until
-    update: dict[str, object] = {"local_window": mode, "local_window_max_s": r.hybrid_max_window_s}
-    if r.fully_async and cfg.manager.swap_policy is None:
-        update["swap_policy"] = "continue"
-    return cfg.manager.model_copy(update=update)
+class Processes(Protocol):
+    """What the rollout asks of the processes' supervisor (`polyrl.launch.supervisor`)."""
+
+    def revive_manager(self, why: str) -> bool:
+        """The manager cannot be reached: start it again and return once it serves (True),
+        or return False at once where it is not the run's to start (`manager.url`)."""
+
+    def revive_local_worker(self) -> None:
+        """Start the local worker again if it died (before each publish)."""
 
 
 class RemoteRollout:
@@ -89,14 +70,20 @@ class RemoteRollout:
 
     def __init__(
         self,
+        *,
         model: PreTrainedModel,
-        cfg: RunConfig,
-        run_dir: Path,
-        token: str,
-        init_path: Path,
+        mode: str,
         compute_dtype: torch.dtype,
+        link: ManagerLink,
+        publisher: WeightPublisher,
+        endpoint: PublisherEndpoint,
+        processes: Processes,
     ) -> None:
-        self.model, self.mode = model, cfg.rollout.mode
+        """`mode`: `rollout.mode` (remote or hybrid). `link` reaches the manager;
+        `publisher` serves the versions whose address the manager is told as `endpoint`;
+        `processes` brings the manager and the local worker back when they die."""
+        self.model, self.mode = model, mode
+        self.link, self.publisher, self.endpoint, self.processes = link, publisher, endpoint, processes
         self.publish_dtype = engine_dtype(model, compute_dtype)
         self.weight_version: WeightVersion = 0
         """The last version `publish` was given (the trainer's `TrainState` counts them):
@@ -112,70 +99,10 @@ class RemoteRollout:
         self._moved: set[str] = set()
         """Groups `learner_waiting` asked to move to the trainer's engine in this window."""
         self._recover_lock = threading.Lock()
-        self._stack = ExitStack()
-        try:
-            self._start(cfg, run_dir, token, init_path)
-        except BaseException:
-            self._stack.close()
-            raise
-
-    def _start(self, cfg: RunConfig, run_dir: Path, token: str, init_path: Path) -> None:
-        mcfg, transfer = window_policy(cfg, self.model.device), cfg.manager.transfer
-        tls = (mcfg.tls.cert_file, mcfg.tls.key_file) if transfer.tls else None
-        self.publisher = WeightPublisher(
-            mcfg.host,
-            transfer.port,
-            num_groups=transfer.num_groups,
-            group_hosts=transfer.group_hosts,
-            send_mode=transfer.send_mode,
-            tls=tls,  # type: ignore[arg-type]
-        ).start()
-        self._stack.callback(self.publisher.stop)
-        # workers on this host pull over NCCL / CUDA IPC (not with TLS: those sockets go to another process)
-        if transfer.gpu_paths and not transfer.tls and self.model.device.type == "cuda":
-            self.publisher.device = DeviceVersions(self.model.device)
-        # each group's own bind address, else where other machines reach this one
-        reachable = transfer.advertise_host or reachable_host(mcfg.host, mcfg.advertise_host)
-        advertise = None if transfer.group_hosts else reachable
-        device = self.publisher.device.identity if self.publisher.device is not None else None
-        self.endpoint = PublisherEndpoint(
-            groups=[(advertise or host, port) for host, port in self.publisher.addresses],
-            key=self.publisher.key.hex(),
-            device_host_id=device.host_id if device else None,
-            device_gpu_uuid=device.gpu_uuid if device else None,
-            tls=transfer.tls,
-        )
-        self.manager: ManagerProcess | None = None
-        if mcfg.url:
-            self.url = self.public_url = mcfg.url
-            log.info("using the rollout manager at %s", self.url)
-        else:
-            self.manager = ManagerProcess(mcfg, token, run_dir)  # binds its port now: the URL is known
-            self.url = self.manager.url
-            self.public_url = self.manager.public_url
-            self.manager.spawn()
-            self._stack.callback(self.manager.stop)
-        self.link = ManagerLink(self.url, token, ca_file=cfg.manager.tls.ca_file)
-        self._stack.callback(self.link.close)
-        self.local = LocalWorker(
-            init_path,
-            self.url,
-            token,
-            cfg.engine,
-            self.model.device,
-            run_dir / "workers",
-            cfg.fleet.worker_threads,
-            cfg.model.lora,
-            cfg.manager.tls,
-        )
-        self.local.start()  # it registers once the manager serves, as every worker does
-        self._stack.callback(self.local.stop)
 
     def connect(self) -> None:
-        """Wait for the manager to serve and tell it the publisher (workers may start
-        before: they retry their registration until it answers)."""
-        if self.manager is not None:
-            self.manager.wait_ready()
+        """Tell the manager the publisher, once it serves (workers may start before: they
+        retry their registration until it answers)."""
         self.link.set_publisher(self.endpoint)
         self.lost_workers = LostWorkers(seen=self.fleet().num_lost_workers)  # a standalone manager's past is not ours
 
@@ -209,7 +136,7 @@ class RemoteRollout:
         if self.publisher.device is not None:
             self.publisher.device.publish(weights, version)
         self.weight_version = version
-        self.local.restart_if_dead()
+        self.processes.revive_local_worker()
         self._control(lambda: self.link.publish_version(version, self.publisher.device is not None))
         self._window_may_be_open = self.mode == "hybrid"  # the synced and learner windows open now
 
@@ -253,11 +180,8 @@ class RemoteRollout:
         with self._recover_lock:
             if self.num_recoveries != generation:
                 return
-            if self.manager is None:
-                log.warning("lost the rollout manager at %s (%s); waiting for it to come back", self.url, why)
+            if not self.processes.revive_manager(why):
                 self.link.retry_s = 300.0  # a standalone manager restarts on its own schedule
-            else:
-                self.manager.restart()
             self.link.set_publisher(self.endpoint)
             self.link.publish_version(self.weight_version, self.publisher.device is not None)
             self.num_recoveries += 1
@@ -342,8 +266,9 @@ class RemoteRollout:
         return group
 
     def close(self) -> None:
-        self._closing = True  # batches still read (fully asynchronous ones) fail now: not a lost manager
-        self._stack.close()
+        """Before the processes stop: batches still read (fully asynchronous ones) fail
+        from now on, and that is not a lost manager."""
+        self._closing = True
 
 
 def to_group(prompt: Prompt, result: GroupResult) -> Group:

@@ -22,6 +22,7 @@ from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.protocol.version import WeightVersion
+from polyrl.trainer.lora import save_merged
 
 log = logging.getLogger(__name__)
 
@@ -117,3 +118,20 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     """{"state": TrainState fields, "optimizer", "scheduler", "rng"}. Every rank reads it;
     mmap keeps that to one copy in the page cache."""
     return torch.load(ckpt / STATE_FILE, weights_only=False, mmap=True)  # our own file: RNG states need pickle
+
+
+def export_final_model(
+    run_dir: Path, ckpt: Path, *, peft: PeftModel | None, tokenizer: PreTrainedTokenizerBase, merged: bool
+) -> Path:
+    """The final checkpoint `ckpt`'s model (an HF directory with the tokenizer), as
+    final_model/; with LoRA (`peft`), its adapter (PEFT's format), and with `merged` the
+    merged model as final_model_merged/."""
+    out = run_dir / "final_model"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(ckpt / (ADAPTER_DIR if peft is not None else MODEL_DIR), out)
+    if peft is not None and merged:
+        merged_dir = run_dir / "final_model_merged"
+        shutil.rmtree(merged_dir, ignore_errors=True)
+        save_merged(peft, tokenizer, merged_dir)
+        log.info("merged model in %s", merged_dir)
+    return out

@@ -35,7 +35,9 @@ from polyrl.metrics.tracker import format_step_line
 from polyrl.trainer.checkpoint import TrainState
 from polyrl.trainer.distributed import DataParallel, gather_state, gather_weights
 from polyrl.trainer.learner import Learner
-from polyrl.trainer.run import Run, Timer, load_learner
+from polyrl.trainer.policy import load_learner
+from polyrl.trainer.run import Run
+from polyrl.trainer.step_metrics import Timer
 from polyrl.trainer.stream import learn_from_stream
 
 log = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from polyrl.config import EngineConfig, LoraConfig, TlsConfig
+from polyrl.launch.child import Child
+from polyrl.launch.fleet import lora_overrides, tls_overrides, worker_command, worker_env
 from polyrl.protocol.ids import LOCAL_WORKER_ID
-from polyrl.rollout.child import Child
-from polyrl.rollout.fleet import lora_overrides, tls_overrides, worker_command, worker_env
 
 log = logging.getLogger("polyrl.rollout")
 

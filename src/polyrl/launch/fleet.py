@@ -3,7 +3,7 @@
 Each worker is an ordinary `polyrl worker` that registers with the trainer's manager,
 exactly like one started by hand on another machine; a fleet only decides when workers
 come and go. `WorkerFleet` runs them as subprocesses on this machine; `RayFleet`
-(rollout/ray_fleet.py, `fleet.launcher = "ray"`) as Ray actors on a cluster. Churn is the
+(launch/ray_fleet.py, `fleet.launcher = "ray"`) as Ray actors on a cluster. Churn is the
 same for both and follows the seeds' launch_sglang_step.sh (a worker every T seconds up
 to K, then retire the oldest every T), repeated, plus optional kill -9 of a random worker
 at seeded, exponentially spaced times. Retiring is SIGTERM: the worker drains and hands

@@ -12,7 +12,7 @@ known before the child has imported anything, so the workers start at the same t
 the manager, and a restarted child serves on the same port with no rebind race. If the
 child dies, `restart` starts it again on that socket: workers find it there and register
 again by themselves (a heartbeat answered 404), and the trainer resubmits what was
-unfinished (`rollout/remote.py`).
+unfinished (`rollout/remote.py`, through `launch/supervisor.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from polyrl.config import ConfigError, ManagerConfig, ManagerRunConfig, save_config
-from polyrl.rollout.child import Child
+from polyrl.launch.child import Child
 from polyrl.serving import bind
 from polyrl.tls import base_url, reachable_host
 

@@ -39,9 +39,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from polyrl.config import ConfigError, EngineConfig, FleetConfig, LoraConfig, TlsConfig
+from polyrl.launch.fleet import Fleet, lora_overrides, tls_overrides, worker_command, worker_env
 from polyrl.lifetime import HURRY, die_with_parent
 from polyrl.preflight import RAY_MISSING
-from polyrl.rollout.fleet import Fleet, lora_overrides, tls_overrides, worker_command, worker_env
 from polyrl.serving import is_loopback
 
 log = logging.getLogger("polyrl.fleet")
