@@ -14,11 +14,10 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.config import ConfigError, EngineConfig, RunConfig, save_config
@@ -60,6 +59,9 @@ from polyrl.trainer.distributed import DataParallel, gather_state, gather_weight
 from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing
 from polyrl.trainer.lora import RANDOM_BASE, adapter_version, adapters_off, apply_lora, load_adapter, save_merged
 from polyrl.trainer.stream import GroupScorer, StreamResult, in_prompt_order
+
+if TYPE_CHECKING:
+    from peft import PeftModel  # imported by trainer/lora.py when LoRA is on (PEFT costs a fraction of a second)
 
 log = logging.getLogger(__name__)
 
