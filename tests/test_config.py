@@ -161,6 +161,29 @@ def test_cli_config_errors_are_one_fast_line_before_anything_is_written(case, tm
     assert elapsed_s < 4, elapsed_s
 
 
+def test_a_roles_start_up_imports_run_without_collections_and_stay_frozen():
+    """`polyrl train`, `worker` and `tiny-model` import torch and transformers inside
+    `gc_heap.start_up_imports`: no automatic collection while they load (it walked the
+    growing heap again and again), and what they leave is frozen (or the deferred
+    collections would come due right after). In a fresh interpreter: the freeze is for
+    the process's life."""
+    code = """
+import gc
+from polyrl.gc_heap import start_up_imports
+before = gc.get_freeze_count()
+with start_up_imports():
+    paused = not gc.isenabled()
+    kept = [[i] for i in range(1000)]  # what an import leaves
+print(paused, gc.isenabled(), gc.get_freeze_count() - before >= len(kept))
+gc.disable()
+with start_up_imports():
+    pass
+print(gc.isenabled())  # the caller's setting is kept
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "True", "True", "False"], out.stdout + out.stderr
+
+
 def test_learner_switches_are_auto_or_bool():
     assert load_config(None).trainer.working_copy == "auto"
     cfg = load_config(None, ["trainer.working_copy=false", "trainer.compile_layers=true"])

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from polyrl.config import ConfigError, ManagerRunConfig, RunConfig, WorkerRunConfig, load_config
+from polyrl.gc_heap import start_up_imports
 from polyrl.pipes import survive_closed_pipes
 
 if TYPE_CHECKING:
@@ -72,8 +73,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     of a second and leaves nothing to clean up."""
     is_main = os.environ.get("RANK", "0") == "0"
     cfg, run_dir = train_config(args) if is_main else (None, None)
-    from polyrl.trainer.distributed import data_parallel
-    from polyrl.trainer.loop import follow
+    with start_up_imports():
+        from polyrl.trainer.distributed import data_parallel
+        from polyrl.trainer.loop import follow
 
     with data_parallel() as dp:
         if not dp.is_main:
@@ -150,7 +152,8 @@ def _discard_unstarted_run(run_dir: Path, before: set[str] | None) -> None:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from polyrl.models.tiny import save_tiny_model
+    with start_up_imports():
+        from polyrl.models.tiny import save_tiny_model
 
     overrides = [*args.overrides, *(["chat_template=true"] if args.chat_template else [])]
     cfg = load_config(None, [f"model.tiny.{o}" for o in overrides]).model.tiny
@@ -213,7 +216,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
         if (code := check_manager(cfg.worker)) is not None:
             return code
-    from polyrl.worker.main import run_worker
+    with start_up_imports():
+        from polyrl.worker.main import run_worker
 
     return run_worker(cfg, sock)
 

@@ -12,17 +12,20 @@ from __future__ import annotations
 import logging
 import random
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.protocol.version import WeightVersion
 from polyrl.trainer.lora import save_merged
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def is_peft(model: object) -> bool:
+    """Whether `model` is a PEFT wrapper. PEFT is imported where LoRA is applied
+    (`trainer/lora.py`), not at the trainer's start: a run without LoRA never imports it,
+    and a PeftModel exists only once it has been."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
 def save_hf(
     model: PreTrainedModel | PeftModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -91,7 +102,7 @@ def save_checkpoint(
     final = run_dir / "checkpoints" / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_hf(model, tokenizer, tmp / (ADAPTER_DIR if isinstance(model, PeftModel) else MODEL_DIR), model_state)
+    save_hf(model, tokenizer, tmp / (ADAPTER_DIR if is_peft(model) else MODEL_DIR), model_state)
     torch.save(
         {
             "state": vars(state),

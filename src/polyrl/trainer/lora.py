@@ -13,15 +13,20 @@ import copy
 import logging
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.config import LoraConfig
 from polyrl.engine.lora import LoraSpec, base_fingerprint, pack, pairs_from_peft_state, target_names
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+# PEFT is imported by the functions that use it: every `polyrl train` imports this module,
+# and a run without LoRA need not pay for PEFT's import at its start.
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,9 @@ fine-tuning, and 0.057 with full fine-tuning that kept the embeddings frozen."""
 
 def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
     """Freeze `model` and inject trainable adapters (B = 0: the policy starts as the base)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=cfg.target_modules, bias="none"
     )
@@ -74,6 +82,8 @@ def adapter_spec(peft: PeftModel) -> LoraSpec:
 def adapter_version(peft: PeftModel) -> dict[str, torch.Tensor]:
     """The adapters as a version to publish: the A/B matrices (detached, not copied) and
     the spec the workers check."""
+    from peft import get_peft_model_state_dict
+
     return pack(adapter_spec(peft), pairs_from_peft_state(get_peft_model_state_dict(peft, adapter_name=ADAPTER)))
 
 
@@ -84,6 +94,8 @@ def adapters_off(peft: PeftModel):
 
 def load_adapter(peft: PeftModel, path: Path) -> None:
     """The adapter weights saved by `save_adapter`, exactly, into the injected layers."""
+    from peft import set_peft_model_state_dict
+
     state = load_file(path / "adapter_model.safetensors", device=str(peft.get_base_model().device))
     result = set_peft_model_state_dict(peft, state, adapter_name=ADAPTER)
     missing = [k for k in result.missing_keys if ".lora_" in k]

@@ -9,10 +9,10 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.config import RunConfig
@@ -23,6 +23,9 @@ from polyrl.trainer.checkpoint import ADAPTER_DIR, MODEL_DIR, read_trainer_state
 from polyrl.trainer.distributed import DataParallel, load_optimizer_state, shard_model
 from polyrl.trainer.learner import Learner, build_optimizer, enable_gradient_checkpointing
 from polyrl.trainer.lora import RANDOM_BASE, adapters_off, apply_lora, load_adapter
+
+if TYPE_CHECKING:
+    from peft import PeftModel  # imported by trainer/lora.py when LoRA is on (PEFT costs a fraction of a second)
 
 log = logging.getLogger(__name__)
 
