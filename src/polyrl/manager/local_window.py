@@ -56,7 +56,7 @@ class WindowControl:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        local = self.state.local_record
+        local = self.state.registry.local()
         if hand_back is None:
             hand_back = opening.hand_back
         if hand_back and local is not None and local.tasks and self.state.registry.alive_remote():
@@ -73,7 +73,7 @@ class WindowControl:
         opening = self.window.on_learner_waiting()
         if opening is not None:
             self.open(opening)
-        local = self.state.local_record
+        local = self.state.registry.local()
         if not prompt_ids or not self.window.moves_waited_for or local is None or local.state != "active":
             return
         wanted = set(prompt_ids)

@@ -122,7 +122,7 @@ class RolloutManager:
     @property
     def local_record(self) -> WorkerRecord | None:
         """The trainer's own engine, while it is registered."""
-        return self.state.local_record
+        return self.state.registry.local()
 
     @property
     def closed(self) -> bool:

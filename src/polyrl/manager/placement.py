@@ -34,7 +34,11 @@ class Placement:
     def _place(self) -> None:
         state = self.state
         now = time.monotonic()
-        if state.pending and not self._any_free_slot(now) and (self.sync.local_wanted or state.local_record is None):
+        if (
+            state.pending
+            and not self._any_free_slot(now)
+            and (self.sync.local_wanted or state.registry.local() is None)
+        ):
             return  # the common case under load: every worker is full (a lazy local worker is asked below)
         waiting: deque[WorkUnit] = deque()
         no_worker: set[tuple[int, bool, bool]] = set()  # (version, stalled, to_local) with nothing free right now
@@ -73,7 +77,7 @@ class Placement:
         syncing is waited for, one that cannot sync is not. `to_local`: the learner waits
         for this work, so the local engine comes first while the window is open."""
         cap = self.cfg.max_inflight_per_worker
-        local = self.state.local_record
+        local = self.state.registry.local()
         if to_local and self.window.is_open and local is not None and local.serves(version, now):
             if local.free_slots(cap) > 0:
                 return local, local.free_slots(cap)

@@ -86,8 +86,3 @@ class ManagerState:
         self.background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("manager task failed: %r", task.exception(), exc_info=task.exception())
-
-    @property
-    def local_record(self) -> WorkerRecord | None:
-        """The trainer's own engine, while it is registered."""
-        return self.registry.local()

@@ -59,7 +59,7 @@ class VersionSync:
         """Placement needs the local worker: sync it if it is behind (from now on)."""
         self.local_wanted = True
         self.registry.local_on_demand = False
-        local = self.state.local_record
+        local = self.state.registry.local()
         if local is not None:
             self.registry.wake_local(local)
             if local.state == "syncing":

@@ -105,7 +105,7 @@ class AsyncFeed:
     ) -> None:
         """`resubmit`: prompt indices a resumed run had in flight, submitted again first.
         `fresh`: submit nothing while a step's worth of finished groups waits."""
-        self.rollout, self.source, self.sampling, self.n = rollout, source, sampling, sampling.n
+        self.rollout, self.source, self.sampling = rollout, source, sampling
         self.batch_size, self.max_staleness, self.fresh = batch_size, max_staleness, fresh
         self.outstanding: dict[str, Prompt] = {}
         """Submitted and not trained on, by prompt id."""
@@ -130,7 +130,7 @@ class AsyncFeed:
         prompts = self._prompts(count)
         if prompts:
             self._submit(prompts)
-        self.step.held_back_samples = max(0, free - len(prompts) * self.n)
+        self.step.held_back_samples = max(0, free - len(prompts) * self.sampling.n)
         self.step.in_flight_groups = len(self.outstanding)
         self._drain()
         self.step.ready_groups = len(self.arrived)
@@ -184,7 +184,7 @@ class AsyncFeed:
             self.step.stats.count(group)
             taken += 1
             yield group
-        self.step.stats.num_requested = taken * self.n
+        self.step.stats.num_requested = taken * self.sampling.n
         self.step.stats.gen_s = self.step.wait_s
         self.rollout.note_fleet(self.step.stats)
 
