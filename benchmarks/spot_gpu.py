@@ -26,15 +26,17 @@ Throughput rows, each a real `polyrl train` process (plus, for the spot rows, a 
 * fully_async_k1 / fully_async_k2: rollout.fully_async with max_staleness 1 / 2 (hybrid:
   the trainer's engine generates whenever its learner waits);
 * fully_async_k3 / fully_async_k4: the same with max_staleness 3 / 4. `--async-set
-  rollout.hybrid_local_until=always` gives these rows (and best_kill and learn_fully_async
+  rollout.hybrid_local_until=always` gives these rows (and best_kill and learn_fully_async_*
   when they repeat one) the trainer's engine as a worker all the time, which the other
   rows refuse;
 * best_kill: the fastest spot row of this run again (or the row `--kill-as` names), with
   the worker killed (-9) in the middle of a measured step and a new one started a few
   seconds later: nothing may be lost;
 * equal_*: the same with every response at full length (`--new-tokens`), for comparison;
-* learn_*: the tiny default model learning the default task from scratch: wall-clock time
-  to a target reward;
+* learn_*: the tiny model learning from scratch to repeat the prompt's word for as long
+  as the long-tail workload's budget for it (every response runs to its budget, every
+  character is scored): wall-clock time to a target reward; learn_fully_async_k1 .. k4
+  take the settings of fully_async_k1 .. k4;
 * standin: a single sequence's decode latency on the spot half, with the other half idle
   and with it training (the 0.6B shape's forward and backward in a loop).
 
@@ -553,42 +555,58 @@ def summarise(
     return res
 
 
-def learning_part(part: str, mode: str, args: argparse.Namespace, work: Path, extra: list[str]) -> Result:
-    """The default task and tiny model, from scratch: time to the target reward."""
+def learning_part(
+    part: str, mode: str, args: argparse.Namespace, work: Path, extra: list[str], model: Path, data: Path
+) -> Result:
+    """The tiny model learning from scratch to repeat the prompt's word ("ab>" ->
+    "ababab...") on the long-tail workload: every response runs to its prompt's budget
+    (`rollout.ignore_eos`) and every character of it is scored (`repeat_match_reward`), so
+    a step costs what a long-tail step costs, and all of it is something to learn.
+    Reported: wall-clock seconds (the steps' own, start-up left out) until the mean reward
+    of 5 steps in a row reaches the target."""
     port = free_port()
+    cuda = args.device == "cuda"
     overrides = [
-        *extra,
+        f"model.path={model}",
         f"trainer.device={args.device}",
         f"rollout.mode={mode}",
+        f"rollout.n={args.learn_n}",
+        f"rollout.max_new_tokens={args.new_tokens}",
+        "rollout.ignore_eos=true",
+        "data.task=dataset",
+        f"data.path={data}",
+        "data.format=plain",
+        "data.max_new_tokens_key=max_new_tokens",
+        "reward.functions=['polyrl.data.tasks:repeat_match_reward']",
+        f"trainer.train_batch_size={args.prompts}",
+        f"trainer.ppo_mini_batch_size={args.prompts // args.mini_batches}",
         f"trainer.total_steps={args.learn_steps}",
+        f"trainer.lr={args.learn_lr}",
+        "trainer.save_every=0",
+        *engine_overrides(args, args.learn_kv_blocks),
         "logging.console=false",
         "logging.tensorboard=false",
         "fleet.num_workers=0",
-        "trainer.save_every=0",
         f"manager.port={port}",
         f"manager.token={TOKEN}",
         "manager.heartbeat_interval_s=0.5",
-        "engine.num_kv_blocks=2048" if args.device == "cuda" else 'engine.device="cpu"',
+        f"manager.max_inflight_per_worker={512 if cuda else 64}",
+        f"cost.trainer_usd_per_hour={ON_DEMAND_USD_PER_GPU_HOUR}",
+        f"cost.worker_usd_per_hour={SPOT_USD_PER_GPU_HOUR}",
+        *extra,
     ]
     if "rollout.fully_async=true" in extra:
         overrides += args.async_set
-    run_dir = work / part
-    model = None
-    if mode != "local":  # the worker needs the model directory before the trainer writes it
-        model = work / f"{part}_model"  # outside the run directory, which must start empty
-        subprocess.run(
-            [sys.executable, "-m", "polyrl.cli", "tiny-model", "--out", str(model)], check=True, capture_output=True
-        )
-        overrides.append(f"model.path={model}")
     saved = args.worker_kv_blocks
-    args.worker_kv_blocks = 2048 if args.device == "cuda" else 512
+    args.worker_kv_blocks = args.learn_kv_blocks
     try:
         rows, wall, notes = run_part(
-            part, overrides, run_dir, model, port, args, mode != "local", None, args.part_timeout_s
+            part, overrides, work / part, model, port, args, mode != "local", None, args.part_timeout_s
         )
     finally:
         args.worker_kv_blocks = saved
     res = summarise(part, rows, 0, wall, notes)
+    res.workload = "longtail"
     elapsed = 0.0
     window: list[float] = []
     for r in rows:
@@ -597,7 +615,44 @@ def learning_part(part: str, mode: str, args: argparse.Namespace, work: Path, ex
         if res.time_to_target_s is None and len(window) == 5 and sum(window) / 5 >= args.target_reward:
             res.time_to_target_s = elapsed
     res.final_reward = sum(window) / len(window) if window else None
+    for target in LEARN_TARGETS:  # the curve, coarsely
+        res.notes.append(f"to {target:g}: {time_to(rows, target)}")
     return res
+
+
+LEARN_TARGETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
+
+
+def time_to(rows: list[dict[str, float]], target: float) -> str:
+    """Steps' seconds (and steps) until the mean reward of 5 steps in a row reaches `target`."""
+    elapsed, window = 0.0, []
+    for i, r in enumerate(rows, 1):
+        elapsed += r["perf/time_per_step"]
+        window = (window + [r["critic/score/mean"]])[-5:]
+        if len(window) == 5 and sum(window) / 5 >= target:
+            return f"{elapsed:.1f} s ({i} steps)"
+    return "not reached"
+
+
+def tiny_model(out: Path, max_positions: int, *keys: str) -> Path:
+    """The project's tiny model (random weights), with room for `max_positions` tokens;
+    `keys`: more `model.tiny` settings."""
+    if not (out / "config.json").exists():
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "polyrl.cli",
+                "tiny-model",
+                "--out",
+                str(out),
+                f"max_position_embeddings={max_positions}",
+                *keys,
+            ],
+            check=True,
+            capture_output=True,
+        )
+    return out
 
 
 # ----------------------------------------------------------------------- the stand-in's penalty
@@ -763,12 +818,12 @@ LEARN_PARTS = {  # part: (rollout mode, overrides)
     "learn_colocated": ("local", []),
     "learn_hybrid": ("hybrid", []),
     "learn_hybrid_ahead": ("hybrid", ["rollout.max_staleness=1"]),
-    "learn_fully_async": ("hybrid", ["rollout.fully_async=true", "rollout.max_staleness=1"]),
+    **{f"learn_fully_async_k{k}": ("hybrid", THROUGHPUT_PARTS[f"fully_async_k{k}"][2]) for k in (1, 2, 3, 4)},
 }
 KILLABLE = ("hybrid", "hybrid_ahead", "fully_async_k1", "fully_async_k2", "fully_async_k3", "fully_async_k4")
 DEFAULT_PARTS = (
     "colocated,colocated_whole,hybrid,hybrid_ahead,fully_async_k1,fully_async_k2,best_kill,equal_colocated,"
-    "equal_fully_async,learn_colocated,learn_fully_async,standin"
+    "equal_fully_async,learn_colocated,learn_fully_async_k2,standin"
 )
 
 
@@ -794,6 +849,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--cooldown", type=int, default=2, help="fully asynchronous rows: steps after the measured ones")
     p.add_argument("--learn-steps", type=int, default=80)
+    p.add_argument("--learn-n", type=int, default=16, help="learn_*: samples per prompt")
+    p.add_argument("--learn-lr", type=float, default=3e-3, help="learn_*: the learning rate")
+    p.add_argument(
+        "--learn-kv-blocks", type=int, default=32768, help="learn_*: each engine's KV cache (the tiny model's)"
+    )
     p.add_argument("--part-timeout-s", type=float, default=900, help="a part still running then is stopped")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more trainer overrides")
     p.add_argument(
@@ -817,7 +877,7 @@ def main() -> None:
         choices=KILLABLE,
         help="best_kill: the row to repeat with a kill (default: the fastest such row of this run)",
     )
-    p.add_argument("--target-reward", type=float, default=0.8)
+    p.add_argument("--target-reward", type=float, default=0.3, help="learn_*: the mean reward of 5 steps in a row")
     p.add_argument("--capacity-levels", default="128,256,512", help="standin: sequences in flight to measure")
     args = p.parse_args()
     if args.one_gpu:
@@ -852,26 +912,21 @@ def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Re
         elif args.device == "cuda":
             model = make_model(work / "qwen3-0.6b-shape", args.stop_ids, args.new_tokens + 512)
         else:  # the tiny model, long enough for the budgets
-            model = work / "tiny"
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "polyrl.cli",
-                    "tiny-model",
-                    "--out",
-                    str(model),
-                    f"max_position_embeddings={args.new_tokens + 128}",
-                ],
-                check=True,
-                capture_output=True,
-            )
+            model = tiny_model(work / "tiny", args.new_tokens + 128)
     count = args.prompts * (args.warmup + args.steps + args.cooldown + 4)  # one pass (fully async runs ahead)
     budgets = longtail_budgets(count, args.tail_median, args.tail_p99, args.new_tokens)
     data = {
         "longtail": write_workload(work / "longtail.jsonl", count, budgets),
         "equal": write_workload(work / "equal.jsonl", count, None),
     }
+    if any(x in LEARN_PARTS for x in parts):  # the same budget distribution, enough prompts for every step
+        count = args.prompts * (args.learn_steps + 6)
+        data["learn"] = write_workload(
+            work / "learn.jsonl", count, longtail_budgets(count, args.tail_median, args.tail_p99, args.new_tokens)
+        )
+        # A head size of 32 (the default tiny model's is 24): the engines' Triton kernels and
+        # CUDA graphs need a power of two, and without them a CUDA engine runs eagerly.
+        learn_model = tiny_model(work / "learn_tiny", args.new_tokens + 128, "hidden_size=128", "intermediate_size=256")
     print(
         f"long-tail budgets: median {np.median(budgets):.0f}, p90 {np.percentile(budgets, 90):.0f}, "
         f"p99 {np.percentile(budgets, 99):.0f}, max {max(budgets)}, mean {np.mean(budgets):.0f}",
@@ -886,7 +941,7 @@ def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Re
                 res = Result(part="standin", notes=[f"failed: {e}"])
         elif part in LEARN_PARTS:
             mode, extra = LEARN_PARTS[part]
-            res = learning_part(part, mode, args, work, extra)
+            res = learning_part(part, mode, args, work, extra, learn_model, data["learn"])
         else:
             res = throughput_part(part, args, work, model, data, results)
             if res is None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from polyrl.config import EngineConfig, TinyModelConfig
+from polyrl.config import EngineConfig, RolloutConfig, TinyModelConfig
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.engine import Engine
 from polyrl.engine.sampler import SamplingBatch, gumbel_noise, mix32, sample
@@ -92,6 +92,17 @@ def test_greedy_equals_hf_generate(model):
         assert r.token_ids == hf_greedy(model, p, 12)
         assert r.finish_reason == "length" and r.weight_versions == [0] * 12
     assert len({tuple(r.token_ids) for r in results.values()}) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_rollout_ignore_eos_generates_every_sample_to_its_budget(model, ignore_eos):
+    """`rollout.ignore_eos`: the run's sampling carries none of its stop tokens. Here every
+    token id is one, so without it each sample ends at its first token."""
+    sampling = RolloutConfig(max_new_tokens=9, n=3, ignore_eos=ignore_eos).sampling(range(model.config.vocab_size))
+    results = run(Engine(model, SMALL), [EngineRequest(str(i), p, sampling) for i, p in enumerate(PROMPTS)])
+    assert len(results) == 3 * len(PROMPTS)
+    for r in results.values():
+        assert (len(r.token_ids), r.finish_reason) == ((9, "length") if ignore_eos else (1, "stop"))
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20), (0.0, 1.0, 0)])

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from polyrl.config import DataConfig, TinyModelConfig
 from polyrl.data.source import PromptSource
-from polyrl.data.tasks import TASKS, char_match_reward, exact_match_reward, get_task, task_record
+from polyrl.data.tasks import TASKS, char_match_reward, exact_match_reward, get_task, repeat_match_reward, task_record
 from polyrl.models.tiny import save_tiny_model
 
 
@@ -98,6 +98,13 @@ def test_rewards_by_hand():
     # With finish_reason the stop is one more position: "cb$" vs "cba$", "xyz$" vs "cba$".
     stopped = char_match_reward(["", ""], ["cb", "xyz"], answer=["cba", "cba"], finish_reason=["stop", "stop"])
     assert stopped == [2 / 4, 1 / 4]
+
+
+def test_repeat_match_scores_every_character_against_the_word_repeated():
+    # "ab" repeated is "ababa...": "ababx" has 4 of 5 in place, "babab" none, a long run all.
+    got = repeat_match_reward(["", "", "", ""], ["ababx", "babab", "ab" * 300, ""], answer=["ab"] * 4)
+    assert got == [4 / 5, 0.0, 1.0, 0.0]
+    assert repeat_match_reward([""], ["abcab"], answer=["abc"]) == [1.0]
     assert char_match_reward([""], ["cba"], answer=["cba"], finish_reason=["length"]) == [3 / 4]
     assert char_match_reward([""], ["cba"], answer=["cba"], finish_reason=["stop"]) == [1.0]
     with pytest.raises(ValueError, match="unknown task"):

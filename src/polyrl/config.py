@@ -222,6 +222,10 @@ class RolloutConfig(_Section):
     """Sample only tokens at least min_p times as likely as the most likely one (vLLM's and
     SGLang's min_p). 0 disables it. Log-probs are those of the untruncated distribution,
     for the engines and the learner alike (README, "Log-probs")."""
+    ignore_eos: bool = False
+    """Generate every sample to its budget (`max_new_tokens`, or the prompt's own), past the
+    model's end-of-sequence tokens (vLLM's and SGLang's `ignore_eos`): for benchmarks that
+    need known lengths, such as `benchmarks/spot_gpu.py`'s learning rows."""
     deterministic: bool = False
     """Remote and hybrid: two runs with the same seed and config train on the same data in
     the same order, so they give the same losses and (on CPU) bit-identical weights. The
@@ -236,7 +240,8 @@ class RolloutConfig(_Section):
 
     def sampling(self, stop_token_ids: Sequence[int]) -> SamplingParams:
         """How the run's samples are drawn: these settings, ending on `stop_token_ids`
-        (the EOS tokens the run wants; the model's own are not added)."""
+        (the EOS tokens the run wants; the model's own are not added), or on none with
+        `ignore_eos`."""
         return SamplingParams(
             n=self.n,
             max_new_tokens=self.max_new_tokens,
@@ -244,7 +249,7 @@ class RolloutConfig(_Section):
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
-            stop_token_ids=tuple(stop_token_ids),
+            stop_token_ids=() if self.ignore_eos else tuple(stop_token_ids),
             ignore_eos=True,
         )
 

@@ -68,6 +68,21 @@ def char_match_reward(
     return scores
 
 
+def repeat_match_reward(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
+    """The share of the completion's characters that continue the answer repeated without
+    end ("ab" -> "ababab..."). For responses generated to a set length past their end of
+    sequence (`rollout.ignore_eos`), as in a long-tail benchmark: every token is scored,
+    so the length is the workload's and all of it is something the model learns."""
+    scores = []
+    for c, a in zip(completions, answer, strict=True):
+        if not c or not a:
+            scores.append(0.0)
+            continue
+        target = a * (len(c) // len(a) + 1)
+        scores.append(sum(x == y for x, y in zip(c, target)) / len(c))
+    return scores
+
+
 TASKS: dict[str, Task] = {
     t.name: t
     for t in [
