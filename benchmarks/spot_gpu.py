@@ -480,7 +480,9 @@ def run_part(
         counts = re.findall(r"KV cache full.*?\((\d+) so far", path.read_text(errors="replace"))
         if counts:
             notes.append(f"{path.stem}: over {counts[-1]} KV preemptions (recomputed sequences)")
-    if trainer.returncode != 0:
+    if any(n.startswith("timed out") for n in notes):  # its SIGABRT reads "Fatal Python error: Aborted"
+        print(f"[{part}] stopped at the part limit ({timeout_s:.0f} s); the stacks are in its logs", flush=True)
+    elif trainer.returncode != 0:
         tail = (run_dir / "trainer.log").read_text(errors="replace")[-3000:]
         notes.append(f"trainer exit {trainer.returncode}")
         print(f"[{part}] trainer failed:\n{tail}", flush=True)
