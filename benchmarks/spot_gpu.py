@@ -609,31 +609,29 @@ def learning_part(
         args.worker_kv_blocks = saved
     res = summarise(part, rows, 0, wall, notes)
     res.workload = "longtail"
-    elapsed = 0.0
-    window: list[float] = []
-    for r in rows:
-        elapsed += r["perf/time_per_step"]
-        window = (window + [r["critic/score/mean"]])[-5:]
-        if res.time_to_target_s is None and len(window) == 5 and sum(window) / 5 >= args.target_reward:
-            res.time_to_target_s = elapsed
-    res.final_reward = sum(window) / len(window) if window else None
+    reached = time_to(rows, args.target_reward)
+    res.time_to_target_s = reached[0] if reached else None
+    last = [r["critic/score/mean"] for r in rows[-5:]]
+    res.final_reward = sum(last) / len(last) if last else None
     for target in LEARN_TARGETS:  # the curve, coarsely
-        res.notes.append(f"to {target:g}: {time_to(rows, target)}")
+        at = time_to(rows, target)
+        res.notes.append(f"to {target:g}: " + (f"{at[0]:.1f} s ({at[1]} steps)" if at else "not reached"))
     return res
 
 
 LEARN_TARGETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
 
 
-def time_to(rows: list[dict[str, float]], target: float) -> str:
-    """Steps' seconds (and steps) until the mean reward of 5 steps in a row reaches `target`."""
+def time_to(rows: list[dict[str, float]], target: float) -> tuple[float, int] | None:
+    """The steps' seconds, and the steps, until the mean reward of 5 steps in a row reaches
+    `target` (None: never)."""
     elapsed, window = 0.0, []
     for i, r in enumerate(rows, 1):
         elapsed += r["perf/time_per_step"]
         window = (window + [r["critic/score/mean"]])[-5:]
         if len(window) == 5 and sum(window) / 5 >= target:
-            return f"{elapsed:.1f} s ({i} steps)"
-    return "not reached"
+            return elapsed, i
+    return None
 
 
 def tiny_model(out: Path, max_positions: int, *keys: str) -> Path:
