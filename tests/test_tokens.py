@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from chaos_harness.harness import chaos_manager_config, wait_for
+from polyrl.launch.start import write_owner_only
 from polyrl.manager.main import ManagerThread
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("POLYRL_TOKEN", "POLYRL_TOKEN_FILE")} | {"COLUMNS": "250"}
@@ -154,6 +155,7 @@ def test_train_and_a_worker_that_joins_it_take_the_token_from_files(
         info = run_dir / "manager.json"
         wait_for(lambda: info.exists() or trainer.poll() is not None, 120, "the run's manager.json")
         assert json.loads(info.read_text())["token"] == token
+        assert info.stat().st_mode & 0o777 == 0o600
         worker = subprocess.Popen(
             [
                 sys.executable,
@@ -187,3 +189,16 @@ def test_train_and_a_worker_that_joins_it_take_the_token_from_files(
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_the_runs_token_file_is_written_whole_and_owner_only(tmp_path: Path) -> None:
+    """A reader polling for manager.json sees it whole or not at all (the file appears by a
+    rename), and it is never readable by others, even replacing a readable one."""
+    info = tmp_path / "manager.json"
+    info.write_text("old")
+    os.chmod(info, 0o644)
+    (tmp_path / "manager.json.tmp").write_text("a leftover")  # from a run killed mid-write
+    write_owner_only(info, '{"token": "t"}')
+    assert json.loads(info.read_text()) == {"token": "t"}
+    assert info.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manager.json"]

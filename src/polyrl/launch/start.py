@@ -77,8 +77,7 @@ def start_remote(
     processes.on_close(rollout.close)
     info = run_dir / "manager.json"
     ca_file = {"ca_file": cfg.manager.tls.ca_file} if cfg.manager.tls.ca_file else {}
-    info.write_text(json.dumps({"url": processes.url, "token": token} | ca_file))
-    os.chmod(info, 0o600)
+    write_owner_only(info, json.dumps({"url": processes.url, "token": token} | ca_file))
     extra = f" worker.tls.ca_file={cfg.manager.tls.ca_file}" if cfg.manager.tls.ca_file else ""
     if cfg.engine.dtype == "float64":  # as the run's own workers (rollout.deterministic)
         extra += " engine.dtype=float64"
@@ -172,3 +171,14 @@ def wait_for_workers(
             timeout_s,
         )
     log.info("%d rollout workers ready", len(now))
+
+
+def write_owner_only(path: Path, text: str) -> None:
+    """Write `path` whole or not at all, readable by its owner only from the first byte: a
+    worker or a test polling for a run's manager.json must not read it half-written (it
+    would see no token), and the token must never sit in a file others can read."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.unlink(missing_ok=True)  # O_EXCL below: the mode is this call's, not a leftover's
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
