@@ -85,8 +85,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # the checkout's polyrl, and its test-only chaos_harness/
 
 from chaos_harness.harness import free_port  # noqa: E402
+from polyrl.config import TinyModelConfig  # noqa: E402
 from polyrl.data.tasks import get_task, task_record  # noqa: E402
-from polyrl.models.tiny import build_tokenizer  # noqa: E402
+from polyrl.models.tiny import build_tokenizer, save_tiny_model  # noqa: E402
 
 ON_DEMAND_USD_PER_GPU_HOUR = 83.79 / 8
 SPOT_USD_PER_GPU_HOUR = 21.28 / 8
@@ -608,7 +609,7 @@ def learning_part(
     finally:
         args.worker_kv_blocks = saved
     res = summarise(part, rows, 0, wall, notes)
-    res.workload = "longtail"
+    res.workload = "learn"  # its own model and task: no throughput row to compare with
     reached = time_to(rows, args.target_reward)
     res.time_to_target_s = reached[0] if reached else None
     last = [r["critic/score/mean"] for r in rows[-5:]]
@@ -634,24 +635,11 @@ def time_to(rows: list[dict[str, float]], target: float) -> tuple[float, int] | 
     return None
 
 
-def tiny_model(out: Path, max_positions: int, *keys: str) -> Path:
+def tiny_model(out: Path, max_positions: int, **shape: int) -> Path:
     """The project's tiny model (random weights), with room for `max_positions` tokens;
-    `keys`: more `model.tiny` settings."""
+    `shape`: more `model.tiny` settings."""
     if not (out / "config.json").exists():
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "polyrl.cli",
-                "tiny-model",
-                "--out",
-                str(out),
-                f"max_position_embeddings={max_positions}",
-                *keys,
-            ],
-            check=True,
-            capture_output=True,
-        )
+        save_tiny_model(out, TinyModelConfig(max_position_embeddings=max_positions, **shape))
     return out
 
 
@@ -926,7 +914,7 @@ def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Re
         )
         # A head size of 32 (the default tiny model's is 24): the engines' Triton kernels and
         # CUDA graphs need a power of two, and without them a CUDA engine runs eagerly.
-        learn_model = tiny_model(work / "learn_tiny", args.new_tokens + 128, "hidden_size=128", "intermediate_size=256")
+        learn_model = tiny_model(work / "learn_tiny", args.new_tokens + 128, hidden_size=128, intermediate_size=256)
     print(
         f"long-tail budgets: median {np.median(budgets):.0f}, p90 {np.percentile(budgets, 90):.0f}, "
         f"p99 {np.percentile(budgets, 99):.0f}, max {max(budgets)}, mean {np.mean(budgets):.0f}",
