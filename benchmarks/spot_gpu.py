@@ -68,6 +68,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -234,18 +235,19 @@ class Placement:
 
 @contextlib.contextmanager
 def mps_daemon(root: Path) -> Iterator[dict[str, str]]:
-    """A CUDA MPS control daemon of our own (pipe and log directories under `root`),
-    stopped when the block ends, however it ends; yields the environment its clients need."""
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "mps-log")}
-    for path in env.values():
-        Path(path).mkdir(parents=True, exist_ok=True)
-    subprocess.run(["nvidia-cuda-mps-control", "-d"], env=os.environ | env, check=True, timeout=30)
-    print(f"MPS control daemon started (pipe {env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
-    try:
-        yield env
-    finally:
-        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env=os.environ | env, timeout=60, check=False)
-        print("MPS control daemon stopped", flush=True)
+    """A CUDA MPS control daemon of our own (its logs under `root`, its pipes in a short
+    temporary directory: a socket path has a length limit), stopped when the block ends,
+    however it ends; yields the environment its clients need."""
+    with tempfile.TemporaryDirectory(prefix="mps-") as pipes:
+        env = {"CUDA_MPS_PIPE_DIRECTORY": pipes, "CUDA_MPS_LOG_DIRECTORY": str(root / "mps-log")}
+        Path(env["CUDA_MPS_LOG_DIRECTORY"]).mkdir(parents=True, exist_ok=True)
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], env=os.environ | env, check=True, timeout=30)
+        print(f"MPS control daemon started (logs in {env['CUDA_MPS_LOG_DIRECTORY']})", flush=True)
+        try:
+            yield env
+        finally:
+            subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env=os.environ | env, timeout=60, check=False)
+            print("MPS control daemon stopped", flush=True)
 
 
 class Worker:
@@ -261,10 +263,11 @@ class Worker:
         fraction: float | None,
         extra: tuple[str, ...] = ("engine.max_num_seqs=512",),
         env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
     ) -> None:
         """`gpu`: CUDA_VISIBLE_DEVICES for it ("" hides every GPU); `fraction`: its KV cache's
         share of the free GPU memory (None: `extra` sizes it); `extra`: more config overrides;
-        `env`: more environment (MPS)."""
+        `env`: more environment (MPS); `prefix`: a command to run it under (a profiler)."""
         env = (
             os.environ
             | {"CUDA_VISIBLE_DEVICES": gpu, "POLYRL_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
@@ -274,6 +277,7 @@ class Worker:
         self.log = open(log_dir / f"{worker_id}.log", "ab")  # noqa: SIM115 - closed in stop()
         kv = [f"engine.kv_cache_memory_fraction={fraction}"] if fraction is not None else []
         cmd = [
+            *(prefix or []),
             sys.executable,
             "-m",
             "polyrl.cli",
@@ -293,12 +297,19 @@ class Worker:
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill(self) -> None:
-        self.proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its session: the worker under a prefix too
         self.proc.wait()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            # the worker drains on SIGTERM; under a prefix (a profiler) the worker is its child,
+            # and the prefix ends, writing its output, when the worker does
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+            pids = [int(p) for p in children.read_text().split()] if children.exists() else []
+            for pid in pids or [self.proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -428,7 +439,10 @@ def run_part(
 
     def start_worker(worker_id: str) -> Worker:
         extra = (*engine_overrides(args, args.worker_kv_blocks), *args.worker_set)
-        return Worker(model, url, worker_id, worker_env["CUDA_VISIBLE_DEVICES"], run_dir, None, extra, worker_env)
+        prefix = shlex.split(args.worker_prefix.format(part=part, worker=worker_id))
+        return Worker(
+            model, url, worker_id, worker_env["CUDA_VISIBLE_DEVICES"], run_dir, None, extra, worker_env, prefix
+        )
 
     if spot:  # started first: it retries registering until the trainer's manager is up
         workers.append(start_worker("spot0"))
@@ -438,20 +452,22 @@ def run_part(
     seen = 0
     with open(run_dir / "trainer.log", "ab") as log:
         trainer = subprocess.Popen(
-            train_command(run_dir, overrides),
+            [*shlex.split(args.trainer_prefix.format(part=part)), *train_command(run_dir, overrides)],
             env=os.environ | place.env("trainer", whole),
             stdout=log,
             stderr=subprocess.STDOUT,
+            start_new_session=True,  # its group: the trainer under --trainer-prefix's command too
         )
         killed = False
         try:
             while trainer.poll() is None:
                 if time.monotonic() - t0 > timeout_s:
-                    for proc in [trainer, *(w.proc for w in workers)]:  # every thread's stack into the logs
+                    for pid in [trainer.pid, *(w.proc.pid for w in workers)]:  # every thread's stack into the logs
                         with contextlib.suppress(ProcessLookupError):
-                            proc.send_signal(signal.SIGABRT)
+                            os.killpg(pid, signal.SIGABRT)
                     time.sleep(3)
-                    trainer.kill()
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(trainer.pid, signal.SIGKILL)
                     notes.append(f"timed out after {timeout_s:.0f}s (stacks in the logs)")
                     break
                 rows = read_metrics(run_dir / "metrics.jsonl")
@@ -470,7 +486,9 @@ def run_part(
                     notes.append(f"spot1 started {args.restart_after_s:.0f}s later")
                 time.sleep(0.2)
         finally:
-            if trainer.poll() is None:
+            if trainer.poll() is None:  # timed out, or this script is stopping (an error, Ctrl-C)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(trainer.pid, signal.SIGTERM)
                 trainer.wait()
             for w in workers:
                 w.stop()
@@ -585,6 +603,7 @@ def learning_part(
         f"trainer.ppo_mini_batch_size={args.prompts // args.mini_batches}",
         f"trainer.total_steps={args.learn_steps}",
         f"trainer.lr={args.learn_lr}",
+        f"trainer.micro_batch_max_tokens={args.learn_micro_batch_tokens}",
         "trainer.save_every=0",
         *engine_overrides(args, args.learn_kv_blocks),
         "logging.console=false",
@@ -840,6 +859,13 @@ def main() -> None:
     p.add_argument("--learn-n", type=int, default=16, help="learn_*: samples per prompt")
     p.add_argument("--learn-lr", type=float, default=3e-3, help="learn_*: the learning rate")
     p.add_argument(
+        "--learn-micro-batch-tokens",
+        type=int,
+        default=65536,
+        help="learn_*: the learner's micro-batch tokens (the run's default, 4096, holds only 4 rows of "
+        "a 1024-token response: a learning step of some 200k tokens would take over 100 micro-batches)",
+    )
+    p.add_argument(
         "--learn-kv-blocks", type=int, default=32768, help="learn_*: each engine's KV cache (the tiny model's)"
     )
     p.add_argument("--part-timeout-s", type=float, default=900, help="a part still running then is stopped")
@@ -866,6 +892,17 @@ def main() -> None:
         help="best_kill: the row to repeat with a kill (default: the fastest such row of this run)",
     )
     p.add_argument("--target-reward", type=float, default=0.3, help="learn_*: the mean reward of 5 steps in a row")
+    p.add_argument(
+        "--trainer-prefix",
+        default="",
+        help="a command to run each trainer under, {part} replaced by the row's name, e.g. "
+        "'py-spy record -f raw -r 50 --subprocesses --nonblocking -o prof-{part}.txt --'",
+    )
+    p.add_argument(
+        "--worker-prefix",
+        default="",
+        help="the same for each spot worker, {part} and {worker} replaced",
+    )
     p.add_argument("--capacity-levels", default="128,256,512", help="standin: sequences in flight to measure")
     args = p.parse_args()
     if args.one_gpu:
@@ -882,18 +919,16 @@ def main() -> None:
     if args.device == "cpu":
         parts = [x for x in parts if x not in ("standin", "colocated_whole")]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stop still runs the clean-ups (the MPS daemon's)
-    with tempfile.TemporaryDirectory(prefix="spot_gpu_") as tmp, contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory(prefix="spot_gpu_") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        mps = stack.enter_context(mps_daemon(work)) if args.split == "mps" and args.device == "cuda" else None
-        args.placement = Placement(args.split, args.device, mps)
         results = run_parts(parts, args, work)
     report(results, args)
 
 
 def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Result]:
     results: list[Result] = []
-    model = None
+    model = learn_model = None
     if any(x in THROUGHPUT_PARTS or x in ("best_kill", "standin") for x in parts):
         if args.model is not None:
             model = args.model
@@ -922,21 +957,47 @@ def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Re
     )
     for part in parts:
         print(f"== {part}", flush=True)
-        if part == "standin":
-            try:
-                res = standin_part(args, model, work)
-            except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other rows still count
-                res = Result(part="standin", notes=[f"failed: {e}"])
-        elif part in LEARN_PARTS:
-            mode, extra = LEARN_PARTS[part]
-            res = learning_part(part, mode, args, work, extra, learn_model, data["learn"])
-        else:
-            res = throughput_part(part, args, work, model, data, results)
-            if res is None:
-                continue
-        results.append(res)
-        print(json.dumps(asdict(res)), flush=True)
+        with part_placement(args, work / part):
+            res = run_one(part, args, work, model, data, results, learn_model)
+        if res is not None:
+            results.append(res)
+            print(json.dumps(asdict(res)), flush=True)
     return results
+
+
+@contextlib.contextmanager
+def part_placement(args: argparse.Namespace, mps_root: Path) -> Iterator[None]:
+    """`args.placement` for one part. Under `--split mps` each part gets an MPS control
+    daemon of its own: a part then starts on a server no earlier part's clients touched
+    (a kill -9 row after other rows had its trainer torn down by the server's fatal-error
+    handling twice, while the same row run alone lost nothing)."""
+    if args.split == "mps" and args.device == "cuda":
+        with mps_daemon(mps_root) as env:
+            args.placement = Placement(args.split, args.device, env)
+            yield
+    else:
+        args.placement = Placement(args.split, args.device)
+        yield
+
+
+def run_one(
+    part: str,
+    args: argparse.Namespace,
+    work: Path,
+    model: Path | None,
+    data: dict[str, Path],
+    done: list[Result],
+    learn_model: Path | None,
+) -> Result | None:
+    if part == "standin":
+        try:
+            return standin_part(args, model, work)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other rows still count
+            return Result(part="standin", notes=[f"failed: {e}"])
+    if part in LEARN_PARTS:
+        mode, extra = LEARN_PARTS[part]
+        return learning_part(part, mode, args, work, extra, learn_model, data["learn"])
+    return throughput_part(part, args, work, model, data, done)
 
 
 def throughput_part(

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from polyrl.config import EngineConfig, RolloutConfig, TinyModelConfig
 from polyrl.engine.async_engine import AsyncEngine
+from polyrl.engine.block_manager import padded_tables
 from polyrl.engine.engine import Engine
 from polyrl.engine.sampler import SamplingBatch, gumbel_noise, mix32, sample
 from polyrl.engine.types import EngineFullError, EngineRequest, RequestError, SampleResult
@@ -512,3 +513,14 @@ def test_a_busy_overlapped_batch_gathers_arrivals_before_it_admits_them(model, w
     while engine.has_work:
         step()
     assert late == hf_greedy(model, PROMPTS[1], 12)
+
+
+@pytest.mark.parametrize("width", [0, 1, 3, 7])
+def test_padded_tables_cut_or_pad_each_block_table_to_the_width(width):
+    """The engine's block tables as one int32 tensor: row i holds table i's first `width`
+    blocks, then zeros; empty tables and a table longer than the width included."""
+    tables = [[5, 9, 2], [], [7], [1, 2, 3, 4, 5, 6, 7, 8], [3, 3]]
+    got = padded_tables(tables, width)
+    want = [[*t[:width], *[0] * (width - len(t[:width]))] for t in tables]
+    assert got.dtype == torch.int32 and got.shape == (len(tables), width)
+    assert got.tolist() == want

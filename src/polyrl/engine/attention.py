@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from polyrl.engine import triton_ops
+from polyrl.engine.block_manager import padded_tables
 
 
 @dataclass
@@ -51,12 +52,11 @@ class AttentionGroup:
         num_seqs, max_q, max_ctx = len(query_lens), max(query_lens), max(context_lens)
         max_blocks = -(-max_ctx // block_size)
         if kernel_decode and max_q == 1:
-            tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables]
             return cls(
                 token_index=torch.tensor(token_offsets).to(device),
                 batch_index=torch.empty(0, dtype=torch.long),
                 query_index=torch.empty(0, dtype=torch.long),
-                block_tables=torch.tensor(tables, dtype=torch.int32).to(device),
+                block_tables=padded_tables(block_tables, max_blocks).to(device),
                 mask=None,
                 num_seqs=num_seqs,
                 max_query_len=1,
@@ -65,7 +65,7 @@ class AttentionGroup:
         token_index = torch.tensor([o + i for o, q in zip(token_offsets, query_lens) for i in range(q)])
         batch_index = torch.tensor([b for b, q in enumerate(query_lens) for _ in range(q)])
         query_index = torch.tensor([i for q in query_lens for i in range(q)])
-        tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables])
+        tables = padded_tables(block_tables, max_blocks).long()
         pos = torch.arange(max_blocks * block_size)  # [C]
         ctx = torch.tensor(context_lens)[:, None, None]  # [B, 1, 1]
         last_query_pos = ctx - torch.tensor(query_lens)[:, None, None] + torch.arange(max_q)[None, :, None]

@@ -8,13 +8,34 @@ keep the scheduler free of half-done allocations.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
+
+import numpy as np
+import torch
 
 from polyrl.engine.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def padded_tables(tables: list[list[int]], width: int) -> torch.Tensor:
+    """[len(tables), width] int32 host tensor: each block table cut or zero-padded to
+    `width`. Built flat (one numpy pass over the blocks, one masked store) rather than
+    from a padded nested list, which torch converts element by element: for 512 tables of
+    up to 72 blocks, 2.4 ms against 0.4 ms on a 2-core box. In a profile of a tiny model's
+    decoding engine on an H100 host, the nested list was about a quarter of its step."""
+    lens = np.fromiter((min(len(t), width) for t in tables), dtype=np.int64, count=len(tables))
+    blocks = np.fromiter(
+        itertools.chain.from_iterable(t[:width] if len(t) > width else t for t in tables),
+        dtype=np.int32,
+        count=int(lens.sum()),
+    )
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    out[np.arange(width) < lens[:, None]] = blocks  # row-major: each row's blocks in order
+    return torch.from_numpy(out)
 
 
 class BlockManager:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from polyrl.engine.block_manager import padded_tables
 from polyrl.engine.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -62,10 +63,9 @@ def decode_inputs(
     ids = [s.token_ids[p] if p < len(s.token_ids) else 0 for s, p in zip(seqs, positions)] + [0] * pad
     slots = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(seqs, positions)]
     ctx = [p + 1 for p in positions] + [0] * pad
-    width = max(len(s.block_table) for s in seqs)
-    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    tables = [s.block_table for s in seqs]
     inputs = torch.tensor([ids, positions + [0] * pad, slots + [scratch_slot] * pad, ctx], dtype=torch.long)
-    return inputs, torch.tensor(tables, dtype=torch.int32)
+    return inputs, padded_tables(tables, max(len(t) for t in tables))
 
 
 class DecodeGraphs:

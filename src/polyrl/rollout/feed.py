@@ -86,8 +86,9 @@ class FeedStep:
         }
 
 
-def oldest_version(group: Group, default: int) -> int:
-    return min((v for s in group.samples for v in s.weight_versions), default=default)
+def oldest_version(group: Group) -> int | None:
+    """The version of the group's oldest token (None: it has no token)."""
+    return min((min(s.weight_versions) for s in group.samples if s.weight_versions), default=None)
 
 
 class AsyncFeed:
@@ -111,6 +112,9 @@ class AsyncFeed:
         """Submitted and not trained on, by prompt id."""
         self.arrived: list[Group] = []
         """Finished and not trained on, in arrival order."""
+        self._oldest: dict[str, int | None] = {}
+        """Each arrived group's oldest token version, by prompt id: found once on arrival
+        (every token of every sample), not at each pick, which scans the whole backlog."""
         self._resubmit = list(resubmit or [])
         self._inbox: queue.SimpleQueue[Group | BaseException] = queue.SimpleQueue()
         self._closed = False
@@ -176,10 +180,11 @@ class AsyncFeed:
                 continue
             gid = str(group.prompt.index)
             due.discard(gid)
-            if oldest_version(group, version) < limit:  # should not happen: see _pick
-                self._regenerate(group, version)
+            oldest = self._oldest.pop(gid, None)
+            if oldest is not None and oldest < limit:  # should not happen: see _pick
+                self._regenerate(group, oldest, version)
                 continue
-            self.step.num_due += oldest_version(group, version) == limit
+            self.step.num_due += oldest == limit
             del self.outstanding[gid]
             self.step.stats.count(group)
             taken += 1
@@ -191,9 +196,14 @@ class AsyncFeed:
     def _pick(self, limit: int, due: set[str], room: int) -> Group | None:
         """A due group that has arrived (oldest tokens first); else, while there is room
         beside the due groups still running, the first to arrive."""
-        is_due = [g for g in self.arrived if str(g.prompt.index) in due or oldest_version(g, limit + 1) <= limit]
+
+        def oldest(g: Group) -> int:
+            v = self._oldest.get(str(g.prompt.index))
+            return limit + 1 if v is None else v
+
+        is_due = [g for g in self.arrived if str(g.prompt.index) in due or oldest(g) <= limit]
         if is_due:
-            group = min(is_due, key=lambda g: oldest_version(g, limit + 1))
+            group = min(is_due, key=oldest)
         elif self.arrived and room > 0:
             group = self.arrived[0]
         else:
@@ -201,13 +211,13 @@ class AsyncFeed:
         self.arrived.remove(group)
         return group
 
-    def _regenerate(self, group: Group, version: WeightVersion) -> None:
+    def _regenerate(self, group: Group, oldest: int, version: WeightVersion) -> None:
         """A group too old to train on: its prompt goes out again. Only a group whose result
         was on its way while its batch closed can miss the due list; the bound holds anyway."""
         log.warning(
             "prompt %d: its oldest token (v%d) is more than %d versions behind v%d; generating it again",
             group.prompt.index,
-            oldest_version(group, version),
+            oldest,
             self.max_staleness,
             version,
         )
@@ -236,6 +246,7 @@ class AsyncFeed:
         if isinstance(item, BaseException):
             raise item
         self.arrived.append(item)
+        self._oldest[str(item.prompt.index)] = oldest_version(item)
         self.step.arrived_groups += 1
         self.step.arrived_tokens += sum(len(item.prompt.prompt_ids) + len(s.completion_ids) for s in item.samples)
 
