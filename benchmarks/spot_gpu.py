@@ -7,8 +7,8 @@ response.
     python benchmarks/spot_gpu.py --device cpu --only colocated,fully_async_k2,best_kill   # the orchestration on CPU
 
 Where the processes run (`--split`):
-* `mps`: one GPU stands in for two. The script starts its own CUDA MPS control daemon (its
-  own pipe and log directories under the work directory) and stops it at the end and on
+* `mps`: one GPU stands in for two. Each row starts its own CUDA MPS control daemon (its
+  own pipe directory, its logs in the row's directory) and stops it at the row's end and on
   any failure; every process runs at `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50` (the trainer
   and its own engine on the "trainer's half", the spot worker on the other), except the
   `colocated_whole` row at 100%. Measured 2026-11-25 on an H100: two such processes at once
