@@ -854,7 +854,12 @@ def main() -> None:
     p.add_argument("--tail-median", type=float, default=300, help="long-tail workload: median budget (tokens)")
     p.add_argument("--tail-p99", type=float, default=3000, help="long-tail workload: 99th-percentile budget")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--cooldown", type=int, default=2, help="fully asynchronous rows: steps after the measured ones")
+    p.add_argument(
+        "--cooldown",
+        type=int,
+        default=2,
+        help="fully asynchronous rows: steps after the measured ones (at least the row's max_staleness)",
+    )
     p.add_argument("--learn-steps", type=int, default=80)
     p.add_argument("--learn-n", type=int, default=16, help="learn_*: samples per prompt")
     p.add_argument("--learn-lr", type=float, default=3e-3, help="learn_*: the learning rate")
@@ -936,7 +941,7 @@ def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Re
             model = make_model(work / "qwen3-0.6b-shape", args.stop_ids, args.new_tokens + 512)
         else:  # the tiny model, long enough for the budgets
             model = tiny_model(work / "tiny", args.new_tokens + 128)
-    count = args.prompts * (args.warmup + args.steps + args.cooldown + 4)  # one pass (fully async runs ahead)
+    count = args.prompts * (args.warmup + args.steps + max(args.cooldown, 4) + 4)  # one pass (fully async runs ahead)
     budgets = longtail_budgets(count, args.tail_median, args.tail_p99, args.new_tokens)
     data = {
         "longtail": write_workload(work / "longtail.jsonl", count, budgets),
@@ -1018,10 +1023,13 @@ def throughput_part(
     else:
         workload, mode, extra = THROUGHPUT_PARTS[part]
     port = free_port()
-    # Fully asynchronous runs submit less as they near their end: steps after the measured
-    # ones keep the measured ones in the steady state.
+    # Fully asynchronous runs submit less over their last k steps (prompts for the steps
+    # left, not k + 1 steps' worth): at least k steps after the measured ones keep those in
+    # the steady state. (With k = 4 and 2 such steps, the fleet made 58k and 7k tokens in
+    # the last two measured steps, against 82k-165k in the four before.)
     fully_async = "rollout.fully_async=true" in extra
-    cooldown = args.cooldown if fully_async else 0
+    k = max([int(x.split("=")[1]) for x in extra if x.startswith("rollout.max_staleness=")] or [0])
+    cooldown = max(args.cooldown, k) if fully_async else 0
     overrides = [
         *throughput_overrides(args, model, mode, port, data[workload], workload == "longtail", cooldown),
         *extra,
