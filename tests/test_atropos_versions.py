@@ -12,6 +12,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from test_manager import fast_cfg
+from test_worker import InProcessWorker, _tiny
 
 from polyrl.data.atropos import ScoredGroup, generated_spans, token_versions
 from polyrl.engine.types import SampleDelta
@@ -20,6 +21,7 @@ from polyrl.inference.versions import VersionBook
 from polyrl.manager.main import ManagerThread
 from polyrl.metrics.step_stats import version_lag_metrics
 from polyrl.protocol.completions import from_runs, sequence_key, to_runs
+from polyrl.protocol.manager_api import RegisterRequest
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.atropos import AtroposRollout
 from polyrl.rollout.manager_link import ManagerLink
@@ -104,8 +106,21 @@ def test_a_group_with_an_unknown_span_is_unversioned_as_a_whole():
 
 @pytest.fixture
 def manager() -> Iterator[ManagerThread]:
-    with ManagerThread(fast_cfg(token=TOKEN)) as mt:
+    with ManagerThread(fast_cfg(token=TOKEN, heartbeat_timeout_s=60.0)) as mt:
         yield mt
+
+
+def atropos_rollout(manager: ManagerThread, batch: list[dict], version: int) -> tuple[AtroposRollout, ManagerLink]:
+    """The trainer's Atropos rollout at learner version `version`, asking `manager`;
+    `batch` is what the Atropos API hands out."""
+    link = ManagerLink(manager.url, TOKEN, timeout_s=10, retry_s=1)
+    inner = SimpleNamespace(
+        weight_version=version,
+        completion_versions=link.completion_versions,
+        note_fleet=lambda stats: SimpleNamespace(num_migrations=0),
+    )
+    client = SimpleNamespace(registration=SimpleNamespace(max_token_len=64), next_batch=lambda steps_done: batch)
+    return AtroposRollout(inner, client, vocab_size=64, temperature=1.0, steps_done=0), link  # type: ignore[arg-type]
 
 
 def test_an_environment_generating_ahead_of_the_trainer_shows_version_lag(manager):
@@ -127,14 +142,7 @@ def test_an_environment_generating_ahead_of_the_trainer_shows_version_lag(manage
         group([[5, 6, 7, 8, 11, 12, 13, EOS]], [[X, X, 7, 8, X, X, 13, EOS]]),
         group([[5, 6, 20, 21]], [[X, X, 20, 21]]),  # served elsewhere
     ]
-    link = ManagerLink(manager.url, TOKEN, timeout_s=5, retry_s=1)
-    inner = SimpleNamespace(
-        weight_version=3,
-        completion_versions=link.completion_versions,
-        note_fleet=lambda stats: SimpleNamespace(num_migrations=0),
-    )
-    client = SimpleNamespace(registration=SimpleNamespace(max_token_len=64), next_batch=lambda steps_done: batch)
-    rollout = AtroposRollout(inner, client, vocab_size=64, temperature=1.0, steps_done=0)  # type: ignore[arg-type]
+    rollout, link = atropos_rollout(manager, batch, version=3)
     try:
         groups = list(rollout.generate([], SamplingParams(max_new_tokens=4)))
     finally:
@@ -146,3 +154,26 @@ def test_an_environment_generating_ahead_of_the_trainer_shows_version_lag(manage
     assert rollout.stats.metrics()["rollout/unversioned_groups"] == 1
     items = group_items(groups[0], [1.0, -1.0], version=3)
     assert sum(it.num_current_tokens for it in items) == 0  # none measures the engine/trainer mismatch
+
+
+def test_a_worker_called_directly_books_what_it_serves_and_the_manager_asks_it(manager, tmp_path):
+    """atroposlib's vLLM class on a worker's /generate (a real engine at version 0); the
+    trainer, two versions on, asks the manager, which asks its workers."""
+    with InProcessWorker(_tiny(tmp_path / "model")) as worker:
+        register = RegisterRequest(
+            worker_id="w1", url=worker.http.url, model_path="m", weight_version=0, max_num_seqs=8, max_model_len=2048
+        )
+        manager.call(manager.manager.register, register)
+        prompt = [1, 5, 6, 7]
+        body = {"prompt": {"prompt_token_ids": prompt}, "n": 2, "max_tokens": 6, "logprobs": 0, "ignore_eos": True}
+        served = worker.client.post("/generate", json=body).json()["token_ids"]
+        tokens = [prompt + ids for ids in served]
+        masks = [[X] * len(prompt) + ids for ids in served]
+        rollout, link = atropos_rollout(manager, [group(tokens, masks)], version=2)
+        try:
+            groups = list(rollout.generate([], SamplingParams(max_new_tokens=6)))
+        finally:
+            link.close()
+    assert [s.weight_versions for s in groups[0].samples] == [[0] * 6, [0] * 6]
+    assert version_lag_metrics(groups, 2)["rollout/version_lag/mean"] == 2
+    assert rollout.stats.metrics()["rollout/unversioned_groups"] == 0
