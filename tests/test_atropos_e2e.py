@@ -229,10 +229,16 @@ def test_train_learns_from_an_atropos_environment(tmp_path, api, procs, model_di
 @pytest.mark.slow
 def test_openai_class_through_the_manager_trains(tmp_path, api, procs, model_dir) -> None:
     """/v1/completions on the manager (the fleet), text re-tokenized by the environment, no
-    log-probs (the learner's own stand in): every group arrives and trains. The other two
-    pairs of class and target are covered request by request in tests/test_inference.py."""
+    log-probs (the learner's own stand in): every group arrives and trains, with the
+    weight versions its tokens were sampled at. The other two pairs of class and target
+    are covered request by request in tests/test_inference.py."""
     rows, _ = run_training(tmp_path, api, procs, model_dir, "openai", "manager", steps=4)
     assert len(rows) == 4 and all(r["actor/grad_norm"] > 0 for r in rows)
+    # Every group's tokens are found in the manager's book, re-tokenized text and all, and
+    # the environment generates while the learner trains: later steps' groups lag behind
+    # (issue 41: it read 0; measured [0, 1, 1, 1] here)
+    lags = [r["rollout/version_lag/max"] for r in rows]
+    assert all(r["rollout/unversioned_groups"] == 0 for r in rows) and lags[0] == 0 and max(lags) >= 1, lags
 
 
 @pytest.mark.slow
