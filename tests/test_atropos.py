@@ -157,7 +157,7 @@ def test_base_envs_empty_lists_mean_none_and_bad_groups_are_dropped_not_fatal():
     misaligned = good | {"masks": [[X, 7]]}
     too_long = good | {"tokens": [[5] * 70], "masks": [[X] * 69 + [5]]}
     client = SimpleNamespace(registration=SimpleNamespace(max_token_len=64))
-    inner = SimpleNamespace(weight_version=4)
+    inner = SimpleNamespace(weight_version=4, completion_versions=lambda keys: [None] * len(keys))
     rollout = AtroposRollout(inner, client, vocab_size=64, temperature=1.0, steps_done=0)
     groups = rollout._convert([misaligned, good, too_long])
     assert len(groups) == 1 and rollout.num_dropped == 2

@@ -179,7 +179,8 @@ def run_training(
 ) -> tuple[list[dict], list[int]]:
     """The environment calls `target`: a `polyrl worker` of its own that joined the
     trainer's manager, or the manager itself (which routes to the worker the trainer
-    launched). Returns the metrics and the serving worker's weight version after each step."""
+    launched). Returns the metrics and the serving worker's weight version after each step;
+    checks that the groups came with their tokens' weight versions."""
     manager_port, worker_port = free_port(), free_port()
     manager_url = f"http://127.0.0.1:{manager_port}"
     if target == "worker":
@@ -209,6 +210,11 @@ def run_training(
     # the fleet follows the trainer: the environment is served by newer versions as training
     # goes on (how many a step-end sample sees depends on the host's load, so not every one)
     assert served == sorted(served) and served[-1] >= steps - 2 and served[-1] > served[0], served
+    # Every group's tokens are found in the servers' books (the worker's, or the manager's
+    # with re-tokenized text), and the environment generates while the learner trains:
+    # later steps' groups lag (issue 41: it read 0; 4 steps measured [0, 1, 1, 1] both ways)
+    lags = [r["rollout/version_lag/max"] for r in rows]
+    assert all(r["rollout/unversioned_groups"] == 0 for r in rows) and lags[0] == 0 and max(lags) >= 1, lags
     return rows, served
 
 
@@ -229,8 +235,9 @@ def test_train_learns_from_an_atropos_environment(tmp_path, api, procs, model_di
 @pytest.mark.slow
 def test_openai_class_through_the_manager_trains(tmp_path, api, procs, model_dir) -> None:
     """/v1/completions on the manager (the fleet), text re-tokenized by the environment, no
-    log-probs (the learner's own stand in): every group arrives and trains. The other two
-    pairs of class and target are covered request by request in tests/test_inference.py."""
+    log-probs (the learner's own stand in): every group arrives and trains, with the
+    weight versions its tokens were sampled at. The other two pairs of class and target
+    are covered request by request in tests/test_inference.py."""
     rows, _ = run_training(tmp_path, api, procs, model_dir, "openai", "manager", steps=4)
     assert len(rows) == 4 and all(r["actor/grad_norm"] > 0 for r in rows)
 

@@ -19,7 +19,11 @@ How a sequence becomes a polyrl `Sample`:
 * `inference_logprobs` become the behaviour log-probs; without them the learner's own
   log-probs stand in (the sample counts as on-policy, importance weight 1);
 * `ref_logprobs` are ignored: with `algo.kl_coef > 0` the learner computes its own
-  reference log-probs from the initial model.
+  reference log-probs from the initial model;
+* the weight version of each generated token is not in the group: the manager booked it
+  when it served the completion, and the trainer looks each generated span up by its
+  token ids (`generated_spans`, `span_keys`, `token_versions`; `protocol/completions.py`
+  says why). Context inside the completion takes the version of the token before it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from polyrl.protocol.completions import VersionRuns, from_runs, sequence_key
 from polyrl.protocol.samples import Group, Prompt, Sample
 
 CONTEXT = -100
@@ -117,9 +122,58 @@ def prompt_length(masks: list[int]) -> int:
     return max(n, 1)
 
 
-def to_sample(group: ScoredGroup, i: int, version: int) -> tuple[list[int], Sample]:
-    """Sequence i as (its prompt ids, its sample); `version`: the weight version its tokens
-    are booked under (Atropos does not say which weights sampled them)."""
+def generated_spans(masks: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of generated positions after the prompt: one per turn."""
+    spans: list[tuple[int, int]] = []
+    begin: int | None = None
+    for i in range(prompt_length(masks), len(masks)):
+        if masks[i] != CONTEXT and begin is None:
+            begin = i
+        elif masks[i] == CONTEXT and begin is not None:
+            spans.append((begin, i))
+            begin = None
+    if begin is not None:
+        spans.append((begin, len(masks)))
+    return spans
+
+
+def span_keys(group: ScoredGroup) -> list[list[str]]:
+    """Per sequence, the key of each generated span: context + the span, the sequence the
+    server booked the turn's completion under."""
+    return [
+        [sequence_key(tokens[:end]) for _, end in generated_spans(masks)]
+        for tokens, masks in zip(group.tokens, group.masks, strict=True)
+    ]
+
+
+def token_versions(group: ScoredGroup, runs: list[list[VersionRuns | None]]) -> list[list[int]] | None:
+    """Per sequence, the weight version of each completion position, from the server's
+    bookings of its spans (`runs`, aligned with `span_keys`); None if any span is unknown
+    (the group is then unversioned as a whole: a partly known one would look fresher
+    than it is)."""
+    out: list[list[int]] = []
+    for tokens, masks, seq_runs in zip(group.tokens, group.masks, runs, strict=True):
+        spans, start = generated_spans(masks), prompt_length(masks)
+        if not spans:
+            return None
+        known: list[int | None] = [None] * (len(tokens) - start)
+        for (begin, end), booked in zip(spans, seq_runs, strict=True):
+            versions = from_runs(booked) if booked is not None else []
+            if len(versions) < end - begin:  # unknown, or the span is not a completion's tail
+                return None
+            known[begin - start : end - start] = versions[len(versions) - (end - begin) :]
+        previous = next(v for v in known if v is not None)
+        filled = []
+        for v in known:
+            previous = v if v is not None else previous
+            filled.append(previous)
+        out.append(filled)
+    return out
+
+
+def to_sample(group: ScoredGroup, i: int, version: int, versions: list[int] | None = None) -> tuple[list[int], Sample]:
+    """Sequence i as (its prompt ids, its sample); `versions`: the weight version of each
+    completion token (`token_versions`), or None: all are booked under `version`."""
     tokens, masks = group.tokens[i], group.masks[i]
     start = prompt_length(masks)
     completion = tokens[start:]
@@ -133,7 +187,7 @@ def to_sample(group: ScoredGroup, i: int, version: int) -> tuple[list[int], Samp
         completion_ids=completion,
         logprobs=[float(x) for x in logprobs],
         finish_reason="stop",
-        weight_versions=[version] * len(completion),
+        weight_versions=versions if versions is not None else [version] * len(completion),
         has_logprobs=has_logprobs,
         loss_mask=None if all(trained) else trained,
         advantages=advantages,
@@ -146,10 +200,11 @@ def is_zeroed(group: ScoredGroup, i: int) -> bool:
     return bool(override.get("set_advantage_to_zero", False))
 
 
-def to_group(group: ScoredGroup, index: int, version: int) -> Group:
+def to_group(group: ScoredGroup, index: int, version: int, versions: list[list[int]] | None = None) -> Group:
     """The polyrl group of an Atropos group: the prompt is its first sequence's; a
-    sequence with another context keeps its own (`Sample.prompt_ids`)."""
-    pairs = [to_sample(group, i, version) for i in range(len(group.tokens))]
+    sequence with another context keeps its own (`Sample.prompt_ids`). `versions`: per
+    sequence, as `to_sample`'s."""
+    pairs = [to_sample(group, i, version, versions[i] if versions else None) for i in range(len(group.tokens))]
     prompt_ids = pairs[0][0]
     for ids, sample in pairs:
         if ids != prompt_ids:

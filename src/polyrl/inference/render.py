@@ -29,6 +29,9 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     """Per token, when asked for: the k most likely (token id, log-prob)."""
+    weight_versions: list[int] = field(default_factory=list)
+    """Per token: the weight version that generated it (not rendered: booked for the
+    trainer, `inference/versions.py`)."""
     finish_reason: FinishReason | None = None
     matched_stop_token: int | None = None
     """The stop token (EOS or a stop_token_id) that ended the sample: generated and
@@ -53,6 +56,7 @@ class Choice:
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
         self.top_logprobs += delta.top_logprobs
+        self.weight_versions += delta.weight_versions
         # the stop token that ends a sample is not text a stop string could match ("<eos>")
         ids = self.token_ids[:-1] if delta.matched_stop is not None else self.token_ids
         if self.stops and delta.token_ids and self._cut_at_stop(tokenizer, ids):
@@ -76,7 +80,7 @@ class Choice:
                 hi = mid
             else:
                 lo = mid + 1
-        del self.token_ids[lo:], self.logprobs[lo:], self.top_logprobs[lo:]
+        del self.token_ids[lo:], self.logprobs[lo:], self.top_logprobs[lo:], self.weight_versions[lo:]
         self.finish_reason, self.matched_stop_token, self.text = "stop", None, text[:cut]
         return True
 

@@ -37,6 +37,7 @@ from polyrl.inference.protocol import (
     unsupported_field,
 )
 from polyrl.inference.render import Choice
+from polyrl.inference.versions import VersionBook
 from polyrl.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -110,11 +111,21 @@ def _event(payload: Any) -> bytes:
 
 class Generation:
     """One request's samples as they grow; ends (and aborts what runs) once every
-    sample is finished, by the engine or by a stop string."""
+    sample is finished, by the engine or by a stop string. Finished, its samples are
+    booked with their weight versions in `book` (if any)."""
 
-    def __init__(self, stream: AsyncIterator[list[SampleDelta]], tokenizer: Any, n: int, stops: list[str]) -> None:
+    def __init__(
+        self,
+        stream: AsyncIterator[list[SampleDelta]],
+        tokenizer: Any,
+        n: int,
+        stops: list[str],
+        prompt_ids: list[int] | None = None,
+        book: VersionBook | None = None,
+    ) -> None:
         self.stream, self.tokenizer = stream, tokenizer
         self.choices = [Choice(i, stops) for i in range(n)]
+        self.prompt_ids, self.book = prompt_ids or [], book
 
     @property
     def done(self) -> bool:
@@ -140,6 +151,9 @@ class Generation:
             await self.aclose()
         if not self.done:  # the backend ended without finishing a sample: a bug there
             raise RuntimeError("generation ended with unfinished samples")
+        if self.book is not None:
+            for c in self.choices:
+                self.book.record(self.prompt_ids, c.token_ids, c.weight_versions)
 
     async def run(self, request: Request) -> bool:
         """Consume to the end; False if the client hung up first (the rest is aborted)."""
@@ -175,12 +189,17 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _started(
-    backend: InferenceBackend, prompt_ids: list[int], sampling: SamplingParams, tokenizer: Any, stops: list[str]
+    backend: InferenceBackend,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    tokenizer: Any,
+    stops: list[str],
+    book: VersionBook | None,
 ) -> Generation:
     """Start generating; refusals raise here, before any response is sent."""
     stream = backend.generate(prompt_ids, sampling)
     first = await anext(stream, None)
-    generation = Generation(stream, tokenizer, sampling.n, stops)
+    generation = Generation(stream, tokenizer, sampling.n, stops, prompt_ids, book)
     if first is not None:
         generation.apply(first)
     return generation
@@ -190,8 +209,10 @@ async def _started(
 
 
 class InferenceRoutes:
-    def __init__(self, backend: InferenceBackend) -> None:
-        self.backend = backend
+    def __init__(self, backend: InferenceBackend, book: VersionBook | None = None) -> None:
+        """`book`: where finished completions are booked with their weight versions (the
+        manager's, which the trainer asks about Atropos groups; None: not booked)."""
+        self.backend, self.book = backend, book
 
     async def models(self) -> dict[str, Any]:
         served = await self.backend.served()
@@ -247,7 +268,7 @@ class InferenceRoutes:
         tokenizer = served.need_tokenizer()
         prompt_ids = body.prompt if isinstance(body.prompt, list) else list(tokenizer(body.prompt)["input_ids"])
         sampling = self._checks(served, body, prompt_ids, body.max_tokens)  # type: ignore[arg-type]
-        generation = await _started(self.backend, prompt_ids, sampling, tokenizer, body.stop)  # type: ignore[arg-type]
+        generation = await _started(self.backend, prompt_ids, sampling, tokenizer, body.stop, self.book)  # type: ignore[arg-type]
         rid = render.new_id("cmpl")
         if body.stream:
             events = self._completion_events(generation, rid, model, body, len(prompt_ids))
@@ -281,7 +302,7 @@ class InferenceRoutes:
         tokenizer = served.need_tokenizer()
         prompt_ids = _chat_prompt_ids(tokenizer, body)
         sampling = self._checks(served, body, prompt_ids, body.token_budget)
-        generation = await _started(self.backend, prompt_ids, sampling, tokenizer, body.stop)
+        generation = await _started(self.backend, prompt_ids, sampling, tokenizer, body.stop, self.book)
         rid = render.new_id("chatcmpl")
         if body.stream:
             events = self._chat_events(generation, rid, model, body, len(prompt_ids))
@@ -323,7 +344,7 @@ class InferenceRoutes:
             raise ApiError(400, f"{field} is not supported by this server", BAD, field, "unsupported_parameter")
         sampling = self._sampling(served, body, prompt_ids, body.max_tokens)
         tokenizer = tokenizer if tokenizer is not None else _NoText()
-        generation = await _started(self.backend, prompt_ids, sampling, tokenizer, body.stop)
+        generation = await _started(self.backend, prompt_ids, sampling, tokenizer, body.stop, self.book)
         if not await generation.run(request):
             return Response(status_code=499)
         return JSONResponse(render.vllm_response(tokenizer, prompt_ids, generation.choices, body.logprobs is not None))

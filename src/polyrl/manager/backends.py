@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import httpx
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from polyrl.httpapi import CHECKSUM_HEADER, checksum
 from polyrl.manager.registry import WorkerRecord
@@ -252,6 +252,12 @@ class RemoteBackend:
 
     async def get(self, worker: WorkerRecord, path: str, timeout_s: float) -> httpx.Response:
         return await self.http.get(f"{worker.url}{path}", timeout=timeout_s)
+
+    async def post_json(self, worker: WorkerRecord, path: str, message: BaseModel, timeout_s: float) -> httpx.Response:
+        headers = {"content-type": "application/json"}
+        return await self.http.post(
+            f"{worker.url}{path}", content=message.model_dump_json(), headers=headers, timeout=timeout_s
+        )
 
     async def aclose(self) -> None:
         for exchange in self._exchanges:  # shutting down: a leaked connection no longer matters

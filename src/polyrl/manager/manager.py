@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from polyrl.config import ManagerConfig
+from polyrl.inference.versions import VersionBook
 from polyrl.manager.backends import RemoteBackend
 from polyrl.manager.batch import Batch, WorkUnit
 from polyrl.manager.fleet import History
@@ -79,6 +80,9 @@ class RolloutManager:
         self.state = ManagerState(cfg)
         self.history = History()
         """Fleet throughput and price over time, for the operator page."""
+        self.completions = VersionBook()
+        """The completions served on the OpenAI/vLLM routes, with their tokens' weight
+        versions, for the trainer's Atropos groups (`inference/versions.py`)."""
         self.window_control = WindowControl(self.state)
         self.sync = VersionSync(self.state, self.window_control)
         self.membership = Membership(self.state, self.sync)

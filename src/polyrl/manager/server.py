@@ -18,6 +18,8 @@ malformed request gets a 4xx naming the reason and changes nothing.
     POST /v1/learner_started             the trainer's learner started on the step: the local window closes
     POST /v1/learner_waiting             the trainer's learner waits for groups: the `idle` window opens
     POST /v1/groups/due                  DueGroupsRequest -> DueGroups: unfinished groups with tokens that old
+    POST /v1/completions/versions        VersionsQuery -> VersionsReply: the weight versions of completions
+                                         served below or by a worker, by token ids (completions.py)
     GET  /health (open), GET /metrics (reader's token)
     GET  /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /generate (vLLM's form):
                                          OpenAI/vLLM-compatible, served by the fleet (`inference.py`)
@@ -39,12 +41,14 @@ from starlette.types import Receive, Scope, Send
 from polyrl.httpapi import ApiError, BodyLimit, check_bearer, error_handlers
 from polyrl.inference.protocol import VllmGenerateRequest
 from polyrl.inference.routes import InferenceRoutes
+from polyrl.manager.completions import completion_versions
 from polyrl.manager.fleet import FleetStatus, fleet_status
 from polyrl.manager.inference import ManagerBackend
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.metrics import CONTENT_TYPE
 from polyrl.manager.page import Readers
 from polyrl.manager.weight_sync import EndpointPublisher, PublisherSync
+from polyrl.protocol.completions import VersionsQuery, VersionsReply
 from polyrl.protocol.manager_api import (
     BatchEnd,
     BatchError,
@@ -210,7 +214,11 @@ def create_app(manager: RolloutManager) -> FastAPI:
     cfg = manager.cfg
     allowed = [ipaddress.ip_network(c, strict=False) for c in cfg.allowed_worker_cidrs]
     h = _Handlers(manager, allowed)
-    inference = InferenceRoutes(ManagerBackend(manager))
+    inference = InferenceRoutes(ManagerBackend(manager), manager.completions)
+
+    async def versions(body: VersionsQuery) -> VersionsReply:
+        return VersionsReply(versions=await completion_versions(manager, body.keys))
+
     app = FastAPI(title="polyrl manager", exception_handlers=error_handlers())
 
     # a dependency: checked before the body is validated. async: FastAPI runs a plain
@@ -240,6 +248,7 @@ def create_app(manager: RolloutManager) -> FastAPI:
     app.post("/v1/learner_started", dependencies=auth)(h.learner_started)
     app.post("/v1/learner_waiting", dependencies=auth)(h.learner_waiting)
     app.post("/v1/groups/due", dependencies=auth)(h.due_groups)
+    app.post("/v1/completions/versions", dependencies=auth)(versions)
     app.get("/health")(h.health)
     app.get("/metrics", dependencies=read)(h.metrics)
     app.get("/v1/models", dependencies=auth)(inference.models)

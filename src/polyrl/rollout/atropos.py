@@ -7,9 +7,17 @@ published to the fleet through the manager, so the environments' next requests a
 served by the new policy. Hence this wraps the fleet's rollout and takes over only
 `generate`.
 
-Atropos groups do not say which weights sampled them: their tokens are booked under the
-version the learner holds when the batch arrives, and the truncated importance weight
-on `inference_logprobs` (algo.tis_cap) corrects for any lag.
+Atropos groups do not say which weights sampled them, and the Atropos API drops fields
+it does not know, so the trainer asks the manager: it booked every completion it served
+with the version of each token, under a hash of the token ids
+(`protocol/completions.py`), and each generated span of a scored sequence is looked up
+the same way, once per batch. Then `rollout/version_lag` is real, and only the tokens of
+the learner's own version measure `rollout/logprob_diff`, so an environment generating
+ahead of the trainer shows as lag, not as a mismatch. A group with any span the manager
+did not serve (an environment calling a worker directly, or another server; a restarted
+manager) is booked under the version the learner holds when the batch arrives, as before,
+and counted in `rollout/unversioned_groups`; the truncated importance weight on
+`inference_logprobs` (algo.tis_cap) corrects for its lag either way.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from polyrl.config import RunConfig
-from polyrl.data.atropos import Registration, ScoredGroup, check_group, to_group
+from polyrl.data.atropos import Registration, ScoredGroup, check_group, span_keys, to_group, token_versions
 from polyrl.data.atropos_client import AtroposClient
 from polyrl.protocol.samples import Group, Prompt
 from polyrl.protocol.version import WeightVersion
@@ -74,6 +82,8 @@ class AtroposRollout:
         """The manager's count of sample moves at the last look."""
         self.num_groups = 0
         self.num_dropped = 0
+        self.num_unversioned = 0
+        """Groups whose tokens' versions the manager could not tell (the run's count)."""
         self._warned_temperatures: set[float] = set()
 
     @classmethod
@@ -114,12 +124,16 @@ class AtroposRollout:
     def _groups(self) -> Iterator[Group]:
         t0 = time.perf_counter()
         groups: list[Group] = []
+        unversioned_before = self.num_unversioned
         while not groups:  # a batch of only dropped groups is no step: take the next one
             groups = self._convert(self.client.next_batch(self.steps_done))
             self.steps_done += 1
         num_samples = sum(len(g.samples) for g in groups)
         self.stats = stats = RolloutStats(
-            gen_s=time.perf_counter() - t0, num_requested=num_samples, num_received=num_samples
+            gen_s=time.perf_counter() - t0,
+            num_requested=num_samples,
+            num_received=num_samples,
+            num_unversioned_groups=self.num_unversioned - unversioned_before,
         )
         yield from groups
         self._note_fleet(stats)
@@ -135,9 +149,34 @@ class AtroposRollout:
         self._migrations_seen = fleet.num_migrations
 
     def _convert(self, batch: list[dict[str, Any]]) -> list[Group]:
-        max_token_len = self.client.registration.max_token_len
         version = self.weight_version
-        groups: list[Group] = []
+        scored = self._valid(batch)
+        versions = self._versions(scored)
+        self.num_unversioned += sum(v is None for v in versions)
+        groups = [
+            to_group(g, self.num_groups + i, version, v) for i, (g, v) in enumerate(zip(scored, versions, strict=True))
+        ]
+        self.num_groups += len(groups)
+        return groups
+
+    def _versions(self, scored: list[ScoredGroup]) -> list[list[list[int]] | None]:
+        """Per group, its tokens' versions as the manager booked them (None: unknown); one
+        call for the batch."""
+        keys = [span_keys(g) for g in scored]
+        flat = [k for group_keys in keys for seq_keys in group_keys for k in seq_keys]
+        booked = self.inner.completion_versions(flat) if flat else []
+        if booked is None:  # a manager without the bookings
+            return [None] * len(scored)
+        runs = iter(booked)
+        return [
+            token_versions(g, [[next(runs) for _ in seq_keys] for seq_keys in group_keys])
+            for g, group_keys in zip(scored, keys, strict=True)
+        ]
+
+    def _valid(self, batch: list[dict[str, Any]]) -> list[ScoredGroup]:
+        """The batch's groups the learner can train on; the others are logged and dropped."""
+        max_token_len = self.client.registration.max_token_len
+        groups: list[ScoredGroup] = []
         for raw in batch:
             try:
                 scored = ScoredGroup.model_validate(raw)
@@ -150,8 +189,7 @@ class AtroposRollout:
                 log.warning("dropped an Atropos group (env %s): %s", raw.get("env_id"), problem)
                 continue
             self._check_temperature(scored.temperature)
-            groups.append(to_group(scored, self.num_groups, version))
-            self.num_groups += 1
+            groups.append(scored)
         return groups
 
     def _check_temperature(self, temperature: float | None) -> None:

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from polyrl.config import ConfigError
 from polyrl.manager.client import BatchClient
+from polyrl.protocol.completions import MAX_KEYS, VersionRuns, VersionsQuery, VersionsReply
 from polyrl.protocol.manager_api import (
     BatchError,
     BatchFailed,
@@ -71,6 +72,21 @@ class ManagerLink:
     def due_groups(self, max_floor_version: int) -> list[str]:
         response = self._call("POST", "/v1/groups/due", DueGroupsRequest(max_floor_version=max_floor_version))
         return DueGroups.model_validate_json(response.content).prompt_ids
+
+    def completion_versions(self, keys: list[str]) -> list[VersionRuns | None] | None:
+        """The versions of the completions served under `keys` (`protocol/completions.py`);
+        None: this manager predates the endpoint. Asked MAX_KEYS at a time."""
+        out: list[VersionRuns | None] = []
+        for at in range(0, len(keys), MAX_KEYS):
+            query = VersionsQuery(keys=keys[at : at + MAX_KEYS])
+            try:
+                response = self._call("POST", "/v1/completions/versions", query)
+            except httpx.HTTPStatusError as e:
+                if e.response.status_code == 404:
+                    return None
+                raise
+            out += VersionsReply.model_validate_json(response.content).versions
+        return out
 
     def workers(self) -> WorkerList:
         return WorkerList.model_validate_json(self._call("GET", "/v1/workers", None).content)

@@ -25,6 +25,7 @@ from typing import Protocol, TypeVar
 import torch
 from transformers import PreTrainedModel
 
+from polyrl.protocol.completions import VersionRuns
 from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.protocol.manager_api import (
     BatchError,
@@ -113,6 +114,10 @@ class RemoteRollout:
 
     def fleet(self) -> WorkerList:
         return self._control(self.link.workers)
+
+    def completion_versions(self, keys: list[str]) -> list[VersionRuns | None] | None:
+        """The manager's booking of the completions it served under `keys` (None: none kept)."""
+        return self._control(lambda: self.link.completion_versions(keys))
 
     def workers(self) -> list[WorkerInfo]:
         """The rollout workers, without the trainer's own engine."""

@@ -36,6 +36,9 @@ class RolloutStats:
     num_lost_workers: int | None = None
     """Workers the manager lost without notice (kill -9, crash, cut off) since the run
     started: `fleet/lost_workers`."""
+    num_unversioned_groups: int | None = None
+    """Atropos: the step's groups whose tokens' weight versions the manager could not
+    tell, booked under the learner's version (`rollout/unversioned_groups`)."""
 
     def count(self, group: Group) -> None:
         """Book a received group: its samples, where their tokens came from."""
@@ -66,6 +69,8 @@ class RolloutStats:
             out["rollout/fleet_idle_s"] = self.fleet_idle_s
         if self.num_lost_workers is not None:
             out["fleet/lost_workers"] = float(self.num_lost_workers)
+        if self.num_unversioned_groups is not None:
+            out["rollout/unversioned_groups"] = float(self.num_unversioned_groups)
         return out
 
 

@@ -40,6 +40,7 @@ from polyrl.engine.types import (
 from polyrl.httpapi import ApiError, BodyLimit, ChecksumGuard, EventStream, check_bearer, error_body, error_handlers
 from polyrl.inference.protocol import VllmGenerateRequest
 from polyrl.inference.routes import InferenceRoutes
+from polyrl.protocol.completions import VersionsQuery, VersionsReply
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.worker_api import (
     AbortRequest,
@@ -347,7 +348,11 @@ def create_app(state: WorkerState, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
         }
     )
     app = FastAPI(title="polyrl worker", exception_handlers=handlers)
-    inference = InferenceRoutes(WorkerBackend(state))
+    inference = InferenceRoutes(WorkerBackend(state), state.completions)
+
+    async def completion_versions(body: VersionsQuery) -> VersionsReply:
+        return VersionsReply(versions=state.completions.lookup(body.keys))
+
     h = _Handlers(state, inference)
 
     async def authorized(request: Request) -> None:  # async: a plain def would wait for a thread-pool slot
@@ -358,6 +363,7 @@ def create_app(state: WorkerState, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     app.get("/v1/models", dependencies=auth)(inference.models)
     app.post("/v1/completions", dependencies=auth)(inference.completions)
     app.post("/v1/chat/completions", dependencies=auth)(inference.chat)
+    app.post("/v1/completions/versions", dependencies=auth)(completion_versions)
     app.get("/health")(h.health)
     app.get("/health_generate")(h.health_generate)
     app.post("/abort_request", dependencies=auth)(h.abort_request)

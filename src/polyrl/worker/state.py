@@ -12,6 +12,7 @@ from typing import Any, Literal
 from polyrl.engine.async_engine import AsyncEngine
 from polyrl.engine.types import RequestError, SampleResult
 from polyrl.httpapi import ApiError
+from polyrl.inference.versions import VersionBook
 from polyrl.protocol.worker_api import GenerateRequest, ServerInfo
 from polyrl.worker.protocol import text_token_ids
 from polyrl.worker.weight_sync import WeightReceiver
@@ -61,6 +62,10 @@ class WorkerState:
         self.lora_name: str | None = None
         """The adapter loaded by name (`/v1/load_lora_adapter`), served merged; requests may
         name it as their model."""
+        self.completions = VersionBook()
+        """The completions served on the OpenAI/vLLM routes with their tokens' versions
+        (an Atropos environment calling this worker directly); the manager asks for them
+        on the trainer's behalf (`inference/versions.py`)."""
 
     @property
     def weight_version(self) -> int:
