@@ -28,9 +28,13 @@ from polyrl.trainer.distributed import DataParallel, is_sharded
 from polyrl.trainer.grpo import LossInputs, policy_loss_on_device, token_logprobs
 from polyrl.trainer.lm_head import head_logprobs
 from polyrl.trainer.packing import collate_packed, default_backend, make_docs, pack_by_tokens, use_packed_attention
+from polyrl.trainer.rollout_correction import SEQ_SUMS
 
 log = logging.getLogger(__name__)
 
+
+SUMMED_METRICS = frozenset(("actor/pg_loss", "actor/kl_loss", *SEQ_SUMS))
+"""Metrics of `policy_loss_on_device` divided by the mini-batch's totals already."""
 
 GPU_BOUND_MICRO_BATCH_TOKENS = 16384
 """Where the compiled learner's step became bound by the GPU rather than by the host's
@@ -358,9 +362,10 @@ class Learner:
                     loss.backward()
                 weight = metrics.pop("_num_tokens") / max(num_tokens, 1) / self.algo.ppo_epochs
                 for key, value in metrics.items():
-                    # Loss terms already carry mini-batch denominators: sum them; others are
-                    # token means per micro-batch: weight them by tokens.
-                    is_loss = key in ("actor/pg_loss", "actor/kl_loss")
+                    # Loss terms and per-sequence metrics already carry mini-batch
+                    # denominators: sum them; others are token means per micro-batch: weight
+                    # them by tokens.
+                    is_loss = key in SUMMED_METRICS
                     sums[key] += value / self.algo.ppo_epochs if is_loss else value * weight
             with record_function("learner.grads_to_master"):
                 self._grads_to_master()
