@@ -340,6 +340,11 @@ class EngineConfig(_Section):
     with fewer than this many running sequences also admits at once."""
 
 
+def is_none_word(value: Any) -> bool:
+    """None, or how a command line or TOML file spells it (TOML has no null)."""
+    return value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))
+
+
 class RolloutCorrectionConfig(_Section):
     """Correction for the gap between the engine's behaviour policy (pi_rollout) and the
     trainer's proximal policy (pi_old): importance weights (IS) and rejection sampling (RS)
@@ -365,15 +370,22 @@ class RolloutCorrectionConfig(_Section):
             )
         return self
 
-    @field_validator("rollout_is", "rollout_rs", mode="before")
+    @field_validator("rollout_rs", mode="before")
     @classmethod
     def _none_from_cli(cls, value: Any) -> Any:
-        """TOML has no null: `rollout_is=none` (or "null", "") on the command line is None."""
-        return None if isinstance(value, str) and value.lower() in ("none", "null", "") else value
+        """TOML has no null: `rollout_rs=none` (or "null") on the command line is None."""
+        return None if is_none_word(value) else value
 
-    rollout_is: Literal["token", "sequence"] | None = "token"
+    @field_validator("rollout_is", mode="before")
+    @classmethod
+    def _is_off(cls, value: Any) -> Any:
+        """None (verl's null), "null" or "none" are stored as "none": a None would not survive
+        a saved config (`save_config` drops them), and "token" is the default."""
+        return "none" if is_none_word(value) else value
+
+    rollout_is: Literal["token", "sequence", "none"] = "token"
     """Importance weight of each token (rho_t) or of its whole sequence (prod_t rho_t,
-    broadcast over its tokens), truncated at `rollout_is_threshold`; None: no weight."""
+    broadcast over its tokens), truncated at `rollout_is_threshold`; "none" (or null): no weight."""
     rollout_is_threshold: float = Field(2.0, gt=0)
     rollout_rs: Literal["token", "sequence", "geometric"] | None = None
     """Drop from the loss the tokens (token), or whole sequences (sequence: prod_t rho_t;
@@ -391,7 +403,7 @@ class AlgoConfig(_Section):
     @classmethod
     def _tis_cap_is_token_is(cls, data: Any) -> Any:
         """`tis_cap` (kept from before `rollout_correction`) is shorthand: c > 0 is
-        rollout_is="token" with rollout_is_threshold=c, 0 is rollout_is=None. Written into
+        rollout_is="token" with rollout_is_threshold=c, 0 is rollout_is="none". Written into
         `rollout_correction` here, so a saved config reloads the same; set both ways, they
         must agree."""
         if not isinstance(data, dict) or data.get("tis_cap") is None:
@@ -400,13 +412,13 @@ class AlgoConfig(_Section):
         rc = data.get("rollout_correction") or {}
         given = rc.model_dump(exclude_unset=True) if isinstance(rc, BaseModel) else dict(rc)
         implied: dict[str, Any] = (
-            {"rollout_is": "token", "rollout_is_threshold": cap} if cap > 0 else {"rollout_is": None}
+            {"rollout_is": "token", "rollout_is_threshold": cap} if cap > 0 else {"rollout_is": "none"}
         )
         for key, value in implied.items():
-            if key in given and given[key] != value:
+            if key in given and ("none" if is_none_word(given[key]) else given[key]) != value:
                 raise ValueError(
                     f"algo.tis_cap={data['tis_cap']} contradicts algo.rollout_correction.{key}={given[key]!r}: "
-                    "tis_cap=c is rollout_is='token' with rollout_is_threshold=c (0: rollout_is=None); set only one"
+                    "tis_cap=c is rollout_is='token' with rollout_is_threshold=c (0: rollout_is='none'); set only one"
                 )
         return {**data, "rollout_correction": {**given, **implied}}
 

@@ -254,7 +254,7 @@ def policy_loss(
     """`policy_loss_on_device` with its metrics read back as floats (one device sync)."""
     loss, stats = policy_loss_on_device(x, cfg, num_tokens, num_seqs)
     values = torch.stack(list(stats.values())).tolist()
-    return loss, dict(zip(stats.keys(), values))
+    return loss, rollout_correction.with_ess(dict(zip(stats.keys(), values)))
 
 
 def policy_loss_on_device(

@@ -28,7 +28,7 @@ from polyrl.trainer.distributed import DataParallel, is_sharded
 from polyrl.trainer.grpo import LossInputs, policy_loss_on_device, token_logprobs
 from polyrl.trainer.lm_head import head_logprobs
 from polyrl.trainer.packing import collate_packed, default_backend, make_docs, pack_by_tokens, use_packed_attention
-from polyrl.trainer.rollout_correction import SEQ_SUMS
+from polyrl.trainer.rollout_correction import SEQ_SUMS, with_ess
 
 log = logging.getLogger(__name__)
 
@@ -382,6 +382,6 @@ class Learner:
         self.work.eval()
         sums = _read_back(sums, self.model.device)
         grad_norm_mean = sum(grad_norms) / len(grad_norms)
-        out = self.dp.sum_over_ranks(sums)
+        out = with_ess(self.dp.sum_over_ranks(sums))
         out["actor/grad_norm"], out["actor/lr"] = grad_norm_mean, lr
         return out

@@ -52,7 +52,7 @@ def seq_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def importance_weights(log_rho: torch.Tensor, mask: torch.Tensor, cfg: RolloutCorrectionConfig) -> torch.Tensor | None:
     """log_rho [B, T] (0 off the mask) -> truncated weights [B, T], or None without IS."""
-    if cfg.rollout_is is None:
+    if cfg.rollout_is == "none":
         return None
     if cfg.rollout_is == "token":
         return log_rho.exp().clamp(max=cfg.rollout_is_threshold)  # [B, T]
@@ -91,7 +91,13 @@ def correct(old_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor
 # Mismatch metrics
 # ---------------------------------------------------------------------------------------------
 
-TOKEN_MEANS = ("mismatch/k1_kl", "mismatch/k3_kl", "mismatch/is_ess", "mismatch/masked_token_frac")
+TOKEN_MEANS = (
+    "mismatch/k1_kl",
+    "mismatch/k3_kl",
+    "mismatch/is_weight_mean",
+    "mismatch/is_weight_sq_mean",
+    "mismatch/masked_token_frac",
+)
 """Means over one micro-batch's counted tokens (the learner weights them by tokens)."""
 SEQ_SUMS = ("mismatch/log_ppl_diff", "mismatch/masked_seq_frac")
 """Already divided by the mini-batch's sequence count (the learner sums them)."""
@@ -109,10 +115,9 @@ def mismatch_metrics(
 ) -> dict[str, torch.Tensor]:
     """0-d tensors named in TOKEN_MEANS and SEQ_SUMS. log_ppl_diff: the trainer's minus the
     engine's log-perplexity of each sequence (mean_t -log pi), averaged over sequences;
-    is_ess: (sum w)^2 / (n sum w^2) over the tokens' applied weights (the raw rho_t without
-    IS), 1 when all weights are equal; masked_seq_frac: sequences with counted tokens of which
-    none is kept."""
-    n = mask.sum().clamp(min=1)
+    is_weight_*: the tokens' applied weights (the raw rho_t without IS), for `with_ess`;
+    masked_seq_frac: sequences with counted tokens of which none is kept."""
+    n = mask.sum().clamp(min=1).to(log_rho.dtype)
     k1, k3 = token_kls(log_rho)
     w = log_rho.exp() if corr.weight is None else corr.weight
     w = torch.where(mask, w, 0.0)  # [B, T]
@@ -121,8 +126,19 @@ def mismatch_metrics(
     return {
         "mismatch/k1_kl": torch.where(mask, k1, 0.0).sum() / n,
         "mismatch/k3_kl": torch.where(mask, k3, 0.0).sum() / n,
-        "mismatch/is_ess": w.sum() ** 2 / (n * (w * w).sum()).clamp(min=1e-30),
+        "mismatch/is_weight_mean": w.sum() / n,
+        "mismatch/is_weight_sq_mean": (w * w).sum() / n,
         "mismatch/masked_token_frac": (mask & ~corr.keep).sum() / n,
         "mismatch/log_ppl_diff": -seq_mean(log_rho, mask).sum() / max(num_seqs, 1),
-        "mismatch/masked_seq_frac": is_dropped.sum() / max(num_seqs, 1),
+        "mismatch/masked_seq_frac": is_dropped.sum().to(log_rho.dtype) / max(num_seqs, 1),
     }
+
+
+def with_ess(metrics: dict[str, float]) -> dict[str, float]:
+    """Adds "mismatch/is_ess" = (sum w)^2 / (n sum w^2), the normalised effective sample size
+    of the importance weights (1 when they are all equal), from the summed token means, so
+    that it is the whole mini-batch's whatever its split into micro-batches."""
+    mean, sq_mean = metrics.get("mismatch/is_weight_mean"), metrics.get("mismatch/is_weight_sq_mean")
+    if mean is not None and sq_mean:
+        metrics["mismatch/is_ess"] = mean * mean / sq_mean
+    return metrics
