@@ -28,7 +28,7 @@ from polyrl.trainer.distributed import DataParallel, is_sharded
 from polyrl.trainer.grpo import LossInputs, policy_loss_on_device, token_logprobs
 from polyrl.trainer.lm_head import head_logprobs
 from polyrl.trainer.packing import collate_packed, default_backend, make_docs, pack_by_tokens, use_packed_attention
-from polyrl.trainer.rollout_correction import SEQ_SUMS, with_ess
+from polyrl.trainer.rollout_correction import SEQ_SUMS, lag_keys, lag_kls, lag_token_counts, with_ess
 
 log = logging.getLogger(__name__)
 
@@ -332,10 +332,13 @@ class Learner:
         num_current = sum(it.num_current_tokens for it in items) if weights_as_sampled else 0
         pack = pack_by_tokens if self.is_packed else None
         fill_behav = not all(it.behav_known for it in items)
+        lag_counts = lag_token_counts(items)  # the whole mini-batch's, on every rank
         with record_function("learner.prepare"):
             batches = self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id, pack)
             mbs = self._prepare(batches, fill_behav)
         sums: dict[str, torch.Tensor | float] = defaultdict(float)  # this rank's part of each metric, on the device
+        for lag in lag_counts:  # every rank sums the same keys, lagged tokens in its share or not
+            sums.update(dict.fromkeys(lag_keys(lag), 0.0))
         grad_norms, lr = [], 0.0
         for epoch in range(self.algo.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
@@ -348,6 +351,11 @@ class Learner:
                 if epoch == 0 and num_current and self.algo.recompute_old_logprobs:
                     diff = ((mb.old_logp - mb.behav_logp).abs() * mb.mask * mb.current_mask).sum()
                     sums["rollout/logprob_diff"] += diff / num_current
+                if epoch == 0 and lag_counts and mb.lag is not None:
+                    m = mb.mask > 0
+                    log_rho = torch.where(m, mb.old_logp - mb.behav_logp, 0.0)  # [B, L-1]
+                    for key, value in lag_kls(log_rho, m, mb.lag, lag_counts).items():
+                        sums[key] += value
                 inputs = LossInputs(
                     logp=logp,
                     old_logp=mb.old_logp,

@@ -142,3 +142,36 @@ def with_ess(metrics: dict[str, float]) -> dict[str, float]:
     if mean is not None and sq_mean:
         metrics["mismatch/is_ess"] = mean * mean / sq_mean
     return metrics
+
+
+def lag_token_counts(items) -> dict[int, int]:
+    """{lag: counted tokens sampled that many versions back} over `SeqItem`s, lags > 0 only:
+    the denominators of `lag_kls`, for the whole mini-batch."""
+    counts: dict[int, int] = {}
+    for it in items:
+        if it.lags is None:
+            continue
+        counted = it.loss_mask or [True] * len(it.lags)
+        for lag, is_counted in zip(it.lags, counted, strict=True):
+            if is_counted and lag > 0:
+                counts[lag] = counts.get(lag, 0) + 1
+    return counts
+
+
+def lag_kls(log_rho: torch.Tensor, mask: torch.Tensor, lag: torch.Tensor, counts: dict[int, int]):
+    """ "mismatch/lag_{k}/k1_kl" and ".../k3_kl" for each lag k > 0 in `counts`: this
+    micro-batch's tokens of that lag, summed and divided by the mini-batch's count, so that
+    the learner sums them. At lag k the gap is k updates of policy change plus the engine's
+    own mismatch; the lag-0 tokens' (the whole metric when no token lags) is the latter alone."""
+    k1, k3 = token_kls(log_rho)
+    out = {}
+    for k, n in sorted(counts.items()):
+        at = mask & (lag == k)  # [B, T]
+        k1_key, k3_key = lag_keys(k)
+        out[k1_key] = torch.where(at, k1, 0.0).sum() / n
+        out[k3_key] = torch.where(at, k3, 0.0).sum() / n
+    return out
+
+
+def lag_keys(lag: int) -> tuple[str, str]:
+    return f"mismatch/lag_{lag}/k1_kl", f"mismatch/lag_{lag}/k3_kl"
