@@ -192,7 +192,7 @@ class RolloutConfig(_Section):
     """0: on-policy, each step's batch is generated after the previous step's update. k > 0
     (remote and hybrid): the batches of the next k steps are submitted ahead, so workers
     generate them while the learner trains, with weights up to k versions old. The loss's
-    truncated importance weight (algo.tis_cap) corrects for the lag; every token carries
+    truncated importance weight (algo.rollout_correction) corrects for the lag; every token carries
     its version. Resuming repeats the batches that were in flight, with the saved weights.
     With `fully_async`: no token the learner trains on is more than k versions older than
     the weights it updates (admission control plus a deadline, see `fully_async`)."""

@@ -9,7 +9,7 @@ served by the new policy. Hence this wraps the fleet's rollout and takes over on
 
 Atropos groups do not say which weights sampled them: their tokens are booked under the
 version the learner holds when the batch arrives, and the truncated importance weight
-on `inference_logprobs` (algo.tis_cap) corrects for any lag.
+on `inference_logprobs` (algo.rollout_correction) corrects for any lag.
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ Where we depart from textbook GRPO (Shao et al., 2024):
     per-sequence mean;
   * std normalisation of advantages can be switched off (Dr.GRPO);
   * the ratio is against a proximal policy (`old_logp`), and a truncated importance weight
-    corrects for the rollout engine's behaviour policy (decoupled PPO, as in AReaL).
+    corrects for the rollout engine's behaviour policy (decoupled PPO, as in AReaL), or
+    any of rollout_correction.py's weights and rejections;
+  * `algo.policy_loss` swaps PPO's per-token clipped surrogate for GSPO's sequence ratio or
+    CISPO's clipped, detached weight on REINFORCE.
 """
 
 from __future__ import annotations
@@ -265,9 +268,10 @@ def policy_loss_on_device(
     num_tokens / num_seqs: masked tokens / sequences in the whole MINI-batch.
     loss = pg + kl_coef * kl - entropy_coef * entropy, each aggregated by cfg.loss_agg_mode.
     Metrics (0-d tensors, left on the device so that a learner reads them once per step):
-    "actor/pg_loss" and "actor/kl_loss" are the aggregated terms (sum them over
-    micro-batches); the rest are token means over this micro-batch, to be averaged by weight
-    "_num_tokens".
+    "actor/pg_loss", "actor/kl_loss" and rollout_correction.SEQ_SUMS are divided by the
+    mini-batch's totals (sum them over micro-batches); the rest are token means over this
+    micro-batch, to be averaged by weight "_num_tokens". Tokens that rollout correction drops
+    add nothing to any loss term.
     """
     m = x.mask > 0  # [B, T] bool
     adv = x.advantages.detach().to(x.logp.dtype)  # [B] or [B, T] (per-token advantages)
