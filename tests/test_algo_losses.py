@@ -119,6 +119,8 @@ def _inputs(seed: int, per_token_adv: bool = False, B: int = 6, T: int = 7) -> L
         pad = mask == 0
         behav[pad] = float("nan")
         old[pad] = -float("inf")
+        logp[pad] = 80.0
+        ent[pad] = float("nan")
     return LossInputs(logp, old, behav, adv, mask, entropy=ent, ref_logp=ref)
 
 
