@@ -300,6 +300,10 @@ def test_saved_config_reloads(tmp_path) -> None:
             ["rollout_rs_threshold_lower"],
         ),
         (["algo.policy_loss=ppo"], ["algo.policy_loss", "vanilla"]),
+        (
+            ["algo.recompute_old_logprobs=false", "algo.rollout_correction.rollout_token_veto_threshold=1e-4"],
+            ["rollout_token_veto_threshold", "algo.recompute_old_logprobs"],
+        ),
         (["algo.rollout_correction.rollout_is=seq"], ["rollout_is"]),
     ],
 )

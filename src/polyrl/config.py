@@ -422,6 +422,25 @@ class AlgoConfig(_Section):
                 )
         return {**data, "rollout_correction": {**given, **implied}}
 
+    @model_validator(mode="after")
+    def _correction_has_a_gap(self) -> AlgoConfig:
+        rc = self.rollout_correction
+        chosen = [
+            f"rollout_correction.{key}"
+            for key, is_on in (
+                ("rollout_is='sequence'", rc.rollout_is == "sequence"),
+                ("rollout_rs", rc.rollout_rs is not None),
+                ("rollout_token_veto_threshold", rc.rollout_token_veto_threshold is not None),
+            )
+            if is_on
+        ]
+        if chosen and not self.recompute_old_logprobs:
+            raise ValueError(
+                f"algo.{chosen[0]} compares the trainer's old log-probs with the engine's, but with "
+                "algo.recompute_old_logprobs=false the engine's serve as the old ones: it would do nothing"
+            )
+        return self
+
     norm_adv_by_std: bool = True
     """False gives Dr.GRPO's unnormalised group advantage."""
     clip_ratio_low: float = Field(0.2, ge=0)
