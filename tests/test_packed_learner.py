@@ -250,3 +250,32 @@ def test_flex_backend_keeps_attention_per_document(tiny_model_dir, monkeypatch):
     m = collate(items, 0).mask > 0
     assert _rel_err(out[1][0][m], out[0][0][m]) < 1e-5
     assert _rel_err(out[1][1][m], out[0][1][m]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "loss, correction",
+    [
+        ("gspo", {"rollout_is": "sequence", "rollout_is_threshold": 1.5}),
+        ("cispo", {"rollout_rs": "geometric", "rollout_rs_threshold": 0.5, "rollout_rs_threshold_lower": 0.05}),
+    ],
+)
+def test_sequence_level_modes_packed_equal_padded(tiny_model_dir, loss, correction):
+    """Sequence-level ratios, weights and rejection read each sequence's own tokens in the
+    packed learner as in the padded one (its loss inputs sit on the padded grid): same
+    metrics, same gradients, two epochs so that the ratios differ from 1."""
+    from polyrl.config import RolloutCorrectionConfig
+
+    model = _model(tiny_model_dir, ("qwen3", True))
+    rc = RolloutCorrectionConfig(**correction)
+    algo = AlgoConfig(policy_loss=loss, loss_agg_mode="seq-mean-token-mean", ppo_epochs=2, rollout_correction=rc)
+    items = _items(3)
+    out = {}
+    for impl in ("padded", "packed"):
+        learner = _learner(copy.deepcopy(model), impl, algo, micro_batch_max_tokens=48)
+        out[impl] = (learner.train_mini_batch(items, weights_as_sampled=True), learner.model)
+    (m_pad, pad), (m_pack, pack) = out["padded"], out["packed"]
+    assert 0 < m_pad["mismatch/masked_seq_frac"] < 1 or rc.rollout_rs is None, m_pad
+    for key in m_pad:
+        assert m_pack[key] == pytest.approx(m_pad[key], rel=1e-5, abs=1e-7), key
+    for (name, p), q in zip(pad.named_parameters(), pack.parameters()):
+        assert _rel_err(q.grad, p.grad) < 1e-5, name

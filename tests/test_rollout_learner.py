@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -211,6 +212,30 @@ def test_logprob_diff_counts_only_tokens_of_the_current_version(model_tok):
     assert "rollout/logprob_diff" not in _learner(copy.deepcopy(model)).train_mini_batch(
         [stale], weights_as_sampled=True
     )
+
+
+def test_mismatch_per_version_lag(model_tok):
+    """Each token carries its lag from the sample's versions to the learner's batch; the KL
+    between engine and trainer is also reported per lag > 0, over that lag's tokens only."""
+    model, tok = model_tok
+    prompt = _prompts(tok, ["1+2="])[0]
+    completion = [5, 6, 7, 8]
+    item = SeqItem(prompt.prompt_ids + completion, len(prompt.prompt_ids), [0.0] * 4, 1.0)
+    with torch.no_grad():
+        mb = collate([item], pad_id=tok.pad_token_id)
+        true = _learner(model).logprobs(model, mb, with_entropy=False)[0][0][mb.mask[0].bool()].tolist()
+    behav = [true[0], true[1], true[2] - 3.0, true[3] - 1.0]  # log rho = old - behav: 0, 0, 3, 1
+    [lagged] = group_items(Group(prompt, [Sample(completion, behav, "length", [4, 4, 3, 2])]), [1.0], version=4)
+    assert lagged.lags == [0, 0, 1, 2]
+    exact = SeqItem(item.token_ids, item.prompt_len, true, 1.0)  # lag 0, no mismatch
+    assert collate([lagged, exact], 0).lag[:, len(prompt.prompt_ids) - 1 :].tolist() == [[0, 0, 1, 2], [0] * 4]
+    metrics = _learner(copy.deepcopy(model)).train_mini_batch([lagged, exact], weights_as_sampled=True)
+    k3 = {1: math.exp(3) - 1 - 3, 2: math.exp(1) - 1 - 1}
+    for lag, log_rho in ((1, 3.0), (2, 1.0)):
+        assert metrics[f"mismatch/lag_{lag}/k1_kl"] == pytest.approx(-log_rho, abs=1e-3)
+        assert metrics[f"mismatch/lag_{lag}/k3_kl"] == pytest.approx(k3[lag], rel=1e-3)
+    assert "mismatch/lag_0/k3_kl" not in metrics
+    assert metrics["mismatch/k3_kl"] == pytest.approx((k3[1] + k3[2]) / 8, rel=1e-3)  # 8 counted tokens
 
 
 def test_groups_in_prompt_order_wait_for_the_earlier_ones():

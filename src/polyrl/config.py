@@ -192,7 +192,7 @@ class RolloutConfig(_Section):
     """0: on-policy, each step's batch is generated after the previous step's update. k > 0
     (remote and hybrid): the batches of the next k steps are submitted ahead, so workers
     generate them while the learner trains, with weights up to k versions old. The loss's
-    truncated importance weight (algo.tis_cap) corrects for the lag; every token carries
+    truncated importance weight (algo.rollout_correction) corrects for the lag; every token carries
     its version. Resuming repeats the batches that were in flight, with the saved weights.
     With `fully_async`: no token the learner trains on is more than k versions older than
     the weights it updates (admission control plus a deadline, see `fully_async`)."""
@@ -340,7 +340,107 @@ class EngineConfig(_Section):
     with fewer than this many running sequences also admits at once."""
 
 
+def is_none_word(value: Any) -> bool:
+    """None, or how a command line or TOML file spells it (TOML has no null)."""
+    return value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))
+
+
+class RolloutCorrectionConfig(_Section):
+    """Correction for the gap between the engine's behaviour policy (pi_rollout) and the
+    trainer's proximal policy (pi_old): importance weights (IS) and rejection sampling (RS)
+    on the ratio rho = pi_old / pi_rollout, named as verl's `algorithm.rollout_correction`
+    (docs/algo/rollout_corr.md there; Liu, Li et al. 2025, "When Speed Kills Stability",
+    https://richardli.xyz/rl-collapse). Formulas: `polyrl/trainer/rollout_correction.py`.
+
+    One departure from verl: polyrl's default keeps its earlier token-level truncated IS at
+    2.0 (verl's default is none)."""
+
+    @model_validator(mode="after")
+    def _rs_band(self) -> RolloutCorrectionConfig:
+        if self.rollout_rs is not None and self.rollout_rs_threshold is None:
+            raise ValueError(
+                f"algo.rollout_correction.rollout_rs={self.rollout_rs!r} needs "
+                "algo.rollout_correction.rollout_rs_threshold (the band's upper bound)"
+            )
+        upper, lower = self.rollout_rs_threshold, self.rollout_rs_threshold_lower
+        if upper is not None and lower is not None and lower > upper:
+            raise ValueError(
+                f"algo.rollout_correction.rollout_rs_threshold_lower={lower} is above "
+                f"algo.rollout_correction.rollout_rs_threshold={upper}"
+            )
+        return self
+
+    @field_validator("rollout_rs", mode="before")
+    @classmethod
+    def _none_from_cli(cls, value: Any) -> Any:
+        """TOML has no null: `rollout_rs=none` (or "null") on the command line is None."""
+        return None if is_none_word(value) else value
+
+    @field_validator("rollout_is", mode="before")
+    @classmethod
+    def _is_off(cls, value: Any) -> Any:
+        """None (verl's null), "null" or "none" are stored as "none": a None would not survive
+        a saved config (`save_config` drops them), and "token" is the default."""
+        return "none" if is_none_word(value) else value
+
+    rollout_is: Literal["token", "sequence", "none"] = "token"
+    """Importance weight of each token (rho_t) or of its whole sequence (prod_t rho_t,
+    broadcast over its tokens), truncated at `rollout_is_threshold`; "none" (or null): no weight."""
+    rollout_is_threshold: float = Field(2.0, gt=0)
+    rollout_rs: Literal["token", "sequence", "geometric"] | None = None
+    """Drop from the loss the tokens (token), or whole sequences (sequence: prod_t rho_t;
+    geometric: exp(mean_t log rho_t)), whose ratio leaves [rollout_rs_threshold_lower,
+    rollout_rs_threshold]; None: drop nothing."""
+    rollout_rs_threshold: float | None = Field(None, gt=0)
+    rollout_rs_threshold_lower: float | None = Field(None, gt=0)
+    """None: 1 / rollout_rs_threshold."""
+    rollout_token_veto_threshold: float | None = Field(None, gt=0)
+    """Drop a whole sequence when any of its tokens has rho_t below this (e.g. 1e-4)."""
+
+
 class AlgoConfig(_Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _tis_cap_is_token_is(cls, data: Any) -> Any:
+        """`tis_cap` (kept from before `rollout_correction`) is shorthand: c > 0 is
+        rollout_is="token" with rollout_is_threshold=c, 0 is rollout_is="none". Written into
+        `rollout_correction` here, so a saved config reloads the same; set both ways, they
+        must agree."""
+        if not isinstance(data, dict) or data.get("tis_cap") is None:
+            return data
+        cap = float(data["tis_cap"])
+        rc = data.get("rollout_correction") or {}
+        given = rc.model_dump(exclude_unset=True) if isinstance(rc, BaseModel) else dict(rc)
+        implied: dict[str, Any] = (
+            {"rollout_is": "token", "rollout_is_threshold": cap} if cap > 0 else {"rollout_is": "none"}
+        )
+        for key, value in implied.items():
+            if key in given and ("none" if is_none_word(given[key]) else given[key]) != value:
+                raise ValueError(
+                    f"algo.tis_cap={data['tis_cap']} contradicts algo.rollout_correction.{key}={given[key]!r}: "
+                    "tis_cap=c is rollout_is='token' with rollout_is_threshold=c (0: rollout_is='none'); set only one"
+                )
+        return {**data, "rollout_correction": {**given, **implied}}
+
+    @model_validator(mode="after")
+    def _correction_has_a_gap(self) -> AlgoConfig:
+        rc = self.rollout_correction
+        chosen = [
+            f"rollout_correction.{key}"
+            for key, is_on in (
+                ("rollout_is='sequence'", rc.rollout_is == "sequence"),
+                ("rollout_rs", rc.rollout_rs is not None),
+                ("rollout_token_veto_threshold", rc.rollout_token_veto_threshold is not None),
+            )
+            if is_on
+        ]
+        if chosen and not self.recompute_old_logprobs:
+            raise ValueError(
+                f"algo.{chosen[0]} compares the trainer's old log-probs with the engine's, but with "
+                "algo.recompute_old_logprobs=false the engine's serve as the old ones: it would do nothing"
+            )
+        return self
+
     norm_adv_by_std: bool = True
     """False gives Dr.GRPO's unnormalised group advantage."""
     clip_ratio_low: float = Field(0.2, ge=0)
@@ -353,8 +453,17 @@ class AlgoConfig(_Section):
     recompute_old_logprobs: bool = True
     """Recompute old log-probs with the trainer before each mini-batch's update (the proximal
     policy); otherwise the engine's behaviour log-probs serve as the old ones."""
-    tis_cap: float = Field(2.0, ge=0)
-    """Truncated importance sampling cap on exp(old - behaviour); 0 disables the correction."""
+    policy_loss: Literal["vanilla", "gspo", "cispo"] = "vanilla"
+    """verl's `policy_loss.loss_mode` names. vanilla: PPO's clipped surrogate per token;
+    gspo: the sequence's length-normalised ratio, clipped per sequence (Zheng et al. 2025,
+    wants clip ratios ~3e-4 / 4e-4); cispo: REINFORCE weighted by the clipped, detached
+    ratio (MiniMax-M1, 2025). All use clip_ratio_low / clip_ratio_high (`trainer/grpo.py`)."""
+    tis_cap: float | None = Field(None, ge=0)
+    """Shorthand kept from before `rollout_correction`: truncated importance weight
+    min(exp(old - behaviour), tis_cap) per token, i.e. rollout_correction.rollout_is="token"
+    with rollout_is_threshold=tis_cap; 0 turns it off. Unset: rollout_correction decides
+    (by default the same token weight capped at 2.0)."""
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     filter_zero_variance_groups: bool = False
     ppo_epochs: int = Field(1, ge=1)
 

@@ -13,11 +13,11 @@ with the version of each token, under a hash of the token ids
 (`protocol/completions.py`), and each generated span of a scored sequence is looked up
 the same way, once per batch. Then `rollout/version_lag` is real, and only the tokens of
 the learner's own version measure `rollout/logprob_diff`, so an environment generating
-ahead of the trainer shows as lag, not as a mismatch. A group with any span the manager
-did not serve (an environment calling a worker directly, or another server; a restarted
+ahead of the trainer shows as lag, not as a mismatch. A group with any span neither the
+manager nor a live worker served (another server, a worker that has left, a restarted
 manager) is booked under the version the learner holds when the batch arrives, as before,
 and counted in `rollout/unversioned_groups`; the truncated importance weight on
-`inference_logprobs` (algo.tis_cap) corrects for its lag either way.
+`inference_logprobs` (`algo.rollout_correction`) corrects for its lag either way.
 """
 
 from __future__ import annotations

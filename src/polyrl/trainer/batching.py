@@ -30,6 +30,9 @@ class SeqItem:
     """Per completion token: part of the loss (None: every token)."""
     token_advantages: list[float] | None = None
     """Per completion token; None: `advantage` for every token."""
+    lags: list[int] | None = None
+    """Per completion token: how many versions older than the learner's weights at the
+    step's start its sampling weights were (None: all 0, or unknown)."""
 
     @property
     def num_completion_tokens(self) -> int:
@@ -59,11 +62,12 @@ def group_items(group: Group, advantages: list[float], version: WeightVersion | 
 
 
 def sample_item(prompt_ids: list[int], s: Sample, advantage: float, version: WeightVersion | None) -> SeqItem:
-    current = None
+    current, lags = None, None
     if not s.has_logprobs:  # no engine log-probs: nothing to measure the mismatch with
         current = [False] * len(s.completion_ids)
     elif version is not None and any(v != version for v in s.weight_versions):
         current = [v == version for v in s.weight_versions]
+        lags = [version - v for v in s.weight_versions]
     return SeqItem(
         prompt_ids + s.completion_ids,
         len(prompt_ids),
@@ -73,6 +77,7 @@ def sample_item(prompt_ids: list[int], s: Sample, advantage: float, version: Wei
         s.has_logprobs,
         s.loss_mask,
         s.advantages,
+        lags,
     )
 
 
@@ -106,6 +111,8 @@ class MicroBatch:
     current_mask: torch.Tensor  # [B, L-1] 1.0 where the target was sampled by the step's starting weights
     behav_known: torch.Tensor | None = None
     """[B, L-1] 1.0 where behav_logp is the engine's; None: everywhere (the learner fills the rest)."""
+    lag: torch.Tensor | None = None
+    """[B, L-1] int64 `SeqItem.lags` on the grid; None: every token's lag is 0."""
     old_logp: torch.Tensor | None = None  # [B, L-1]
     ref_logp: torch.Tensor | None = None  # [B, L-1]
     packed: Any = None
@@ -139,6 +146,7 @@ def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
     is_per_token = any(it.token_advantages is not None for it in items)
     advantages = np.zeros((rows, width - 1), dtype=np.float32) if is_per_token else None
     behav_known = None if all(it.behav_known for it in items) else np.zeros((rows, width - 1), dtype=np.float32)
+    lag = None if all(it.lags is None for it in items) else np.zeros((rows, width - 1), dtype=np.int64)
     for i, it in enumerate(items):
         n = len(it.token_ids)
         input_ids[i, :n] = it.token_ids
@@ -152,6 +160,8 @@ def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
             advantages[i, span] = it.advantage if it.token_advantages is None else it.token_advantages
         if behav_known is not None:
             behav_known[i, span] = float(it.behav_known)
+        if lag is not None and it.lags is not None:
+            lag[i, span] = it.lags
     input_ids, attention_mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
     mask, behav, current = torch.from_numpy(mask), torch.from_numpy(behav), torch.from_numpy(current)
     if advantages is None:  # one per sequence: [B]
@@ -169,4 +179,5 @@ def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
         advantages=advantages,
         current_mask=current,
         behav_known=behav_known,
+        lag=None if lag is None else torch.from_numpy(lag),
     )

@@ -9,7 +9,10 @@ Where we depart from textbook GRPO (Shao et al., 2024):
     per-sequence mean;
   * std normalisation of advantages can be switched off (Dr.GRPO);
   * the ratio is against a proximal policy (`old_logp`), and a truncated importance weight
-    corrects for the rollout engine's behaviour policy (decoupled PPO, as in AReaL).
+    corrects for the rollout engine's behaviour policy (decoupled PPO, as in AReaL), or
+    any of rollout_correction.py's weights and rejections;
+  * `algo.policy_loss` swaps PPO's per-token clipped surrogate for GSPO's sequence ratio or
+    CISPO's clipped, detached weight on REINFORCE.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from polyrl.config import AlgoConfig
+from polyrl.trainer import rollout_correction
+from polyrl.trainer.rollout_correction import SEQ_LOG_BOUND, seq_mean
 
 # ---------------------------------------------------------------------------------------------
 # Advantages
@@ -198,6 +203,40 @@ def _clipped_pg(log_ratio: torch.Tensor, adv: torch.Tensor, cfg: AlgoConfig) -> 
     return torch.where(is_clipped, pg_clipped, pg_unclipped), is_clipped
 
 
+def _gspo_log_ratio(logp: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071): the
+    ratio is the sequence's, s_i = exp(mean_t log(pi / pi_old)), length-normalised so that
+    one clip range suits every length. Written in the paper's token form, log s_i,t =
+    log pi_t - sg(log pi_t) + sg(log s_i): every token's value is s_i, and with one advantage
+    per sequence and seq-mean-token-mean its gradient is the sequence objective's; per-token
+    advantages then work too. [B, T] -> [B, T], 0 off the mask."""
+    log_seq = seq_mean(log_ratio, mask).detach().clamp(max=SEQ_LOG_BOUND)  # [B, 1]
+    return torch.where(mask, logp - logp.detach() + log_seq, 0.0)  # [B, T]
+
+
+def _cispo_pg(
+    logp: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: AlgoConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1 report, arXiv 2506.13585, eq. 4): REINFORCE on log pi weighted by
+    the ratio clipped and detached, sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi. No
+    token is cut off from the gradient as PPO's clip cuts the ones past the bound; only the
+    weight is bounded. Returns (pg, is_clipped) [B, T]."""
+    ratio = log_ratio.detach().exp()  # [B, T]
+    w = ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)  # [B, T]
+    return -w * adv * torch.where(mask, logp, 0.0), w != ratio
+
+
+def _pg(x: LossInputs, log_ratio: torch.Tensor, adv: torch.Tensor, m: torch.Tensor, cfg: AlgoConfig):
+    """Per-token policy-gradient term and where it clipped, by `cfg.policy_loss`."""
+    if cfg.policy_loss == "cispo":
+        return _cispo_pg(x.logp, log_ratio, adv, m, cfg)
+    if cfg.policy_loss == "gspo":
+        return _clipped_pg(_gspo_log_ratio(x.logp, log_ratio, m), adv, cfg)
+    if cfg.policy_loss == "vanilla":
+        return _clipped_pg(log_ratio, adv, cfg)
+    raise ValueError(f"unknown policy_loss {cfg.policy_loss!r}")
+
+
 def _kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi.
 
@@ -218,7 +257,7 @@ def policy_loss(
     """`policy_loss_on_device` with its metrics read back as floats (one device sync)."""
     loss, stats = policy_loss_on_device(x, cfg, num_tokens, num_seqs)
     values = torch.stack(list(stats.values())).tolist()
-    return loss, dict(zip(stats.keys(), values))
+    return loss, rollout_correction.with_ess(dict(zip(stats.keys(), values)))
 
 
 def policy_loss_on_device(
@@ -229,31 +268,32 @@ def policy_loss_on_device(
     num_tokens / num_seqs: masked tokens / sequences in the whole MINI-batch.
     loss = pg + kl_coef * kl - entropy_coef * entropy, each aggregated by cfg.loss_agg_mode.
     Metrics (0-d tensors, left on the device so that a learner reads them once per step):
-    "actor/pg_loss" and "actor/kl_loss" are the aggregated terms (sum them over
-    micro-batches); the rest are token means over this micro-batch, to be averaged by weight
-    "_num_tokens".
+    "actor/pg_loss", "actor/kl_loss" and rollout_correction.SEQ_SUMS are divided by the
+    mini-batch's totals (sum them over micro-batches); the rest are token means over this
+    micro-batch, to be averaged by weight "_num_tokens". Tokens that rollout correction drops
+    add nothing to any loss term.
     """
     m = x.mask > 0  # [B, T] bool
     adv = x.advantages.detach().to(x.logp.dtype)  # [B] or [B, T] (per-token advantages)
     adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # [B, 1] or [B, T]
     old_logp = x.old_logp.detach()  # [B, T]
 
-    def agg(v: torch.Tensor) -> torch.Tensor:
-        return aggregate(v, m, cfg.loss_agg_mode, num_tokens, num_seqs)
-
     # Padding may hold arbitrary log-probs; zero the exponent there so no inf/NaN can reach
     # backward (masking only after exp would still give inf * 0 = NaN gradients).
     log_ratio = torch.where(m, x.logp - old_logp, 0.0)  # [B, T]
-    pg, is_clipped = _clipped_pg(log_ratio, adv, cfg)  # [B, T]
+    pg, is_clipped = _pg(x, log_ratio, adv, m, cfg)  # [B, T]
 
-    w = None
-    if cfg.tis_cap > 0:
-        # Departure (decoupled PPO): the samples come from the engine (behaviour policy), the
-        # trust region is around the proximal policy; a truncated, detached importance weight
-        # pi_old / pi_behav bridges the two without letting its variance explode.
-        log_w = torch.where(m, old_logp - x.behav_logp.detach(), 0.0)  # [B, T]
-        w = log_w.exp().clamp(max=cfg.tis_cap)  # [B, T]
+    # Departure (decoupled PPO): the samples come from the engine (behaviour policy), the
+    # trust region is around the proximal policy; rollout correction's detached weights and
+    # rejection bridge the two (rollout_correction.py).
+    log_rho, corr = rollout_correction.correct(old_logp, x.behav_logp.detach(), m, cfg.rollout_correction)
+    w = corr.weight
+    if w is not None:
         pg = pg * w
+    keep = corr.keep  # [B, T] the counted tokens that no rejection dropped
+
+    def agg(v: torch.Tensor) -> torch.Tensor:
+        return aggregate(v, keep, cfg.loss_agg_mode, num_tokens, num_seqs)
 
     pg_loss = agg(pg)
     loss = pg_loss
@@ -282,4 +322,6 @@ def policy_loss_on_device(
             "actor/tis_weight_mean": zero + 1.0 if w is None else tmean(w),
             "_num_tokens": n.to(pg_loss.dtype),
         }
+        mismatch = rollout_correction.mismatch_metrics(log_rho, m, corr, num_seqs)
+        stats.update({k: v.to(pg_loss.dtype) for k, v in mismatch.items()})
     return loss, stats

@@ -28,9 +28,13 @@ from polyrl.trainer.distributed import DataParallel, is_sharded
 from polyrl.trainer.grpo import LossInputs, policy_loss_on_device, token_logprobs
 from polyrl.trainer.lm_head import head_logprobs
 from polyrl.trainer.packing import collate_packed, default_backend, make_docs, pack_by_tokens, use_packed_attention
+from polyrl.trainer.rollout_correction import SEQ_SUMS, lag_keys, lag_kls, lag_token_counts, with_ess
 
 log = logging.getLogger(__name__)
 
+
+SUMMED_METRICS = frozenset(("actor/pg_loss", "actor/kl_loss", *SEQ_SUMS))
+"""Metrics of `policy_loss_on_device` divided by the mini-batch's totals already."""
 
 GPU_BOUND_MICRO_BATCH_TOKENS = 16384
 """Where the compiled learner's step became bound by the GPU rather than by the host's
@@ -328,10 +332,13 @@ class Learner:
         num_current = sum(it.num_current_tokens for it in items) if weights_as_sampled else 0
         pack = pack_by_tokens if self.is_packed else None
         fill_behav = not all(it.behav_known for it in items)
+        lag_counts = lag_token_counts(items)  # the whole mini-batch's, on every rank
         with record_function("learner.prepare"):
             batches = self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id, pack)
             mbs = self._prepare(batches, fill_behav)
         sums: dict[str, torch.Tensor | float] = defaultdict(float)  # this rank's part of each metric, on the device
+        for lag in lag_counts:  # every rank sums the same keys, lagged tokens in its share or not
+            sums.update(dict.fromkeys(lag_keys(lag), 0.0))
         grad_norms, lr = [], 0.0
         for epoch in range(self.algo.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
@@ -344,6 +351,11 @@ class Learner:
                 if epoch == 0 and num_current and self.algo.recompute_old_logprobs:
                     diff = ((mb.old_logp - mb.behav_logp).abs() * mb.mask * mb.current_mask).sum()
                     sums["rollout/logprob_diff"] += diff / num_current
+                if epoch == 0 and lag_counts and mb.lag is not None:
+                    m = mb.mask > 0
+                    log_rho = torch.where(m, mb.old_logp - mb.behav_logp, 0.0)  # [B, L-1]
+                    for key, value in lag_kls(log_rho, m, mb.lag, lag_counts).items():
+                        sums[key] += value
                 inputs = LossInputs(
                     logp=logp,
                     old_logp=mb.old_logp,
@@ -358,9 +370,10 @@ class Learner:
                     loss.backward()
                 weight = metrics.pop("_num_tokens") / max(num_tokens, 1) / self.algo.ppo_epochs
                 for key, value in metrics.items():
-                    # Loss terms already carry mini-batch denominators: sum them; others are
-                    # token means per micro-batch: weight them by tokens.
-                    is_loss = key in ("actor/pg_loss", "actor/kl_loss")
+                    # Loss terms and per-sequence metrics already carry mini-batch
+                    # denominators: sum them; others are token means per micro-batch: weight
+                    # them by tokens.
+                    is_loss = key in SUMMED_METRICS
                     sums[key] += value / self.algo.ppo_epochs if is_loss else value * weight
             with record_function("learner.grads_to_master"):
                 self._grads_to_master()
@@ -377,6 +390,6 @@ class Learner:
         self.work.eval()
         sums = _read_back(sums, self.model.device)
         grad_norm_mean = sum(grad_norms) / len(grad_norms)
-        out = self.dp.sum_over_ranks(sums)
+        out = with_ess(self.dp.sum_over_ranks(sums))
         out["actor/grad_norm"], out["actor/lr"] = grad_norm_mean, lr
         return out
