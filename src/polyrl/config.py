@@ -361,8 +361,10 @@ class FilterGroupsConfig(_Section):
     is cancelled; its prompts are used up (the data cursor moves past them)."""
 
     enable: bool = False
-    metric: Literal["score"] = "score"
-    """What must vary within a group: the reward (verl's `seq_final_reward`/`score`)."""
+    metric: Literal["seq_final_reward", "seq_reward"] = "seq_final_reward"
+    """What must vary within a group. Both of verl's names mean the sample's reward here
+    (with any overlong penalty; polyrl puts no KL term into rewards); verl's `acc` has no
+    counterpart (rewards are not split into an accuracy)."""
     max_num_gen_batches: int = Field(10, ge=0)
     """Rounds of generation a step may take, the first included; at the cap the step
     trains on the groups it has (fewer) and logs why. 0: no cap (verl's 0)."""
