@@ -29,7 +29,7 @@ from polyrl.rollout.stats import RolloutStats
 from polyrl.trainer.dynamic_sampling import DynamicSampler
 from polyrl.trainer.loop import train
 from polyrl.trainer.overlong import overlong_penalty, shaped_rewards
-from polyrl.trainer.stream import StreamResult, _items
+from polyrl.trainer.stream import StreamResult, _items, in_prompt_order
 
 # ------------------------------------------------------------------------------ overlong
 
@@ -273,3 +273,13 @@ def test_a_worker_killed_during_an_extra_round_loses_nothing() -> None:
         )
         assert stats.num_migrated > 0  # the kill hit samples in flight, which went on elsewhere
         _wait_until(lambda: not mt.manager.batches and not mt.manager.pending, 10, "no batch left in the manager")
+
+
+def test_closing_groups_in_prompt_order_closes_the_rollouts_batch() -> None:
+    """`rollout.deterministic` wraps a round in `in_prompt_order`: closing the wrapper must
+    reach the rollout's iterator, which is what cancels the batch."""
+    rounds = _Rounds([[[1, 2], [1, 2], [1, 2]]])
+    ordered = in_prompt_order(rounds(), [0, 1, 2])
+    assert next(ordered).prompt.index == 0
+    ordered.close()
+    assert rounds.closed_at == [0]
