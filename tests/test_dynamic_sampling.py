@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from polyrl.config import AlgoConfig, ConfigError, FilterGroupsConfig, OverlongBufferConfig, load_config
 from polyrl.manager.main import ManagerThread
+from polyrl.metrics.step_stats import rollout_metrics
 from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.manager_link import ManagerLink
@@ -148,6 +149,9 @@ def test_the_cap_trains_on_what_it_has_and_says_why(caplog: pytest.LogCaptureFix
         assert len(list(sampler)) == 2
     assert sampler.stats.is_capped and sampler.stats.num_gen_batches == 2
     assert "max_num_gen_batches" in caplog.text and "2 of 4 groups" in caplog.text
+    nothing = _Rounds([[[1, 1]]])
+    assert list(DynamicSampler(nothing, _InstantScorer(), FilterGroupsConfig(max_num_gen_batches=1), 4, nothing)) == []
+    assert rollout_metrics([], 8) == {}  # a step without a group still logs its other metrics
 
 
 # ------------------------------------------------------------------------------ a run
@@ -283,3 +287,12 @@ def test_closing_groups_in_prompt_order_closes_the_rollouts_batch() -> None:
     assert next(ordered).prompt.index == 0
     ordered.close()
     assert rounds.closed_at == [0]
+
+
+def test_a_step_at_the_cap_without_any_group_is_logged_and_the_run_goes_on(tmp_path: Path) -> None:
+    overrides = [*RUN, "trainer.total_steps=1", "algo.filter_groups.max_num_gen_batches=2"]
+    overrides.append("reward.overlong_buffer.enable=false")  # (its penalty would give the groups a spread)
+    state = train(load_config(None, [*overrides, 'reward.functions=["reward_fns:constant"]']), tmp_path / "run")
+    (row,) = _metrics(tmp_path / "run")
+    assert (row["batch/capped"], row["batch/kept_groups"], row["batch/num_gen_batches"]) == (1, 0, 2)
+    assert state.step == 1 and state.cursor == 2 * 8
