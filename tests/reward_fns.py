@@ -66,3 +66,8 @@ def one_plus_length(prompts: list[str], completions: list[str], **_) -> list[flo
         while os.path.exists(hold) and time.monotonic() < deadline:
             time.sleep(0.01)
     return [1.0 + len(c) / 100 for c in completions]
+
+
+def constant(prompts: list[str], completions: list[str], **_) -> list[float]:
+    """Every completion alike: no group has a reward spread (`algo.filter_groups` at its cap)."""
+    return [0.5] * len(completions)

@@ -150,6 +150,18 @@ class DataConfig(_Section):
         return self
 
 
+class OverlongBufferConfig(_Section):
+    """DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`): a sample
+    whose length falls within the last `len` tokens of its budget (`rollout.max_new_tokens`,
+    or the prompt's own) loses up to `penalty_factor` of reward, linearly: 0 at
+    budget - len tokens, `penalty_factor` at the budget."""
+
+    enable: bool = False
+    len: int = Field(4, ge=1)
+    """Tokens before the budget where the penalty ramps up (DAPO used 4096 of 20480)."""
+    penalty_factor: float = Field(1.0, ge=0)
+
+
 class RewardConfig(_Section):
     functions: list[str] = []
     """`module:function` paths, TRL convention fn(prompts, completions, **columns) -> list[float].
@@ -157,6 +169,7 @@ class RewardConfig(_Section):
     weights: list[float] | None = None
     num_workers: int = Field(1, ge=1)
     timeout_s: float = Field(10.0, gt=0)
+    overlong_buffer: OverlongBufferConfig = OverlongBufferConfig()
 
     @model_validator(mode="after")
     def _weights_match(self) -> RewardConfig:
@@ -398,6 +411,23 @@ class RolloutCorrectionConfig(_Section):
     """Drop a whole sequence when any of its tokens has rho_t below this (e.g. 1e-4)."""
 
 
+class FilterGroupsConfig(_Section):
+    """DAPO's dynamic sampling (verl's `algorithm.filter_groups`): a group whose rewards
+    are all equal has no advantage to learn from, so it is dropped, and the trainer asks for
+    more prompts (rounds of `trainer.train_batch_size`) until the step has
+    `train_batch_size` groups with a reward spread. Once it has them, the rest of the round
+    is cancelled; its prompts are used up (the data cursor moves past them)."""
+
+    enable: bool = False
+    metric: Literal["seq_final_reward", "seq_reward"] = "seq_final_reward"
+    """What must vary within a group. Both of verl's names mean the sample's reward here
+    (with any overlong penalty; polyrl puts no KL term into rewards); verl's `acc` has no
+    counterpart (rewards are not split into an accuracy)."""
+    max_num_gen_batches: int = Field(10, ge=0)
+    """Rounds of generation a step may take, the first included; at the cap the step
+    trains on the groups it has (fewer) and logs why. 0: no cap (verl's 0)."""
+
+
 class AlgoConfig(_Section):
     @model_validator(mode="before")
     @classmethod
@@ -465,6 +495,10 @@ class AlgoConfig(_Section):
     (by default the same token weight capped at 2.0)."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     filter_zero_variance_groups: bool = False
+    filter_groups: FilterGroupsConfig = FilterGroupsConfig()
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: samples cut at their length budget (finish reason
+    "length") are left out of the loss; they still count in their group's advantages."""
     ppo_epochs: int = Field(1, ge=1)
 
 
@@ -926,6 +960,37 @@ class RunConfig(_Section):
             raise ValueError(
                 "trainer.working_copy needs full fine-tuning: with model.lora the adapters train on the model itself"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> RunConfig:
+        buffer = self.reward.overlong_buffer
+        if buffer.enable and buffer.len > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer.len ({buffer.len}) must not exceed rollout.max_new_tokens "
+                f"({self.rollout.max_new_tokens}): the penalty ramps up over the last len tokens of the budget"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _filter_groups_fits(self) -> RunConfig:
+        """Dynamic sampling takes more prompts mid-step: only where a step's batch is the
+        last thing taken from the prompt stream (the resumed cursor stays exact)."""
+        if not self.algo.filter_groups.enable:
+            return self
+        if self.rollout.fully_async:
+            raise ValueError(
+                "algo.filter_groups needs the step-synchronous loop: with rollout.fully_async each step takes the "
+                "first groups to finish of those in flight; drop zero-variance groups there with "
+                "algo.filter_zero_variance_groups"
+            )
+        if self.rollout.max_staleness:
+            raise ValueError(
+                f"algo.filter_groups needs rollout.max_staleness = 0 (got {self.rollout.max_staleness}): the extra "
+                "prompts of a step would come after those of the batches already submitted ahead"
+            )
+        if self.data.source == "atropos":
+            raise ValueError("algo.filter_groups: with data.source = 'atropos' the environments choose the groups")
         return self
 
 

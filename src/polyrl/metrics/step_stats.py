@@ -9,6 +9,9 @@ from polyrl.protocol.samples import Group
 
 
 def rollout_metrics(groups: list[Group], max_new_tokens: int) -> dict[str, float]:
+    """None of these for a step without a group (`algo.filter_groups` at its cap)."""
+    if not groups:
+        return {}
     lengths = np.array([len(s.completion_ids) for g in groups for s in g.samples], dtype=float)
     rewards = np.array([r for g in groups for r in (g.rewards or [])], dtype=float)
     prompt_lengths = np.array([len(g.prompt.prompt_ids) for g in groups], dtype=float)

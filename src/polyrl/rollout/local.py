@@ -115,18 +115,22 @@ class LocalRollout:
             own = {"seed": random.getrandbits(63), "max_new_tokens": p.budget(sampling.max_new_tokens)}
             self.engine.add_request(EngineRequest(rid, p.prompt_ids, sampling.model_copy(update=own)))
             pending[rid] = (p, [SampleResult(rid, i, len(p.prompt_ids)) for i in range(sampling.n)])
-        while pending:
-            for d in self.engine.step():
-                prompt, results = pending[d.rid]
-                results[d.index].add(d)
-                if d.finished and all(r.finish_reason is not None for r in results):
-                    del pending[d.rid]
-                    elapsed = time.perf_counter() - t0
-                    stats.first_group_s = stats.first_group_s or elapsed
-                    stats.gen_s = elapsed
-                    group = Group(prompt=prompt, samples=[to_sample(r, LOCAL_WORKER_ID, elapsed) for r in results])
-                    stats.count(group)
-                    yield group
+        try:
+            while pending:
+                for d in self.engine.step():
+                    prompt, results = pending[d.rid]
+                    results[d.index].add(d)
+                    if d.finished and all(r.finish_reason is not None for r in results):
+                        del pending[d.rid]
+                        elapsed = time.perf_counter() - t0
+                        stats.first_group_s = stats.first_group_s or elapsed
+                        stats.gen_s = elapsed
+                        group = Group(prompt=prompt, samples=[to_sample(r, LOCAL_WORKER_ID, elapsed) for r in results])
+                        stats.count(group)
+                        yield group
+        finally:
+            for rid in pending:  # closed before its end: the rest is cancelled
+                self.engine.abort(rid)
 
     def learner_started(self) -> None:
         pass  # the whole batch was generated before it (`shares_weights`)

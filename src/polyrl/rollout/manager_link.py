@@ -133,12 +133,21 @@ class BatchStream:
     def __init__(self, client: BatchClient, request: BatchRequest) -> None:
         self.request = request
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._read, args=(client,), name="polyrl-batch", daemon=True)
         self._thread.start()
 
+    def close(self) -> None:
+        """No more groups wanted: the reader hangs up when the next one arrives, and the
+        manager cancels the rest of the batch (its workers abort their samples)."""
+        self._closed.set()
+
     def _read(self, client: BatchClient) -> None:
+        lines = client.generate(self.request)
         try:
-            for group in client.generate(self.request):
+            for group in lines:
+                if self._closed.is_set():
+                    break
                 self._queue.put(group)
             self._queue.put(self._END)
         except BatchError as e:
@@ -147,6 +156,8 @@ class BatchStream:
             self._queue.put(
                 BatchError(BatchFailed(batch_id="", kind="disconnected", message=f"{type(e).__name__}: {e}"))
             )
+        finally:
+            lines.close()  # leaves the HTTP stream: a batch closed early is cancelled
 
     def __iter__(self) -> Iterator[GroupResult]:
         """The groups in completion order; raises BatchError when the batch fails or the

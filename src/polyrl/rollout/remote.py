@@ -245,6 +245,11 @@ class RemoteRollout:
                 rest = [p for p in request.prompts if p.id not in received]
                 log.warning("resubmitting %d of %d prompts after losing the manager (%s)", len(rest), len(by_id), e)
                 stream = self.link.open_batch(request.model_copy(update={"prompts": rest}))
+            except GeneratorExit:  # closed by its reader before its end: the rest is cancelled
+                # No look at the fleet here (this may run in a garbage collection, with the
+                # manager gone): what the fleet did meanwhile is booked at the next look.
+                stream.close()
+                raise
         if is_step:
             self.note_fleet(stats)
 

@@ -39,6 +39,29 @@ class RolloutStats:
     num_unversioned_groups: int | None = None
     """Atropos: the step's groups whose tokens' weight versions the manager could not
     tell, booked under the learner's version (`rollout/unversioned_groups`)."""
+    num_cancelled: int = 0
+    """Samples of a batch closed before its end (`algo.filter_groups` had enough groups):
+    not lost, not wanted."""
+
+    def add(self, other: RolloutStats, cut: bool) -> None:
+        """Book another batch of the same step (a round of `algo.filter_groups`) into these;
+        `cut`: it was closed early, so what it did not deliver was cancelled."""
+        self.num_requested += other.num_requested
+        self.num_received += other.num_received
+        self.num_cancelled += other.num_cancelled + (other.num_requested - other.num_received if cut else 0)
+        self.num_migrated += other.num_migrated
+        self.num_local += other.num_local
+        self.tokens_by_worker.update(other.tokens_by_worker)
+        self.gen_s += other.gen_s
+        self.first_group_s = self.first_group_s or other.first_group_s
+        if other.fleet_idle_s is not None:
+            self.fleet_idle_s = (self.fleet_idle_s or 0.0) + other.fleet_idle_s
+        self.window_s, self.window_closed_by = (
+            self.window_s or other.window_s,
+            self.window_closed_by or other.window_closed_by,
+        )
+        self.weight_sync_s = self.weight_sync_s if self.weight_sync_s is not None else other.weight_sync_s
+        self.num_lost_workers = other.num_lost_workers if other.num_lost_workers is not None else self.num_lost_workers
 
     def count(self, group: Group) -> None:
         """Book a received group: its samples, where their tokens came from."""
@@ -53,7 +76,8 @@ class RolloutStats:
         out = {
             "rollout/samples_requested": float(self.num_requested),
             "rollout/samples_received": float(self.num_received),
-            "rollout/samples_lost": float(self.num_requested - self.num_received),
+            "rollout/samples_lost": float(self.num_requested - self.num_received - self.num_cancelled),
+            "rollout/samples_cancelled": float(self.num_cancelled),
             "rollout/migrated_samples": float(self.num_migrated),
             "rollout/local_samples": float(self.num_local),
             "timing_s/first_group": self.first_group_s,

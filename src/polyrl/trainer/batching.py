@@ -52,12 +52,16 @@ class SeqItem:
         return sum(c and m for c, m in zip(current, counted, strict=True))
 
 
-def group_items(group: Group, advantages: list[float], version: WeightVersion | None = None) -> list[SeqItem]:
-    """version: the learner's weight version at the step's start (None: no token lags)."""
+def group_items(
+    group: Group, advantages: list[float], version: WeightVersion | None = None, drop_truncated: bool = False
+) -> list[SeqItem]:
+    """version: the learner's weight version at the step's start (None: no token lags).
+    drop_truncated: leave out samples cut at their length budget (`algo.overlong_filter`)."""
     return [
         sample_item(group.prompt.prompt_ids if s.prompt_ids is None else s.prompt_ids, s, a, version)
         for s, a in zip(group.samples, advantages, strict=True)
         if s.completion_ids  # an empty completion carries no token to learn from
+        and not (drop_truncated and s.finish_reason == "length")
     ]
 
 

@@ -40,6 +40,7 @@ from polyrl.trainer.checkpoint import (
     set_rng_state,
 )
 from polyrl.trainer.distributed import DataParallel, gather_state, gather_weights
+from polyrl.trainer.dynamic_sampling import DynamicSampler
 from polyrl.trainer.learner import Learner
 from polyrl.trainer.lora import adapter_version
 from polyrl.trainer.policy import Policy, build_learner, load_policy, prepare_process
@@ -77,6 +78,8 @@ class Run:
     fleet: Fleet | None = None
     feed: AsyncFeed | None = None
     """rollout.fully_async: the prompts in flight, and each step's first groups to finish."""
+    sampler: DynamicSampler | None = None
+    """algo.filter_groups: the step's rounds of generation, for its metrics."""
     ahead: deque[PendingBatch] = field(default_factory=deque)
     """Submitted batches of the steps to come (rollout.max_staleness of them), oldest first."""
     cleanup: ExitStack = field(default_factory=ExitStack)
@@ -128,7 +131,7 @@ class Run:
                 policy=policy,
                 source=source,
                 rollout=rollout,
-                scorer=GroupScorer(pool, policy.tokenizer),
+                scorer=GroupScorer(pool, policy.tokenizer, cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens),
                 learner=learner,
                 tracker=tracker,
                 sampling=sampling,
@@ -146,15 +149,28 @@ class Run:
         if self.feed is not None:
             self.feed.top_up(steps_left=self.cfg.trainer.total_steps - step + 1)
             return self.feed.take(self.state.weight_version)
+        if self.cfg.algo.filter_groups.enable:  # (max_staleness is 0: nothing was submitted ahead)
+            self.sampler = DynamicSampler(
+                lambda: self._submit().groups,
+                self.scorer,
+                self.cfg.algo.filter_groups,
+                self.cfg.trainer.train_batch_size,
+                self.rollout,
+            )
+            return iter(self.sampler)
         last = min(step + self.cfg.rollout.max_staleness, self.cfg.trainer.total_steps)
         while step + len(self.ahead) <= last:
-            cursor, rng = self.source.cursor, rng_state()
-            prompts = self.source.take(self.num_prompts_per_step)
-            groups = self.rollout.generate(prompts, self.sampling)
-            if self.cfg.rollout.deterministic and prompts:  # (Atropos environments choose their own groups)
-                groups = in_prompt_order(groups, [p.index for p in prompts])
-            self.ahead.append(PendingBatch(groups, cursor, rng))
+            self.ahead.append(self._submit())
         return self.ahead.popleft().groups
+
+    def _submit(self) -> PendingBatch:
+        """The next step's worth of prompts, submitted."""
+        cursor, rng = self.source.cursor, rng_state()
+        prompts = self.source.take(self.num_prompts_per_step)
+        groups = self.rollout.generate(prompts, self.sampling)
+        if self.cfg.rollout.deterministic and prompts:  # (Atropos environments choose their own groups)
+            groups = in_prompt_order(groups, [p.index for p in prompts])
+        return PendingBatch(groups, cursor, rng)
 
     @property
     def num_prompts_per_step(self) -> int:
@@ -187,7 +203,9 @@ class Run:
         self.rollout.publish(gather_weights(self.policy.model, self.dp), version)
 
     def step_metrics(self, groups: list[Group], result: StreamResult, timings: dict[str, float]) -> dict[str, float]:
-        return step_metrics(
+        if self.sampler is not None:
+            result.num_failed_samples += self.sampler.stats.num_failed_samples  # scored before the learner saw them
+        metrics = step_metrics(
             cfg=self.cfg,
             groups=groups,
             result=result,
@@ -199,6 +217,9 @@ class Run:
             device=self.policy.model.device,
             weight_version=self.state.weight_version,
         )
+        if self.sampler is not None:
+            metrics.update(self.sampler.stats.metrics())
+        return metrics
 
     def save(self) -> Path:
         model = self.policy.model

@@ -104,6 +104,8 @@ def step_metrics(
             }
         )
     metrics["training/filtered_groups"] = float(result.num_filtered_groups)
+    if cfg.algo.overlong_filter:
+        metrics["training/overlong_filtered_samples"] = float(result.num_overlong_filtered)
     metrics["reward/failed_samples"] = float(result.num_failed_samples)
     metrics["training/weight_version"] = float(weight_version)
     return metrics

@@ -19,20 +19,30 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from polyrl.config import AlgoConfig
+from polyrl.config import AlgoConfig, OverlongBufferConfig
 from polyrl.data.rewards import RewardPool
 from polyrl.protocol.samples import Group, Sample
 from polyrl.protocol.version import WeightVersion
 from polyrl.trainer.batching import SeqItem, group_items
 from polyrl.trainer.grpo import group_advantages
 from polyrl.trainer.learner import Learner
+from polyrl.trainer.overlong import shaped_rewards
 
 
 class GroupScorer:
-    """Decodes a group's completions and sends them to the reward pool."""
+    """Decodes a group's completions and sends them to the reward pool; with
+    `overlong.enable`, adds DAPO's overlong penalty to what comes back (trainer/overlong.py)."""
 
-    def __init__(self, pool: RewardPool, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self,
+        pool: RewardPool,
+        tokenizer: PreTrainedTokenizerBase,
+        overlong: OverlongBufferConfig | None = None,
+        max_new_tokens: int = 0,
+    ) -> None:
+        """`max_new_tokens`: `rollout.max_new_tokens`, the budget the penalty ramps up to."""
         self.pool, self.tokenizer = pool, tokenizer
+        self.overlong, self.max_new_tokens = overlong or OverlongBufferConfig(), max_new_tokens
 
     def decode(self, sample: Sample) -> str:
         """The completion as the reward sees it: the final stop token is dropped, but any
@@ -53,7 +63,28 @@ class GroupScorer:
         columns = {k: [v] * n for k, v in group.prompt.columns.items()}
         # TRL passes extra per-sample fields as keyword arguments; reward functions take **kwargs.
         columns["finish_reason"] = [s.finish_reason for s in group.samples]
-        return self.pool.submit([group.prompt.text] * n, completions, columns)
+        future = self.pool.submit([group.prompt.text] * n, completions, columns)
+        return ShapedRewards(future, group, self) if self.overlong.enable else future
+
+    def shape(self, group: Group, rewards: list[float]) -> list[float]:
+        return shaped_rewards(group, rewards, self.overlong, self.max_new_tokens)
+
+
+class ShapedRewards:
+    """A reward future whose result has the overlong penalty added."""
+
+    def __init__(self, future, group: Group, scorer: GroupScorer) -> None:
+        self.future, self.group, self.scorer = future, group, scorer
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> list[float]:
+        return self.scorer.shape(self.group, self.future.result())
+
+    @property
+    def num_failed(self) -> int:
+        return getattr(self.future, "num_failed", 0)
 
 
 def in_prompt_order(groups: Iterable[Group], prompt_indices: list[int]) -> Iterator[Group]:
@@ -62,13 +93,17 @@ def in_prompt_order(groups: Iterable[Group], prompt_indices: list[int]) -> Itera
     its end, so a rollout that records its step's stats after the last group does so."""
     source = iter(groups)
     arrived: dict[int, Group] = {}
-    for index in prompt_indices:
-        while index not in arrived:
-            group = next(source, None)
-            if group is None:
-                raise RuntimeError(f"the rollout ended without the group of prompt {index}")
-            arrived[group.prompt.index] = group
-        yield arrived.pop(index)
+    try:
+        for index in prompt_indices:
+            while index not in arrived:
+                group = next(source, None)
+                if group is None:
+                    raise RuntimeError(f"the rollout ended without the group of prompt {index}")
+                arrived[group.prompt.index] = group
+            yield arrived.pop(index)
+    except GeneratorExit:
+        getattr(source, "close", lambda: None)()  # closed early: so is the rollout's batch
+        raise
     extra = [g.prompt.index for g in source] + list(arrived)
     if extra:
         raise RuntimeError(f"the rollout returned groups of prompts it was not asked for: {extra}")
@@ -81,6 +116,8 @@ class StreamResult:
     reward_wait_s: float = 0.0
     update_s: float = 0.0
     num_filtered_groups: int = 0
+    num_overlong_filtered: int = 0
+    """Samples cut at their length budget, left out of the loss (`algo.overlong_filter`)."""
     num_failed_samples: int = 0
     """Samples scored 0.0 because a reward function raised, returned a bad value or timed out."""
     version: WeightVersion | None = None
@@ -162,5 +199,9 @@ def _items(batch: list[Group], algo: AlgoConfig, out: StreamResult) -> list[SeqI
         advantages = group_advantages(rewards, algo.norm_adv_by_std)[0].tolist()
         if group.zero_advantage is not None:
             advantages = [0.0 if zero else a for a, zero in zip(advantages, group.zero_advantage, strict=True)]
-        items += group_items(group, advantages, out.version)
+        if algo.overlong_filter:
+            out.num_overlong_filtered += sum(
+                s.finish_reason == "length" and bool(s.completion_ids) for s in group.samples
+            )
+        items += group_items(group, advantages, out.version, drop_truncated=algo.overlong_filter)
     return items
