@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spot_gpu import ROOT, time_to  # noqa: E402  (the learning rows' time to a reward)
 
 LOSSES: dict[str, list[str]] = {
     "vanilla": ["algo.policy_loss=vanilla"],
@@ -74,17 +75,6 @@ class Run:
     wall_s: float = 0.0
     failed: str = ""
     rewards: list[float] = field(default_factory=list)
-
-
-def time_to(rows: list[dict[str, float]], target: float, window: int = 5) -> tuple[float, int] | None:
-    """(seconds, steps) until the mean reward of `window` steps in a row first reaches
-    `target`, counting the steps' own time; None if it never does."""
-    rewards = [r["critic/score/mean"] for r in rows]
-    elapsed = np.cumsum([r["perf/time_per_step"] for r in rows])
-    for end in range(window, len(rows) + 1):
-        if np.mean(rewards[end - window : end]) >= target:
-            return float(elapsed[end - 1]), end
-    return None
 
 
 def run_one(loss: str, correction: str, task: str, seed: int, args: argparse.Namespace, work: Path) -> Run:
