@@ -243,12 +243,10 @@ def _kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimato
     k1 = log pi - log pi_ref is unbiased but can be negative; k3 (Schulman) is unbiased,
     non-negative and lower variance, and is what GRPO uses.
     """
-    d = torch.where(mask, ref_logp - logp, 0.0)  # [B, T] log(pi_ref / pi)
-    if estimator == "k1":
-        return -d
-    if estimator == "k3":
-        return d.exp() - d - 1
-    raise ValueError(f"unknown kl_estimator {estimator!r}")
+    if estimator not in ("k1", "k3"):
+        raise ValueError(f"unknown kl_estimator {estimator!r}")
+    k1, k3 = rollout_correction.token_kls(torch.where(mask, ref_logp - logp, 0.0))  # log(pi_ref / pi)
+    return k1 if estimator == "k1" else k3
 
 
 def policy_loss(

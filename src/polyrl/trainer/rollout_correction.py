@@ -104,9 +104,10 @@ SEQ_SUMS = ("mismatch/log_ppl_diff", "mismatch/masked_seq_frac")
 
 
 def token_kls(log_rho: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token estimates of KL(pi_rollout || pi_old) from samples of pi_rollout, with
-    log_rho = log pi_old - log pi_rollout: k1 = -log_rho, k3 = rho - 1 - log_rho (Schulman's
-    non-negative, lower-variance estimator). Both [B, T]."""
+    """Per-token estimates of KL(p || q) from samples of p, with log_rho = log q - log p:
+    k1 = -log_rho, k3 = rho - 1 - log_rho (Schulman's non-negative, lower-variance
+    estimator). Both [B, T]. Here p is pi_rollout and q pi_old; the loss's KL term
+    (grpo._kl) takes p = pi and q = pi_ref."""
     return -log_rho, log_rho.exp() - 1 - log_rho
 
 
