@@ -15,11 +15,9 @@ environment should generate).
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 
-from polyrl.protocol.completions import VersionRuns, to_runs
+from polyrl.protocol.completions import VersionRuns, sequence_key, to_runs
 
 MAX_KEYS = 100_000
 
@@ -37,13 +35,10 @@ class VersionBook:
         """Book one finished completion; one without a version per token is skipped."""
         if not token_ids or len(versions) != len(token_ids):
             return
-        # incremental: the same digests as `sequence_key` of the two sequences, one pass
-        h = hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=16)
-        h.update(array("q", token_ids[:-1]).tobytes())
+        sequence = prompt_ids + token_ids
         if len(token_ids) > 1:
-            self._put(h.copy().hexdigest(), to_runs(versions[:-1]), exact=False)
-        h.update(array("q", token_ids[-1:]).tobytes())
-        self._put(h.hexdigest(), to_runs(versions), exact=True)
+            self._put(sequence_key(sequence[:-1]), to_runs(versions[:-1]), exact=False)
+        self._put(sequence_key(sequence), to_runs(versions), exact=True)
 
     def lookup(self, keys: list[str]) -> list[VersionRuns | None]:
         return [self._runs.get(k) for k in keys]
