@@ -183,16 +183,23 @@ def test_bf16_compute_keeps_fp32_master_weights(model_tok):
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-def test_logprob_diff_counts_only_tokens_of_the_current_version(model_tok):
-    """Tokens sampled ahead by older weights (max_staleness) differ from the learner by the
-    update, not by a mismatch: the metric must leave them out, and only them."""
-    model, tok = model_tok
+def _exact_logprobs(model, tok) -> tuple[Prompt, list[int], SeqItem, list[float]]:
+    """A 4-token completion of "1+2=", its learner item, and the model's own log-probs of
+    those tokens (what an engine with the same weights would report)."""
     prompt = _prompts(tok, ["1+2="])[0]
     completion = [5, 6, 7, 8]
     item = SeqItem(prompt.prompt_ids + completion, len(prompt.prompt_ids), [0.0] * 4, 1.0)
     with torch.no_grad():
         mb = collate([item], pad_id=tok.pad_token_id)
         true = _learner(model).logprobs(model, mb, with_entropy=False)[0][0][mb.mask[0].bool()].tolist()
+    return prompt, completion, item, true
+
+
+def test_logprob_diff_counts_only_tokens_of_the_current_version(model_tok):
+    """Tokens sampled ahead by older weights (max_staleness) differ from the learner by the
+    update, not by a mismatch: the metric must leave them out, and only them."""
+    model, tok = model_tok
+    prompt, completion, item, true = _exact_logprobs(model, tok)
     behav = true[:2] + [t - 3.0 for t in true[2:]]  # tokens 3-4: an older version's log-probs
     versions = [4, 4, 3, 3]
     sample = Sample(completion, behav, "length", versions)
@@ -218,12 +225,7 @@ def test_mismatch_per_version_lag(model_tok):
     """Each token carries its lag from the sample's versions to the learner's batch; the KL
     between engine and trainer is also reported per lag > 0, over that lag's tokens only."""
     model, tok = model_tok
-    prompt = _prompts(tok, ["1+2="])[0]
-    completion = [5, 6, 7, 8]
-    item = SeqItem(prompt.prompt_ids + completion, len(prompt.prompt_ids), [0.0] * 4, 1.0)
-    with torch.no_grad():
-        mb = collate([item], pad_id=tok.pad_token_id)
-        true = _learner(model).logprobs(model, mb, with_entropy=False)[0][0][mb.mask[0].bool()].tolist()
+    prompt, completion, item, true = _exact_logprobs(model, tok)
     behav = [true[0], true[1], true[2] - 3.0, true[3] - 1.0]  # log rho = old - behav: 0, 0, 3, 1
     [lagged] = group_items(Group(prompt, [Sample(completion, behav, "length", [4, 4, 3, 2])]), [1.0], version=4)
     assert lagged.lags == [0, 0, 1, 2]
