@@ -33,10 +33,15 @@ Throughput rows, each a real `polyrl train` process (plus, for the spot rows, a 
   the worker killed (-9) in the middle of a measured step and a new one started a few
   seconds later: nothing may be lost;
 * equal_*: the same with every response at full length (`--new-tokens`), for comparison;
-* learn_*: the tiny model learning from scratch to repeat the prompt's word for as long
+* learn_*: a small model learning from scratch to repeat the prompt's word for as long
   as the long-tail workload's budget for it (every response runs to its budget, every
   character is scored): wall-clock time to a target reward; learn_fully_async_k1 .. k4
-  take the settings of fully_async_k1 .. k4;
+  take the settings of fully_async_k1 .. k4. `--learn-shape` sets the model's sizes. The
+  default (hidden 128, 2 layers) is so light that its engines are bound by their Python
+  work, not the GPU, and a second engine adds little; 28 layers of hidden 512 with 8 KV
+  heads (95M parameters, 57 KB of KV cache a token) decode GPU-bound, as a real model
+  does. `--learn-prewarm-steps` first runs a few unreported colocated steps, so that no
+  row pays the learner's compile alone;
 * standin: a single sequence's decode latency on the spot half, with the other half idle
   and with it training (the 0.6B shape's forward and backward in a loop).
 
@@ -579,7 +584,7 @@ def summarise(
 def learning_part(
     part: str, mode: str, args: argparse.Namespace, work: Path, extra: list[str], model: Path, data: Path
 ) -> Result:
-    """The tiny model learning from scratch to repeat the prompt's word ("ab>" ->
+    """A small model (`--learn-shape`) learning from scratch to repeat the prompt's word ("ab>" ->
     "ababab...") on the long-tail workload: every response runs to its prompt's budget
     (`rollout.ignore_eos`) and every character of it is scored (`repeat_match_reward`), so
     a step costs what a long-tail step costs, and all of it is something to learn.
@@ -589,6 +594,7 @@ def learning_part(
     cuda = args.device == "cuda"
     overrides = [
         f"model.path={model}",
+        f"model.dtype={args.learn_dtype if cuda else 'float32'}",
         f"trainer.device={args.device}",
         f"rollout.mode={mode}",
         f"rollout.n={args.learn_n}",
@@ -652,6 +658,17 @@ def time_to(rows: list[dict[str, float]], target: float) -> tuple[float, int] | 
         if len(window) == 5 and sum(window) / 5 >= target:
             return elapsed, i
     return None
+
+
+def parse_shape(text: str) -> dict[str, int]:
+    """`--learn-shape`'s "hidden_size=128,num_layers=2" as `model.tiny` settings."""
+    shape = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in TinyModelConfig.model_fields or not value.isdigit():
+            raise SystemExit(f"--learn-shape: {item!r} is not a model.tiny size (KEY=INT)")
+        shape[key] = int(value)
+    return shape
 
 
 def tiny_model(out: Path, max_positions: int, **shape: int) -> Path:
@@ -864,6 +881,23 @@ def main() -> None:
     p.add_argument("--learn-n", type=int, default=16, help="learn_*: samples per prompt")
     p.add_argument("--learn-lr", type=float, default=3e-3, help="learn_*: the learning rate")
     p.add_argument(
+        "--learn-shape",
+        default="hidden_size=128,intermediate_size=256",
+        help="learn_*: the model's model.tiny sizes, KEY=INT,... (the default is GPU-light: its engines are "
+        "bound by their per-token Python work; a head size that is a power of two keeps the Triton kernels "
+        "and CUDA graphs on)",
+    )
+    p.add_argument(
+        "--learn-prewarm-steps",
+        type=int,
+        default=0,
+        help="learn_*: first run this many colocated steps, not reported, so that every learning row finds the "
+        "learner's compiled kernels in the on-disk cache (else the first row alone pays the compile)",
+    )
+    p.add_argument(
+        "--learn-dtype", default="float32", choices=["float32", "bfloat16"], help="learn_*: model.dtype on CUDA"
+    )
+    p.add_argument(
         "--learn-micro-batch-tokens",
         type=int,
         default=65536,
@@ -952,14 +986,29 @@ def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Re
         data["learn"] = write_workload(
             work / "learn.jsonl", count, longtail_budgets(count, args.tail_median, args.tail_p99, args.new_tokens)
         )
-        # A head size of 32 (the default tiny model's is 24): the engines' Triton kernels and
-        # CUDA graphs need a power of two, and without them a CUDA engine runs eagerly.
-        learn_model = tiny_model(work / "learn_tiny", args.new_tokens + 128, hidden_size=128, intermediate_size=256)
+        shape = parse_shape(args.learn_shape)
+        name = "learn_" + "_".join(f"{k}{v}" for k, v in sorted(shape.items()))
+        learn_model = tiny_model(work / name, args.new_tokens + 128, **shape)
     print(
         f"long-tail budgets: median {np.median(budgets):.0f}, p90 {np.percentile(budgets, 90):.0f}, "
         f"p99 {np.percentile(budgets, 99):.0f}, max {max(budgets)}, mean {np.mean(budgets):.0f}",
         flush=True,
     )
+    if learn_model is not None and args.learn_prewarm_steps:
+        # The first step of a run compiles the learner (tens of seconds), and later runs
+        # load it from the compiler's on-disk cache: without this, whichever learning row
+        # runs first pays the compile in its time to the target and the others do not.
+        print("== learn_prewarm (not reported)", flush=True)
+        with part_placement(args, work / "learn_prewarm"):
+            learning_part(
+                "learn_prewarm",
+                "local",
+                argparse.Namespace(**{**vars(args), "learn_steps": args.learn_prewarm_steps}),
+                work,
+                [],
+                learn_model,
+                data["learn"],
+            )
     for part in parts:
         print(f"== {part}", flush=True)
         with part_placement(args, work / part):

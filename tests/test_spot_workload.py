@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from spot_gpu import decode_capacity, longtail_budgets, summarise, write_workload  # noqa: E402
+from spot_gpu import decode_capacity, longtail_budgets, parse_shape, summarise, time_to, write_workload  # noqa: E402
 
 from polyrl.config import DataConfig  # noqa: E402
 from polyrl.data.source import PromptSource  # noqa: E402
@@ -97,3 +97,18 @@ def test_the_capacity_probe_keeps_its_batch_full(tiny_model_dir: Path) -> None:
     assert set(out) == {2, 8}
     assert 1.5 < out[2]["mean_running"] <= 2 and 6 < out[8]["mean_running"] <= 8  # refilled as they finish
     assert all(v["tok_s"] > 0 and v["preemptions"] == 0 for v in out.values())
+
+
+def test_the_learning_rows_model_shape_is_parsed_and_bad_sizes_are_refused() -> None:
+    assert parse_shape("hidden_size=512, num_layers=28,") == {"hidden_size": 512, "num_layers": 28}
+    assert parse_shape("") == {}
+    for bad in ("hidden=512", "hidden_size", "hidden_size=big", "num_layers=-1"):
+        with pytest.raises(SystemExit, match="--learn-shape"):
+            parse_shape(bad)
+
+
+def test_time_to_a_reward_counts_the_steps_until_five_in_a_row_average_it() -> None:
+    rows = [{"perf/time_per_step": 2.0, "critic/score/mean": s} for s in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)]
+    assert time_to(rows, 0.2) == (10.0, 5)  # the mean of steps 1-5 is 0.2
+    assert time_to(rows, 0.4) == (14.0, 7)
+    assert time_to(rows, 0.41) is None
