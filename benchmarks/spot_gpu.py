@@ -86,6 +86,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # the checkout's polyrl, and its test-only chaos_harness/
@@ -584,10 +585,11 @@ def summarise(
 def learning_part(
     part: str, mode: str, args: argparse.Namespace, work: Path, extra: list[str], model: Path, data: Path
 ) -> Result:
-    """A small model (`--learn-shape`) learning from scratch to repeat the prompt's word ("ab>" ->
-    "ababab...") on the long-tail workload: every response runs to its prompt's budget
-    (`rollout.ignore_eos`) and every character of it is scored (`repeat_match_reward`), so
-    a step costs what a long-tail step costs, and all of it is something to learn.
+    """A small model (`--learn-shape`) learning from scratch to repeat the prompt's word
+    ("ab>" -> "ababab...") on the long-tail workload: every response runs to its prompt's
+    budget (`rollout.ignore_eos`) and every character of it is scored
+    (`repeat_match_reward`), so a step costs what a long-tail step costs, and all of it is
+    something to learn.
     Reported: wall-clock seconds (the steps' own, start-up left out) until the mean reward
     of 5 steps in a row reaches the target."""
     port = free_port()
@@ -661,13 +663,18 @@ def time_to(rows: list[dict[str, float]], target: float) -> tuple[float, int] | 
 
 
 def parse_shape(text: str) -> dict[str, int]:
-    """`--learn-shape`'s "hidden_size=128,num_layers=2" as `model.tiny` settings."""
+    """`--learn-shape`'s "hidden_size=128,num_layers=2" as `model.tiny` settings, checked by
+    `TinyModelConfig` itself (names, bounds, heads that divide) before any row runs."""
     shape = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, sep, value = item.partition("=")
-        if not sep or key not in TinyModelConfig.model_fields or not value.isdigit():
-            raise SystemExit(f"--learn-shape: {item!r} is not a model.tiny size (KEY=INT)")
+        if not sep or not value.lstrip("-").isdigit():
+            raise SystemExit(f"--learn-shape: {item!r} is not KEY=INT")
         shape[key] = int(value)
+    try:
+        TinyModelConfig(**shape)
+    except ValidationError as e:
+        raise SystemExit(f"--learn-shape: {e}") from None
     return shape
 
 

@@ -102,7 +102,7 @@ def test_the_capacity_probe_keeps_its_batch_full(tiny_model_dir: Path) -> None:
 def test_the_learning_rows_model_shape_is_parsed_and_bad_sizes_are_refused() -> None:
     assert parse_shape("hidden_size=512, num_layers=28,") == {"hidden_size": 512, "num_layers": 28}
     assert parse_shape("") == {}
-    for bad in ("hidden=512", "hidden_size", "hidden_size=big", "num_layers=-1"):
+    for bad in ("hidden=512", "hidden_size", "hidden_size=big", "num_layers=-1", "num_heads=5"):
         with pytest.raises(SystemExit, match="--learn-shape"):
             parse_shape(bad)
 
