@@ -434,8 +434,10 @@ def run_part(
     kill_step: int | None = None,
     timeout_s: float = 900,
     whole: bool = False,
+    worker_kv_blocks: int | None = None,
 ) -> tuple[list[dict[str, float]], float, list[str]]:
-    """Run one trainer (and its worker); returns its metrics rows, wall seconds, notes."""
+    """Run one trainer (and its worker); returns its metrics rows, wall seconds, notes.
+    `worker_kv_blocks`: the spot worker's KV cache (default `--worker-kv-blocks`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     workers: list[Worker] = []
@@ -444,7 +446,7 @@ def run_part(
     worker_env = place.env("worker")
 
     def start_worker(worker_id: str) -> Worker:
-        extra = (*engine_overrides(args, args.worker_kv_blocks), *args.worker_set)
+        extra = (*engine_overrides(args, worker_kv_blocks or args.worker_kv_blocks), *args.worker_set)
         prefix = shlex.split(args.worker_prefix.format(part=part, worker=worker_id))
         return Worker(
             model, url, worker_id, worker_env["CUDA_VISIBLE_DEVICES"], run_dir, None, extra, worker_env, prefix
@@ -583,13 +585,20 @@ def summarise(
 
 
 def learning_part(
-    part: str, mode: str, args: argparse.Namespace, work: Path, extra: list[str], model: Path, data: Path
+    part: str,
+    mode: str,
+    args: argparse.Namespace,
+    work: Path,
+    extra: list[str],
+    model: Path,
+    data: Path,
+    steps: int | None = None,
 ) -> Result:
     """A small model (`--learn-shape`) learning from scratch to repeat the prompt's word
     ("ab>" -> "ababab...") on the long-tail workload: every response runs to its prompt's
     budget (`rollout.ignore_eos`) and every character of it is scored
     (`repeat_match_reward`), so a step costs what a long-tail step costs, and all of it is
-    something to learn.
+    something to learn. `steps`: the run's steps (default `--learn-steps`).
     Reported: wall-clock seconds (the steps' own, start-up left out) until the mean reward
     of 5 steps in a row reaches the target."""
     port = free_port()
@@ -609,8 +618,9 @@ def learning_part(
         "reward.functions=['polyrl.data.tasks:repeat_match_reward']",
         f"trainer.train_batch_size={args.prompts}",
         f"trainer.ppo_mini_batch_size={args.prompts // args.mini_batches}",
-        f"trainer.total_steps={args.learn_steps}",
+        f"trainer.total_steps={steps or args.learn_steps}",
         f"trainer.lr={args.learn_lr}",
+        f"trainer.seed={args.learn_seed}",
         f"trainer.micro_batch_max_tokens={args.learn_micro_batch_tokens}",
         "trainer.save_every=0",
         *engine_overrides(args, args.learn_kv_blocks),
@@ -627,14 +637,18 @@ def learning_part(
     ]
     if "rollout.fully_async=true" in extra:
         overrides += args.async_set
-    saved = args.worker_kv_blocks
-    args.worker_kv_blocks = args.learn_kv_blocks
-    try:
-        rows, wall, notes = run_part(
-            part, overrides, work / part, model, port, args, mode != "local", None, args.part_timeout_s
-        )
-    finally:
-        args.worker_kv_blocks = saved
+    rows, wall, notes = run_part(
+        part,
+        overrides,
+        work / part,
+        model,
+        port,
+        args,
+        mode != "local",
+        None,
+        args.part_timeout_s,
+        worker_kv_blocks=args.learn_kv_blocks,
+    )
     res = summarise(part, rows, 0, wall, notes)
     res.workload = "learn"  # its own model and task: no throughput row to compare with
     reached = time_to(rows, args.target_reward)
@@ -887,6 +901,7 @@ def main() -> None:
     p.add_argument("--learn-steps", type=int, default=80)
     p.add_argument("--learn-n", type=int, default=16, help="learn_*: samples per prompt")
     p.add_argument("--learn-lr", type=float, default=3e-3, help="learn_*: the learning rate")
+    p.add_argument("--learn-seed", type=int, default=0, help="learn_*: trainer.seed (sampling and prompt order)")
     p.add_argument(
         "--learn-shape",
         default="hidden_size=128,intermediate_size=256",
@@ -1008,13 +1023,7 @@ def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Re
         print("== learn_prewarm (not reported)", flush=True)
         with part_placement(args, work / "learn_prewarm"):
             learning_part(
-                "learn_prewarm",
-                "local",
-                argparse.Namespace(**{**vars(args), "learn_steps": args.learn_prewarm_steps}),
-                work,
-                [],
-                learn_model,
-                data["learn"],
+                "learn_prewarm", "local", args, work, [], learn_model, data["learn"], args.learn_prewarm_steps
             )
     for part in parts:
         print(f"== {part}", flush=True)
