@@ -32,14 +32,23 @@ class TinyModelConfig(_Section):
     def _heads_divide(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size must be divisible by num_heads, and num_heads by num_kv_heads")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError("num_experts_per_tok must be at most num_experts")
         return self
 
-    arch: Literal["qwen3", "qwen2", "llama"] = "qwen3"
+    arch: Literal["qwen3", "qwen2", "llama", "qwen3_moe"] = "qwen3"
+    """qwen3_moe: Qwen3-MoE's layers (every MLP a mixture of `num_experts` experts, each
+    token routed to `num_experts_per_tok` of them, the weights renormalised over those
+    as in Qwen3-30B-A3B)."""
     hidden_size: int = Field(96, ge=8)
     num_layers: int = Field(2, ge=1)
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
     intermediate_size: int = Field(192, ge=8)
+    num_experts: int = Field(4, ge=1)
+    """qwen3_moe only, as the three below."""
+    num_experts_per_tok: int = Field(2, ge=1)
+    moe_intermediate_size: int = Field(96, ge=8)
     max_position_embeddings: int = Field(256, ge=16)
     seed: int = 0
     chat_template: bool = False

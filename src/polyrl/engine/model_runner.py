@@ -7,6 +7,9 @@ Linears between Triton kernels for the norms, RoPE with the cache write, and Swi
 the Triton paged-attention kernel for decode steps replayed as CUDA graphs and SDPA over
 the paged cache for prefill. That covers the Llama family (Llama, Mistral, Qwen2, Qwen3: pre-norm blocks, RoPE, GQA,
 optional q/k norms and projection biases), which is what RL post-training uses today.
+Qwen3-MoE runs its layers' own mixture-of-experts blocks (router and experts as
+transformers computes them) and decodes eagerly: their per-expert loop has
+data-dependent shapes, which a CUDA graph cannot hold.
 """
 
 from __future__ import annotations
@@ -24,7 +27,21 @@ from polyrl.engine.block_manager import cdiv
 from polyrl.engine.cuda_graphs import DecodeGraphs, DecodeMetadata
 from polyrl.engine.scheduler import ScheduledSeq
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
+def is_moe_block(mlp: nn.Module) -> bool:
+    """A mixture-of-experts MLP (a router `gate` and its `experts`), not a SwiGLU one."""
+    return hasattr(mlp, "experts")
+
+
+def has_moe(model: PreTrainedModel) -> bool:
+    return any(is_moe_block(layer.mlp) for layer in model.model.layers)
+
+
+def run_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One layer's MLP on [T, hidden]; transformers' MoE blocks take [B, T, hidden]."""
+    return mlp(x[None])[0] if is_moe_block(mlp) else mlp(x)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -93,8 +110,12 @@ class ModelRunner:
 
     def supports_fused_decode(self, model: PreTrainedModel) -> bool:
         """The fused decode step covers the family's common shape: SwiGLU MLPs and a
-        power-of-two head size; anything else decodes eagerly."""
-        return getattr(model.config, "hidden_act", None) == "silu" and triton_ops.supports(self.head_dim)
+        power-of-two head size; anything else (mixtures of experts too) decodes eagerly."""
+        return (
+            getattr(model.config, "hidden_act", None) == "silu"
+            and triton_ops.supports(self.head_dim)
+            and not has_moe(model)
+        )
 
     def close(self) -> None:
         """Drop the KV cache and the graphs now (the graphs refer back to this runner, so
@@ -272,7 +293,7 @@ class ModelRunner:
             residual = hidden
             hidden = self._attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, meta, layer_idx)
             hidden = residual + hidden
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + run_mlp(layer.mlp, layer.post_attention_layernorm(hidden))
         return hidden
 
     def _attention(

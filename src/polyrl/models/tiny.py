@@ -20,6 +20,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from polyrl.config import TinyModelConfig
@@ -44,6 +45,7 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen3": Qwen3Config,
     "qwen2": Qwen2Config,
     "llama": LlamaConfig,
+    "qwen3_moe": Qwen3MoeConfig,
 }
 
 
@@ -61,7 +63,18 @@ def build_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
 
 
 def build_model_config(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    moe = (
+        {
+            "num_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "norm_topk_prob": True,
+        }
+        if cfg.arch == "qwen3_moe"
+        else {}
+    )
     return _CONFIG_CLASSES[cfg.arch](
+        **moe,
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,

@@ -1,0 +1,90 @@
+"""Mixture-of-experts models (Qwen3-MoE): the tiny model the CLI builds, the engine's
+tokens and log-probs against transformers', and the main job learning on it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_e2e import QUICK
+from test_engine import PROMPTS, SMALL, hf_greedy, run, spicy_model
+from test_train import _metrics
+from transformers import AutoModelForCausalLM
+
+from polyrl.config import ConfigError, TinyModelConfig, load_config
+from polyrl.engine.engine import Engine
+from polyrl.engine.model_runner import has_moe
+from polyrl.engine.types import EngineRequest
+from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.sampling import SamplingParams
+from polyrl.trainer.grpo import token_logprobs
+from polyrl.trainer.loop import train
+
+MOE = TinyModelConfig(arch="qwen3_moe", hidden_size=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("moe"), MOE)
+
+
+@pytest.fixture(scope="module")
+def moe_model(moe_dir: Path) -> torch.nn.Module:
+    """Large random weights: greedy tokens and routes vary from token to token."""
+    return spicy_model(moe_dir)
+
+
+def test_the_cli_builds_a_tiny_qwen3_moe(tmp_path: Path) -> None:
+    out = tmp_path / "moe"
+    cmd = [sys.executable, "-m", "polyrl.cli", "tiny-model", "--out", str(out), "arch=qwen3_moe", "num_experts=6"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 6
+    assert model.config.num_experts_per_tok == 2 and model.config.norm_topk_prob
+    assert has_moe(model) and model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 6
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        load_config(None, ["model.tiny.arch=qwen3_moe", "model.tiny.num_experts=2", "model.tiny.num_experts_per_tok=3"])
+
+
+def test_greedy_tokens_equal_transformers(moe_model: torch.nn.Module) -> None:
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    results = run(Engine(moe_model, SMALL), [EngineRequest(str(i), p, greedy) for i, p in enumerate(PROMPTS)])
+    for i, p in enumerate(PROMPTS):
+        assert results[(str(i), 0)].token_ids == hf_greedy(moe_model, p, 12)
+    assert len({tuple(r.token_ids) for r in results.values()}) == len(PROMPTS)
+
+
+def test_logprobs_equal_a_full_forward_to_1e5(moe_dir: Path) -> None:
+    """Sampled tokens, scored again by transformers' whole-sequence forward with the
+    learner's own function. The model as initialised: the large weights above make
+    logits in the hundreds, where float32's rounding alone (a different summation order
+    in paged attention) moves a log-prob by 1e-5."""
+    moe_model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0, n=3, seed=7, ignore_eos=True)
+    results = run(Engine(moe_model, SMALL), [EngineRequest(str(i), p, sampling) for i, p in enumerate(PROMPTS)])
+    worst = 0.0
+    for (rid, _), r in results.items():
+        prompt = PROMPTS[int(rid)]
+        with torch.no_grad():
+            logits = moe_model(torch.tensor([prompt + r.token_ids])).logits[:, len(prompt) - 1 : -1]
+        ref, _ = token_logprobs(logits, torch.tensor([r.token_ids]), 1.0)
+        worst = max(worst, (ref[0] - torch.tensor(r.logprobs)).abs().max().item())
+    assert worst < 1e-5, worst
+
+
+@pytest.mark.slow
+def test_the_default_main_job_learns_on_a_tiny_moe(tmp_path: Path) -> None:
+    """`polyrl train model.path=DIR` after `polyrl tiny-model --out DIR arch=qwen3_moe`,
+    shortened as `test_default_run_learns_through_two_workers`, to the same bar: the
+    learner (transformers' MoE forward and backward) and two launched workers (the
+    engine's) on the same experts."""
+    model_dir = save_tiny_model(tmp_path / "moe", TinyModelConfig(arch="qwen3_moe"))
+    train(load_config(None, [*QUICK, f"model.path={model_dir}", "trainer.total_steps=40"]), tmp_path / "run")
+    rows = _metrics(tmp_path / "run")
+    assert all(r["rollout/samples_lost"] == 0 for r in rows)
+    assert all(abs(r["rollout/logprob_diff"]) < 1e-3 for r in rows if "rollout/logprob_diff" in r)
+    rewards = [r["critic/score/mean"] for r in rows]
+    assert sum(rewards[-5:]) / 5 > rewards[0] + 0.15, rewards
