@@ -26,17 +26,9 @@ from polyrl.engine.attention import AttentionGroup, AttentionMetadata, paged_att
 from polyrl.engine.block_manager import cdiv
 from polyrl.engine.cuda_graphs import DecodeGraphs, DecodeMetadata
 from polyrl.engine.scheduler import ScheduledSeq
+from polyrl.models.moe import has_moe, is_moe_block
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
-
-
-def is_moe_block(mlp: nn.Module) -> bool:
-    """A mixture-of-experts MLP (a router `gate` and its `experts`), not a SwiGLU one."""
-    return hasattr(mlp, "experts")
-
-
-def has_moe(model: PreTrainedModel) -> bool:
-    return any(is_moe_block(layer.mlp) for layer in model.model.layers)
 
 
 def run_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.config import LoraConfig
 from polyrl.engine.lora import LoraSpec, base_fingerprint, pack, pairs_from_peft_state, target_names
+from polyrl.models.moe import attention_linears, has_moe
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -41,12 +42,19 @@ fine-tuning, and 0.057 with full fine-tuning that kept the embeddings frozen."""
 
 
 def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
-    """Freeze `model` and inject trainable adapters (B = 0: the policy starts as the base)."""
+    """Freeze `model` and inject trainable adapters (B = 0: the policy starts as the base).
+    On a mixture of experts, all-linear means the attention projections: the experts and
+    the router stay frozen."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    targets = cfg.target_modules
+    if targets == "all-linear" and has_moe(model):
+        # PEFT would map "all-linear" on a mixture of experts to the experts' 3-D weights
+        # and the router too (`target_parameters`), which engines cannot merge yet
+        targets = attention_linears(model)
     peft_cfg = PeftLoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=cfg.target_modules, bias="none"
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, bias="none"
     )
     with warnings.catch_warnings():
         # PEFT reads `model.is_gradient_checkpointing` (off here: the learner enables it
@@ -54,6 +62,13 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
         # printed its FutureWarning
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         peft = get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
+    reached = getattr(peft.peft_config[ADAPTER], "target_parameters", None)
+    if reached:
+        raise ValueError(
+            f"model.lora.target_modules={cfg.target_modules} reaches the experts' or the router's weights "
+            f"({', '.join(sorted(reached))}): engines merge adapters on linear layers only, so LoRA on a mixture "
+            "of experts adapts its attention (all-linear, or q_proj, k_proj, v_proj, o_proj)"
+        )
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     num_total = sum(p.numel() for p in model.parameters())
     log.info(

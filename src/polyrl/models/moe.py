@@ -1,0 +1,29 @@
+"""Telling mixture-of-experts layers apart, for the parts that treat them differently
+(the engine's decode path, LoRA's targets)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def is_moe_block(mlp: nn.Module) -> bool:
+    """A mixture-of-experts MLP (transformers' sparse blocks: a router `gate` and their
+    `experts`), not a dense SwiGLU one."""
+    return hasattr(mlp, "experts")
+
+
+def has_moe(model: nn.Module) -> bool:
+    """Any decoder layer of `model` (an HF causal LM) is a mixture of experts."""
+    return any(is_moe_block(layer.mlp) for layer in model.model.layers)
+
+
+def attention_linears(model: nn.Module) -> list[str]:
+    """The attention projections' names (`q_proj`, ...): what LoRA adapts on a mixture of
+    experts (`polyrl.trainer.lora.apply_lora`)."""
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and ".self_attn." in name
+        }
+    )
