@@ -18,13 +18,14 @@ from transformers import AutoModelForCausalLM
 
 from polyrl.config import ConfigError, LoraConfig, TinyModelConfig, load_config
 from polyrl.engine.engine import Engine
+from polyrl.engine.lora import expected_spec
 from polyrl.engine.types import EngineRequest
 from polyrl.models.moe import has_moe
 from polyrl.models.tiny import save_tiny_model
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.trainer.grpo import token_logprobs
 from polyrl.trainer.loop import train
-from polyrl.trainer.lora import adapter_version, apply_lora
+from polyrl.trainer.lora import adapter_spec, adapter_version, apply_lora
 
 MOE = TinyModelConfig(arch="qwen3_moe", hidden_size=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
 
@@ -89,6 +90,8 @@ def test_lora_on_a_moe_adapts_attention_and_the_engine_matches_it_after_every_sy
         re.sub(r".*\.layers\.\d+\.(.*)\.lora_A\..*", r"\1", n) for n, _ in peft.named_parameters() if "lora_A" in n
     }
     assert adapted == {f"self_attn.{x}_proj" for x in "qkvo"}, adapted
+    worker_spec = expected_spec(AutoModelForCausalLM.from_pretrained(moe_dir), 4, 8, "all-linear")
+    assert worker_spec == adapter_spec(peft)  # a worker configured with all-linear accepts these adapters
     with pytest.raises(ValueError, match="experts' or the router's weights"):
         apply_lora(AutoModelForCausalLM.from_pretrained(moe_dir), LoraConfig(target_modules=["q_proj", "down_proj"]))
     engine = Engine(AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval(), SMALL)

@@ -32,6 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from polyrl.engine.types import RequestError
+from polyrl.models.moe import attention_linears, has_moe
 
 META_KEY = "__lora__"
 """The version's one non-weight tensor: the `LoraSpec` as UTF-8 JSON bytes (uint8)."""
@@ -191,12 +192,20 @@ def spec_of_dir(
 # ------------------------------------------------------------------------ engine side
 
 
+def all_linear(model: torch.nn.Module) -> tuple[str, ...]:
+    """What "all-linear" adapts: every linear layer of the decoder, as PEFT resolves it (the
+    LM head excluded); on a mixture of experts, the attention projections (PEFT would also
+    reach the experts' 3-D weights and the router, which merging here does not cover)."""
+    if has_moe(model):
+        return target_names(attention_linears(model))
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    return target_names([n for n, m in decoder.named_modules() if isinstance(m, torch.nn.Linear)])
+
+
 def expected_spec(model: torch.nn.Module, rank: int, alpha: float, target_modules: str | list[str]) -> LoraSpec:
-    """The spec a worker configured with `model.lora` accepts: "all-linear" means every
-    linear layer of the decoder, as PEFT resolves it (the LM head excluded)."""
+    """The spec a worker configured with `model.lora` accepts (`all_linear` for "all-linear")."""
     if target_modules == "all-linear":
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-        targets = target_names([n for n, m in decoder.named_modules() if isinstance(m, torch.nn.Linear)])
+        targets = all_linear(model)
     else:
         targets = target_names(target_modules)
     return LoraSpec(base_model=base_fingerprint(model.config), rank=rank, alpha=alpha, target_modules=targets)

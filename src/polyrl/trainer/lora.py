@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.config import LoraConfig
-from polyrl.engine.lora import LoraSpec, base_fingerprint, pack, pairs_from_peft_state, target_names
-from polyrl.models.moe import attention_linears, has_moe
+from polyrl.engine.lora import LoraSpec, all_linear, base_fingerprint, pack, pairs_from_peft_state, target_names
+from polyrl.models.moe import has_moe
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -52,7 +52,7 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
     if targets == "all-linear" and has_moe(model):
         # PEFT would map "all-linear" on a mixture of experts to the experts' 3-D weights
         # and the router too (`target_parameters`), which engines cannot merge yet
-        targets = attention_linears(model)
+        targets = list(all_linear(model))
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, bias="none"
     )
