@@ -3,6 +3,7 @@ tokens and log-probs against transformers', LoRA on it, and the main job learnin
 
 from __future__ import annotations
 
+import copy
 import re
 import subprocess
 import sys
@@ -13,16 +14,18 @@ import torch
 from test_e2e import QUICK
 from test_engine import PROMPTS, SMALL, hf_greedy, run, spicy_model
 from test_lora import _generate, _perturb
+from test_rollout_learner import _learner
 from test_train import _metrics
 from transformers import AutoModelForCausalLM
 
-from polyrl.config import ConfigError, LoraConfig, TinyModelConfig, load_config
+from polyrl.config import AlgoConfig, ConfigError, LoraConfig, TinyModelConfig, load_config
 from polyrl.engine.engine import Engine
 from polyrl.engine.lora import expected_spec
 from polyrl.engine.types import EngineRequest
 from polyrl.models.moe import has_moe
 from polyrl.models.tiny import save_tiny_model
 from polyrl.protocol.sampling import SamplingParams
+from polyrl.trainer.batching import SeqItem, collate
 from polyrl.trainer.grpo import token_logprobs
 from polyrl.trainer.loop import train
 from polyrl.trainer.lora import adapter_spec, adapter_version, apply_lora
@@ -105,6 +108,31 @@ def test_lora_on_a_moe_adapts_attention_and_the_engine_matches_it_after_every_sy
             logits = trained(ids).logits[:, len(prompt) - 1 : -1]
         learner_logp, _ = token_logprobs(logits, ids[:, len(prompt) :], 1.0)
         assert (learner_logp[0] - torch.tensor(engine_logp)).abs().max().item() < 1e-5, version
+
+
+def test_the_load_balancing_loss_is_transformers_and_moves_the_router(moe_dir: Path) -> None:
+    """`algo.router_aux_loss_coef`: the learner's `actor/router_aux_loss` is transformers'
+    own aux loss of the same batch (padding left out), and with a large weight the
+    router's update differs from the update without it (off by default: no metric)."""
+    items = [
+        SeqItem([1, 5, 6, 7, 8, 9], 3, [-1.0, -2.0, -0.5], 1.0),
+        SeqItem([1, 11, 12, 13], 2, [-3.0, -1.0], -1.0),
+    ]
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    batch = collate(items, 0)
+    with torch.no_grad():
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_router_logits=True)
+    routers = {}
+    for coef in (0.0, 10.0):
+        m = copy.deepcopy(model)
+        learner = _learner(m, AlgoConfig(router_aux_loss_coef=coef))
+        metrics = learner.train_mini_batch(items, weights_as_sampled=True)
+        routers[coef] = m.model.layers[0].mlp.gate.weight.detach().clone()
+        if coef:
+            assert metrics["actor/router_aux_loss"] == pytest.approx(out.aux_loss.item(), rel=1e-5)
+        else:
+            assert "actor/router_aux_loss" not in metrics
+    assert not torch.allclose(routers[0.0], routers[10.0])
 
 
 @pytest.mark.slow

@@ -489,6 +489,10 @@ class AlgoConfig(_Section):
     kl_estimator: Literal["k1", "k3"] = "k3"
     entropy_coef: float = Field(0.003, ge=0)
     """A small bonus keeps a from-scratch tiny model exploring; use 0 for pretrained models."""
+    router_aux_loss_coef: float = Field(0.0, ge=0)
+    """Mixture-of-experts models: the weight of Switch Transformer's load-balancing loss
+    (transformers' name; `trainer/router_aux.py`), logged as `actor/router_aux_loss`. 0:
+    off, as RL recipes mostly run; dense models ignore it."""
     recompute_old_logprobs: bool = True
     """Recompute old log-probs with the trainer before each mini-batch's update (the proximal
     policy); otherwise the engine's behaviour log-probs serve as the old ones."""

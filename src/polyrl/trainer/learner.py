@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from polyrl.config import AlgoConfig, TrainerConfig
 from polyrl.cpu_threads import measured
+from polyrl.models.moe import has_moe
 from polyrl.models.precision import autocast
 from polyrl.trainer.batching import MicroBatch, SeqItem, collate
 from polyrl.trainer.distributed import DataParallel, is_sharded
@@ -29,6 +30,7 @@ from polyrl.trainer.grpo import LossInputs, policy_loss_on_device, token_logprob
 from polyrl.trainer.lm_head import head_logprobs
 from polyrl.trainer.packing import collate_packed, default_backend, make_docs, pack_by_tokens, use_packed_attention
 from polyrl.trainer.rollout_correction import SEQ_SUMS, lag_keys, lag_kls, lag_token_counts, with_ess
+from polyrl.trainer.router_aux import RouterLogits
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +175,8 @@ class Learner:
         self.algo, self.cfg = algo, cfg
         self.temperature, self.pad_id = temperature, pad_id
         self.compute_dtype = compute_dtype
+        self.router_logits: RouterLogits | None = None
+        """Recorded in training forwards when the load-balancing loss is on (an MoE model)."""
         """Autocast dtype (float32: none; a sharded model may cast its parameters instead)."""
         self.dp = dp or DataParallel()
         self.attn_backend = cfg.packed_attention
@@ -199,6 +203,8 @@ class Learner:
                 self.is_base_16bit = _store_frozen_in(model, compute_dtype)
             else:
                 self.work = copy.deepcopy(model).to(compute_dtype)
+        if algo.router_aux_loss_coef > 0 and has_moe(self.work):
+            self.router_logits = RouterLogits(self.work)  # hooks before any compile
         has_triton = importlib.util.find_spec("triton") is not None  # inductor's CUDA kernels need it
         self.is_compiled = _resolve(cfg.compile_layers, fast and has_triton)
         if self.is_compiled:
@@ -220,6 +226,9 @@ class Learner:
                 'then slows the learner (trainer.micro_batch_max_tokens; README, "The GRPO learner")',
                 GPU_BOUND_MICRO_BATCH_TOKENS,
             )
+
+    def _routing_recorded(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.router_logits is None else self.router_logits.recording()
 
     def _autocast_dtype(self, model: PreTrainedModel) -> torch.dtype:
         """The bf16 working copy runs as it is; the float32 models under autocast."""
@@ -344,7 +353,7 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             for mb in mbs:
                 with_entropy = True  # cheap next to the forward pass, and always logged
-                with record_function("learner.forward"):
+                with record_function("learner.forward"), self._routing_recorded():
                     logp, entropy = self.logprobs(self.work, mb, with_entropy)
                 if mb.old_logp is None:
                     mb.old_logp = logp.detach()
@@ -366,6 +375,11 @@ class Learner:
                     ref_logp=mb.ref_logp,
                 )
                 loss, metrics = policy_loss_on_device(inputs, self.algo, num_tokens, len(items))
+                if self.router_logits is not None:  # this micro-batch's share of the mini-batch's mean
+                    share = mb.mask.sum() / max(num_tokens, 1)
+                    aux = self.router_logits.loss(None if mb.packed is not None else mb.attention_mask) * share
+                    loss = loss + self.algo.router_aux_loss_coef * aux
+                    sums["actor/router_aux_loss"] += aux.detach() / self.algo.ppo_epochs
                 with record_function("learner.backward"):
                     loss.backward()
                 weight = metrics.pop("_num_tokens") / max(num_tokens, 1) / self.algo.ppo_epochs
