@@ -135,6 +135,38 @@ def test_the_load_balancing_loss_is_transformers_and_moves_the_router(moe_dir: P
     assert not torch.allclose(routers[0.0], routers[10.0])
 
 
+@pytest.mark.parametrize("mode", ["disabled", "R2"])
+def test_r2_replays_the_proximal_forwards_experts_in_every_epoch(moe_dir: Path, mode: str) -> None:
+    """Two PPO epochs with a large learning rate: the first update moves the router, so in
+    the second epoch some tokens' own top-k experts differ from the proximal forward's.
+    With R2 the second epoch's forward goes through the proximal forward's experts (and
+    says how many it overrode); without, through its own."""
+    items = [SeqItem([1, *range(5, 5 + n)], 2, [-1.0] * (n - 1), adv) for n, adv in ((12, 1.0), (9, -1.0), (14, 0.5))]
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    algo = AlgoConfig(router_replay=mode, ppo_epochs=2, clip_ratio_low=10.0, clip_ratio_high=10.0, entropy_coef=0.0)
+    learner = _learner(model, algo, lr=0.05)
+    router = model.model.layers[0].mlp.gate
+    seen: list[torch.Tensor] = []  # every forward's layer-0 experts, as the experts received them
+    model.model.layers[0].mlp.experts.register_forward_pre_hook(lambda m, args: seen.append(args[1].clone()))
+    weights_before = router.weight.detach().clone()
+    metrics = learner.train_mini_batch(items, weights_as_sampled=True)
+    assert not torch.equal(router.weight, weights_before)  # the router did learn
+    proximal, epoch1, epoch2 = seen  # the old log-prob forward, then one training forward per epoch
+    assert torch.equal(proximal, epoch1)  # the same weights so far
+    if mode == "R2":
+        assert torch.equal(epoch2, proximal)
+        assert 0 < metrics["actor/router_replay_changed_frac"] <= 1
+    else:
+        assert not torch.equal(epoch2, proximal)
+        assert "actor/router_replay_changed_frac" not in metrics
+
+
+def test_r2_is_refused_on_a_dense_model(tiny_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        _learner(model, AlgoConfig(router_replay="R2"))
+
+
 @pytest.mark.slow
 def test_the_default_main_job_learns_on_a_tiny_moe(tmp_path: Path) -> None:
     """`polyrl train model.path=DIR` after `polyrl tiny-model --out DIR arch=qwen3_moe`,

@@ -489,6 +489,12 @@ class AlgoConfig(_Section):
     kl_estimator: Literal["k1", "k3"] = "k3"
     entropy_coef: float = Field(0.003, ge=0)
     """A small bonus keeps a from-scratch tiny model exploring; use 0 for pretrained models."""
+    router_replay: Literal["disabled", "R2"] = "disabled"
+    """Mixture-of-experts models (verl's `router_replay.mode`): R2 replays, in every training
+    forward, the experts each token went through in the proximal (old log-prob) forward,
+    so that the PPO ratio compares the same sub-network (`trainer/router_replay.py`); it
+    acts from `ppo_epochs = 2` on. Logged: `actor/router_replay_changed_frac`. R3 (the
+    rollout engine's routes) is not built yet."""
     router_aux_loss_coef: float = Field(0.0, ge=0)
     """Mixture-of-experts models: the weight of Switch Transformer's load-balancing loss
     (transformers' name; `trainer/router_aux.py`), logged as `actor/router_aux_loss`. 0:

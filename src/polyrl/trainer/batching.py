@@ -121,6 +121,9 @@ class MicroBatch:
     ref_logp: torch.Tensor | None = None  # [B, L-1]
     packed: Any = None
     """The same sequences as one padding-free row (packing.PackedRow), when trained packed."""
+    routes: list[torch.Tensor] | None = None
+    """`algo.router_replay`: the experts of each row in each MoE layer ([rows, k] per layer)
+    in the proximal forward, replayed in the training forwards."""
 
     def to(self, device: torch.device) -> MicroBatch:
         moved = {

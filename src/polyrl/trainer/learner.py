@@ -31,6 +31,7 @@ from polyrl.trainer.lm_head import head_logprobs
 from polyrl.trainer.packing import collate_packed, default_backend, make_docs, pack_by_tokens, use_packed_attention
 from polyrl.trainer.rollout_correction import SEQ_SUMS, lag_keys, lag_kls, lag_token_counts, with_ess
 from polyrl.trainer.router_aux import RouterLogits
+from polyrl.trainer.router_replay import RouterReplay
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,7 @@ class Learner:
                 self.work = copy.deepcopy(model).to(compute_dtype)
         if algo.router_aux_loss_coef > 0 and has_moe(self.work):
             self.router_logits = RouterLogits(self.work)  # hooks before any compile
+        self.router_replay = RouterReplay(self.work) if algo.router_replay == "R2" else None
         has_triton = importlib.util.find_spec("triton") is not None  # inductor's CUDA kernels need it
         self.is_compiled = _resolve(cfg.compile_layers, fast and has_triton)
         if self.is_compiled:
@@ -227,7 +229,17 @@ class Learner:
                 GPU_BOUND_MICRO_BATCH_TOKENS,
             )
 
-    def _routing_recorded(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def _routes_recorded(self, mb: MicroBatch) -> Iterator[None]:
+        """`algo.router_replay`: the proximal forward's experts go with the micro-batch."""
+        if self.router_replay is None:
+            yield
+            return
+        with self.router_replay.recording() as routes:
+            yield
+        mb.routes = routes
+
+    def _router_logits_recorded(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if self.router_logits is None else self.router_logits.recording()
 
     def _autocast_dtype(self, model: PreTrainedModel) -> torch.dtype:
@@ -313,7 +325,8 @@ class Learner:
             if not self.algo.recompute_old_logprobs:
                 mb.old_logp = mb.behav_logp
             elif not self._old_logp_from_training_pass:
-                mb.old_logp = self.logprobs(self.work, mb, False)[0]
+                with self._routes_recorded(mb):
+                    mb.old_logp = self.logprobs(self.work, mb, False)[0]
             if self.algo.kl_coef > 0:
                 mb.ref_logp = self._ref_logprobs(mb)
         return mbs
@@ -353,7 +366,9 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             for mb in mbs:
                 with_entropy = True  # cheap next to the forward pass, and always logged
-                with record_function("learner.forward"), self._routing_recorded():
+                if self.router_replay is not None:  # kept through backward: recomputed layers replay too
+                    self.router_replay.replay(mb.routes)
+                with record_function("learner.forward"), self._router_logits_recorded():
                     logp, entropy = self.logprobs(self.work, mb, with_entropy)
                 if mb.old_logp is None:
                     mb.old_logp = logp.detach()
@@ -402,8 +417,13 @@ class Learner:
                     self._refresh_work()
             self.scheduler.step()
         self.work.eval()
+        if self.router_replay is not None:
+            self.router_replay.replay(None)
         sums = _read_back(sums, self.model.device)
         grad_norm_mean = sum(grad_norms) / len(grad_norms)
         out = with_ess(self.dp.sum_over_ranks(sums))
         out["actor/grad_norm"], out["actor/lr"] = grad_norm_mean, lr
+        changed = None if self.router_replay is None else self.router_replay.take_changed_frac()
+        if changed is not None:
+            out["actor/router_replay_changed_frac"] = changed
         return out

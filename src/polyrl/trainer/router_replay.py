@@ -1,0 +1,83 @@
+"""Routing replay within the trainer (`algo.router_replay = "R2"`, verl's name).
+
+A mixture of experts routes each token to its top-k experts, and a small change of the
+router's weights can change that choice: after the first of several PPO epochs, the
+current policy may route a token through other experts than the proximal policy did, so
+the ratio pi / pi_old compares two different sub-networks and swings far more than the
+update itself moved (the reason Qwen's GSPO paper gives for its "Routing Replay"). R2
+records the experts each token went through in the proximal (old log-prob) forward and
+makes every training forward of the same micro-batch use them: the routing weights are
+the current router's probabilities of those experts, so the router still learns through
+them. With one PPO epoch the training forward is itself the proximal one, and R2 changes
+nothing. (R3, the rollout engine's routes, is not built yet.)
+
+Hooks on each layer's router (transformers' `*TopKRouter`, whose outputs are logits,
+routing weights and expert indices) record and replace; they stay set through the
+backward pass, so a checkpointed layer recomputes with the same experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from polyrl.models.moe import is_moe_block
+
+
+class RouterReplay:
+    def __init__(self, model: nn.Module) -> None:
+        self.routers = [layer.mlp.gate for layer in model.model.layers if is_moe_block(layer.mlp)]
+        if not self.routers:
+            raise ValueError("algo.router_replay needs a mixture-of-experts model (this one has no router)")
+        self.norm_topk = bool(getattr(model.config, "norm_topk_prob", False))
+        self._recorded: list[torch.Tensor] | None = None
+        self._replaying: list[torch.Tensor] | None = None
+        self.num_changed = torch.zeros((), dtype=torch.float64)
+        """Rows (token x layer) replayed whose current router would have chosen other experts."""
+        self.num_rows = 0
+        for i, router in enumerate(self.routers):
+            router.register_forward_hook(functools.partial(self._hook, i))
+
+    def _hook(self, layer: int, module: nn.Module, args: tuple, output: tuple[torch.Tensor, ...]):  # noqa: ANN202
+        logits, weights, indices = output
+        if self._recorded is not None:
+            self._recorded.append(indices.detach())
+            return None
+        if self._replaying is None:
+            return None
+        forced = self._replaying[layer]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        forced_weights = probs.gather(-1, forced)
+        if self.norm_topk:
+            forced_weights = forced_weights / forced_weights.sum(dim=-1, keepdim=True)
+        with torch.no_grad():
+            changed = (indices.sort(dim=-1).values != forced.sort(dim=-1).values).any(dim=-1)
+            self.num_changed = self.num_changed.to(changed.device) + changed.sum()
+            self.num_rows += changed.numel()
+        return logits, forced_weights.to(weights.dtype), forced
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[torch.Tensor]]:
+        """Record the experts of one forward: one [rows, k] tensor per MoE layer."""
+        recorded: list[torch.Tensor] = []
+        self._recorded = recorded
+        try:
+            yield recorded
+        finally:
+            self._recorded = None
+
+    def replay(self, routes: list[torch.Tensor] | None) -> None:
+        """Forwards from now on use `routes` (None: their own router's choice)."""
+        self._replaying = routes
+
+    def take_changed_frac(self) -> float | None:
+        """The share of replayed rows whose own routing differed, since the last call."""
+        if not self.num_rows:
+            return None
+        frac = float(self.num_changed) / self.num_rows
+        self.num_changed, self.num_rows = torch.zeros((), dtype=torch.float64), 0
+        return frac
