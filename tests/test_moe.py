@@ -180,3 +180,58 @@ def test_the_default_main_job_learns_on_a_tiny_moe(tmp_path: Path) -> None:
     assert all(abs(r["rollout/logprob_diff"]) < 1e-3 for r in rows if "rollout/logprob_diff" in r)
     rewards = [r["critic/score/mean"] for r in rows]
     assert sum(rewards[-5:]) / 5 > rewards[0] + 0.15, rewards
+
+
+def _engine_routes(
+    engine: Engine, requests: list[EngineRequest]
+) -> dict[tuple[str, int], tuple[list[int], torch.Tensor | None]]:
+    """Every sample's tokens and its deltas' routes, concatenated (None: it had none)."""
+    tokens: dict[tuple[str, int], list[int]] = {}
+    routes: dict[tuple[str, int], list[torch.Tensor]] = {}
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work:
+        for d in engine.step():
+            tokens.setdefault((d.rid, d.index), []).extend(d.token_ids)
+            if d.routed_experts is not None:
+                routes.setdefault((d.rid, d.index), []).append(d.routed_experts)
+    return {key: (tokens[key], torch.cat(routes[key]) if key in routes else None) for key in tokens}
+
+
+def _hf_routes(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """transformers' experts for every position of `ids` ([positions, moe_layers, k])."""
+    seen: list[torch.Tensor] = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda m, a, out: seen.append(out[2])) for layer in model.model.layers
+    ]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(seen, dim=1)
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_the_engine_reports_the_experts_of_every_position_as_transformers_routes_them(
+    moe_model: torch.nn.Module, overlap: str
+) -> None:
+    """`return_routed_experts`: prompts prefilled in chunks, n = 3 samples forked from one
+    prefill, decodes chained on the device (overlap) or not: each sample's routes, over all
+    its deltas, are transformers' for prompt + completion but the last token; a request
+    that does not ask gets none."""
+    cfg = SMALL.model_copy(update={"overlap_decode": overlap})
+    asked = SamplingParams(max_new_tokens=9, temperature=1.0, n=3, seed=5, ignore_eos=True, return_routed_experts=True)
+    plain = asked.model_copy(update={"return_routed_experts": False})
+    requests = [EngineRequest(str(i), p, asked) for i, p in enumerate(PROMPTS)]
+    got = _engine_routes(Engine(moe_model, cfg), [*requests, EngineRequest("plain", PROMPTS[0], plain)])
+    assert len(got) == 3 * len(PROMPTS) + 3
+    for (rid, index), (completion, routes) in got.items():
+        if rid == "plain":
+            assert routes is None
+            continue
+        ids = PROMPTS[int(rid)] + completion
+        expected = _hf_routes(moe_model, ids)[: len(ids) - 1]
+        assert routes is not None and routes.shape == expected.shape == (len(ids) - 1, 2, 2)
+        assert torch.equal(routes.long(), expected.long()), (rid, index)

@@ -259,6 +259,7 @@ class Engine:
         if not batch:
             return deltas
         logits, sample_idx = self.runner.forward(batch)
+        self._store_routes(batch)
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
         seqs: list[Sequence] = []
@@ -320,12 +321,27 @@ class Engine:
         same = len(keep) == len(prev.seqs)
         # (non_blocking: a plain copy to the device would wait for the step in flight)
         fed = prev.token_ids if same else prev.token_ids[torch.tensor(keep).to(self.device, non_blocking=True)]
-        logits, _ = self.runner.forward([ScheduledSeq(s, 1) for s in seqs], fed_ids=fed)
+        chained = [ScheduledSeq(s, 1) for s in seqs]
+        logits, _ = self.runner.forward(chained, fed_ids=fed)
+        self._store_routes(chained)
         for s in seqs:
             s.num_computed_tokens += 1
         params = prev.sampling
         params = replace(params, positions=params.positions + 1) if same else self._sampling_batch(seqs)
         return self._read_back(seqs, *sample(logits, params), params, logits)
+
+    def _store_routes(self, batch: list[ScheduledSeq]) -> None:
+        """The step's expert routes (rows in batch order) to the sequences that asked, at the
+        positions fed (before they count as computed). Reading them back waits for the
+        step: a request that asks gives up the overlap, as with top log-probs."""
+        routes = self.runner.last_routes
+        if routes is None:
+            return
+        routes, row = routes.cpu(), 0
+        for item in batch:
+            if item.seq.sampling.return_routed_experts:
+                item.seq.store_routes(item.seq.num_computed_tokens, routes[row : row + item.num_new_tokens])
+            row += item.num_new_tokens
 
     def _read_back(
         self,
@@ -399,6 +415,8 @@ class Engine:
         for row, (seq, token_id, logprob) in enumerate(zip(seqs, token_ids, logprobs)):
             seq.append(token_id, logprob, version)
             delta = SampleDelta(seq.rid, seq.index, [token_id], [logprob], [version])
+            if seq.sampling.return_routed_experts:
+                delta.routed_experts = seq.take_routes()
             if seq.sampling.top_logprobs and tops is not None:
                 delta.top_logprobs = [tops[row][: seq.sampling.top_logprobs]]
             if seq.finish_reason is not None:
@@ -422,6 +440,8 @@ class Engine:
                 (parent.seed + j) % MAX_SEED,
                 parent.stop_ids,
             )
+            if parent.routes is not None:  # the shared prompt's, computed once
+                child.routes, child.routes_sent = parent.routes.clone(), parent.routes_sent
             if self.blocks.can_allocate(1):
                 copy = self.blocks.fork(parent, child)
                 if copy is not None:

@@ -73,6 +73,14 @@ class ModelRunner:
         if getattr(model.config, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported by the engine")
         self.model, self.block_size = model, block_size
+        self._routes: list[torch.Tensor] | None = None
+        self.last_routes: torch.Tensor | None = None
+        """[rows, moe_layers, k] int16: the experts of the last forward's rows, when one of
+        its sequences asked for them (`return_routed_experts`); else None."""
+        self.is_moe = has_moe(model)
+        for layer in model.model.layers if self.is_moe else ():
+            if is_moe_block(layer.mlp):
+                layer.mlp.gate.register_forward_hook(self._record_routes)
         self.device = model.device
         self.autocast_dtype = autocast_dtype
         attn = model.model.layers[0].self_attn
@@ -109,6 +117,11 @@ class ModelRunner:
             and not has_moe(model)
         )
 
+    def _record_routes(self, module: nn.Module, args: tuple, output: tuple[torch.Tensor, ...]) -> None:
+        """A router's forward hook: its expert indices ([rows, k], its third output)."""
+        if self._routes is not None:
+            self._routes.append(output[2])
+
     def close(self) -> None:
         """Drop the KV cache and the graphs now (the graphs refer back to this runner, so
         the pair would otherwise wait for the garbage collector)."""
@@ -144,6 +157,16 @@ class ModelRunner:
         sequence feeds it at position `num_computed_tokens`."""
         if self.is_graph_decode(batch, fed_ids):
             return self.decode_graphs.run(batch, fed_ids), list(range(len(batch)))
+        wants_routes = self.is_moe and any(item.seq.sampling.return_routed_experts for item in batch)
+        self._routes, self.last_routes = ([] if wants_routes else None), None
+        try:
+            return self._forward(batch, fed_ids)
+        finally:
+            if wants_routes:
+                self.last_routes = torch.stack(self._routes, dim=1).to(torch.int16)
+            self._routes = None
+
+    def _forward(self, batch: list[ScheduledSeq], fed_ids: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
         input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(batch)
         if fed_ids is not None:
             input_ids = fed_ids

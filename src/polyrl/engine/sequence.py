@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
 from polyrl.engine.types import FinishReason
 from polyrl.protocol.sampling import SamplingParams
 
@@ -39,6 +41,11 @@ class Sequence:
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop: int | None = None
+    routes: torch.Tensor | None = None
+    """`return_routed_experts`: [capacity, moe_layers, k] int16 on the host, row p the
+    experts of position p once a step has fed it."""
+    routes_sent: int = 0
+    """Positions whose routes went out in a delta already."""
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +58,27 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def store_routes(self, start: int, rows: torch.Tensor) -> None:
+        """The routes of positions start.. (a recomputed position's overwrite its own)."""
+        end = start + rows.shape[0]
+        if self.routes is None or self.routes.shape[0] < end:
+            grown = rows.new_zeros(
+                (max(end, 2 * (0 if self.routes is None else self.routes.shape[0])), *rows.shape[1:])
+            )
+            if self.routes is not None:
+                grown[: self.routes.shape[0]] = self.routes
+            self.routes = grown
+        self.routes[start:end] = rows
+
+    def take_routes(self) -> torch.Tensor | None:
+        """The routes not yet sent, up to the position that produced the newest token."""
+        if self.routes is None:
+            return None
+        end = self.num_tokens - 1
+        taken = self.routes[self.routes_sent : end].clone()
+        self.routes_sent = max(self.routes_sent, end)
+        return taken
 
     def append(self, token_id: int, logprob: float, weight_version: int) -> None:
         self.token_ids.append(token_id)

@@ -9,9 +9,13 @@ exactly this quantity, so the importance ratio compares like with like.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.worker_api import FinishReason
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestError(ValueError):
@@ -47,6 +51,11 @@ class SampleDelta:
     matched_stop: int | None = None  # the stop token that ended the sample, if any
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     """With `top_logprobs` k > 0: per token, the k most likely (token id, log-prob), best first."""
+    routed_experts: torch.Tensor | None = None
+    """With `return_routed_experts`: [positions, moe_layers, k] int16, the experts of the
+    positions that produced this delta's tokens and of none before them (the first delta
+    also carries the prompt's); concatenated over deltas, position p of prompt + completion
+    for every p but the last token's, which no step has fed yet."""
 
     @property
     def finished(self) -> bool:

@@ -69,6 +69,10 @@ class SamplingParams(BaseModel):
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     """> 0: also report this many most likely tokens per position, with their log-probs
     (OpenAI's `top_logprobs`, SGLang's request-level `top_logprobs_num`)."""
+    return_routed_experts: bool = False
+    """Mixture-of-experts models: also report, for every position the engine computes, the
+    experts each MoE layer routed it to (SGLang's request-level `return_routed_experts`;
+    routing replay, `algo.router_replay = "R3"`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -97,7 +101,9 @@ class SamplingParams(BaseModel):
         """SGLang's `sampling_params` for this: top_k off as -1, the seed as
         `sampling_seed`; `top_logprobs` goes to the request (`top_logprobs_num`), and
         min_p only when on (servers that predate it then read the same body)."""
-        out = self.model_dump(exclude={"seed", "top_logprobs"} | ({"min_p"} if self.min_p == 0 else set()))
+        out = self.model_dump(
+            exclude={"seed", "top_logprobs", "return_routed_experts"} | ({"min_p"} if self.min_p == 0 else set())
+        )
         out["stop_token_ids"] = list(self.stop_token_ids)
         if self.top_k == 0:
             out["top_k"] = -1
