@@ -5,25 +5,32 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_e2e import QUICK
 from test_engine import PROMPTS, SMALL, hf_greedy, run, spicy_model
 from test_lora import _generate, _perturb
+from test_manager import Consumer, _start_worker, _streamed_from, batch, fast_cfg, wait_active
 from test_rollout_learner import _learner
 from test_train import _metrics
+from test_worker import WorkerProcess, _wait_until
 from transformers import AutoModelForCausalLM
 
 from polyrl.config import AlgoConfig, ConfigError, LoraConfig, TinyModelConfig, load_config
 from polyrl.engine.engine import Engine
 from polyrl.engine.lora import expected_spec
 from polyrl.engine.types import EngineRequest
+from polyrl.manager.main import ManagerThread
 from polyrl.models.moe import has_moe
 from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.routes import decode_routes
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.trainer.batching import SeqItem, collate
 from polyrl.trainer.grpo import token_logprobs
@@ -235,3 +242,46 @@ def test_the_engine_reports_the_experts_of_every_position_as_transformers_routes
         expected = _hf_routes(moe_model, ids)[: len(ids) - 1]
         assert routes is not None and routes.shape == expected.shape == (len(ids) - 1, 2, 2)
         assert torch.equal(routes.long(), expected.long()), (rid, index)
+
+
+@pytest.fixture(scope="module")
+def spicy_moe_dir(moe_model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The large-weights MoE saved, for worker processes (its routes have clear winners)."""
+    out = tmp_path_factory.mktemp("spicy_moe")
+    moe_model.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(moe_model.name_or_path) / f, out / f)
+    return out
+
+
+@pytest.mark.slow
+def test_routes_reach_the_batch_through_workers_and_a_kill(spicy_moe_dir: Path, moe_model: torch.nn.Module) -> None:
+    """Two real workers; w1 is killed -9 mid-sample and its samples continue on w2, which
+    joins after and computes their prefix again: every sample's routes in its group result are still
+    transformers' for prompt + output, the migrated ones' prefix as w1 streamed it."""
+    request = batch(4, 2, 120)
+    request.sampling = request.sampling.model_copy(update={"ignore_eos": True, "return_routed_experts": True})
+    procs: list[WorkerProcess] = []
+    with ManagerThread(fast_cfg(heartbeat_timeout_s=3.0, stall_timeout_s=20, stream_interval_s=0.0)) as mt:
+        try:
+            procs.append(_start_worker(spicy_moe_dir, mt.url, "w1"))
+            procs[0].wait_ready()
+            wait_active(mt, "w1")
+            consumer = Consumer(mt, request)
+            _wait_until(lambda: _streamed_from(mt, "w1"), 60, "w1 streams tokens")
+            procs[0].proc.send_signal(signal.SIGKILL)  # mid-sample: what it streamed waits for w2
+            procs.append(_start_worker(spicy_moe_dir, mt.url, "w2"))
+            groups = consumer.join_ok(120)
+        finally:
+            for p in procs:
+                p.kill()
+    prompts = {p.id: p.input_ids for p in request.prompts}
+    moved = 0
+    for g in groups:
+        for s in g.samples:
+            ids = prompts[g.prompt_id] + s.output_ids
+            assert s.routed_experts is not None
+            routes = decode_routes(s.routed_experts, len(ids) - 1).reshape(len(ids) - 1, 2, 2)
+            assert np.array_equal(routes, _hf_routes(moe_model, ids)[: len(ids) - 1].numpy()), (g.prompt_id, s.index)
+            moved += [seg.worker for seg in s.segments] == ["w1", "w2"]
+    assert moved

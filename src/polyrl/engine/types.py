@@ -75,9 +75,13 @@ class SampleResult:
     finish_reason: FinishReason | None = None
     matched_stop: int | None = None
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
+    """The deltas' routes ([positions, moe_layers, k] each), when asked for."""
 
     def add(self, delta: SampleDelta) -> None:
         assert delta.rid == self.rid and delta.index == self.index
+        if delta.routed_experts is not None:
+            self.routed_experts.append(delta.routed_experts)
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
         self.top_logprobs += delta.top_logprobs

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import httpx
+import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from polyrl.httpapi import CHECKSUM_HEADER, checksum
 from polyrl.manager.registry import WorkerRecord
+from polyrl.protocol.routes import decode_routes, rows_through
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.worker_api import GenerateRequest, GenerateResponse
 from polyrl.tls import async_http_client
@@ -70,6 +72,10 @@ class Delta(NamedTuple):
     finish_reason: str | None
     top_logprobs: list[list[tuple[int, float]]] = []
     """Per token, when asked for: the most likely (token id, log-prob)."""
+    routes: np.ndarray | None = None
+    """When asked for: the experts of positions `routes_start`.. ([rows, width] int32)."""
+    routes_start: int = 0
+    """The absolute position (in the worker's prompt + tokens) of the first row of `routes`."""
 
 
 # ------------------------------------------------------------------------------ remote (HTTP)
@@ -83,6 +89,8 @@ def generate_body(call: GenerationCall, incremental: bool, stream_interval_s: fl
     )
     if call.sampling.top_logprobs:  # SGLang's request-level field
         request.top_logprobs_num = call.sampling.top_logprobs
+    if call.sampling.return_routed_experts:  # SGLang's request-level field too
+        request.return_routed_experts = True
     if incremental:  # polyrl's extensions
         request.incremental_stream = True
         if stream_interval_s:
@@ -126,7 +134,16 @@ def parse_chunk(data: str | bytes, seen: dict[int, int], incremental: bool) -> D
     elif total != before + len(tokens):
         raise WorkerFailed(f"sample {index}: chunk of {len(tokens)} tokens after {before} claims a total of {total}")
     seen[index] = before + len(tokens)
-    return Delta(index, tokens, logprobs, versions, finish_type, top)
+    routes, routes_start = None, 0
+    if meta.routed_experts is not None:  # incremental: rows new since the last chunk; a snapshot: all
+        routes_start = rows_through(meta.prompt_tokens, before) if before else 0
+        end = rows_through(meta.prompt_tokens, before + len(tokens))
+        first = routes_start if not incremental else 0
+        try:
+            routes = decode_routes(meta.routed_experts, (end if not incremental else end - routes_start))[first:]
+        except ValueError as e:
+            raise WorkerFailed(f"sample {index}: routed experts: {e}") from None
+    return Delta(index, tokens, logprobs, versions, finish_type, top, routes, routes_start)
 
 
 def _error_of(data: str | bytes) -> str | None:

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from polyrl.engine.types import SampleDelta
 from polyrl.protocol.manager_api import (
     BatchFailed,
@@ -22,6 +24,7 @@ from polyrl.protocol.manager_api import (
     SampleResultOut,
     Segment,
 )
+from polyrl.protocol.routes import encode_routes, rows_through
 
 
 @dataclass(eq=False, repr=False)
@@ -47,11 +50,17 @@ class SampleState:
     """The lowest weight version of a worker this sample was placed on: none of its tokens,
     those generated so far and those to come there, is older (an engine's version only
     grows). None: never placed. The trainer's staleness deadline reads it."""
+    routes: list[np.ndarray] = field(default_factory=list)
+    """Committed expert routes, when asked for: row p the experts of position p of prompt +
+    tokens (`polyrl.protocol.routes`), kept from the worker that first computed it."""
+    num_route_rows: int = 0
     # the running segment
     _seg_worker: str | None = None
     _seg_tokens: list[int] = field(default_factory=list)
     _seg_logprobs: list[float] = field(default_factory=list)
     _seg_versions: list[int] = field(default_factory=list)
+    _seg_routes: list[np.ndarray] = field(default_factory=list)
+    _seg_route_rows: int = 0
 
     # Short reprs throughout: these objects reference each other (a batch holds its tasks,
     # whose callbacks hold units, which hold the batch), and asyncio/anyio format task
@@ -78,6 +87,7 @@ class SampleState:
         self.floor_version = worker_version if self.floor_version is None else min(self.floor_version, worker_version)
         self._seg_worker = worker_id
         self._seg_tokens, self._seg_logprobs, self._seg_versions = [], [], []
+        self._seg_routes, self._seg_route_rows = [], 0
 
     def extend(
         self,
@@ -86,13 +96,25 @@ class SampleState:
         versions: list[int],
         finish: str | None,
         top_logprobs: list[list[tuple[int, float]]] | None = None,
+        routes: np.ndarray | None = None,
+        routes_start: int = 0,
     ) -> None:
         """New tokens of the running segment, and its finish reason once it has one.
-        `top_logprobs` only go to `progress` (a batch's groups do not carry them)."""
+        `top_logprobs` only go to `progress` (a batch's groups do not carry them).
+        `routes`: the experts of positions `routes_start`..; a migrated sample's new worker
+        computes the prefix again, and only positions not yet held are kept."""
         if len(self._seg_tokens) + len(tokens) > self.remaining:
             raise ValueError(
                 f"worker sent {len(self._seg_tokens) + len(tokens)} tokens for a budget of {self.remaining}"
             )
+        if routes is not None:
+            held = self.num_route_rows + self._seg_route_rows
+            if routes_start > held:
+                raise ValueError(f"worker sent expert routes from position {routes_start}, {held} held")
+            new = routes[held - routes_start :]
+            if len(new):
+                self._seg_routes.append(new)
+                self._seg_route_rows += len(new)
         self._seg_tokens += tokens
         self._seg_logprobs += logprobs
         self._seg_versions += versions
@@ -117,6 +139,9 @@ class SampleState:
             self.logprobs += self._seg_logprobs
             self.weight_versions += self._seg_versions
             self.segments.append(Segment(worker=self._seg_worker, num_tokens=len(self._seg_tokens)))
+        self.routes += self._seg_routes
+        self.num_route_rows += self._seg_route_rows
+        self._seg_routes, self._seg_route_rows = [], 0
         self._seg_worker = None
         self._seg_tokens, self._seg_logprobs, self._seg_versions = [], [], []
         if not self.done and self.remaining <= 0:  # the budget was spent without a finish
@@ -136,7 +161,16 @@ class SampleState:
             num_failures=self.num_failures,
             queue_time_s=round((self.placed_at or submitted) - submitted, 6),
             latency_s=round(self.finished_at - submitted, 6),
+            routed_experts=self._routes_out(),
         )
+
+    def _routes_out(self) -> str | None:
+        """Every position's routes, or None when some are missing (a worker that reports
+        none, e.g. a plain SGLang server without the flag)."""
+        expected = rows_through(len(self.group.prompt.input_ids), len(self.token_ids))
+        if not self.routes or self.num_route_rows < expected:
+            return None
+        return encode_routes(np.concatenate(self.routes)[:expected])
 
 
 @dataclass(eq=False, repr=False)

@@ -89,7 +89,9 @@ class Settlement:
         if sample.done:
             raise WorkerFailed(f"worker sent more for finished sample {d.index}")
         try:
-            sample.extend(d.token_ids, d.logprobs, d.weight_versions, d.finish_reason, d.top_logprobs)
+            sample.extend(
+                d.token_ids, d.logprobs, d.weight_versions, d.finish_reason, d.top_logprobs, d.routes, d.routes_start
+            )
         except ValueError as e:
             raise WorkerFailed(str(e)) from None
         self.metrics.tokens.inc(len(d.token_ids))

@@ -182,6 +182,9 @@ class SampleResultOut(_Message):
     """Submission to first placement."""
     latency_s: float
     """Submission to the last token."""
+    routed_experts: str | None = None
+    """With `sampling.return_routed_experts`: the experts of every position of prompt +
+    output but the last (`polyrl.protocol.routes`); None when a worker reported none."""
 
 
 class GroupResult(_Message):

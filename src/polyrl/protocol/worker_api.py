@@ -60,6 +60,9 @@ class GenerateRequest(_Wire):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     """With `return_logprob`: also the this-many most likely tokens per position
     (`meta_info.output_top_logprobs`, as SGLang's)."""
+    return_routed_experts: bool = False
+    """Mixture-of-experts models: also each position's experts (`meta_info.routed_experts`,
+    as SGLang's)."""
     stream: bool = False
     incremental_stream: bool = False
     """polyrl extension: each stream chunk carries only what is new since the sample's
@@ -177,6 +180,10 @@ class MetaInfo(_Reply):
     """[logprob, token_id, null] per output token; only with `return_logprob`."""
     output_top_logprobs: list[list[tuple[float, int, str | None]]] | None = None
     """Per output token, the `top_logprobs_num` most likely [logprob, token_id, null]."""
+    routed_experts: str | None = None
+    """With `return_routed_experts`: the experts of prompt + output positions but the last
+    (`polyrl.protocol.routes`: base64 int32, row after row, as SGLang's); an incremental
+    chunk carries the rows new since the sample's previous chunk."""
 
 
 class GenerateResponse(_Reply):

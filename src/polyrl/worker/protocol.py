@@ -9,8 +9,11 @@ import json
 import uuid
 from typing import Any
 
+import torch
+
 from polyrl.engine.types import EngineRequest, SampleResult
 from polyrl.httpapi import checksum
+from polyrl.protocol.routes import encode_routes, rows_through
 from polyrl.protocol.worker_api import FinishReasonInfo, GenerateRequest, GenerateResponse, MetaInfo
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -21,7 +24,8 @@ def engine_request(body: GenerateRequest, input_ids: list[int]) -> EngineRequest
     log-probs are SGLang's request-level `top_logprobs_num`, wanted with `return_logprob`."""
     rid = body.rid if body.rid is not None else uuid.uuid4().hex
     top = body.top_logprobs_num if body.return_logprob else 0
-    sampling = body.sampling_params.model_copy(update={"top_logprobs": top})
+    update = {"top_logprobs": top, "return_routed_experts": body.return_routed_experts}
+    sampling = body.sampling_params.model_copy(update=update)
     return EngineRequest(rid=rid, input_ids=input_ids, sampling=sampling)
 
 
@@ -46,6 +50,11 @@ def sample_response(
         logprobs = [(lp, tok, None) for lp, tok in zip(result.logprobs[start:], token_ids, strict=True)]
         if result.top_logprobs:
             top = [[(lp, tok, None) for tok, lp in position] for position in result.top_logprobs[start:]]
+    routes = None
+    if result.routed_experts:  # rows from the one after the previous chunk's last
+        first = 0 if start == 0 else rows_through(result.prompt_tokens, start)
+        rows = torch.cat(result.routed_experts)[first : rows_through(result.prompt_tokens, len(result.token_ids))]
+        routes = encode_routes(rows.numpy())
     meta = MetaInfo(
         id=result.rid,
         finish_reason=finish,
@@ -55,16 +64,20 @@ def sample_response(
         output_token_weight_versions=versions,
         output_token_logprobs=logprobs,
         output_top_logprobs=top,
+        routed_experts=routes,
     )
     index = result.index if with_index else None
     response = GenerateResponse(text=text, output_ids=token_ids, meta_info=meta, index=index)
     exclude: dict[str, Any] = {}
     if not with_index:
         exclude["index"] = True
+    meta_out = set() if routes is not None else {"routed_experts"}
     if not return_logprob:
-        exclude["meta_info"] = {"output_token_logprobs", "output_top_logprobs"}
+        meta_out |= {"output_token_logprobs", "output_top_logprobs"}
     elif top is None:
-        exclude["meta_info"] = {"output_top_logprobs"}
+        meta_out.add("output_top_logprobs")
+    if meta_out:
+        exclude["meta_info"] = meta_out
     return response.model_dump(mode="json", exclude=exclude)
 
 
