@@ -285,3 +285,51 @@ def test_routes_reach_the_batch_through_workers_and_a_kill(spicy_moe_dir: Path, 
             assert np.array_equal(routes, _hf_routes(moe_model, ids)[: len(ids) - 1].numpy()), (g.prompt_id, s.index)
             moved += [seg.worker for seg in s.segments] == ["w1", "w2"]
     assert moved
+
+
+@pytest.mark.parametrize("mode,impl", [("disabled", "padded"), ("R3", "padded"), ("R3", "packed")])
+def test_r3_trains_through_the_experts_the_engine_sampled_with(moe_dir: Path, mode: str, impl: str) -> None:
+    """The engine samples with one router; an update (here: new random router weights)
+    moves the learner's. With R3 the learner's forward sends every position the engine
+    reported through the engine's experts, padded or packed; without, some through others."""
+    rollout_model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    sampling = SamplingParams(
+        max_new_tokens=8, temperature=1.0, n=2, seed=3, ignore_eos=True, return_routed_experts=True
+    )
+    got = _engine_routes(
+        Engine(rollout_model, SMALL), [EngineRequest(str(i), p, sampling) for i, p in enumerate(PROMPTS[:3])]
+    )
+    items = [
+        SeqItem(
+            PROMPTS[int(rid)] + completion,
+            len(PROMPTS[int(rid)]),
+            [-1.0] * len(completion),
+            1.0 - index,
+            routes=routes.flatten(1).numpy().astype(np.int32),
+        )
+        for (rid, index), (completion, routes) in sorted(got.items())
+    ]
+    trained = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in trained.model.layers:
+            layer.mlp.gate.weight.normal_(0, 1.0, generator=gen)
+    seen: list[torch.Tensor] = []
+    trained.model.layers[1].mlp.experts.register_forward_pre_hook(lambda m, args: seen.append(args[1].clone()))
+    learner = _learner(trained, AlgoConfig(router_replay=mode), learner_impl=impl)
+    metrics = learner.train_mini_batch(items, weights_as_sampled=True)
+    (used,) = seen  # one forward: with one epoch the training pass is the proximal one
+    lengths = [len(it.token_ids) for it in items]
+    width = max(lengths)
+    starts = np.cumsum([0, *lengths[:-1]]) if impl == "packed" else [i * width for i in range(len(items))]
+    same = different = 0
+    for start, it in zip(starts, items, strict=True):
+        rows = used[start : start + len(it.token_ids) - 1]
+        engine = torch.from_numpy(it.routes).view(-1, 2, 2)[:, 1]  # layer 1's
+        agree = (rows.sort(-1).values == engine.long().sort(-1).values).all(-1)
+        same, different = same + int(agree.sum()), different + int((~agree).sum())
+    if mode == "R3":
+        assert different == 0 and same > 0
+        assert 0 < metrics["actor/router_replay_changed_frac"] <= 1
+    else:
+        assert different > 0

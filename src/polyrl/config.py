@@ -489,12 +489,15 @@ class AlgoConfig(_Section):
     kl_estimator: Literal["k1", "k3"] = "k3"
     entropy_coef: float = Field(0.003, ge=0)
     """A small bonus keeps a from-scratch tiny model exploring; use 0 for pretrained models."""
-    router_replay: Literal["disabled", "R2"] = "disabled"
-    """Mixture-of-experts models (verl's `router_replay.mode`): R2 replays, in every training
-    forward, the experts each token went through in the proximal (old log-prob) forward,
-    so that the PPO ratio compares the same sub-network (`trainer/router_replay.py`); it
-    acts from `ppo_epochs = 2` on. Logged: `actor/router_replay_changed_frac`. R3 (the
-    rollout engine's routes) is not built yet."""
+    router_replay: Literal["disabled", "R2", "R3"] = "disabled"
+    """Mixture-of-experts models (verl's `router_replay.mode`; `trainer/router_replay.py`).
+    R2 replays, in every training forward, the experts each token went through in the
+    proximal (old log-prob) forward, so that the PPO ratio compares the same sub-network;
+    it acts from `ppo_epochs = 2` on. R3 replays the rollout engine's experts in every
+    forward of the learner (the proximal one too), so the learner's policy is the one
+    that sampled, however an update moved the routers (engines report them with
+    `return_routed_experts`, through migrations too). Logged:
+    `actor/router_replay_changed_frac`."""
     router_aux_loss_coef: float = Field(0.0, ge=0)
     """Mixture-of-experts models: the weight of Switch Transformer's load-balancing loss
     (transformers' name; `trainer/router_aux.py`), logged as `actor/router_aux_loss`. 0:

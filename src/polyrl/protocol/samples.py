@@ -9,10 +9,13 @@ prompts; so they live in the vocabulary, not in rollout/. The sources' own inter
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from polyrl.protocol.version import WeightVersion
 from polyrl.protocol.worker_api import FinishReason
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -57,6 +60,10 @@ class Sample:
     advantages: list[float] | None = None
     """Per completion token, given by the producer (an Atropos environment's own
     advantages); None: the learner's group advantage."""
+    routed_experts: np.ndarray | None = None
+    """Mixture-of-experts models, when asked for (`algo.router_replay = "R3"`): the experts
+    each position of prompt + completion but the last went through in the engine,
+    [positions, moe_layers * k] int32 (`polyrl.protocol.routes`)."""
 
     def __post_init__(self) -> None:
         assert len(self.completion_ids) == len(self.logprobs) == len(self.weight_versions)

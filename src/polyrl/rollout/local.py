@@ -38,6 +38,9 @@ def to_sample(result: SampleResult, worker: str, gen_time_s: float) -> Sample:
         weight_versions=result.weight_versions,
         workers=[worker],
         gen_time_s=gen_time_s,
+        routed_experts=torch.cat(result.routed_experts).flatten(1).numpy().astype("int32")
+        if result.routed_experts
+        else None,
     )
 
 

@@ -36,6 +36,7 @@ from polyrl.protocol.manager_api import (
     WorkerInfo,
     WorkerList,
 )
+from polyrl.protocol.routes import decode_routes, rows_through
 from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.version import WeightVersion
@@ -291,6 +292,9 @@ def to_group(prompt: Prompt, result: GroupResult) -> Group:
             workers=[seg.worker for seg in s.segments],
             worker_tokens=[seg.num_tokens for seg in s.segments],
             gen_time_s=s.latency_s,
+            routed_experts=None
+            if s.routed_experts is None
+            else decode_routes(s.routed_experts, rows_through(result.prompt_tokens, len(s.output_ids))),
         )
         for s in sorted(result.samples, key=lambda s: s.index)
     ]

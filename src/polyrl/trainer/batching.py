@@ -33,6 +33,9 @@ class SeqItem:
     lags: list[int] | None = None
     """Per completion token: how many versions older than the learner's weights at the
     step's start its sampling weights were (None: all 0, or unknown)."""
+    routes: np.ndarray | None = None
+    """The engine's experts for positions 0 .. len(token_ids) - 2 ([rows, moe_layers * k]),
+    for `algo.router_replay = "R3"` (None: not reported)."""
 
     @property
     def num_completion_tokens(self) -> int:
@@ -82,7 +85,25 @@ def sample_item(prompt_ids: list[int], s: Sample, advantage: float, version: Wei
         s.loss_mask,
         s.advantages,
         lags,
+        s.routed_experts,
     )
+
+
+def expert_routes(items: list[SeqItem], starts: list[int], num_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The items' engine routes laid out as a forward's rows (item i's position p at row
+    starts[i] + p): ([num_rows, width] int64, [num_rows] known). Rows no route covers
+    (padding, each item's last token, items without routes) are unknown: the router's own
+    choice stands there. None: no item has routes."""
+    with_routes = [(start, it.routes) for start, it in zip(starts, items, strict=True) if it.routes is not None]
+    if not with_routes:
+        return None
+    width = with_routes[0][1].shape[1]
+    routes = np.zeros((num_rows, width), dtype=np.int64)
+    known = np.zeros(num_rows, dtype=bool)
+    for start, r in with_routes:
+        routes[start : start + len(r)] = r
+        known[start : start + len(r)] = True
+    return torch.from_numpy(routes), torch.from_numpy(known)
 
 
 def pack_micro_batches(items: list[SeqItem], max_tokens: int) -> list[list[SeqItem]]:
@@ -122,8 +143,13 @@ class MicroBatch:
     packed: Any = None
     """The same sequences as one padding-free row (packing.PackedRow), when trained packed."""
     routes: list[torch.Tensor] | None = None
-    """`algo.router_replay`: the experts of each row in each MoE layer ([rows, k] per layer)
-    in the proximal forward, replayed in the training forwards."""
+    """`algo.router_replay`: the experts of each row in each MoE layer ([rows, k] per layer),
+    replayed in the training forwards: the proximal forward's (R2), or the engine's (R3,
+    from `expert_routes`, where `routes_known` says which rows have one)."""
+    expert_routes: torch.Tensor | None = None
+    """R3: the engine's routes of the rows the model runs on ([rows, moe_layers * k])."""
+    routes_known: torch.Tensor | None = None
+    """R3: [rows] bool, the rows `expert_routes` covers."""
 
     def to(self, device: torch.device) -> MicroBatch:
         moved = {
@@ -176,6 +202,7 @@ def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
     advantages = torch.from_numpy(advantages)
     behav_known = None if behav_known is None else torch.from_numpy(behav_known)
     position_ids = torch.arange(width).expand(rows, width).contiguous()
+    routed = expert_routes(items, [i * width for i in range(rows)], rows * width)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -187,4 +214,6 @@ def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
         current_mask=current,
         behav_known=behav_known,
         lag=None if lag is None else torch.from_numpy(lag),
+        expert_routes=None if routed is None else routed[0],
+        routes_known=None if routed is None else routed[1],
     )

@@ -206,7 +206,7 @@ class Learner:
                 self.work = copy.deepcopy(model).to(compute_dtype)
         if algo.router_aux_loss_coef > 0 and has_moe(self.work):
             self.router_logits = RouterLogits(self.work)  # hooks before any compile
-        self.router_replay = RouterReplay(self.work) if algo.router_replay == "R2" else None
+        self.router_replay = RouterReplay(self.work) if algo.router_replay != "disabled" else None
         has_triton = importlib.util.find_spec("triton") is not None  # inductor's CUDA kernels need it
         self.is_compiled = _resolve(cfg.compile_layers, fast and has_triton)
         if self.is_compiled:
@@ -231,8 +231,8 @@ class Learner:
 
     @contextlib.contextmanager
     def _routes_recorded(self, mb: MicroBatch) -> Iterator[None]:
-        """`algo.router_replay`: the proximal forward's experts go with the micro-batch."""
-        if self.router_replay is None:
+        """R2: the proximal forward's experts go with the micro-batch."""
+        if self.router_replay is None or self.algo.router_replay != "R2":
             yield
             return
         with self.router_replay.recording() as routes:
@@ -316,6 +316,9 @@ class Learner:
         collate_fn = collate_packed if self.is_packed else collate
         mbs = [collate_fn(b, self.pad_id).to(device) for b in batches]
         for mb in mbs:
+            if self.router_replay is not None and self.algo.router_replay == "R3" and mb.expert_routes is not None:
+                mb.routes = self.router_replay.engine_routes(mb.expert_routes)
+                self.router_replay.replay(mb.routes, mb.routes_known)  # the proximal forward too
             if fill_behav:
                 # Such samples count as on-policy for the weights held now: the truncated
                 # importance weight is 1 on their tokens.
@@ -329,6 +332,8 @@ class Learner:
                     mb.old_logp = self.logprobs(self.work, mb, False)[0]
             if self.algo.kl_coef > 0:
                 mb.ref_logp = self._ref_logprobs(mb)
+            if self.router_replay is not None:
+                self.router_replay.replay(None)
         return mbs
 
     def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
@@ -367,7 +372,7 @@ class Learner:
             for mb in mbs:
                 with_entropy = True  # cheap next to the forward pass, and always logged
                 if self.router_replay is not None:  # kept through backward: recomputed layers replay too
-                    self.router_replay.replay(mb.routes)
+                    self.router_replay.replay(mb.routes, mb.routes_known)
                 with record_function("learner.forward"), self._router_logits_recorded():
                     logp, entropy = self.logprobs(self.work, mb, with_entropy)
                 if mb.old_logp is None:

@@ -23,7 +23,7 @@ try:
 except ImportError:  # torch < 2.9
     varlen_attn = None
 
-from polyrl.trainer.batching import MicroBatch, SeqItem, collate, to_device
+from polyrl.trainer.batching import MicroBatch, SeqItem, collate, expert_routes, to_device
 
 ATTN_NAME = "polyrl_packed"
 PAD_MULTIPLE = 128
@@ -118,6 +118,10 @@ def collate_packed(items: list[SeqItem], pad_id: int) -> MicroBatch:
     with the packed row that the model actually runs on."""
     mb = collate(items, pad_id)
     mb.packed = pack_row(items, pad_id)
+    if mb.expert_routes is not None:  # the packed row's layout instead of the padded grid's
+        lengths = [len(it.token_ids) for it in items]
+        starts = np.cumsum([0, *lengths[:-1]]).tolist()
+        mb.expert_routes, mb.routes_known = expert_routes(items, starts, mb.packed.input_ids.shape[1])
     return mb
 
 

@@ -9,7 +9,9 @@ records the experts each token went through in the proximal (old log-prob) forwa
 makes every training forward of the same micro-batch use them: the routing weights are
 the current router's probabilities of those experts, so the router still learns through
 them. With one PPO epoch the training forward is itself the proximal one, and R2 changes
-nothing. (R3, the rollout engine's routes, is not built yet.)
+nothing. R3 (Ma et al. 2025, arXiv 2510.23027) replays the rollout engine's experts
+instead, in every forward of the learner, the proximal one included: the engine and the
+learner then run the same sub-network, whatever the last update did to the routers.
 
 Hooks on each layer's router (transformers' `*TopKRouter`, whose outputs are logits,
 routing weights and expert indices) record and replace; they stay set through the
@@ -36,6 +38,8 @@ class RouterReplay:
         self.norm_topk = bool(getattr(model.config, "norm_topk_prob", False))
         self._recorded: list[torch.Tensor] | None = None
         self._replaying: list[torch.Tensor] | None = None
+        self._known: torch.Tensor | None = None
+        self.num_experts_per_tok = model.config.num_experts_per_tok
         self.num_changed = torch.zeros((), dtype=torch.float64)
         """Rows (token x layer) replayed whose current router would have chosen other experts."""
         self.num_rows = 0
@@ -50,6 +54,8 @@ class RouterReplay:
         if self._replaying is None:
             return None
         forced = self._replaying[layer]
+        if self._known is not None:  # rows without a replayed route keep their own
+            forced = torch.where(self._known[:, None], forced, indices)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         forced_weights = probs.gather(-1, forced)
         if self.norm_topk:
@@ -70,9 +76,15 @@ class RouterReplay:
         finally:
             self._recorded = None
 
-    def replay(self, routes: list[torch.Tensor] | None) -> None:
-        """Forwards from now on use `routes` (None: their own router's choice)."""
-        self._replaying = routes
+    def replay(self, routes: list[torch.Tensor] | None, known: torch.Tensor | None = None) -> None:
+        """Forwards from now on use `routes` ([rows, k] per MoE layer) where `known` ([rows]
+        bool; None: everywhere), else their own router's choice (routes None: everywhere)."""
+        self._replaying, self._known = routes, known
+
+    def engine_routes(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """R3: [rows, moe_layers * k] as reported by engines -> [rows, k] per MoE layer."""
+        per_layer = flat.view(flat.shape[0], len(self.routers), self.num_experts_per_tok)
+        return list(per_layer.unbind(1))
 
     def take_changed_frac(self) -> float | None:
         """The share of replayed rows whose own routing differed, since the last call."""

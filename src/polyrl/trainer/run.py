@@ -113,6 +113,8 @@ class Run:
             if blob:
                 set_rng_state(blob["rng"])
             sampling = cfg.rollout.sampling(policy.stop_token_ids())
+            if cfg.algo.router_replay == "R3":  # the engines' routes, for the learner to replay
+                sampling = sampling.model_copy(update={"return_routed_experts": True})
             name = cfg.run_name or run_dir.name
             # On resume, metrics past the checkpoint (or all of them, without one) are dropped.
             tracker = Tracker(cfg.logging, run_dir, state.step if resume else None, name, cfg.model_dump(mode="json"))
