@@ -175,16 +175,19 @@ def test_r2_is_refused_on_a_dense_model(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_default_main_job_learns_on_a_tiny_moe(tmp_path: Path) -> None:
+def test_the_default_main_job_learns_on_a_tiny_moe_with_r3(tmp_path: Path) -> None:
     """`polyrl train model.path=DIR` after `polyrl tiny-model --out DIR arch=qwen3_moe`,
     shortened as `test_default_run_learns_through_two_workers`, to the same bar: the
     learner (transformers' MoE forward and backward) and two launched workers (the
-    engine's) on the same experts."""
+    engine's), with R3: every sample's routes come back through the manager and the
+    learner replays them."""
     model_dir = save_tiny_model(tmp_path / "moe", TinyModelConfig(arch="qwen3_moe"))
-    train(load_config(None, [*QUICK, f"model.path={model_dir}", "trainer.total_steps=40"]), tmp_path / "run")
+    overrides = [*QUICK, f"model.path={model_dir}", "trainer.total_steps=40", "algo.router_replay=R3"]
+    train(load_config(None, overrides), tmp_path / "run")
     rows = _metrics(tmp_path / "run")
     assert all(r["rollout/samples_lost"] == 0 for r in rows)
     assert all(abs(r["rollout/logprob_diff"]) < 1e-3 for r in rows if "rollout/logprob_diff" in r)
+    assert all(0 <= r["actor/router_replay_changed_frac"] <= 1 for r in rows)  # replayed in every step
     rewards = [r["critic/score/mean"] for r in rows]
     assert sum(rewards[-5:]) / 5 > rewards[0] + 0.15, rewards
 
