@@ -9,7 +9,7 @@ records the experts each token went through in the proximal (old log-prob) forwa
 makes every training forward of the same micro-batch use them: the routing weights are
 the current router's probabilities of those experts, so the router still learns through
 them. With one PPO epoch the training forward is itself the proximal one, and R2 changes
-nothing. R3 (Ma et al. 2025, arXiv 2510.23027) replays the rollout engine's experts
+nothing. R3 (rollout routing replay, arXiv 2510.23027) replays the rollout engine's experts
 instead, in every forward of the learner, the proximal one included: the engine and the
 learner then run the same sub-network, whatever the last update did to the routers.
 
