@@ -152,7 +152,7 @@ def test_one_sampling_class_reads_sglang_spellings_and_refuses_the_rest() -> Non
             SamplingParams.model_validate(bad)
     params = SamplingParams(top_k=0, seed=9, top_logprobs=3, min_p=0.0)
     assert params.sglang() == {
-        **params.model_dump(exclude={"seed", "top_logprobs", "min_p"}),
+        **params.model_dump(exclude={"seed", "top_logprobs", "min_p", "return_routed_experts"}),
         "top_k": -1,
         "stop_token_ids": [],
         "sampling_seed": 9,
