@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from polyrl.config import AlgoConfig, ConfigError, LoraConfig, TinyModelConfig, load_config
 from polyrl.engine.engine import Engine
 from polyrl.engine.lora import expected_spec
-from polyrl.engine.types import EngineRequest
+from polyrl.engine.types import EngineRequest, SampleDelta, SampleResult
 from polyrl.manager.main import ManagerThread
 from polyrl.models.moe import has_moe
 from polyrl.models.tiny import save_tiny_model
@@ -336,3 +336,13 @@ def test_r3_trains_through_the_experts_the_engine_sampled_with(moe_dir: Path, mo
         assert 0 < metrics["actor/router_replay_changed_frac"] <= 1
     else:
         assert different > 0
+
+
+def test_a_results_routes_between_two_positions_join_only_the_deltas_they_span() -> None:
+    result = SampleResult("r", 0, 3)
+    chunks = [torch.arange(n * 4, dtype=torch.int16).view(n, 2, 2) + 100 * i for i, n in enumerate((3, 1, 1, 2))]
+    for chunk in chunks:
+        result.add(SampleDelta("r", 0, [1], [0.0], [0], routed_experts=chunk))
+    whole = torch.cat(chunks)
+    for first, end in ((0, 7), (0, 3), (2, 5), (3, 4), (5, 7), (4, 4)):
+        assert torch.equal(result.routes_between(first, end), whole[first:end]), (first, end)

@@ -26,7 +26,7 @@ from polyrl.engine.attention import AttentionGroup, AttentionMetadata, paged_att
 from polyrl.engine.block_manager import cdiv
 from polyrl.engine.cuda_graphs import DecodeGraphs, DecodeMetadata
 from polyrl.engine.scheduler import ScheduledSeq
-from polyrl.models.moe import has_moe, is_moe_block
+from polyrl.models.moe import is_moe_block, moe_routers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
@@ -77,10 +77,10 @@ class ModelRunner:
         self.last_routes: torch.Tensor | None = None
         """[rows, moe_layers, k] int16: the experts of the last forward's rows, when one of
         its sequences asked for them (`return_routed_experts`); else None."""
-        self.is_moe = has_moe(model)
-        for layer in model.model.layers if self.is_moe else ():
-            if is_moe_block(layer.mlp):
-                layer.mlp.gate.register_forward_hook(self._record_routes)
+        routers = moe_routers(model)
+        self.is_moe = bool(routers)
+        for router in routers:
+            router.register_forward_hook(self._record_routes)
         self.device = model.device
         self.autocast_dtype = autocast_dtype
         attn = model.model.layers[0].self_attn
@@ -114,7 +114,7 @@ class ModelRunner:
         return (
             getattr(model.config, "hidden_act", None) == "silu"
             and triton_ops.supports(self.head_dim)
-            and not has_moe(model)
+            and not self.is_moe
         )
 
     def _record_routes(self, module: nn.Module, args: tuple, output: tuple[torch.Tensor, ...]) -> None:

@@ -62,12 +62,11 @@ class Sequence:
     def store_routes(self, start: int, rows: torch.Tensor) -> None:
         """The routes of positions start.. (a recomputed position's overwrite its own)."""
         end = start + rows.shape[0]
-        if self.routes is None or self.routes.shape[0] < end:
-            grown = rows.new_zeros(
-                (max(end, 2 * (0 if self.routes is None else self.routes.shape[0])), *rows.shape[1:])
-            )
+        held = 0 if self.routes is None else len(self.routes)
+        if held < end:  # grown by doubling: a decode step adds one row
+            grown = rows.new_zeros((max(end, 2 * held), *rows.shape[1:]))
             if self.routes is not None:
-                grown[: self.routes.shape[0]] = self.routes
+                grown[:held] = self.routes
             self.routes = grown
         self.routes[start:end] = rows
 

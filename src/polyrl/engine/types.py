@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.worker_api import FinishReason
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the manager imports this module, and no torch
     import torch
 
 
@@ -77,6 +77,19 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     routed_experts: list[torch.Tensor] = field(default_factory=list)
     """The deltas' routes ([positions, moe_layers, k] each), when asked for."""
+
+    def routes_between(self, first: int, end: int) -> torch.Tensor:
+        """Rows first .. end - 1 of the routes so far, joining only the deltas they span (a
+        stream sends each chunk's new rows: joining them all each time grows as n^2)."""
+        import torch  # a worker's, which has it (see TYPE_CHECKING above)
+
+        parts, offset = [], 0
+        for chunk in self.routed_experts:
+            lo, hi = max(first - offset, 0), min(end - offset, len(chunk))
+            if lo < hi:
+                parts.append(chunk[lo:hi])
+            offset += len(chunk)
+        return torch.cat(parts) if parts else self.routed_experts[0][:0]
 
     def add(self, delta: SampleDelta) -> None:
         assert delta.rid == self.rid and delta.index == self.index

@@ -136,11 +136,13 @@ def parse_chunk(data: str | bytes, seen: dict[int, int], incremental: bool) -> D
     seen[index] = before + len(tokens)
     routes, routes_start = None, 0
     if meta.routed_experts is not None:  # incremental: rows new since the last chunk; a snapshot: all
-        routes_start = rows_through(meta.prompt_tokens, before) if before else 0
+        routes_start = rows_through(meta.prompt_tokens, before)
         end = rows_through(meta.prompt_tokens, before + len(tokens))
-        first = routes_start if not incremental else 0
         try:
-            routes = decode_routes(meta.routed_experts, (end if not incremental else end - routes_start))[first:]
+            if incremental:
+                routes = decode_routes(meta.routed_experts, end - routes_start)
+            else:
+                routes = decode_routes(meta.routed_experts, end)[routes_start:]
         except ValueError as e:
             raise WorkerFailed(f"sample {index}: routed experts: {e}") from None
     return Delta(index, tokens, logprobs, versions, finish_type, top, routes, routes_start)

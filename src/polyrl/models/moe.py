@@ -1,5 +1,5 @@
 """Telling mixture-of-experts layers apart, for the parts that treat them differently
-(the engine's decode path, LoRA's targets)."""
+(the engine's decode path and route capture, LoRA's targets, the learner's router hooks)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,16 @@ def is_moe_block(mlp: nn.Module) -> bool:
     return hasattr(mlp, "experts")
 
 
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The routers of `model`'s (an HF causal LM's) mixture-of-experts layers, in layer
+    order: what the engine's route capture and the learner's replay and aux-loss hooks
+    attach to."""
+    return [layer.mlp.gate for layer in model.model.layers if is_moe_block(layer.mlp)]
+
+
 def has_moe(model: nn.Module) -> bool:
     """Any decoder layer of `model` (an HF causal LM) is a mixture of experts."""
-    return any(is_moe_block(layer.mlp) for layer in model.model.layers)
+    return bool(moe_routers(model))
 
 
 def attention_linears(model: nn.Module) -> list[str]:

@@ -167,7 +167,7 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value.to(device)
 
 
-def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
+def collate(items: list[SeqItem], pad_id: int, with_routes: bool = True) -> MicroBatch:
     """Filled in numpy (a row assignment from a list is ~10x cheaper there than through
     torch.tensor), handed to torch without a copy."""
     rows, width = len(items), max(len(it.token_ids) for it in items)
@@ -202,7 +202,7 @@ def collate(items: list[SeqItem], pad_id: int) -> MicroBatch:
     advantages = torch.from_numpy(advantages)
     behav_known = None if behav_known is None else torch.from_numpy(behav_known)
     position_ids = torch.arange(width).expand(rows, width).contiguous()
-    routed = expert_routes(items, [i * width for i in range(rows)], rows * width)
+    routed = expert_routes(items, [i * width for i in range(rows)], rows * width) if with_routes else None
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -116,12 +116,12 @@ def pack_row(items: list[SeqItem], pad_id: int) -> PackedRow:
 def collate_packed(items: list[SeqItem], pad_id: int) -> MicroBatch:
     """The padded micro-batch of `collate` for the loss's per-token inputs ([B, L-1], small),
     with the packed row that the model actually runs on."""
-    mb = collate(items, pad_id)
+    mb = collate(items, pad_id, with_routes=False)
     mb.packed = pack_row(items, pad_id)
-    if mb.expert_routes is not None:  # the packed row's layout instead of the padded grid's
-        lengths = [len(it.token_ids) for it in items]
-        starts = np.cumsum([0, *lengths[:-1]]).tolist()
-        mb.expert_routes, mb.routes_known = expert_routes(items, starts, mb.packed.input_ids.shape[1])
+    lengths = [len(it.token_ids) for it in items]  # the routes in the packed row's layout
+    routed = expert_routes(items, np.cumsum([0, *lengths[:-1]]).tolist(), mb.packed.input_ids.shape[1])
+    if routed is not None:
+        mb.expert_routes, mb.routes_known = routed
     return mb
 
 

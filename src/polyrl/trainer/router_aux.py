@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from polyrl.models.moe import is_moe_block
+from polyrl.models.moe import moe_routers
 
 
 class RouterLogits:
@@ -28,7 +28,7 @@ class RouterLogits:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.routers = [layer.mlp.gate for layer in model.model.layers if is_moe_block(layer.mlp)]
+        self.routers = moe_routers(model)
         self.logits: list[torch.Tensor] = []
         self._on = False
         for router in self.routers:

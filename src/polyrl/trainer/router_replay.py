@@ -27,12 +27,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from polyrl.models.moe import is_moe_block
+from polyrl.models.moe import moe_routers
 
 
 class RouterReplay:
     def __init__(self, model: nn.Module) -> None:
-        self.routers = [layer.mlp.gate for layer in model.model.layers if is_moe_block(layer.mlp)]
+        self.routers = moe_routers(model)
         if not self.routers:
             raise ValueError("algo.router_replay needs a mixture-of-experts model (this one has no router)")
         self.norm_topk = bool(getattr(model.config, "norm_topk_prob", False))

@@ -9,8 +9,6 @@ import json
 import uuid
 from typing import Any
 
-import torch
-
 from polyrl.engine.types import EngineRequest, SampleResult
 from polyrl.httpapi import checksum
 from polyrl.protocol.routes import encode_routes, rows_through
@@ -53,7 +51,7 @@ def sample_response(
     routes = None
     if result.routed_experts:  # rows from the one after the previous chunk's last
         first = 0 if start == 0 else rows_through(result.prompt_tokens, start)
-        rows = torch.cat(result.routed_experts)[first : rows_through(result.prompt_tokens, len(result.token_ids))]
+        rows = result.routes_between(first, rows_through(result.prompt_tokens, len(result.token_ids)))
         routes = encode_routes(rows.numpy())
     meta = MetaInfo(
         id=result.rid,
