@@ -313,10 +313,8 @@ def test_the_always_window_is_open_from_the_start_and_never_closes() -> None:
 
 def test_the_trainers_engine_takes_the_overflow_and_keeps_it() -> None:
     """`always`: the remote worker's slots first, the trainer's engine the rest; nothing
-    moves when the learner starts or waits (and, without `local_hand_back`, when the
-    remote worker has room again)."""
-    cfg = fast_cfg(local_window="always", max_inflight_per_worker=2, local_hand_back=False)
-    with ManagerThread(cfg) as mt:
+    moves when the learner starts or waits."""
+    with ManagerThread(fast_cfg(local_window="always", max_inflight_per_worker=2)) as mt:
         with FakeWorker(mt.url, "w1", token_delay_s=0.02), FakeWorker(mt.url, "local", local=True, token_delay_s=0.02):
             wait_active(mt, "w1", "local")
             request = batch(2, 2, 60)
@@ -328,25 +326,6 @@ def test_the_trainers_engine_takes_the_overflow_and_keeps_it() -> None:
     check_exact(request, groups)
     workers = {g.prompt_id: [[seg.worker for seg in s.segments] for s in g.samples] for g in groups}
     assert workers == {"p0": [["w1"]] * 2, "p1": [["local"]] * 2}, workers
-
-
-def test_an_idle_remote_worker_takes_the_trainers_engine_work_back() -> None:
-    """`always` with `local_hand_back` (the default): the remote worker finishes its group
-    while the slower trainer's engine is still on the other; nothing else waits, so that
-    group moves to the remote worker and continues there token for token."""
-    with ManagerThread(fast_cfg(local_window="always", max_inflight_per_worker=2)) as mt:
-        with (
-            FakeWorker(mt.url, "w1", token_delay_s=0.005),
-            FakeWorker(mt.url, "local", local=True, token_delay_s=0.05),
-        ):
-            wait_active(mt, "w1", "local")
-            request = batch(2, 2, 80)
-            groups = Consumer(mt, request).join_ok(60)
-            moved = mt.call(lambda: mt.manager.metrics.num_migrations)
-    check_exact(request, groups)
-    workers = {g.prompt_id: [[seg.worker for seg in s.segments] for s in g.samples] for g in groups}
-    assert workers == {"p0": [["w1"]] * 2, "p1": [["local", "w1"]] * 2}, workers
-    assert moved == 2
 
 
 # ---------------------------------------------------------- a real worker, a version mid-sample

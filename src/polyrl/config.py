@@ -892,17 +892,9 @@ class ManagerConfig(_Section):
     the learner starts, then finishes what it holds. `idle` (fully asynchronous training):
     it opens whenever the learner waits for groups, for those groups only, and closes
     when the learner trains; the local worker finishes what it holds. `always`: the local worker is a peer from
-    the start, beside the learner; it hands work back only to an idle remote worker
-    (`local_hand_back`). `polyrl train` sets it from `rollout.mode`,
+    the start, beside the learner, and never hands work back. `polyrl train` sets it from `rollout.mode`,
     `rollout.hybrid_local_until` and `rollout.fully_async`."""
     local_window_max_s: float = Field(30.0, gt=0)
-    local_hand_back: bool = True
-    """With `local_window = always`: when a remote worker at the latest version has free
-    slots and no work waits, the local worker's running samples move to it, the oldest
-    batch first, token for token (a re-prefill there). The local worker shares the
-    learner's device and decodes the slower; without this, a remote worker that finished
-    its batch idles until the next top-up while the learner waits for the batch the local
-    worker holds (2x H200: the spot idle 31-36% of the time, BENCHMARKS.md)."""
     swap_policy: SwapPolicy | None = None
     """What a worker does with its running samples when it takes a new version (sent with
     each sync request; see `engine.swap_policy`). None: each worker's own setting.

@@ -1,13 +1,10 @@
 """Placing waiting work: the least-loaded worker that serves the batch's weight version
 and has a free slot (a fresh group goes as one request with `n`, split over workers
-when one has too few slots); the local worker only by the local window's rules. With
-the window `always`, an idle remote worker takes running work back from the local one
-(`Placement.hand_back_local`)."""
+when one has too few slots); the local worker only by the local window's rules."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 
@@ -15,10 +12,8 @@ from polyrl.manager.backends import GenerationCall
 from polyrl.manager.batch import WorkUnit
 from polyrl.manager.registry import WorkerRecord
 from polyrl.manager.settlement import Settlement
-from polyrl.manager.state import Cancel, ManagerState
+from polyrl.manager.state import ManagerState
 from polyrl.manager.sync import VersionSync
-
-log = logging.getLogger("polyrl.manager")
 
 
 class Placement:
@@ -67,8 +62,6 @@ class Placement:
             if rest is not None:
                 state.pending.appendleft(rest)
         state.pending = waiting
-        if not waiting:
-            self.hand_back_local(now)
 
     def _any_free_slot(self, now: float) -> bool:
         cap = self.cfg.max_inflight_per_worker
@@ -104,37 +97,6 @@ class Placement:
             if not self.sync.local_wanted:
                 self.sync.want_local()
         return None
-
-    def hand_back_local(self, now: float) -> int:
-        """Nothing waits and a remote worker has room: the local worker's running samples
-        move there, whole calls, the oldest batch first (its groups are due first), as many
-        as the room holds (`manager.local_hand_back`; window `always` only). Returns the
-        samples moved.
-
-        The local worker decodes beside the learner and is the slower of the two; a
-        remote worker that finished its share would otherwise idle until the next top-up
-        while the learner waits for what the local worker holds. Only workers at the
-        latest version take them: the local worker is at it, so no sample's oldest version
-        (`SampleState.floor_version`, which the staleness deadline reads) goes down. The
-        cancelled calls come back through settlement as hand-backs, to the front of the
-        queue, and the next placement puts them on the worker with room."""
-        local = self.registry.local()
-        if not (self.cfg.local_hand_back and self.window.mode == "always") or local is None or not local.tasks:
-            return 0
-        cap, latest = self.cfg.max_inflight_per_worker, self.registry.latest_version
-        room = sum(r.free_slots(cap) for r in self.registry if not r.is_local and r.serves(latest, now))
-        cancels, units = self.state.cancels, self.state.units
-        running = [(t, units[t]) for t in local.tasks if t in units and t not in cancels]
-        moved = 0
-        for task, unit in sorted(running, key=lambda tu: tu[1].group.batch.submitted_at):
-            if moved + len(unit.samples) > room:
-                continue
-            cancels[task] = Cancel("a remote worker has room: moved off the trainer's engine", is_failure=False)
-            task.cancel()
-            moved += len(unit.samples)
-        if moved:
-            log.debug("local hand-back: %d samples move to remote workers with room", moved)
-        return moved
 
     def _launch(self, unit: WorkUnit, worker: WorkerRecord) -> None:
         first = unit.samples[0]

@@ -25,8 +25,7 @@ Modes (`manager.local_window`):
 * `always` (fully asynchronous training, on request): open from the start and never
   closed: the local worker is one more peer of the fleet, generating beside the learner
   in its own process on the trainer's device. It takes work when the remote workers have
-  no free slot, up to its engine's `max_num_seqs`, and keeps it unless a remote worker
-  runs out of work (`manager.local_hand_back`: placement.py). That pays when the
+  no free slot, up to its engine's `max_num_seqs`, and keeps it. That pays when the
   fleet is slower than the learner; it slows the learner, by 1.5x per token on an H200
   (BENCHMARKS.md), which costs where the learner is the slower.
 * `off`: never opens (remote mode); the local worker still serves when no remote worker
