@@ -1,7 +1,7 @@
 """Generation throughput: the embedded engine vs transformers' own generation paths, same
 model, same work, measured in one run, next to the decode roofline on GPU.
 
-    .venv/bin/python benchmarks/engine.py [--preset tiny|small|qwen3-0.6b] [--batch 64]
+    .venv/bin/python benchmarks/engine.py [--preset tiny|small|qwen3-0.6b|tiny-moe|qwen3-30b-a3b] [--batch 64]
         [--prompt-len 64] [--new-tokens 128] [--n 8] [--device auto]
         [--baselines dynamic,static,cb] [--json PATH]
     # the GPU target: python benchmarks/engine.py --device cuda --preset qwen3-0.6b --batch 256 --new-tokens 256
@@ -31,7 +31,7 @@ import platform
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config, Qwen3MoeConfig
 
 from polyrl.config import EngineConfig
 from polyrl.engine.engine import Engine
@@ -43,23 +43,50 @@ PRESETS = {  # hidden, layers, heads, kv heads, intermediate, vocab
     "small": (256, 4, 8, 4, 768, 1024),
     "qwen3-0.6b": (1024, 28, 16, 8, 3072, 151936),
 }
+MOE_PRESETS = {  # hidden, layers, heads, kv heads, expert intermediate, vocab, experts, experts per token
+    "tiny-moe": (96, 2, 4, 2, 64, 64, 8, 2),
+    # Qwen3-30B-A3B's shape: 30.5B parameters, 3.35B active per token
+    "qwen3-30b-a3b": (2048, 48, 32, 4, 768, 151936, 128, 8),
+}
+LARGE = {"qwen3-0.6b", "qwen3-30b-a3b"}  # Qwen's head size of 128 and untied embeddings where Qwen unties
 
 
 def build_model(preset: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    hidden, layers, heads, kv, inter, vocab = PRESETS[preset]
-    cfg = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        intermediate_size=inter,
-        head_dim=128 if preset == "qwen3-0.6b" else hidden // heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
+    """Random weights in the preset's shape, made on `device` (30B parameters would not
+    be initialised on the host in reasonable time)."""
+    if preset in MOE_PRESETS:
+        hidden, layers, heads, kv, expert_inter, vocab, experts, top_k = MOE_PRESETS[preset]
+        cfg = Qwen3MoeConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=3 * expert_inter,
+            moe_intermediate_size=expert_inter,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            norm_topk_prob=True,
+            head_dim=128 if preset in LARGE else hidden // heads,
+            max_position_embeddings=4096,
+            tie_word_embeddings=preset not in LARGE,
+        )
+    else:
+        hidden, layers, heads, kv, inter, vocab = PRESETS[preset]
+        cfg = Qwen3Config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=inter,
+            head_dim=128 if preset in LARGE else hidden // heads,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        )
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
 
 
 def sync(device: torch.device) -> None:
@@ -202,7 +229,7 @@ def fmt(row: dict, key: str) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    p.add_argument("--preset", choices=sorted(PRESETS | MOE_PRESETS), default="small")
     p.add_argument("--batch", type=int, default=64, help="sequences per run")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from test_worker import WorkerProcess, _wait_until
 from transformers import AutoModelForCausalLM
 
 from polyrl.config import AlgoConfig, ConfigError, LoraConfig, TinyModelConfig, load_config
+from polyrl.engine import triton_ops
 from polyrl.engine.engine import Engine
 from polyrl.engine.lora import expected_spec
 from polyrl.engine.types import EngineRequest, SampleDelta, SampleResult
@@ -69,6 +71,27 @@ def test_greedy_tokens_equal_transformers(moe_model: torch.nn.Module) -> None:
     for i, p in enumerate(PROMPTS):
         assert results[(str(i), 0)].token_ids == hf_greedy(moe_model, p, 12)
     assert len({tuple(r.token_ids) for r in results.values()}) == len(PROMPTS)
+
+
+def test_the_fused_layers_run_the_experts_as_transformers_does(
+    moe_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's fused decoder (Triton kernels, in the interpreter here) runs the MoE
+    blocks too: the same greedy tokens as transformers. Transformers' default experts
+    (`grouped_mm`, no host sync) qualify for CUDA graphs; the `eager` loop does not."""
+    if not triton_ops.available("cpu"):
+        pytest.skip("Triton is not installed")
+    engine = Engine(moe_model, SMALL)
+    assert moe_model.config._experts_implementation == "grouped_mm"
+    assert engine.runner.supports_fused_decode(moe_model)
+    engine.runner.decode_graphs = SimpleNamespace(max_batch=0)  # the fused layers, no graph replays
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    results = run(engine, [EngineRequest(str(i), p, greedy) for i, p in enumerate(PROMPTS[:2])])
+    for i, p in enumerate(PROMPTS[:2]):
+        assert results[(str(i), 0)].token_ids == hf_greedy(moe_model, p, 8)
+    monkeypatch.setattr(moe_model.config, "_experts_implementation_internal", "eager")
+    assert moe_model.config._experts_implementation == "eager"
+    assert not engine.runner.supports_fused_decode(moe_model)
 
 
 def test_logprobs_equal_a_full_forward_to_1e5(moe_dir: Path) -> None:

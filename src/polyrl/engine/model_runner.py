@@ -110,11 +110,14 @@ class ModelRunner:
 
     def supports_fused_decode(self, model: PreTrainedModel) -> bool:
         """The fused decode step covers the family's common shape: SwiGLU MLPs and a
-        power-of-two head size; anything else (mixtures of experts too) decodes eagerly."""
+        power-of-two head size; anything else decodes eagerly. A mixture of experts runs
+        its blocks as they are, which a CUDA graph can hold only with transformers'
+        `grouped_mm` experts (its default: sort by expert, offsets by `histc`, no host
+        sync); the `eager` experts loop over `nonzero`, which reads back to the host."""
         return (
             getattr(model.config, "hidden_act", None) == "silu"
             and triton_ops.supports(self.head_dim)
-            and not self.is_moe
+            and (not self.is_moe or getattr(model.config, "_experts_implementation", None) == "grouped_mm")
         )
 
     def _record_routes(self, module: nn.Module, args: tuple, output: tuple[torch.Tensor, ...]) -> None:
@@ -155,9 +158,10 @@ class ModelRunner:
         indices of those. `fed_ids` [len(batch)], on the device, makes the step a decode
         whose tokens the host has not read back yet (the engine's overlapped step): each
         sequence feeds it at position `num_computed_tokens`."""
-        if self.is_graph_decode(batch, fed_ids):
-            return self.decode_graphs.run(batch, fed_ids), list(range(len(batch)))
+        # A captured step runs no router hooks, so a step whose routes are wanted runs eagerly.
         wants_routes = self.is_moe and any(item.seq.sampling.return_routed_experts for item in batch)
+        if not wants_routes and self.is_graph_decode(batch, fed_ids):
+            return self.decode_graphs.run(batch, fed_ids), list(range(len(batch)))
         self._routes, self.last_routes = ([] if wants_routes else None), None
         try:
             return self._forward(batch, fed_ids)
@@ -228,7 +232,10 @@ class ModelRunner:
             norm = layer.post_attention_layernorm
             hidden = triton_ops.rmsnorm(hidden, norm.weight, norm.variance_epsilon, residual)
             mlp = layer.mlp
-            hidden = mlp.down_proj(triton_ops.silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
+            if is_moe_block(mlp):
+                hidden = run_mlp(mlp, hidden)
+            else:
+                hidden = mlp.down_proj(triton_ops.silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
         return triton_ops.rmsnorm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
 
     def _fused_attention(
