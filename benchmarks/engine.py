@@ -44,7 +44,7 @@ PRESETS = {  # hidden, layers, heads, kv heads, intermediate, vocab
     "qwen3-0.6b": (1024, 28, 16, 8, 3072, 151936),
 }
 MOE_PRESETS = {  # hidden, layers, heads, kv heads, expert intermediate, vocab, experts, experts per token
-    "tiny-moe": (96, 2, 4, 2, 64, 64, 8, 2),
+    "tiny-moe": (128, 2, 4, 2, 64, 64, 8, 2),  # head size 32: the fused kernels take powers of two
     # Qwen3-30B-A3B's shape: 30.5B parameters, 3.35B active per token
     "qwen3-30b-a3b": (2048, 48, 32, 4, 768, 151936, 128, 8),
 }
