@@ -339,6 +339,11 @@ class EngineConfig(_Section):
     """Requests waiting beyond this are refused (HTTP 429)."""
     swap_policy: SwapPolicy = "recompute"
     """What a weight update does to requests in flight (see README, "Weight hot-swap")."""
+    enable_prefix_caching: bool = True
+    """Automatic prefix caching (vLLM's option of the same name): a request whose tokens
+    start with full blocks another request computed under the same weights reuses their
+    KV instead of computing it (a conversation's next turn, a shared system prompt, a
+    preempted sequence coming back). A new weight version empties the cache."""
     dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
     """auto: bfloat16 on CUDA, float32 on CPU (float64 for engines that a
     `rollout.deterministic` run starts on CPU). A float64 engine rounds its logits to

@@ -4,15 +4,26 @@ Blocks are reference counted so the `n` samples of one prompt share the prompt's
 only a partially filled last block is copied when a sequence forks (copy on fork, so no
 later write can reach a shared block). Check-then-act pairs (`can_allocate`/`allocate`)
 keep the scheduler free of half-done allocations.
+
+Automatic prefix caching (`engine.enable_prefix_caching`, as vLLM's): when a sequence
+gives its blocks back, each full block whose KV it computed keeps a key, a hash chained
+over every token up to the block's end, and stays readable until it is handed out again.
+Free blocks go out least recently freed first, and a sequence's tail before its head,
+so the prefixes shared most live longest. A new sequence starts with every cached block
+its tokens match, from the first (its next turn of a conversation, another request with
+the same system prompt, a preempted sequence coming back) and computes only the rest.
+The KV depends on the weights, so a new weight version empties the cache (`invalidate`);
+a sequence whose KV spans versions (`swap_policy = continue`) leaves no keys behind.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import OrderedDict
 
 import numpy as np
 import torch
+import xxhash
 
 from polyrl.engine.sequence import Sequence
 
@@ -38,22 +49,45 @@ def padded_tables(tables: list[list[int]], width: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
-        self.ref_counts = [0] * num_blocks
+def chain_hash(prev: int, tokens: list[int]) -> int:
+    """The key of a full block: a 128-bit hash of the key of the block before (0 first)
+    and its own tokens, so equal keys mean equal prefixes (a match compares the block's
+    tokens too)."""
+    return xxhash.xxh3_128_intdigest(prev.to_bytes(16, "little") + np.asarray(tokens, dtype=np.int64).tobytes())
 
-    def resize(self, num_blocks: int) -> None:
-        """Start over with `num_blocks` blocks; only when no sequence holds any."""
-        assert self.num_free == self.num_blocks, "resize with blocks in use"
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
+        self.block_size, self.prefix_caching = block_size, prefix_caching
+        self.epoch = 0
+        """Counts weight versions: a sequence's KV (`Sequence.kv_epoch`) is cacheable only
+        if it was computed in the current one."""
+        self.num_queried_tokens = 0
+        """Prompt tokens of the sequences a prefix match was tried for, since start."""
+        self.num_hit_tokens = 0
+        """Of those, the tokens whose KV came from the cache."""
+        self.resize(num_blocks, check=False)
+
+    def resize(self, num_blocks: int, check: bool = True) -> None:
+        """Start over with `num_blocks` blocks and an empty cache; only when no sequence
+        holds any."""
+        if check:
+            assert self.num_free == self.num_blocks, "resize with blocks in use"
         self.num_blocks = num_blocks
-        self.free_blocks = deque(range(num_blocks))
+        # Insertion order: least recently freed first (OrderedDict: O(1) removal anywhere).
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts = [0] * num_blocks
+        self.block_key: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # key -> block
 
     @property
     def num_free(self) -> int:
         return len(self.free_blocks)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks `seq` needs so that its table covers `num_tokens` tokens."""
@@ -63,23 +97,82 @@ class BlockManager:
         return num_blocks <= len(self.free_blocks)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        if not seq.block_table:
+            seq.kv_epoch = self.epoch
         for _ in range(self.blocks_needed(seq, num_tokens)):
-            block = self.free_blocks.popleft()
+            block, _ = self.free_blocks.popitem(last=False)
             assert self.ref_counts[block] == 0
+            self._forget(block)  # its old contents are about to be overwritten
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
     def free(self, seq: Sequence) -> None:
-        for block in seq.block_table:
+        if self.prefix_caching and seq.kv_epoch == self.epoch:
+            self._remember(seq)
+        for block in reversed(seq.block_table):  # the tail goes out first, the prefix last
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                self.free_blocks[block] = None
         seq.block_table = []
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence without blocks the cached blocks its tokens start with (at least
+        its last token stays to compute: its step samples the next). Returns the tokens
+        matched, now `seq.num_computed_tokens`."""
+        if not self.prefix_caching or seq.block_table or seq.num_computed_tokens:
+            return 0
+        bs, key = self.block_size, 0
+        self.num_queried_tokens += seq.num_tokens
+        for start in range(0, seq.num_tokens - bs, bs):
+            tokens = seq.token_ids[start : start + bs]
+            key = chain_hash(key, tokens)
+            block = self.cached.get(key)
+            if block is None or self.block_tokens[block] != tuple(tokens):
+                break
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+        seq.kv_epoch = self.epoch
+        seq.num_computed_tokens = len(seq.block_table) * bs
+        self.num_hit_tokens += seq.num_computed_tokens
+        return seq.num_computed_tokens
+
+    def release_match(self, seq: Sequence) -> None:
+        """Undo `match_prefix` for a sequence that stays waiting (waiting ones hold no blocks)."""
+        self.free(seq)
+        seq.num_computed_tokens = 0
+
+    def invalidate(self) -> None:
+        """New weights: no cached KV is theirs. Blocks in use keep their contents."""
+        self.epoch += 1
+        for block in self.cached.values():
+            self.block_key[block] = self.block_tokens[block] = None
+        self.cached.clear()
+
+    def _remember(self, seq: Sequence) -> None:
+        """Key the full blocks whose KV `seq` computed (a block cached already keeps its key)."""
+        bs, key = self.block_size, 0
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(num_full):
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            key = chain_hash(key, tokens)
+            block = seq.block_table[i]
+            if self.block_key[block] is None and key not in self.cached:
+                self.cached[key] = block
+                self.block_key[block], self.block_tokens[block] = key, tuple(tokens)
+
+    def _forget(self, block: int) -> None:
+        key = self.block_key[block]
+        if key is not None:
+            del self.cached[key]
+            self.block_key[block] = self.block_tokens[block] = None
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Share the parent's computed blocks with `child`. Returns (src, dst) when the last
         block is partial and was given a fresh copy the caller must fill, else None."""
         assert not child.block_table
+        child.kv_epoch = parent.kv_epoch
         num_full = parent.num_computed_tokens // self.block_size
         for block in parent.block_table[:num_full]:
             self.ref_counts[block] += 1
@@ -88,4 +181,5 @@ class BlockManager:
             return None
         src = parent.block_table[num_full]
         self.allocate(child, (num_full + 1) * self.block_size)
+        child.kv_epoch = parent.kv_epoch  # its copy holds the parent's KV
         return src, child.block_table[-1]

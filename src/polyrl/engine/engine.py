@@ -84,7 +84,7 @@ class Engine:
         self.compute_dtype = compute_dtype or param_dtype
         self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
         self._autocast_dtype = self.compute_dtype if self.compute_dtype != param_dtype else None
-        self.blocks = BlockManager(0, cfg.block_size)
+        self.blocks = BlockManager(0, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner: ModelRunner | None = None
         self.wake()
@@ -482,6 +482,8 @@ class Engine:
         deltas = self._ready + self._settle()  # the tokens in flight are the old version's
         self._ready = []
         old, self.weight_version = self.weight_version, version
+        if weights is not None or version != old:
+            self.blocks.invalidate()  # the cached KV is the old weights'
         policy = policy or self.cfg.swap_policy
         num_running = len(self.scheduler.running)
         if policy == "recompute":
@@ -546,4 +548,6 @@ class Engine:
             gen_throughput=throughput,
             num_generated_tokens=self.num_generated_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.blocks.num_queried_tokens,
+            prefix_cache_hits=self.blocks.num_hit_tokens,
         )

@@ -3,7 +3,8 @@
 One step is one forward over a flat batch of tokens: a decode feeds 1 token, a prefill a
 chunk of its prompt. Running sequences go first (oldest first), so decodes are never
 starved by new prompts; then waiting sequences are admitted while the token budget,
-the sequence cap and free KV blocks allow. When blocks run out, the newest running
+the sequence cap and free KV blocks allow, each starting from the cached blocks its
+tokens match (block_manager.py: automatic prefix caching). When blocks run out, the newest running
 sequence is preempted: its blocks are freed and it goes back to the front of the queue
 to be recomputed later (its tokens are kept, and sampling is keyed by position, so the
 result does not change).
@@ -59,8 +60,15 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             i += 1
-        while self._admissible(budget):
-            seq = self.waiting.popleft()
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            # A sequence that reports its routes computes every position itself.
+            matched = 0 if seq.sampling.return_routed_experts else self.blocks.match_prefix(seq)
+            if not self._admissible(budget):
+                if matched:
+                    self.blocks.release_match(seq)
+                break
+            self.waiting.popleft()
             num_new = min(seq.num_uncomputed, budget)
             self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
             seq.status = SeqStatus.RUNNING

@@ -115,3 +115,8 @@ class EngineStats:
     num_preemptions: int = 0
     """Running sequences whose KV blocks were taken back since start (each recomputes its
     prompt and tokens when readmitted): a KV cache too small for the batch."""
+    prefix_cache_queries: int = 0
+    """Tokens of the sequences admitted with a prefix-cache lookup, since start."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens whose KV the cache held (vLLM's prefix cache hit rate is
+    hits / queries)."""
