@@ -49,11 +49,16 @@ def padded_tables(tables: list[list[int]], width: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def chain_hash(prev: int, tokens: list[int]) -> int:
+def chain_hash(prev: int, block: bytes) -> int:
     """The key of a full block: a 128-bit hash of the key of the block before (0 first)
-    and its own tokens, so equal keys mean equal prefixes (a match compares the block's
-    tokens too)."""
-    return xxhash.xxh3_128_intdigest(prev.to_bytes(16, "little") + np.asarray(tokens, dtype=np.int64).tobytes())
+    and its own tokens (`block`: their int64 bytes), so equal keys mean equal prefixes (a
+    match compares the block's tokens too)."""
+    return xxhash.xxh3_128_intdigest(prev.to_bytes(16, "little") + block)
+
+
+def token_bytes(token_ids: list[int]) -> bytes:
+    """int64 bytes of the tokens: one conversion for a whole sequence, sliced per block."""
+    return np.asarray(token_ids, dtype=np.int64).tobytes()
 
 
 class BlockManager:
@@ -78,7 +83,7 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts = [0] * num_blocks
         self.block_key: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.block_tokens: list[bytes | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # key -> block
 
     @property
@@ -123,11 +128,13 @@ class BlockManager:
             return 0
         bs, key = self.block_size, 0
         self.num_queried_tokens += seq.num_tokens
-        for start in range(0, seq.num_tokens - bs, bs):
-            tokens = seq.token_ids[start : start + bs]
+        num_blocks = (seq.num_tokens - 1) // bs
+        data, width = token_bytes(seq.token_ids[: num_blocks * bs]), 8 * bs
+        for i in range(num_blocks):
+            tokens = data[i * width : (i + 1) * width]
             key = chain_hash(key, tokens)
             block = self.cached.get(key)
-            if block is None or self.block_tokens[block] != tuple(tokens):
+            if block is None or self.block_tokens[block] != tokens:
                 break
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
@@ -154,13 +161,14 @@ class BlockManager:
         """Key the full blocks whose KV `seq` computed (a block cached already keeps its key)."""
         bs, key = self.block_size, 0
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        data, width = token_bytes(seq.token_ids[: num_full * bs]), 8 * bs
         for i in range(num_full):
-            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            tokens = data[i * width : (i + 1) * width]
             key = chain_hash(key, tokens)
             block = seq.block_table[i]
             if self.block_key[block] is None and key not in self.cached:
                 self.cached[key] = block
-                self.block_key[block], self.block_tokens[block] = key, tuple(tokens)
+                self.block_key[block], self.block_tokens[block] = key, tokens
 
     def _forget(self, block: int) -> None:
         key = self.block_key[block]
