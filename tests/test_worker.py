@@ -908,3 +908,17 @@ def test_wrong_manager_url_is_said_and_given_up_on(model_dir: Path) -> None:
     assert re.search(rf"the manager at {url} was unreachable for [2-9]s \(worker.manager_timeout_s=2\)", gave_up)
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ERROR polyrl\.worker\.manager_client: gave up", gave_up)
     assert said == said.rstrip() and gave_up == gave_up.rstrip(), "padded lines"
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(worker: InProcessWorker) -> None:
+    """The second request with the same 40-token prompt reuses two full blocks of 16
+    (`engine.enable_prefix_caching`), counted in the server info."""
+    worker.wait_for(lambda i: i["num_running_reqs"] == 0 and i["num_queued_reqs"] == 0)
+    body = {"input_ids": list(range(3, 43)), "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    first = worker.client.post("/generate", json=body | {"rid": "cache-1"}).json()
+    before = worker.info()
+    second = worker.client.post("/generate", json=body | {"rid": "cache-2"}).json()
+    after = worker.info()
+    assert second["output_ids"] == first["output_ids"]
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 32
+    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 40

@@ -221,6 +221,10 @@ class ServerInfo(_Reply):
     gen_throughput: float
     num_generated_tokens: int
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the engine's prefix cache since start."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens whose KV the cache held."""
     max_total_num_tokens: int
     max_model_len: int
     max_num_seqs: int

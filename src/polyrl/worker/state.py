@@ -105,6 +105,8 @@ class WorkerState:
             gen_throughput=stats.gen_throughput,
             num_generated_tokens=stats.num_generated_tokens,
             num_preemptions=stats.num_preemptions,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
             max_total_num_tokens=stats.num_total_blocks * self.block_size,
             max_model_len=self.engine.engine.max_model_len,
             max_num_seqs=self.max_num_seqs,
