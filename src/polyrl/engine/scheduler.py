@@ -4,10 +4,10 @@ One step is one forward over a flat batch of tokens: a decode feeds 1 token, a p
 chunk of its prompt. Running sequences go first (oldest first), so decodes are never
 starved by new prompts; then waiting sequences are admitted while the token budget,
 the sequence cap and free KV blocks allow, each starting from the cached blocks its
-tokens match (block_manager.py: automatic prefix caching). When blocks run out, the newest running
-sequence is preempted: its blocks are freed and it goes back to the front of the queue
-to be recomputed later (its tokens are kept, and sampling is keyed by position, so the
-result does not change).
+tokens match (block_manager.py: automatic prefix caching). When blocks run out, the
+newest running sequence is preempted: its blocks are freed and it goes back to the front
+of the queue to be recomputed later (its tokens are kept, and sampling is keyed by
+position, so the result does not change).
 """
 
 from __future__ import annotations
