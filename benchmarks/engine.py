@@ -52,15 +52,16 @@ MOE_PRESETS = {  # hidden, layers, heads, kv heads, expert intermediate, vocab, 
 LARGE = {"qwen3-0.6b", "qwen3-30b-a3b"}  # Qwen's head size of 128 and untied embeddings where Qwen unties
 
 
-def build_model(preset: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """Random weights in the preset's shape, made on `device` (30B parameters would not
-    be initialised on the host in reasonable time)."""
+def preset_config(
+    preset: str, num_layers: int | None = None, max_positions: int = 4096
+) -> Qwen3Config | Qwen3MoeConfig:
+    """The preset's model config; `num_layers` cuts it to its first layers."""
     if preset in MOE_PRESETS:
         hidden, layers, heads, kv, expert_inter, vocab, experts, top_k = MOE_PRESETS[preset]
-        cfg = Qwen3MoeConfig(
+        return Qwen3MoeConfig(
             vocab_size=vocab,
             hidden_size=hidden,
-            num_hidden_layers=layers,
+            num_hidden_layers=num_layers or layers,
             num_attention_heads=heads,
             num_key_value_heads=kv,
             intermediate_size=3 * expert_inter,
@@ -69,25 +70,29 @@ def build_model(preset: str, device: torch.device, dtype: torch.dtype) -> torch.
             num_experts_per_tok=top_k,
             norm_topk_prob=True,
             head_dim=128 if preset in LARGE else hidden // heads,
-            max_position_embeddings=4096,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=preset not in LARGE,
         )
-    else:
-        hidden, layers, heads, kv, inter, vocab = PRESETS[preset]
-        cfg = Qwen3Config(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv,
-            intermediate_size=inter,
-            head_dim=128 if preset in LARGE else hidden // heads,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-        )
+    hidden, layers, heads, kv, inter, vocab = PRESETS[preset]
+    return Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=num_layers or layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=inter,
+        head_dim=128 if preset in LARGE else hidden // heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+    )
+
+
+def build_model(preset: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Random weights in the preset's shape, made on `device` (30B parameters would not
+    be initialised on the host in reasonable time)."""
     torch.manual_seed(0)
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+        return AutoModelForCausalLM.from_config(preset_config(preset), dtype=dtype).eval()
 
 
 def sync(device: torch.device) -> None:

@@ -35,10 +35,9 @@ from typing import Any
 
 import torch
 import xxhash
-from transformers import AutoModelForCausalLM, Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import PRESETS  # noqa: E402  (benchmarks/engine.py: the model shapes)
+from engine import build_model  # noqa: E402  (benchmarks/engine.py: the model shapes)
 
 from polyrl.config import EngineConfig  # noqa: E402
 from polyrl.engine.async_engine import AsyncEngine  # noqa: E402
@@ -49,25 +48,6 @@ from polyrl.transfer.wire import PullSource  # noqa: E402
 from polyrl.worker.weight_sync import WeightReceiver  # noqa: E402
 
 REPLY_TIMEOUT_S = 300
-
-
-def build(preset: str, device: torch.device) -> torch.nn.Module:
-    """Random init on the device itself (a CPU init of 0.6B parameters takes seconds)."""
-    hidden, layers, heads, kv, inter, vocab = PRESETS[preset]
-    cfg = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        intermediate_size=inter,
-        head_dim=128 if preset == "qwen3-0.6b" else hidden // heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
 def hashes(named: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -92,7 +72,7 @@ def worker_main(conn: Connection, preset: str, device_name: str) -> None:
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = build(preset, device)
+    model = build_model(preset, device, torch.bfloat16)
     engine = AsyncEngine(Engine(model, EngineConfig(num_kv_blocks=16, max_num_seqs=4, cuda_graphs=False)))
     engine.start()
     receivers = {pin: WeightReceiver(engine, pin_memory=pin) for pin in {False, device.type == "cuda"}}
@@ -200,7 +180,7 @@ def main() -> None:
         workers["same"] = Worker(preset, "cuda:0")
     elif num_gpus == 1:
         workers["same"] = workers["peer"]
-    model = build(preset, trainer)
+    model = build_model(preset, trainer, torch.bfloat16)
     params = dict(model.named_parameters())
     rows = snapshot_rows(params, trainer)
     plan = [("tcp pinned", "peer", "tcp", True), ("tcp pageable", "peer", "tcp", False)]

@@ -41,7 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import MOE_PRESETS, build_model, copy_bandwidth, measure  # noqa: E402  (benchmarks/engine.py)
+from engine import build_model, copy_bandwidth, measure, preset_config  # noqa: E402  (benchmarks/engine.py)
 from learner import make_items  # noqa: E402  (benchmarks/learner.py: random tokens and log-probs)
 
 from polyrl.config import AlgoConfig, EngineConfig, TrainerConfig  # noqa: E402
@@ -116,28 +116,9 @@ def engine_part(args: argparse.Namespace) -> list[dict]:
 
 
 def cut_config(args: argparse.Namespace) -> Qwen3MoeConfig:
-    """The 30B-A3B shape cut to `--cut-layers` layers (a tiny MoE on CPU)."""
-    if args.device.type == "cuda":
-        hidden, _, heads, kv, expert_inter, vocab, experts, top_k = MOE_PRESETS["qwen3-30b-a3b"]
-        head_dim, tie = 128, False
-    else:
-        hidden, _, heads, kv, expert_inter, vocab, experts, top_k = MOE_PRESETS["tiny-moe"]
-        head_dim, tie = hidden // heads, True
-    return Qwen3MoeConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=args.cut_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        intermediate_size=3 * expert_inter,
-        moe_intermediate_size=expert_inter,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=True,
-        max_position_embeddings=8192,
-        tie_word_embeddings=tie,
-    )
+    """The 30B-A3B shape cut to `--cut-layers` layers (the tiny MoE on CPU)."""
+    preset = "qwen3-30b-a3b" if args.device.type == "cuda" else "tiny-moe"
+    return preset_config(preset, num_layers=args.cut_layers, max_positions=8192)
 
 
 def build_cut(args: argparse.Namespace) -> torch.nn.Module:
@@ -171,17 +152,17 @@ def hf_row(args: argparse.Namespace) -> dict:
     autocast = torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.device.type == "cuda")
 
     def step() -> float:
-        total = 0.0
+        total = torch.zeros((), device=args.device)
         for part in ids.split(per_micro):
             with autocast:
                 logits = model(input_ids=part).logits[:, args.prompt_len - 1 : -1]
             logp = torch.log_softmax(logits.float(), -1).gather(-1, part[:, args.prompt_len :, None])
             loss = -logp.sum() / (ids.shape[0] * (args.seq_len - args.prompt_len))
             loss.backward()
-            total += loss.item()
+            total += loss.detach()  # read back once, after the step
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return total
+        return total.item()
 
     return timed_row("hf grouped_mm fwd+bwd", step, ids.numel(), args)  # the caller frees the model
 
