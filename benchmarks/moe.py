@@ -12,7 +12,8 @@
   (R3, with random engine routes). Tokens/s counts every token; peak memory is torch's
   max allocated over the row;
 * bytes: a version's bytes after real optimizer steps (the learner row's, at `--lr`):
-  bf16 raw against the lossless delta to the version before (`polyrl.transfer.delta`),
+  bf16 raw against the lossless delta to the version before (`polyrl.transfer.delta`;
+  one more step after the timed ones, untimed),
   for the experts, the attention and the rest, with the share of 16-bit words changed.
 
     python benchmarks/moe.py --device cuda --json "$OUT/moe.json" [--parts engine,learner,bytes]
@@ -191,16 +192,16 @@ def polyrl_row(args: argparse.Namespace, replay: str, keep_versions: bool) -> tu
     )
     items = batch_items(args, model.config, with_routes=replay == "R3")
     tokens = sum(len(it.token_ids) for it in items)
-    before: dict[str, np.ndarray] = {}
 
     def step() -> float:
-        if keep_versions:  # the version before each step, as a worker holds it
-            before.clear()
-            before.update(version(learner.model))
         return learner.train_mini_batch(items, weights_as_sampled=True)["actor/pg_loss"]
 
     row = timed_row(f"polyrl learner{', R3' if replay == 'R3' else ''}", step, tokens, args)
-    delta = version_bytes(before, version(learner.model)) if keep_versions else None
+    delta = None
+    if keep_versions:  # one more step, untimed: the version before it, as a worker holds it, and after
+        before = version(learner.model)
+        step()
+        delta = version_bytes(before, version(learner.model))
     return row, delta  # the caller frees the model
 
 

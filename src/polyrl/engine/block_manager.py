@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -126,13 +127,8 @@ class BlockManager:
         matched, now `seq.num_computed_tokens`."""
         if not self.prefix_caching or seq.block_table or seq.num_computed_tokens:
             return 0
-        bs, key = self.block_size, 0
         self.num_queried_tokens += seq.num_tokens
-        num_blocks = (seq.num_tokens - 1) // bs
-        data, width = token_bytes(seq.token_ids[: num_blocks * bs]), 8 * bs
-        for i in range(num_blocks):
-            tokens = data[i * width : (i + 1) * width]
-            key = chain_hash(key, tokens)
+        for tokens, key in self._keys(seq, (seq.num_tokens - 1) // self.block_size):
             block = self.cached.get(key)
             if block is None or self.block_tokens[block] != tokens:
                 break
@@ -141,7 +137,7 @@ class BlockManager:
             self.ref_counts[block] += 1
             seq.block_table.append(block)
         seq.kv_epoch = self.epoch
-        seq.num_computed_tokens = len(seq.block_table) * bs
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
         self.num_hit_tokens += seq.num_computed_tokens
         return seq.num_computed_tokens
 
@@ -159,16 +155,21 @@ class BlockManager:
 
     def _remember(self, seq: Sequence) -> None:
         """Key the full blocks whose KV `seq` computed (a block cached already keeps its key)."""
-        bs, key = self.block_size, 0
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        data, width = token_bytes(seq.token_ids[: num_full * bs]), 8 * bs
-        for i in range(num_full):
-            tokens = data[i * width : (i + 1) * width]
-            key = chain_hash(key, tokens)
-            block = seq.block_table[i]
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for block, (tokens, key) in zip(seq.block_table, self._keys(seq, num_full)):
             if self.block_key[block] is None and key not in self.cached:
                 self.cached[key] = block
                 self.block_key[block], self.block_tokens[block] = key, tokens
+
+    def _keys(self, seq: Sequence, num_blocks: int) -> Iterator[tuple[bytes, int]]:
+        """(tokens as bytes, key) of `seq`'s first `num_blocks` full blocks, hashed as they
+        are asked for (a match stops at its first miss)."""
+        width, key = 8 * self.block_size, 0
+        data = token_bytes(seq.token_ids[: num_blocks * self.block_size])
+        for i in range(num_blocks):
+            tokens = data[i * width : (i + 1) * width]
+            key = chain_hash(key, tokens)
+            yield tokens, key
 
     def _forget(self, block: int) -> None:
         key = self.block_key[block]
