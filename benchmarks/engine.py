@@ -3,7 +3,7 @@ model, same work, measured in one run, next to the decode roofline on GPU.
 
     .venv/bin/python benchmarks/engine.py [--preset tiny|small|qwen3-0.6b|tiny-moe|qwen3-30b-a3b] [--batch 64]
         [--prompt-len 64] [--new-tokens 128] [--n 8] [--device auto]
-        [--baselines dynamic,static,cb] [--json PATH]
+        [--baselines dynamic,static,cb,grouped] [--json PATH]
     # the GPU target: python benchmarks/engine.py --device cuda --preset qwen3-0.6b --batch 256 --new-tokens 256
 
 Shapes: B prompts of equal length at temperature 1; the GRPO shape (B/n prompts x n
