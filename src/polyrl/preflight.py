@@ -132,6 +132,13 @@ def check_model_dir(path: str | None) -> None:
 def _check_data(cfg: DataConfig) -> None:
     if cfg.source == "atropos":  # the environments bring the prompts
         return
+    if cfg.source == "agent":  # records as they are, for the episode function
+        from polyrl.data.files import data_file
+        from polyrl.data.rewards import load_callable
+
+        data_file(cfg.path)
+        load_callable(cfg.agent or "", "data.agent")
+        return
     if cfg.task != "dataset":
         from polyrl.data.tasks import get_task
 

@@ -116,6 +116,14 @@ def load_prompt_dataset(cfg: DataConfig) -> datasets.Dataset:
     return _cast_to_str(_convert(ds, fmt, cfg))
 
 
+def read_rows(path: str | None) -> datasets.Dataset:
+    """`path`'s records as they are (agent items): no prompt or answer column needed."""
+    ds = _read_file(path)
+    if len(ds) == 0:
+        raise ValueError(f"data.path: {path} holds no rows")
+    return ds
+
+
 # ---- reward ------------------------------------------------------------------------------
 
 

@@ -31,22 +31,22 @@ logger = logging.getLogger(__name__)
 RewardFn = Callable[..., Sequence[float | None]]
 
 
-def load_callable(path: str) -> Callable[..., Any]:
+def load_callable(path: str, what: str = "reward function") -> Callable[..., Any]:
     """Import ``"package.module:function"``; every failure is a ValueError naming the path."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward function {path!r} is not of the form 'package.module:function'")
+        raise ValueError(f"{what} {path!r} is not of the form 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward function {path!r}: cannot import module {module_name!r}: {e}") from e
+        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {e}") from e
     obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
-            raise ValueError(f"reward function {path!r}: module {module_name!r} has no {attr!r}")
+            raise ValueError(f"{what} {path!r}: module {module_name!r} has no {attr!r}")
     if not callable(obj):
-        raise ValueError(f"reward function {path!r}: {attr!r} is not callable")
+        raise ValueError(f"{what} {path!r}: {attr!r} is not callable")
     return obj
 
 

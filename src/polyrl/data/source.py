@@ -29,7 +29,13 @@ class PromptSource:
         self.cursor = 0
         self.num_skipped = 0
         self.max_prompt_tokens = cfg.max_prompt_tokens  # the run may lower it to fit the model
-        if cfg.task == "dataset":
+        if cfg.source == "agent":  # items for the episode function, as they are
+            from polyrl.data.math import read_rows
+
+            self._dataset = read_rows(cfg.path)
+            self._task = None
+            self.default_reward = MATH_REWARD  # (unused: episodes return their rewards)
+        elif cfg.task == "dataset":
             if not cfg.path:
                 raise ValueError("data.path: required when data.task = 'dataset'")
             from polyrl.data.math import load_prompt_dataset
@@ -84,6 +90,8 @@ class PromptSource:
         """Prompt `index` of the stream (None: longer than `max_prompt_tokens`). A pure
         function of the seed and `index`: a resumed run builds the prompts it had in flight."""
         rec = self.record(index)
+        if self.cfg.source == "agent":  # the episode function renders its own messages
+            return Prompt(index=index, text="", prompt_ids=[], columns=rec)
         budget = self._budget(rec, index)
         text = str(rec.pop("prompt"))
         ids = self.encode(text)

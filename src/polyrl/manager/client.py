@@ -1,4 +1,6 @@
-"""The trainer's side of the batch API: submit a BatchRequest, read groups as they finish.
+"""The trainer's side of the batch API: submit a BatchRequest, read groups as they finish
+(`BatchClient`; `AsyncBatchClient` for the agent episodes' calls, many at once on one
+event loop).
 
 Only a connection that never opened is retried (the batch cannot have started); a
 stream cut halfway raises BatchError(kind="disconnected"), since resubmitting would
@@ -7,14 +9,15 @@ generate every finished group again.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from polyrl.protocol.manager_api import BatchEnd, BatchError, BatchFailed, BatchRequest, GroupResult
-from polyrl.tls import http_client
+from polyrl.tls import async_http_client, http_client
 
 _Line = TypeAdapter(GroupResult | BatchEnd | BatchFailed)
 
@@ -65,18 +68,79 @@ class BatchClient:
         self.close()
 
 
+class AsyncBatchClient:
+    """`BatchClient` on an event loop; the same retry rule (a connection that never opened)."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        connect_timeout_s: float = 10.0,
+        connect_retries: int = 3,
+        ca_file: str | None = None,
+        max_connections: int = 256,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.http = async_http_client(
+            ca_file, base_url=url.rstrip("/"), headers=headers, timeout=timeout, limits=limits
+        )
+        self.connect_retries = connect_retries
+
+    async def generate(self, request: BatchRequest) -> AsyncIterator[GroupResult]:
+        """The batch's groups in completion order; raises BatchError as `BatchClient`."""
+        body = request.model_dump(mode="json")
+        for attempt in range(self.connect_retries + 1):
+            try:
+                async with self.http.stream("POST", "/v1/batches", json=body) as response:
+                    if response.status_code != 200:
+                        await response.aread()
+                        raise BatchError(_refused(response))
+                    async for group in _read_lines_async(response):
+                        yield group
+                    return
+            except httpx.ConnectError as e:  # (only before the first line: the batch never started)
+                if attempt == self.connect_retries:
+                    raise BatchError(_failed("disconnected", f"cannot reach the manager: {e}")) from None
+                await asyncio.sleep(0.5 * 2**attempt)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+async def _read_lines_async(response: httpx.Response) -> AsyncIterator[GroupResult]:
+    try:
+        async for line in response.aiter_lines():
+            if not line.strip():
+                continue
+            item = _parse(line)
+            if item is None:
+                return
+            yield item
+    except httpx.TransportError as e:
+        raise BatchError(_failed("disconnected", f"stream from the manager cut: {type(e).__name__}: {e}")) from None
+    raise BatchError(_failed("disconnected", "stream from the manager ended before the batch did"))
+
+
+def _parse(line: str) -> GroupResult | None:
+    """A group; None at the batch's end; raises BatchError for a failure or a bad line."""
+    try:
+        item = _Line.validate_json(line)
+    except ValidationError as e:
+        raise BatchError(_failed("disconnected", f"unreadable line from the manager: {e}")) from None
+    if isinstance(item, BatchFailed):
+        raise BatchError(item)
+    return None if isinstance(item, BatchEnd) else item
+
+
 def _read_lines(response: httpx.Response) -> Iterator[GroupResult]:
     try:
         for line in response.iter_lines():
             if not line.strip():
                 continue
-            try:
-                item = _Line.validate_json(line)
-            except ValidationError as e:
-                raise BatchError(_failed("disconnected", f"unreadable line from the manager: {e}")) from None
-            if isinstance(item, BatchFailed):
-                raise BatchError(item)
-            if isinstance(item, BatchEnd):
+            item = _parse(line)
+            if item is None:
                 return
             yield item
     except httpx.TransportError as e:

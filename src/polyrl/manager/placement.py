@@ -1,12 +1,14 @@
 """Placing waiting work: the least-loaded worker that serves the batch's weight version
 and has a free slot (a fresh group goes as one request with `n`, split over workers
-when one has too few slots); the local worker only by the local window's rules."""
+when one has too few slots); the local worker only by the local window's rules. A prompt
+of a session (an agent episode's next turn) goes back to the worker that served the
+session last, when it can take it: that worker's prefix cache holds the conversation."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 from polyrl.manager.backends import GenerationCall
 from polyrl.manager.batch import WorkUnit
@@ -14,6 +16,10 @@ from polyrl.manager.registry import WorkerRecord
 from polyrl.manager.settlement import Settlement
 from polyrl.manager.state import ManagerState
 from polyrl.manager.sync import VersionSync
+
+MAX_SESSIONS = 65536
+"""Sessions remembered (least recently placed forgotten first): far more episodes than a
+fleet runs at once, a few MB."""
 
 
 class Placement:
@@ -23,6 +29,11 @@ class Placement:
     def __init__(self, state: ManagerState, sync: VersionSync, settlement: Settlement) -> None:
         self.state, self.cfg, self.registry, self.window = state, state.cfg, state.registry, state.window
         self.sync, self.settlement = sync, settlement
+        self.sessions: OrderedDict[str, str] = OrderedDict()
+        """Session -> the worker its last prompt went to."""
+        self.num_session_hits = 0
+        self.num_session_misses = 0
+        """Session prompts placed on their last worker, and elsewhere (it was busy or gone)."""
 
     async def dispatch_loop(self, wake: asyncio.Event) -> None:
         """Place waiting work each time something wakes the dispatcher (`ManagerState.wake`)."""
@@ -51,7 +62,9 @@ class Placement:
             stalled = now - batch.submitted_at > self.cfg.local_fallback_s
             to_local = unit.samples[0].to_local
             key = (version, stalled, to_local)
-            picked = None if key in no_worker else self.pick(version, now, stalled, to_local)
+            session = unit.group.prompt.session
+            prefer = self.sessions.get(session) if session is not None else None
+            picked = None if key in no_worker else self.pick(version, now, stalled, to_local, prefer)
             if picked is None:
                 no_worker.add(key)
                 waiting.append(unit)
@@ -68,7 +81,7 @@ class Placement:
         return any(r.state == "active" and now >= r.busy_until and r.free_slots(cap) > 0 for r in self.registry)
 
     def pick(
-        self, version: int, now: float, stalled: bool = False, to_local: bool = False
+        self, version: int, now: float, stalled: bool = False, to_local: bool = False, prefer: str | None = None
     ) -> tuple[WorkerRecord, int] | None:
         """(worker, free slots): the least loaded remote worker with a free slot; the local
         engine only while the local window is open, when no remote worker is left (none
@@ -83,6 +96,9 @@ class Placement:
                 return local, local.free_slots(cap)
         serving = [r for r in self.registry if not r.is_local and r.serves(version, now)]
         free = [r for r in serving if r.free_slots(cap) > 0]
+        mine = next((r for r in free if r.worker_id == prefer), None) if prefer is not None else None
+        if mine is not None:
+            return mine, mine.free_slots(cap)
         if free:
             worker = min(free, key=lambda r: (r.load(), r.inflight))
             return worker, worker.free_slots(cap)
@@ -110,4 +126,13 @@ class Placement:
         )
         for sample in unit.samples:
             sample.start_segment(worker.worker_id, worker.weight_version)
+        session = unit.group.prompt.session
+        if session is not None:
+            last = self.sessions.pop(session, None)
+            if last is not None:
+                self.num_session_hits += last == worker.worker_id
+                self.num_session_misses += last != worker.worker_id
+            self.sessions[session] = worker.worker_id
+            if len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
         self.settlement.launch(unit, worker, call)

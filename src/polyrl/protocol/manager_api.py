@@ -132,6 +132,11 @@ class BatchPrompt(_Message):
     max_new_tokens: int | None = Field(None, ge=1, lt=2**63)
     """This prompt's own token budget per sample, at most the batch's
     `sampling.max_new_tokens` (default: that)."""
+    session: str | None = Field(None, max_length=256)
+    """A conversation the prompt continues (an agent episode): it goes to the worker that
+    served the session's last prompt, whose prefix cache holds the conversation so far,
+    when that worker serves the batch's version and has a free slot; anywhere else
+    otherwise (SGLang's routers call this cache-aware routing)."""
 
 
 class BatchRequest(_Message):

@@ -52,7 +52,7 @@ class ManagerLink:
         self, url: str, token: str, timeout_s: float = 10.0, retry_s: float = RETRY_S, ca_file: str | None = None
     ) -> None:
         """`ca_file`: what an https manager's certificate is verified against."""
-        self.url, self.token, self.retry_s = url.rstrip("/"), token, retry_s
+        self.url, self.token, self.retry_s, self.ca_file = url.rstrip("/"), token, retry_s, ca_file
         headers = {"Authorization": f"Bearer {token}"}
         self.http = http_client(ca_file, base_url=self.url, headers=headers, timeout=timeout_s)
         self.batches = BatchClient(self.url, token, connect_retries=0, ca_file=ca_file)

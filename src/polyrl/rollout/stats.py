@@ -39,6 +39,9 @@ class RolloutStats:
     num_unversioned_groups: int | None = None
     """Atropos: the step's groups whose tokens' weight versions the manager could not
     tell, booked under the learner's version (`rollout/unversioned_groups`)."""
+    num_failed_groups: int | None = None
+    """Agent episodes: the step's groups dropped because an episode raised
+    (`rollout/agent_failed_groups`)."""
     num_cancelled: int = 0
     """Samples of a batch closed before its end (`algo.filter_groups` had enough groups):
     not lost, not wanted."""
@@ -93,6 +96,8 @@ class RolloutStats:
             out["rollout/fleet_idle_s"] = self.fleet_idle_s
         if self.num_lost_workers is not None:
             out["fleet/lost_workers"] = float(self.num_lost_workers)
+        if self.num_failed_groups is not None:
+            out["rollout/agent_failed_groups"] = float(self.num_failed_groups)
         if self.num_unversioned_groups is not None:
             out["rollout/unversioned_groups"] = float(self.num_unversioned_groups)
         return out

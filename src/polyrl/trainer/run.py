@@ -26,6 +26,7 @@ from polyrl.models.precision import DTYPES
 from polyrl.preflight import check_world_size
 from polyrl.protocol.samples import Group
 from polyrl.protocol.sampling import SamplingParams
+from polyrl.rollout.agent import AgentRollout
 from polyrl.rollout.atropos import AtroposRollout
 from polyrl.rollout.feed import AsyncFeed
 from polyrl.rollout.remote import RemoteRollout
@@ -265,6 +266,13 @@ def start_run_rollout(
     rollout.publish(adapter_version(peft) if peft and not rollout.shares_weights else None, state.weight_version)
     if cfg.data.source == "atropos":
         rollout = AtroposRollout.start(rollout, cfg, run_dir, policy.model, state.step)
+        cleanup.callback(rollout.close)
+    elif cfg.data.source == "agent":
+        assert isinstance(rollout, RemoteRollout)  # (the config allows no other mode)
+        context = cfg.engine.max_model_len or policy.model.config.max_position_embeddings
+        rollout = AgentRollout(
+            rollout, cfg.data, policy.tokenizer, policy.stop_token_ids(), cfg.rollout.temperature, context
+        )
         cleanup.callback(rollout.close)
     return rollout, fleet
 

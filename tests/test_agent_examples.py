@@ -1,0 +1,45 @@
+"""The two agent examples, run as a user runs them (`python examples/agent_*.py --run-dir
+DIR`): `polyrl train` with two workers and the manager on the tiny model, on CPU.
+
+The issue's bar (last-20% reward at least 0.8) is not reached yet (BENCHMARKS.md, "Agent
+episodes through the fleet on the CPU"); what is checked here is that the tool example
+learns its first skill, the call, in 100 steps, and that the game runs its three-move
+episodes, both with no episode failed and no sample lost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(example: str, run_dir: Path, *overrides: str) -> list[dict]:
+    command = [sys.executable, str(EXAMPLES / f"{example}.py"), "--run-dir", str(run_dir), "logging.console=false"]
+    done = subprocess.run([*command, *overrides], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rollout/agent_failed_groups"] == 0 and r["rollout/samples_lost"] == 0 for r in rows)
+    return rows
+
+
+@pytest.mark.slow
+def test_the_tool_example_learns_to_call_the_tool(tmp_path: Path) -> None:
+    rows = run_example("agent_tool", tmp_path / "run", "trainer.total_steps=100")
+    rewards = [r["critic/score/mean"] for r in rows]
+    tail = rewards[int(len(rewards) * 0.8) :]
+    # 0.3 is the call's share: a model that never calls the tool stays below it
+    last = sum(tail) / len(tail)
+    assert last >= 0.25 and last >= rewards[0] + 0.2, rewards[::5]
+
+
+@pytest.mark.slow
+def test_the_game_example_plays_three_moves(tmp_path: Path) -> None:
+    rows = run_example("agent_game", tmp_path / "run", "trainer.total_steps=3")
+    assert len(rows) == 3
+    # 8 items x 16 episodes a step, each three replies and two answers of the environment
+    assert all(r["rollout/samples_received"] == 8 * 16 for r in rows)
