@@ -4,7 +4,8 @@ DIR`): `polyrl train` with two workers and the manager on the tiny model, on CPU
 The issue's bar (last-20% reward at least 0.8) is not reached yet (BENCHMARKS.md, "Agent
 episodes through the fleet on the CPU"); what is checked here is that the tool example
 learns its first skill, the call, in 100 steps, and that the game runs its three-move
-episodes, both with no episode failed and no sample lost."""
+episodes, both with no episode failed and no sample lost; and that a crashed agent run
+resumes to the same steps as an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -43,3 +44,54 @@ def test_the_game_example_plays_three_moves(tmp_path: Path) -> None:
     assert len(rows) == 3
     # 8 items x 16 episodes a step, each three replies and two answers of the environment
     assert all(r["rollout/samples_received"] == 8 * 16 for r in rows)
+
+
+@pytest.mark.slow
+def test_a_resumed_agent_run_replays_the_episodes_it_had_in_flight(tmp_path: Path) -> None:
+    """Agent episodes through the remote fleet, crashed after step 3 (checkpoint at step 2)
+    and resumed: step 3's items are played again from the checkpoint's data cursor with the
+    same seeds, and the resumed run's steps equal an uninterrupted one's."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from agent_tool import write_items
+        from test_train import Crash, crash_after
+
+        from polyrl.config import load_config
+        from polyrl.trainer.checkpoint import latest_checkpoint
+        from polyrl.trainer.loop import train
+
+        items = tmp_path / "items.jsonl"
+        write_items(items, count=64)
+        overrides = [
+            "data.source=agent",
+            "data.agent=agent_tool:play",
+            f"data.path={items}",
+            "model.tiny.chat_template=true",
+            "manager.port=0",
+            "rollout.deterministic=true",
+            "trainer.total_steps=4",
+            "trainer.train_batch_size=4",
+            "trainer.ppo_mini_batch_size=4",
+            "trainer.save_every=2",
+            "rollout.n=4",
+            "rollout.max_new_tokens=4",
+            "logging.console=false",
+            "logging.tensorboard=false",
+        ]
+        cfg = load_config(None, overrides)
+        train(cfg, tmp_path / "straight")
+        with pytest.raises(Crash):
+            train(cfg, tmp_path / "resumed", on_step_end=crash_after(3))
+        assert latest_checkpoint(tmp_path / "resumed").name == "step_000002"
+        train(load_config(tmp_path / "resumed" / "config.toml"), tmp_path / "resumed", resume=True)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+    def metrics(run: Path) -> list[dict]:
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed, strict=True):
+        for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss"):
+            assert a[key] == b[key], (a["step"], key)
