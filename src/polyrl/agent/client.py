@@ -64,6 +64,7 @@ class AgentClient:
         self.transcript = Transcript()
         self._said: list[dict[str, Any]] = []
         """The conversation the last call saw, and its reply: what the next call extends."""
+        self._last_reply_len = 0
         self.chat = _Chat(self)
 
     async def create(
@@ -94,15 +95,13 @@ class AgentClient:
             raise EpisodeLimit(f"episode {self.episode_id}: data.agent_max_tokens = {self.max_tokens} tokens reached")
         asked = max_completion_tokens or max_tokens
         budget = min(self.max_new_tokens, room, asked or self.max_new_tokens)
+        reply = await self._generate(t.context + context, budget)  # (a failed call leaves no trace)
         t.add_context(context)
-        reply = await self._generate(t.context, budget)
         t.add_reply(reply)
         self._last_reply_len = len(reply.token_ids)
         completion = self._completion(reply, len(t) - len(reply.token_ids))
         self._said = [*conversation, completion.choices[0].message.model_dump(exclude_none=True)]
         return completion
-
-    _last_reply_len = 0
 
     def _check(self, temperature: float | None, n: int | None, stream: bool | None, extra: dict[str, Any]) -> None:
         if temperature is not None and abs(temperature - self.temperature) > 1e-6:
