@@ -18,11 +18,11 @@ from chaos_harness.harness import ChaosFleet, chaos_manager_config, wait_for
 from polyrl.agent.client import AgentClient, EpisodeLimit
 from polyrl.agent.render import Renderer, TemplateError
 from polyrl.agent.tool_calls import parse_tool_calls
-from polyrl.agent.transcript import Reply, Transcript
+from polyrl.agent.transcript import Transcript
 from polyrl.config import DataConfig, TinyModelConfig
 from polyrl.manager.client import AsyncBatchClient
 from polyrl.models.tiny import CHAT_TEMPLATE, build_tokenizer, save_tiny_model
-from polyrl.protocol.samples import Prompt
+from polyrl.protocol.samples import Prompt, Sample
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.agent import EpisodeRunner
 from polyrl.trainer.batching import group_items
@@ -106,10 +106,11 @@ def scripted(replies: list[list[int]], seen: list[tuple[list[int], int]]):
     """An engine stand-in for the client's own tests: each call returns the next reply."""
     turn = iter(replies)
 
-    async def generate(ids: list[int], max_new_tokens: int) -> Reply:
+    async def generate(ids: list[int], max_new_tokens: int) -> Sample:
         seen.append((list(ids), max_new_tokens))
         out = next(turn)[:max_new_tokens]
-        return Reply(out, [-0.5] * len(out), [7] * len(out), "stop" if out and out[-1] == 2 else "length", ["w"])
+        finish = "stop" if out and out[-1] == 2 else "length"
+        return Sample(out, [-0.5] * len(out), finish, [7] * len(out), workers=["w"])
 
     return generate
 
@@ -187,9 +188,9 @@ def test_the_client_refuses_what_it_cannot_honour_and_stops_at_the_bounds(tokeni
 def test_environment_tokens_take_the_version_of_the_reply_they_lead_to() -> None:
     t = Transcript()
     t.add_context([1, 2])
-    t.add_reply(Reply([3, 4], [-1.0, -1.0], [5, 5], "stop", ["a"], [2]))
+    t.add_reply(Sample([3, 4], [-1.0, -1.0], "stop", [5, 5], ["a"], [2]))
     t.add_context([9])
-    t.add_reply(Reply([6], [-2.0], [6], "length", ["a", "b"], [0, 1]))
+    t.add_reply(Sample([6], [-2.0], "length", [6], ["a", "b"], [0, 1]))
     t.add_context([8, 8])  # after the last reply: never seen by the model, not trained on
     s = t.to_sample()
     assert s.prompt_ids == [1, 2] and s.completion_ids == [3, 4, 9, 6]

@@ -49,7 +49,7 @@ def _check_every_step(rows: list[dict]) -> None:
 @pytest.mark.slow
 def test_default_run_learns_through_two_workers(tmp_path: Path) -> None:
     """The default main job, shortened: remote mode, 2 launched workers."""
-    cfg = load_config(None, [*QUICK, "trainer.total_steps=40"])
+    cfg = load_config(None, [*QUICK, "trainer.total_steps=30"])
     assert cfg.rollout.mode == "remote" and cfg.fleet.num_workers == 2
     train(cfg, tmp_path / "run")
     rows = _metrics(tmp_path / "run")

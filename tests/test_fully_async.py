@@ -392,7 +392,7 @@ half done, as on a GPU fleet with long responses."""
 @pytest.mark.slow
 def test_the_default_main_job_learns_fully_async(tmp_path: Path) -> None:
     """The same bar as `test_default_run_learns_through_two_workers`, with k = 2."""
-    train(load_config(None, [*QUICK, *ASYNC, "rollout.max_staleness=2", "trainer.total_steps=40"]), tmp_path / "run")
+    train(load_config(None, [*QUICK, *ASYNC, "rollout.max_staleness=2", "trainer.total_steps=30"]), tmp_path / "run")
     rows = _metrics(tmp_path / "run")
     for r in rows:
         assert r["rollout/samples_received"] == r["rollout/samples_requested"] == 64 * 16

@@ -205,7 +205,7 @@ def test_the_default_main_job_learns_on_a_tiny_moe_with_r3(tmp_path: Path) -> No
     engine's), with R3: every sample's routes come back through the manager and the
     learner replays them."""
     model_dir = save_tiny_model(tmp_path / "moe", TinyModelConfig(arch="qwen3_moe"))
-    overrides = [*QUICK, f"model.path={model_dir}", "trainer.total_steps=40", "algo.router_replay=R3"]
+    overrides = [*QUICK, f"model.path={model_dir}", "trainer.total_steps=30", "algo.router_replay=R3"]
     train(load_config(None, overrides), tmp_path / "run")
     rows = _metrics(tmp_path / "run")
     assert all(r["rollout/samples_lost"] == 0 for r in rows)

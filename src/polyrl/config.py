@@ -1005,8 +1005,6 @@ class RunConfig(_Section):
                 "rollout.mode: local has no manager for agent episodes to call; with data.source = 'agent' use "
                 "remote or hybrid"
             )
-        if self.rollout.fully_async:
-            raise ValueError("rollout.fully_async: not built for agent episodes yet (use rollout.max_staleness)")
         if self.algo.router_replay == "R3":
             raise ValueError("algo.router_replay = 'R3': not built for agent episodes yet (R2 works)")
         return self

@@ -25,14 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 from polyrl.agent.render import Renderer
 from polyrl.agent.tool_calls import parse_tool_calls
-from polyrl.agent.transcript import Reply, Transcript
+from polyrl.agent.transcript import Transcript
 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletion
     from transformers import PreTrainedTokenizerBase
 
-Generate = Callable[[list[int], int], Awaitable[Reply]]
-"""(prompt token ids, most new tokens) -> the engine's reply: how the client reaches the
+    from polyrl.protocol.samples import Sample
+
+Generate = Callable[[list[int], int], Awaitable["Sample"]]
+"""(prompt token ids, most new tokens) -> the engine's reply, one sample: how the client reaches the
 fleet (`rollout/agent.py`) or, in tests, one engine."""
 
 IGNORED = {"model", "tool_choice", "parallel_tool_calls", "user", "metadata", "store", "extra_body", "timeout"}
@@ -98,8 +100,8 @@ class AgentClient:
         reply = await self._generate(t.context + context, budget)  # (a failed call leaves no trace)
         t.add_context(context)
         t.add_reply(reply)
-        self._last_reply_len = len(reply.token_ids)
-        completion = self._completion(reply, len(t) - len(reply.token_ids))
+        self._last_reply_len = len(reply.completion_ids)
+        completion = self._completion(reply, len(t) - len(reply.completion_ids))
         self._said = [*conversation, completion.choices[0].message.model_dump(exclude_none=True)]
         return completion
 
@@ -133,7 +135,7 @@ class AgentClient:
             raise ValueError(f"episode {self.episode_id}: no new message after the last reply")
         return new
 
-    def _completion(self, reply: Reply, prompt_tokens: int) -> ChatCompletion:
+    def _completion(self, reply: Sample, prompt_tokens: int) -> ChatCompletion:
         from openai.types.chat import ChatCompletion, ChatCompletionMessage
         from openai.types.chat.chat_completion import Choice
         from openai.types.completion_usage import CompletionUsage
@@ -149,7 +151,7 @@ class AgentClient:
             )
             from openai.types.chat.chat_completion_message_tool_call import Function
 
-        ids = reply.token_ids
+        ids = reply.completion_ids
         if ids and ids[-1] in self.renderer.stop_token_ids:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -172,8 +174,8 @@ class AgentClient:
             choices=[Choice(index=0, message=message, finish_reason="tool_calls" if calls else reply.finish_reason)],
             usage=CompletionUsage(
                 prompt_tokens=prompt_tokens,
-                completion_tokens=len(reply.token_ids),
-                total_tokens=prompt_tokens + len(reply.token_ids),
+                completion_tokens=len(reply.completion_ids),
+                total_tokens=prompt_tokens + len(reply.completion_ids),
             ),
         )
 

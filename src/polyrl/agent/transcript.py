@@ -19,23 +19,6 @@ from polyrl.protocol.worker_api import FinishReason
 
 
 @dataclass
-class Reply:
-    """What one engine call sampled (the stop token included, as the engine returns it)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    weight_versions: list[WeightVersion]
-    finish_reason: FinishReason
-    workers: list[str] = field(default_factory=list)
-    """The engines that produced the tokens, in order (more than one: it migrated)."""
-    worker_tokens: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not (len(self.token_ids) == len(self.logprobs) == len(self.weight_versions)):
-            raise ValueError("a reply needs one log-prob and one version per token")
-
-
-@dataclass
 class Transcript:
     """The growing token sequence of one episode."""
 
@@ -73,16 +56,17 @@ class Transcript:
         self.logprobs += [0.0] * len(token_ids)
         self.versions += [None] * len(token_ids)
 
-    def add_reply(self, reply: Reply) -> None:
-        """A call's reply; the environment tokens before it take its first token's version."""
-        if reply.token_ids:
+    def add_reply(self, reply: Sample) -> None:
+        """A call's reply (one sample, its stop token included, as the engine returns it);
+        the environment tokens before it take its first token's version."""
+        if reply.completion_ids:
             first = reply.weight_versions[0]
             self.versions = [first if v is None else v for v in self.versions]
-        self.ids += reply.token_ids
-        self.sampled += [True] * len(reply.token_ids)
+        self.ids += reply.completion_ids
+        self.sampled += [True] * len(reply.completion_ids)
         self.logprobs += reply.logprobs
         self.versions += reply.weight_versions
-        for worker, num in zip(reply.workers, reply.worker_tokens or [len(reply.token_ids)], strict=False):
+        for worker, num in zip(reply.workers, reply.worker_tokens or [len(reply.completion_ids)], strict=False):
             if self.workers and self.workers[-1] == worker:
                 self.worker_tokens[-1] += num
             else:

@@ -22,6 +22,16 @@ from polyrl.tls import async_http_client, http_client
 _Line = TypeAdapter(GroupResult | BatchEnd | BatchFailed)
 
 
+def _http_args(url: str, token: str | None, connect_timeout_s: float, pool_timeout_s: float | None) -> dict:
+    """Both clients' base URL, bearer token and timeouts. No read timeout: groups may be
+    minutes apart, and the manager's batch deadline ends a stuck batch with an error line."""
+    return {
+        "base_url": url.rstrip("/"),
+        "headers": {"Authorization": f"Bearer {token}"} if token else {},
+        "timeout": httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=pool_timeout_s),
+    }
+
+
 class BatchClient:
     def __init__(
         self,
@@ -32,12 +42,8 @@ class BatchClient:
         transport: httpx.BaseTransport | None = None,
         ca_file: str | None = None,
     ) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        # No read timeout: groups may be minutes apart; the manager's batch deadline ends
-        # a stuck batch with an error line.
-        timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=connect_timeout_s)
         self.http = http_client(
-            ca_file, base_url=url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
+            ca_file, **_http_args(url, token, connect_timeout_s, connect_timeout_s), transport=transport
         )
         self.connect_retries = connect_retries
 
@@ -80,12 +86,9 @@ class AsyncBatchClient:
         ca_file: str | None = None,
         max_connections: int = 256,
     ) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self.http = async_http_client(
-            ca_file, base_url=url.rstrip("/"), headers=headers, timeout=timeout, limits=limits
-        )
+        # no pool timeout: the episodes' calls wait their turn for one of the connections
+        self.http = async_http_client(ca_file, **_http_args(url, token, connect_timeout_s, None), limits=limits)
         self.connect_retries = connect_retries
 
     async def generate(self, request: BatchRequest) -> AsyncIterator[GroupResult]:

@@ -32,13 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 from polyrl.agent.client import AgentClient, EpisodeLimit
 from polyrl.agent.render import Renderer
-from polyrl.agent.transcript import Reply
 from polyrl.data.rewards import load_callable
 from polyrl.manager.client import AsyncBatchClient
 from polyrl.protocol.manager_api import BatchError, BatchFailed, BatchPrompt, BatchRequest, GroupResult
-from polyrl.protocol.samples import Group, Prompt
+from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.protocol.sampling import SamplingParams
-from polyrl.rollout.remote import RECOVERABLE
+from polyrl.rollout.remote import RECOVERABLE, to_sample
 from polyrl.rollout.stats import RolloutStats
 
 if TYPE_CHECKING:
@@ -46,7 +45,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from polyrl.config import DataConfig
-    from polyrl.protocol.manager_api import WorkerInfo
+    from polyrl.protocol.manager_api import WorkerInfo, WorkerList
     from polyrl.protocol.version import WeightVersion
     from polyrl.rollout.remote import RemoteRollout
 
@@ -71,7 +70,9 @@ class CallBatcher:
 
     def __init__(self, batches: AsyncBatchClient, window_s: float = 0.002) -> None:
         self.batches, self.window_s = batches, window_s
-        self._waiting: dict[tuple[str, int], list[tuple[BatchPrompt, asyncio.Future]]] = {}
+        self._waiting: dict[tuple[int, int], tuple[SamplingParams, list[tuple[BatchPrompt, asyncio.Future]]]] = {}
+        """By (the sampling object's identity, the version asked for): the episodes of one
+        submitted batch share both, so their calls can share a batch on the manager."""
         self._ids = itertools.count()
         self._flush_at: asyncio.TimerHandle | None = None
         self._running: set[asyncio.Task] = set()
@@ -83,9 +84,8 @@ class CallBatcher:
         BatchError when its batch fails."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[GroupResult] = loop.create_future()
-        key = (sampling.model_copy(update={"n": 1, "max_new_tokens": 1}).model_dump_json(), version)
         prompt = prompt.model_copy(update={"id": f"{prompt.id}#{next(self._ids)}"})
-        self._waiting.setdefault(key, []).append((prompt, done))
+        self._waiting.setdefault((id(sampling), version), (sampling, []))[1].append((prompt, done))
         if self._flush_at is None:
             self._flush_at = loop.call_later(self.window_s, self._flush)
         return await done
@@ -93,12 +93,11 @@ class CallBatcher:
     def _flush(self) -> None:
         self._flush_at = None
         waiting, self._waiting = self._waiting, {}
-        for (sampling_json, version), calls in waiting.items():
-            base = SamplingParams.model_validate_json(sampling_json)
+        for (_, version), (sampling, calls) in waiting.items():
             budget = max(p.max_new_tokens or 1 for p, _ in calls)
             request = BatchRequest(
                 prompts=[p for p, _ in calls],
-                sampling=base.model_copy(update={"max_new_tokens": budget}),
+                sampling=sampling.model_copy(update={"n": 1, "max_new_tokens": budget}),
                 min_weight_version=version,
             )
             task = asyncio.ensure_future(self._run(request, {p.id: f for p, f in calls}))
@@ -182,7 +181,7 @@ class EpisodeRunner:
         episode = f"{prompt.index}.{i}.{seed % 10**6}"
         rng = random.Random(seed)
 
-        async def generate(ids: list[int], max_new_tokens: int) -> Reply:
+        async def generate(ids: list[int], max_new_tokens: int) -> Sample:
             return await self.call(episode, ids, max_new_tokens, rng.getrandbits(62), sampling, version)
 
         client = AgentClient(
@@ -210,7 +209,7 @@ class EpisodeRunner:
 
     async def call(
         self, episode: str, ids: list[int], max_new_tokens: int, seed: int, sampling: SamplingParams, version: int
-    ) -> Reply:
+    ) -> Sample:
         """One engine call of `episode` (one sample: `n` = 1), placed by the manager (on the
         episode's last worker when it can) and moved to another worker if its own dies
         mid-reply."""
@@ -225,15 +224,7 @@ class EpisodeRunner:
                     raise
                 log.warning("episode %s: call cut (%s); asking again once the manager is back", episode, e)
                 await asyncio.to_thread(self.manager_lost)
-        s = result.samples[0]
-        return Reply(
-            token_ids=s.output_ids,
-            logprobs=s.logprobs,
-            weight_versions=s.weight_versions,
-            finish_reason=s.finish_reason,
-            workers=[seg.worker for seg in s.segments],
-            worker_tokens=[seg.num_tokens for seg in s.segments],
-        )
+        return to_sample(result.samples[0], result.prompt_tokens)
 
 
 class AgentRollout:
@@ -257,6 +248,10 @@ class AgentRollout:
         play = load_callable(cfg.agent or "", "data.agent")
         renderer = Renderer(tokenizer, stop_token_ids)
         self.stats = RolloutStats()
+        self._lock = threading.Lock()
+        self._started: dict[str, WeightVersion] = {}
+        """Items in flight (by prompt id): the version their episodes started at."""
+        self._futures: set[Future] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="polyrl-agents", daemon=True)
         self._thread.start()
@@ -293,20 +288,58 @@ class AgentRollout:
     def workers(self) -> list[WorkerInfo]:
         return self.inner.workers()
 
-    def generate(self, prompts: list[Prompt], sampling: SamplingParams) -> Iterator[Group]:
-        """Starts every item's `sampling.n` episodes now; each group as its last episode ends."""
+    def fleet(self) -> WorkerList:
+        return self.inner.fleet()
+
+    def note_fleet(self, stats: RolloutStats) -> WorkerList:
+        return self.inner.note_fleet(stats)
+
+    def learner_waiting(self, due: set[str]) -> None:
+        """The idle window opens (hybrid mode). `due` names items, and the manager knows only
+        their calls, so nothing is moved: a due episode's next call finds the trainer's
+        engine free anyway."""
+        self.inner.learner_waiting(set())
+
+    def due_groups(self, max_floor_version: int) -> set[str]:
+        """Items in flight whose episodes may hold a token of that version or older: those
+        started at it or before (every call of an episode asks for at least the version its
+        episode started at, so none of its tokens is older)."""
+        with self._lock:
+            return {pid for pid, v in self._started.items() if v <= max_floor_version}
+
+    def generate(
+        self, prompts: list[Prompt], sampling: SamplingParams, stats: RolloutStats | None = None
+    ) -> Iterator[Group]:
+        """Starts every item's `sampling.n` episodes now; each group as its last episode
+        ends. An item whose episode raised gives no group (logged, and counted in `stats`).
+        `stats`: where the groups are booked (default: a new `self.stats`, the step's)."""
         done: queue.SimpleQueue[Group | None] = queue.SimpleQueue()
         version = self.inner.weight_version
         futures = []
         for p in prompts:
             seeds = [random.getrandbits(62) for _ in range(sampling.n)]  # the run's seeded RNG, in its thread
+            with self._lock:
+                self._started[str(p.index)] = version
             future = self._on_loop(self.runner.group(p, sampling, seeds, version))
-            future.add_done_callback(lambda f: done.put(None if f.cancelled() or f.exception() else f.result()))
+            with self._lock:
+                self._futures.add(future)
+            future.add_done_callback(lambda f, pid=str(p.index): self._ended(f, pid, done))
             futures.append(future)
-        stats = self.stats = RolloutStats(num_requested=len(prompts) * sampling.n, num_failed_groups=0)
-        return self._groups(done, futures, stats, sampling.n)
+        is_step = stats is None
+        if stats is None:
+            stats = self.stats = RolloutStats(num_requested=len(prompts) * sampling.n)
+        stats.num_failed_groups = stats.num_failed_groups or 0
+        return self._groups(done, futures, stats, sampling.n, is_step)
 
-    def _groups(self, done: queue.SimpleQueue, futures: list[Future], stats: RolloutStats, n: int) -> Iterator[Group]:
+    def _ended(self, future: Future, pid: str, done: queue.SimpleQueue) -> None:
+        with self._lock:
+            self._started.pop(pid, None)
+            self._futures.discard(future)
+        done.put(None if future.cancelled() or future.exception() else future.result())
+
+    def _groups(
+        self, done: queue.SimpleQueue, futures: list[Future], stats: RolloutStats, n: int, is_step: bool
+    ) -> Iterator[Group]:
         t0 = time.perf_counter()
         try:
             for _ in futures:
@@ -322,10 +355,16 @@ class AgentRollout:
         finally:
             for f in futures:
                 f.cancel()
-        self.inner.note_fleet(stats)
+        if is_step:
+            self.inner.note_fleet(stats)
 
     def close(self) -> None:
-        """The loop and its client; the fleet's rollout is closed by whoever started it."""
+        """The loop and its client; the fleet's rollout is closed by whoever started it.
+        Episodes still running are cancelled, so that their readers end."""
+        with self._lock:
+            running = list(self._futures)
+        for f in running:
+            f.cancel()
         if self._loop.is_running():
             try:
                 self._on_loop(self.runner.batches.close()).result(timeout=5)

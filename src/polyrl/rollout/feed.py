@@ -33,15 +33,44 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from polyrl.data.source import PromptSource
+from polyrl.protocol.manager_api import WorkerList
 from polyrl.protocol.samples import Group, Prompt
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.version import WeightVersion
-from polyrl.rollout.remote import RemoteRollout
 from polyrl.rollout.stats import RolloutStats
 
 log = logging.getLogger("polyrl.rollout")
+
+
+class FedRollout(Protocol):
+    """What the feed needs of a rollout: the fleet's (`RemoteRollout`), or agent episodes on
+    it (`AgentRollout`), whose groups are items and whose due list is its own."""
+
+    weight_version: WeightVersion
+
+    def fleet(self) -> WorkerList: ...
+
+    def generate(
+        self, prompts: list[Prompt], sampling: SamplingParams, stats: RolloutStats | None = None
+    ) -> Iterator[Group]:
+        """Each prompt's group as it finishes; a prompt its producer drops (an agent episode
+        that raised) gives none, and the feed learns so when the iterator ends."""
+
+    def due_groups(self, max_floor_version: int) -> set[str]: ...
+
+    def learner_waiting(self, due: set[str]) -> None: ...
+
+    def note_fleet(self, stats: RolloutStats) -> WorkerList: ...
+
+
+@dataclass
+class Dropped:
+    """Prompts a submitted batch ended without (their producer dropped them)."""
+
+    indices: list[int]
 
 
 @dataclass
@@ -96,18 +125,22 @@ class AsyncFeed:
 
     def __init__(
         self,
-        rollout: RemoteRollout,
+        rollout: FedRollout,
         source: PromptSource,
         sampling: SamplingParams,
         batch_size: int,
         max_staleness: int,
         resubmit: list[int] | None = None,
         fresh: bool = False,
+        counts_drops: bool = False,
     ) -> None:
         """`resubmit`: prompt indices a resumed run had in flight, submitted again first.
-        `fresh`: submit nothing while a step's worth of finished groups waits."""
+        `fresh`: submit nothing while a step's worth of finished groups waits.
+        `counts_drops`: the producer may drop a prompt (agent episodes): each step logs
+        how many it dropped (`rollout/agent_failed_groups`), 0 included."""
         self.rollout, self.source, self.sampling = rollout, source, sampling
         self.batch_size, self.max_staleness, self.fresh = batch_size, max_staleness, fresh
+        self.counts_drops = counts_drops
         self.outstanding: dict[str, Prompt] = {}
         """Submitted and not trained on, by prompt id."""
         self.arrived: list[Group] = []
@@ -116,7 +149,7 @@ class AsyncFeed:
         """Each arrived group's oldest token version, by prompt id: found once on arrival
         (every token of every sample), not at each pick, which scans the whole backlog."""
         self._resubmit = list(resubmit or [])
-        self._inbox: queue.SimpleQueue[Group | BaseException] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Group | Dropped | BaseException] = queue.SimpleQueue()
         self._closed = False
         self.step = FeedStep()
 
@@ -125,7 +158,7 @@ class AsyncFeed:
     def top_up(self, steps_left: int) -> None:
         """Submit prompts up to (k + 1) steps' worth in flight, or what the run still needs
         (with `fresh`, none while a step's worth of finished groups waits)."""
-        self.step = FeedStep()
+        self.step = FeedStep(stats=RolloutStats(num_failed_groups=0 if self.counts_drops else None))
         target = min(self.max_staleness + 1, steps_left) * self.batch_size
         free = self.rollout.fleet().num_free_slots
         self._drain()
@@ -151,16 +184,23 @@ class AsyncFeed:
         for p in prompts:
             self.outstanding[str(p.index)] = p
         groups = self.rollout.generate(prompts, self.sampling, stats=RolloutStats())
-        threading.Thread(target=self._read, args=(groups,), name="polyrl-feed", daemon=True).start()
+        indices = [p.index for p in prompts]
+        threading.Thread(target=self._read, args=(groups, indices), name="polyrl-feed", daemon=True).start()
 
-    def _read(self, groups: Iterator[Group]) -> None:
-        """An I/O thread per submitted batch: its groups go to the learner's inbox."""
+    def _read(self, groups: Iterator[Group], indices: list[int]) -> None:
+        """An I/O thread per submitted batch: its groups go to the learner's inbox, and at
+        its end the prompts it gave no group for."""
+        missing = set(indices)
         try:
             for group in groups:
+                missing.discard(group.prompt.index)
                 self._inbox.put(group)
         except BaseException as e:  # the learner raises it (a batch that failed for good)
             if not self._closed:
                 self._inbox.put(e)
+            return
+        if missing and not self._closed:
+            self._inbox.put(Dropped(sorted(missing)))
 
     # ------------------------------------------------------------------------------- taking
 
@@ -242,9 +282,14 @@ class AsyncFeed:
         if only_due:
             self.step.due_wait_s += waited
 
-    def _arrive(self, item: Group | BaseException) -> None:
+    def _arrive(self, item: Group | Dropped | BaseException) -> None:
         if isinstance(item, BaseException):
             raise item
+        if isinstance(item, Dropped):  # logged by the producer; no longer in flight
+            for index in item.indices:
+                self.outstanding.pop(str(index), None)
+            self.step.stats.num_failed_groups = (self.step.stats.num_failed_groups or 0) + len(item.indices)
+            return
         self.arrived.append(item)
         self._oldest[str(item.prompt.index)] = oldest_version(item)
         self.step.arrived_groups += 1

@@ -33,6 +33,7 @@ from polyrl.protocol.manager_api import (
     BatchRequest,
     GroupResult,
     PublisherEndpoint,
+    SampleResultOut,
     WorkerInfo,
     WorkerList,
 )
@@ -283,19 +284,22 @@ class RemoteRollout:
 
 
 def to_group(prompt: Prompt, result: GroupResult) -> Group:
-    samples = [
-        Sample(
-            completion_ids=s.output_ids,
-            logprobs=s.logprobs,
-            finish_reason=s.finish_reason,
-            weight_versions=s.weight_versions,
-            workers=[seg.worker for seg in s.segments],
-            worker_tokens=[seg.num_tokens for seg in s.segments],
-            gen_time_s=s.latency_s,
-            routed_experts=None
-            if s.routed_experts is None
-            else decode_routes(s.routed_experts, rows_through(result.prompt_tokens, len(s.output_ids))),
-        )
-        for s in sorted(result.samples, key=lambda s: s.index)
-    ]
+    samples = [to_sample(s, result.prompt_tokens) for s in sorted(result.samples, key=lambda s: s.index)]
     return Group(prompt=prompt, samples=samples)
+
+
+def to_sample(result: SampleResultOut, prompt_tokens: int) -> Sample:
+    """One sample as the manager sent it: tokens, behaviour log-probs, each token's
+    version, the engines it ran on (`prompt_tokens`: its prompt's length, for its routes)."""
+    return Sample(
+        completion_ids=result.output_ids,
+        logprobs=result.logprobs,
+        finish_reason=result.finish_reason,
+        weight_versions=result.weight_versions,
+        workers=[seg.worker for seg in result.segments],
+        worker_tokens=[seg.num_tokens for seg in result.segments],
+        gen_time_s=result.latency_s,
+        routed_experts=None
+        if result.routed_experts is None
+        else decode_routes(result.routed_experts, rows_through(prompt_tokens, len(result.output_ids))),
+    )

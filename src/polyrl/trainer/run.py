@@ -287,7 +287,7 @@ def start_feed(
 ) -> AsyncFeed | None:
     """rollout.fully_async: the feed that keeps prompts in flight (a resumed run's go out
     again first); `cleanup` closes it before the rollout, whose batches' ends it expects."""
-    if cfg.rollout.fully_async and isinstance(rollout, RemoteRollout):
+    if cfg.rollout.fully_async and isinstance(rollout, RemoteRollout | AgentRollout):
         feed = AsyncFeed(
             rollout,
             source,
@@ -296,6 +296,7 @@ def start_feed(
             cfg.rollout.max_staleness,
             resubmit=state.pending,
             fresh=cfg.rollout.async_admission == "fresh",
+            counts_drops=isinstance(rollout, AgentRollout),
         )
         cleanup.callback(feed.close)
         return feed
