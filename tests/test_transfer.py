@@ -83,6 +83,40 @@ def test_pull_is_bit_exact(publisher: WeightPublisher, num_streams: int) -> None
     assert_same(unflatten(got.buffer, got.manifest), sent)
 
 
+def test_a_capped_publisher_sends_no_faster_than_its_cap_all_pulls_together() -> None:
+    """`manager.transfer.max_send_gbps`: two raw pulls of 4 streams at once, then a zstd
+    one, each bit-exact; the pulls at once took at least their bytes' time at the cap
+    (less the first piece, which may go at once), and so did the encoded payload."""
+    from polyrl.transfer.serve import PACE_BYTES
+
+    cap = 4e6  # bytes/s
+    g = torch.Generator().manual_seed(0)
+    sent = {"w": torch.randn(2**19, generator=g).to(torch.bfloat16), **weights()}  # 1 MiB and the odd sizes
+    with WeightPublisher(chunk_bytes=64 * 1024, max_send_gbps=cap * 8 / 1e9) as pub:
+        pub.publish(sent, 1)
+        got: dict[str, object] = {}
+        t0 = time.monotonic()
+        threads = [
+            threading.Thread(target=lambda w=w: got.update({w: pull(source(pub, 1, w), 1, num_streams=4)}))
+            for w in ("a", "b")
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        together_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        packed = pull(source(pub, 1, "c"), 1, codec="zstd")
+        zstd_s = time.monotonic() - t0
+    for w in ("a", "b"):
+        assert_same(unflatten(got[w].buffer, got[w].manifest), sent)  # type: ignore[attr-defined]
+    assert_same(unflatten(packed.buffer, packed.manifest), sent)
+    total = packed.manifest.total_bytes
+    assert together_s >= (2 * total - 64 * 1024) / cap, together_s
+    assert packed.codec == "zstd" and packed.wire_bytes > 2 * PACE_BYTES
+    assert zstd_s >= (packed.wire_bytes - PACE_BYTES) / cap, zstd_s
+
+
 def test_two_receivers_at_once_and_a_late_joiner(publisher: WeightPublisher) -> None:
     for v in (1, 2, 3):
         publisher.publish(weights(v), v)

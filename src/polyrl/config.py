@@ -841,6 +841,11 @@ class TransferConfig(_Section):
     sendfile was faster in 18 of 20 pairs at 8-16 streams on a 16-core GPU host (by up
     to 17 points of the link's ceiling), sendall on a 2-core AMD box (BENCHMARKS.md,
     "Weight pulls: the receiver's check"). TLS always uses sendall."""
+    max_send_gbps: float | None = Field(None, gt=0)
+    """A cap on the publisher's sending, all pulls together, in Gbit/s (None: as fast as
+    the link). For a trainer whose link carries other traffic too (checkpoints, data,
+    other jobs): pulls then take longer, and nothing else waits behind them. Pulls over
+    the GPU paths are not capped."""
     tls: bool = False
     """Encrypt weight pulls (TLS over each TCP stream) with `manager.tls`'s certificate
     and key; workers verify it against their `worker.tls.ca_file`. Costs CPU on both ends

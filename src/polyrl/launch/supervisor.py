@@ -92,6 +92,7 @@ class Supervisor:
             group_hosts=transfer.group_hosts,
             send_mode=transfer.send_mode,
             tls=tls,  # type: ignore[arg-type]
+            max_send_gbps=transfer.max_send_gbps,
         ).start()
         self._stack.callback(self.publisher.stop)
         # workers on this host pull over NCCL / CUDA IPC (not with TLS: those sockets go to another process)

@@ -33,6 +33,7 @@ import torch
 
 from polyrl.transfer.device import DeviceVersions
 from polyrl.transfer.manifest import flatten, layout
+from polyrl.transfer.pacing import gbps_to_bytes
 from polyrl.transfer.serve import (
     STATS_BYTES,
     Forget,
@@ -103,11 +104,13 @@ class WeightPublisher:
         group_hosts: Sequence[str] = (),
         send_mode: str = SEND_MODE,
         tls: tuple[str, str] | None = None,
+        max_send_gbps: float | None = None,
     ) -> None:
         """`num_groups` listeners serve the same versions (the seeds' sender groups): group
         g binds `group_hosts[g]` (one per network interface) or `host`, on `port + g` when
         `port` is set, else on any free port; the manager spreads workers over them.
-        `tls`: (certificate file, key file): every pull is encrypted (`transfer/wire.py`)."""
+        `tls`: (certificate file, key file): every pull is encrypted (`transfer/wire.py`).
+        `max_send_gbps`: the cap on all pulls together (`transfer/pacing.py`); None: none."""
         if chunk_bytes < 4096 or keep_versions < 1 or num_groups < 1:
             raise ValueError("chunk_bytes must be >= 4096, keep_versions and num_groups >= 1")
         if send_mode not in ("sendall", "sendfile"):
@@ -137,6 +140,7 @@ class WeightPublisher:
             send_mode=send_mode,
             tls_cert_file=tls[0] if tls else None,
             tls_key_file=tls[1] if tls else None,
+            max_send_bytes_per_s=gbps_to_bytes(max_send_gbps),
         )
         self._slots: dict[int, _Slot] = {}
         self._held: dict[int, int] = {}  # version -> slot id, as announced

@@ -40,6 +40,7 @@ from polyrl.lifetime import exit_with_parent
 from polyrl.tls import server_context
 from polyrl.transfer.compress import encode_zstd
 from polyrl.transfer.delta import encode_delta
+from polyrl.transfer.pacing import SendPacer
 from polyrl.transfer.schema import Manifest
 from polyrl.transfer.wire import (
     CHUNK_INDEX,
@@ -85,6 +86,13 @@ class ServeConfig:
     tls_cert_file: str | None = None
     """With its key: every connection is TLS (`manager.transfer.tls`)."""
     tls_key_file: str | None = None
+    max_send_bytes_per_s: float | None = None
+    """All pulls together (`manager.transfer.max_send_gbps`); None: as fast as the link."""
+
+
+PACE_BYTES = 256 * 1024
+"""Under a send cap, the piece each booking covers (`transfer/pacing.py`): what the link
+may get in one burst, so a chunk of 8 MiB does not go at the link's full speed."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +192,8 @@ class Versions:
         self._encode_lock = threading.Lock()
         self._encoded_cache: dict[int, tuple[tuple[int, int], bytes]] = {}  # op -> ((version, base), payload)
         self._deals: dict[tuple[str, int, int], _Deal] = {}  # (worker, version, pull id)
+        rate = cfg.max_send_bytes_per_s
+        self.pacer = SendPacer(rate) if rate else None
 
     def send(self, message: object, fd: int | None = None) -> None:
         """To the trainer, from any thread (the message and its fd stay together)."""
@@ -417,7 +427,14 @@ def serve(versions: Versions, sock: socket.socket, req: Request, held: _Held | N
             )
         else:
             sock.sendall(bytes([STATUS_OK]) + len(payload).to_bytes(8, "big") + checksum(payload).to_bytes(8, "big"))
-            sock.sendall(payload)
+            if versions.pacer is None:
+                sock.sendall(payload)
+            else:
+                view = memoryview(payload)
+                for start in range(0, len(payload), PACE_BYTES):
+                    piece = view[start : start + PACE_BYTES]
+                    versions.pacer.take(len(piece))
+                    sock.sendall(piece)
             versions.count_sent(len(payload))
     else:
         _serve_chunks(versions, sock, req, held)
@@ -440,7 +457,12 @@ def _serve_chunks(versions: Versions, sock: socket.socket, req: Request, held: _
         while (index := versions.claim(deal)) is not None:
             start, end = held.info.chunk_range(index)
             sock.sendall(CHUNK_INDEX.pack(index), more)
-            send(sock, held, start, end)
+            if versions.pacer is None:
+                send(sock, held, start, end)
+            else:
+                for piece in range(start, end, PACE_BYTES):
+                    versions.pacer.take(min(PACE_BYTES, end - piece))
+                    send(sock, held, piece, min(piece + PACE_BYTES, end))
             versions.count_sent(end - start)
         sock.sendall(CHUNK_INDEX.pack(CHUNKS_END))
         if sendfile:
