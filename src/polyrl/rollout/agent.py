@@ -14,6 +14,10 @@ function is meant to wait on the model and on tools, and a slow reward belongs i
 process or a thread of its own. `rollout.n` episodes of one item make a group; a group
 with an episode that raised is dropped (logged, counted in `rollout/agent_failed_groups`):
 its advantages would compare a broken episode with working ones.
+
+Fully asynchronous (`rollout.fully_async`), the feed (`rollout/feed.py`) keeps items in
+flight as it keeps prompts; every call of an episode asks for at least the version its
+episode started at, so an item is due for the staleness bound once that version is.
 """
 
 from __future__ import annotations
