@@ -117,11 +117,15 @@ class ScriptedRollout:
         def groups():
             for _ in prompts:
                 index, versions = inbox.get()
-                yield Group(by_index[index], [Sample([7] * len(versions), [-1.0] * len(versions), "stop", versions)])
+                if versions is not None:  # (None: dropped, as an agent item whose episode raised)
+                    yield Group(
+                        by_index[index], [Sample([7] * len(versions), [-1.0] * len(versions), "stop", versions)]
+                    )
 
         return groups()
 
-    def finish(self, index: int, versions: list[int]) -> None:
+    def finish(self, index: int, versions: list[int] | None) -> None:
+        """Prompt `index` is done, its one sample's tokens of these versions (None: dropped)."""
         self._finished[index].put((index, versions))
 
     def due_groups(self, max_floor_version: int) -> set[str]:
@@ -227,6 +231,33 @@ def test_a_due_group_is_waited_for_and_the_bound_holds() -> None:
     assert feed.step.num_due == 1 and feed.step.due_wait_s >= 0.2
     assert [g.prompt.index for g in feed.arrived] == [2]  # for the next step
     assert {"0"} in rollout.waited_for  # the learner said it waited, and for which group (it moves)
+
+
+def test_a_due_group_its_producer_drops_is_not_waited_for_and_leaves_the_flight() -> None:
+    """Agent episodes: an item whose episode raised gives no group. Once its batch ends the
+    step stops waiting for it (it was due), takes another in its place, counts it, and it
+    is no longer in flight (a checkpoint would not replay it)."""
+    rollout = ScriptedRollout()
+    feed = AsyncFeed(
+        rollout,  # type: ignore[arg-type]
+        Source(),  # type: ignore[arg-type]
+        SamplingParams(max_new_tokens=8),
+        batch_size=2,
+        max_staleness=1,
+        counts_drops=True,
+    )
+    feed.top_up(steps_left=3)  # prompts 0..3, one batch
+    rollout.due = {"0"}
+    rollout.finish(1, [2])
+    taken, thread = _take_in_thread(feed, version=2)
+    time.sleep(0.2)
+    assert taken == [1] and thread.is_alive()  # waiting for prompt 0
+    rollout.finish(0, None)
+    rollout.finish(2, [2])
+    rollout.finish(3, [2])  # the batch ends: prompt 0 gave no group
+    thread.join(5)
+    assert not thread.is_alive() and taken == [1, 2]
+    assert feed.step.stats.num_failed_groups == 1 and feed.pending_indices == [3]
 
 
 def test_more_due_groups_than_a_step_are_all_taken() -> None:

@@ -212,6 +212,7 @@ class AsyncFeed:
         taken = 0
         while True:
             self._drain()
+            due &= self.outstanding.keys()  # a due group its producer dropped is not waited for
             group = self._pick(limit, due, room=self.batch_size - taken - len(due))
             if group is None:
                 if taken >= self.batch_size and not due:
