@@ -87,7 +87,7 @@ def test_a_capped_publisher_sends_no_faster_than_its_cap_all_pulls_together() ->
     """`manager.transfer.max_send_gbps`: two raw pulls of 4 streams at once, then a zstd
     one, each bit-exact; the pulls at once took at least their bytes' time at the cap
     (less the first piece, which may go at once), and so did the encoded payload."""
-    from polyrl.transfer.serve import PACE_BYTES
+    from polyrl.transfer.pacing import PACE_BYTES
 
     cap = 4e6  # bytes/s
     g = torch.Generator().manual_seed(0)

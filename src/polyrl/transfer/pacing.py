@@ -1,17 +1,22 @@
 """A cap on how fast a sender sends, all its connections together (`manager.transfer.max_send_gbps`).
 
 A trainer's network link is rarely its own: checkpoints, the dataset and other jobs use
-it too, and a version pulled by every worker at once would take all of it. Each chunk a
-sender is about to send first books its bytes on one virtual clock: it may start once
-the bytes booked before it have had their time at the capped rate. Over any stretch the
-bytes sent stay within the rate plus one chunk; no byte is delayed when the link is idle
-and under the cap.
+it too, and a version pulled by every worker at once would take all of it. A sender
+sends in pieces of at most `PACE_BYTES`, and each piece first books its bytes on one
+virtual clock: it may start once the bytes booked before it have had their time at the
+capped rate. Over any stretch the bytes sent stay within the rate plus one piece; no
+byte is delayed when the link is idle and under the cap.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+
+PACE_BYTES = 256 * 1024
+"""The most one booking covers: what the link may get in one burst, so a chunk of 8 MiB
+does not go at the link's full speed."""
 
 
 class SendPacer:
@@ -33,6 +38,17 @@ class SendPacer:
         if wait > 0:
             time.sleep(wait)
         return max(wait, 0.0)
+
+
+def paced(pacer: SendPacer | None, start: int, end: int) -> Iterator[tuple[int, int]]:
+    """[start, end) in the pieces to send, each booked first; one piece without a pacer."""
+    if pacer is None:
+        yield start, end
+        return
+    for piece in range(start, end, PACE_BYTES):
+        piece_end = min(piece + PACE_BYTES, end)
+        pacer.take(piece_end - piece)
+        yield piece, piece_end
 
 
 def gbps_to_bytes(gbps: float | None) -> float | None:

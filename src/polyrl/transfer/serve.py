@@ -40,7 +40,7 @@ from polyrl.lifetime import exit_with_parent
 from polyrl.tls import server_context
 from polyrl.transfer.compress import encode_zstd
 from polyrl.transfer.delta import encode_delta
-from polyrl.transfer.pacing import SendPacer
+from polyrl.transfer.pacing import SendPacer, paced
 from polyrl.transfer.schema import Manifest
 from polyrl.transfer.wire import (
     CHUNK_INDEX,
@@ -88,11 +88,6 @@ class ServeConfig:
     tls_key_file: str | None = None
     max_send_bytes_per_s: float | None = None
     """All pulls together (`manager.transfer.max_send_gbps`); None: as fast as the link."""
-
-
-PACE_BYTES = 256 * 1024
-"""Under a send cap, the piece each booking covers (`transfer/pacing.py`): what the link
-may get in one burst, so a chunk of 8 MiB does not go at the link's full speed."""
 
 
 @dataclass(frozen=True)
@@ -427,14 +422,9 @@ def serve(versions: Versions, sock: socket.socket, req: Request, held: _Held | N
             )
         else:
             sock.sendall(bytes([STATUS_OK]) + len(payload).to_bytes(8, "big") + checksum(payload).to_bytes(8, "big"))
-            if versions.pacer is None:
-                sock.sendall(payload)
-            else:
-                view = memoryview(payload)
-                for start in range(0, len(payload), PACE_BYTES):
-                    piece = view[start : start + PACE_BYTES]
-                    versions.pacer.take(len(piece))
-                    sock.sendall(piece)
+            view = memoryview(payload)
+            for start, end in paced(versions.pacer, 0, len(payload)):
+                sock.sendall(view[start:end])
             versions.count_sent(len(payload))
     else:
         _serve_chunks(versions, sock, req, held)
@@ -457,12 +447,8 @@ def _serve_chunks(versions: Versions, sock: socket.socket, req: Request, held: _
         while (index := versions.claim(deal)) is not None:
             start, end = held.info.chunk_range(index)
             sock.sendall(CHUNK_INDEX.pack(index), more)
-            if versions.pacer is None:
-                send(sock, held, start, end)
-            else:
-                for piece in range(start, end, PACE_BYTES):
-                    versions.pacer.take(min(PACE_BYTES, end - piece))
-                    send(sock, held, piece, min(piece + PACE_BYTES, end))
+            for piece, piece_end in paced(versions.pacer, start, end):
+                send(sock, held, piece, piece_end)
             versions.count_sent(end - start)
         sock.sendall(CHUNK_INDEX.pack(CHUNKS_END))
         if sendfile:
