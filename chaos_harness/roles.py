@@ -144,9 +144,10 @@ def manager_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
 
 
 def local_worker_killed(model_dir: Path, work: Path, scale: Scale, tries: int = 3) -> FaultRow:
-    """Each injection kills the local worker while it holds unfinished samples: it is frozen
-    first and the manager asked again (`kill_while_holding`), since 64-token samples of the
-    tiny model finish within a fraction of a second. A freeze that finds nothing left is not
+    """Each injection kills the local worker while it holds unfinished samples and its engine
+    has generated tokens since it was given them (a kill before the first token only
+    restarts them): it is frozen first and the manager asked again (`kill_while_holding`),
+    since 64-token samples of the tiny model finish within a fraction of a second. A freeze that finds nothing left is not
     a kill; the next step is tried. An injection counts once the run's metrics show samples
     moved after it, and is tried again, up to `tries` kills, while enough steps remain."""
     row = FaultRow("local worker kill -9 mid-window")
@@ -164,6 +165,9 @@ def local_worker_killed(model_dir: Path, work: Path, scale: Scale, tries: int = 
     def local(key: str) -> float:
         return next((w[key] for w in _workers(run.url) if w["worker_id"] == "local"), -1)
 
+    def local_url() -> str:
+        return next((w["url"] for w in _workers(run.url) if w["worker_id"] == "local"), "")
+
     def migrated() -> int:
         return sum(int(r.get("rollout/migrated_samples", 0)) for r in run.steps())
 
@@ -179,6 +183,18 @@ def local_worker_killed(model_dir: Path, work: Path, scale: Scale, tries: int = 
             if not pids:
                 raise RuntimeError("no local worker process found")
             run.until(lambda: local("num_inflight") > 0, 120, "the local worker holding samples", poll_s=0.005)
+            # held is not enough: a kill before the first token restarts its samples, nothing migrates
+            url = local_url()
+            start = _generated(url)
+            try:
+                run.until(
+                    lambda: _generated(url) > start and local("num_inflight") > 0,
+                    30,
+                    "the local worker decoding its samples",
+                    poll_s=0.005,
+                )
+            except TimeoutError:
+                continue  # they finished between two looks, or it is syncing a version: the next step
             if kill_while_holding(pids, lambda: local("num_inflight") > 0):
                 return True
         return False
@@ -205,6 +221,15 @@ def local_worker_killed(model_dir: Path, work: Path, scale: Scale, tries: int = 
         run.stop()
     row.wall_s = round(time.monotonic() - started, 2)
     return row
+
+
+def _generated(worker_url: str) -> int:
+    """Tokens the worker's engine has generated since it started (-1: no answer)."""
+    try:
+        response = httpx.get(f"{worker_url}/get_server_info", timeout=2)
+        return int(response.json()["num_generated_tokens"]) if response.status_code == 200 else -1
+    except (httpx.HTTPError, ValueError, KeyError):
+        return -1
 
 
 def _generating(url: str) -> bool:
