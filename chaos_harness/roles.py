@@ -143,7 +143,7 @@ def manager_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
     return row
 
 
-def local_worker_killed(model_dir: Path, work: Path, scale: Scale, tries: int = 3) -> FaultRow:
+def local_worker_killed(model_dir: Path, work: Path, scale: Scale, tries: int = 2) -> FaultRow:
     """Each injection kills the local worker while it holds unfinished samples and its engine
     has generated tokens since it was given them (a kill before the first token only
     restarts them): it is frozen first and the manager asked again (`kill_while_holding`),

@@ -814,6 +814,52 @@ def test_real_worker_pulls_published_weights(long_context_model: Path, tmp_path:
         assert s.output_ids == greedy_tokens(reference, prompt.input_ids, 12)  # the published weights' tokens
 
 
+@pytest.mark.slow
+def test_real_workers_relay_a_version_down_a_chain(long_context_model: Path, tmp_path: Path) -> None:
+    """`transfer.relay_fan_out = 1`: the first worker to have joined pulls the version from
+    the publisher, each other one from the worker before it (its relay serving the chunks
+    as they check out), so the publisher sends it once; every worker then generates the
+    published weights' tokens."""
+    from polyrl.config import TransferConfig
+    from polyrl.manager.weight_sync import PublisherSync
+    from polyrl.transfer.publisher import WeightPublisher
+
+    other = _tiny(tmp_path / "other", seed=7)
+    reference = Engine.from_pretrained(str(other), EngineConfig(max_num_seqs=4))
+    new_weights = {k: p.detach().clone() for k, p in reference.model.named_parameters()}
+    request = batch(3, 1, 8)
+    request.sampling = request.sampling.model_copy(update={"temperature": 0.0, "ignore_eos": True})
+    cfg = fast_cfg(transfer=TransferConfig(relay_fan_out=1))
+    ids = ("w1", "w2", "w3")
+    with ManagerThread(cfg) as mt, WeightPublisher(chunk_bytes=16 * 1024) as pub:
+        sync = PublisherSync(mt.manager, pub, codec="raw")
+        mt.add_sync_hook(sync)
+        procs = [_start_worker(long_context_model, mt.url, w) for w in ids]
+        try:
+            for proc in procs:
+                proc.wait_ready()
+            wait_active(mt, *ids)
+            records = {r.worker_id: r for r in mt.manager.registry}
+            assert all(records[w].relay_port for w in ids)
+            order = sorted(ids, key=lambda w: records[w].joined_at)
+            chains = {w: [r.port for r in sync.relays_for(records[w], 1)[0]] for w in ids}
+            assert chains[order[0]] == [] and chains[order[1]] == [records[order[0]].relay_port]
+            assert chains[order[2]] == [records[order[1]].relay_port, records[order[0]].relay_port]
+            total = pub.publish(new_weights, 1).manifest.total_bytes
+            mt.publish_version(1)
+            _wait_until(lambda: all(workers_of(mt)[w]["weight_version"] == 1 for w in ids), 60, "all at v1")
+            assert pub.bytes_sent == total, (pub.bytes_sent, total)  # once, to the first
+            groups = list(mt.generate(request))
+        finally:
+            for proc in procs:
+                proc.kill()
+    for g in groups:
+        s = g.samples[0]
+        prompt = next(p for p in request.prompts if p.id == g.prompt_id)
+        assert s.weight_versions == [1] * 8
+        assert s.output_ids == greedy_tokens(reference, prompt.input_ids, 8)
+
+
 def test_real_worker_loads_versions_from_a_shared_directory(long_context_model: Path, tmp_path: Path) -> None:
     from polyrl.manager.weight_sync import DiskSync
 

@@ -313,3 +313,24 @@ def test_a_certificate_that_does_not_verify_is_not_retried(tls_files: dict[str, 
             asyncio.run(register())
         assert time.monotonic() - t0 < 5
         assert ManagerLink(mt.url, TOKEN, ca_file=tls_files["ca"]).workers().workers == []
+
+
+def test_a_relay_serves_over_tls_with_its_workers_certificate(
+    tls_publisher: WeightPublisher, tls_files: dict[str, str]
+) -> None:
+    """A worker that serves HTTPS relays over TLS too: a receiver that verifies it against
+    the CA pulls bit-exact; a plaintext one is refused."""
+    from polyrl.transfer.relay import Relay
+    from polyrl.transfer.wire import relay_key, transfer_token
+
+    sent = weights(3)
+    tls_publisher.publish(sent, 1)
+    key = relay_key(tls_publisher.key, "r")
+    upstream = PullSource(*tls_publisher.address, "r", tls_publisher.grant("r", 1), tls=True, ca_file=tls_files["ca"])
+    with Relay(key=key, tls_cert_file=tls_files["cert"], tls_key_file=tls_files["key"]) as relay:
+        pull(upstream, 1, num_streams=2, watcher=relay.watch(1))
+        token = transfer_token(key, "w", 1)
+        got = pull(PullSource(*relay.address, "w", token, tls=True, ca_file=tls_files["ca"]), 1, num_streams=3)
+        assert_same(unflatten(got.buffer, got.manifest), sent)
+        with pytest.raises(TransferError):
+            pull(PullSource(*relay.address, "w", token), 1, num_streams=2, timeout_s=5)

@@ -791,6 +791,10 @@ class WorkerConfig(_Section):
     instance_type: str | None = None
     """The machine's kind, e.g. "g6e.xlarge" or "spot-h100" (default: the POLYRL_INSTANCE_TYPE
     variable), told to the manager with the price so that costs can be read per node type."""
+    relay_port: int | None = Field(0, ge=0, le=65535)
+    """Serve the versions this worker holds to other workers on this port, when the
+    manager relays versions (`manager.transfer.relay_fan_out`): 0 picks a free port, None
+    serves none. It binds `host`, and speaks TLS with `tls`'s certificate when set."""
     local: bool = False
     """The trainer's own engine (`polyrl train` starts it on the trainer's device): it
     registers as `local`, and the manager gives it work only in the local window, when no
@@ -846,6 +850,13 @@ class TransferConfig(_Section):
     the link). For a trainer whose link carries other traffic too (checkpoints, data,
     other jobs): pulls then take longer, and nothing else waits behind them. Pulls over
     the GPU paths are not capped."""
+    relay_fan_out: int | None = Field(None, ge=1, le=64)
+    """Relayed versions: workers that run a relay (`worker.relay_port`) pull each version
+    from a tree of one another, `relay_fan_out` children per sender (1: a chain), in the
+    order they joined, and serve each chunk on as soon as it checks out; the publisher
+    sends a version `relay_fan_out` times, however many workers there are. A receiver
+    whose relay dies goes on from the relay above it, then the publisher, keeping what it
+    has. None: every worker pulls from the publisher (`manager/relay_plan.py`)."""
     tls: bool = False
     """Encrypt weight pulls (TLS over each TCP stream) with `manager.tls`'s certificate
     and key; workers verify it against their `worker.tls.ca_file`. Costs CPU on both ends

@@ -60,6 +60,8 @@ class WorkerRecord:
     instance_type: str | None = None
     pid: int | None = None
     log_path: str | None = None
+    relay_port: int | None = None
+    """Where it serves versions to other workers (None: it does not)."""
     idle_s: float = 0.0
     """Seconds this worker was syncing or active with none of our samples to run, up to
     `_counted_at` (`idle_seconds` adds the running interval): what the fleet's capacity
@@ -169,6 +171,7 @@ class Registry:
             instance_type=request.instance_type,
             pid=request.pid,
             log_path=request.log_path,
+            relay_port=request.relay_port,
             is_local=request.local,
         )
         self.workers[worker_id] = record

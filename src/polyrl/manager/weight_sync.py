@@ -24,19 +24,23 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+from urllib.parse import urlsplit
 
 import httpx
 
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.registry import WorkerRecord
+from polyrl.manager.relay_plan import relay_chains
 from polyrl.protocol.manager_api import PublisherEndpoint
 from polyrl.protocol.worker_api import (
+    RelayGrant,
+    RelaySource,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromPublisherRequest,
     UpdateWeightsResponse,
 )
 from polyrl.transfer.identity import DeviceIdentity, WeightPath
-from polyrl.transfer.wire import transfer_token
+from polyrl.transfer.wire import relay_key, transfer_token
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +60,8 @@ class PublisherView(Protocol):
 
     addresses: list[tuple[str, int]]
     tls: bool
+    key: bytes
+    """What relays' keys derive from (`wire.relay_key`)."""
 
     @property
     def device(self) -> DeviceView | None: ...
@@ -152,6 +158,10 @@ class PublisherSync:
             body.path = path
         if self.manager.cfg.swap_policy is not None:
             body.swap_policy = self.manager.cfg.swap_policy
+        if path == "tcp":
+            relays, grant = self.relays_for(record, version)
+            if grant is not None:  # unset otherwise, as `path`
+                body.relays, body.relay_grant = relays, grant
         reply = await tell_worker(
             self.manager,
             record,
@@ -166,6 +176,36 @@ class PublisherSync:
         self._note(record.worker_id, path, reply)
         log.debug("worker %s pulled v%d: %s", record.worker_id, version, reply.message)
         return reply.weight_version
+
+    def relays_for(self, record: WorkerRecord, version: int) -> tuple[list[RelaySource], RelayGrant | None]:
+        """With `transfer.relay_fan_out`: the relays `record` pulls `version` from, its
+        parent first (`manager/relay_plan.py`), and the grant for its own relay. The tree
+        is over the workers with a relay that pull over TCP, in the order they joined;
+        one without a relay, or pulling int8 (lossy: never served on), gets neither."""
+        transfer = self.manager.cfg.transfer
+        if transfer.relay_fan_out is None or record.relay_port is None or record.is_local or self.codec == "int8":
+            return [], None
+        key = self.publisher.key
+
+        def in_tree(r: WorkerRecord) -> bool:
+            return r is record or (
+                r.relay_port is not None
+                and not r.is_local
+                and r.state in ("syncing", "active")
+                and self.path_for(r.worker_id, version) == "tcp"
+            )
+
+        order = sorted((r for r in self.manager.registry if in_tree(r)), key=lambda r: (r.joined_at, r.worker_id))
+        by_id = {r.worker_id: r for r in order}
+        chain = relay_chains(list(by_id), transfer.relay_fan_out)[record.worker_id]
+        relays = []
+        for relay_id in chain:
+            url = urlsplit(by_id[relay_id].url)
+            token = transfer_token(relay_key(key, relay_id), record.worker_id, version)
+            port = by_id[relay_id].relay_port
+            relays.append(RelaySource(host=url.hostname or "", port=port, token=token, tls=url.scheme == "https"))
+        grant = RelayGrant(key=relay_key(key, record.worker_id).hex(), max_send_gbps=transfer.max_send_gbps)
+        return relays, grant
 
     def group_for(self, worker_id: str) -> int:
         """The worker's publisher group: on its first pull, the one with the fewest

@@ -65,6 +65,9 @@ class RegisterRequest(_Message):
     log_path: str | None = Field(None, max_length=4096)
     """The worker's process id and log file on its node, so that an operator can find the
     process (None: not given, or its output is no file)."""
+    relay_port: int | None = Field(None, ge=1, le=65535)
+    """Where the worker serves the versions it holds to other workers (`transfer/relay.py`;
+    the host is its URL's, TLS when the URL is https); None: it does not."""
     local: bool = False
     """The trainer's own engine (`polyrl worker --local`, on the trainer's device): the
     manager registers it as `local` and uses it only in the local window, when no other

@@ -127,6 +127,23 @@ class LoadLoraAdapterRequest(BaseModel):
     """polyrl extension; default: the current version + 1."""
 
 
+class RelaySource(_Wire):
+    """Another worker's relay, and the token it checks for this pull."""
+
+    host: str
+    port: int = Field(ge=1, le=65535)
+    token: str
+    tls: bool = False
+    """The relay speaks TLS (its worker serves HTTPS): verified against `worker.tls.ca_file`."""
+
+
+class RelayGrant(_Wire):
+    key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """Hex: the key the relay checks its receivers' tokens with (`transfer.wire.relay_key`)."""
+    max_send_gbps: float | None = Field(None, gt=0)
+    """The relay's send cap (`manager.transfer.max_send_gbps`); None: none."""
+
+
 class UpdateWeightsFromPublisherRequest(_Wire):
     """polyrl extension: pull `weight_version` from the trainer's weight publisher
     (`polyrl.transfer`), as a delta against the current version when it can."""
@@ -153,6 +170,11 @@ class UpdateWeightsFromPublisherRequest(_Wire):
     swap_policy: Literal["recompute", "continue", "abort"] | None = None
     """What the swap does to running requests (`engine.swap_policy`); None: the worker's
     own setting. `continue` is vLLM's `pause_generation(mode="keep")` in one call."""
+    relays: list[RelaySource] = []
+    """Workers to pull from before the publisher (`host`, `port`), in order: the first,
+    then the next when one fails mid-pull, keeping the chunks already checked."""
+    relay_grant: RelayGrant | None = None
+    """Serve this version on from the worker's own relay, under this grant."""
 
 
 # --------------------------------------------------------------------------------- responses

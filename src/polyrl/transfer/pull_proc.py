@@ -26,6 +26,7 @@ import ssl
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -98,8 +99,10 @@ def pull_stream(
     tls: ssl.SSLContext | None = None,
     pipelined: bool = True,
     hash_piece: int = HASH_PIECE,
+    done: Callable[[int], None] | None = None,
 ) -> list[int]:
-    """One stream of a pull: the chunks the publisher dealt it, each checked; their indices."""
+    """One stream of a pull: the chunks the publisher dealt it, each checked; their indices.
+    `done(index)` is called as each chunk checks out (a relay serves it on from then)."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
     except OSError as e:
@@ -123,7 +126,7 @@ def pull_stream(
             length = struct.unpack("!I", _recv(sock, memoryview(bytearray(4))))[0]
             text = bytes(_recv(sock, memoryview(bytearray(min(length, 1 << 16))))).decode(errors="replace")
             raise PullFailed(f"publisher refused: {text}")
-        return (_receive_pipelined if pipelined else _receive_inline)(sock, chunks, view, hash_piece)
+        return (_receive_pipelined if pipelined else _receive_inline)(sock, chunks, view, hash_piece, done)
 
 
 _Chunk = tuple[int, int, int, int]
@@ -149,7 +152,9 @@ def _bad(chunk: _Chunk) -> str:
     return f"chunk {index} (bytes {start}-{end}) failed its checksum"
 
 
-def _receive_inline(sock: socket.socket, chunks: Chunks, view: memoryview, piece_bytes: int) -> list[int]:
+def _receive_inline(
+    sock: socket.socket, chunks: Chunks, view: memoryview, piece_bytes: int, done: Callable[[int], None] | None = None
+) -> list[int]:
     got = []
     while (chunk := _next_chunk(sock, chunks)) is not None:
         _, start, end, expected = chunk
@@ -159,14 +164,20 @@ def _receive_inline(sock: socket.socket, chunks: Chunks, view: memoryview, piece
         if hasher.intdigest() != expected:
             raise PullFailed(_bad(chunk))
         got.append(chunk[0])
+        if done is not None:
+            done(chunk[0])
     return got
 
 
-def _receive_pipelined(sock: socket.socket, chunks: Chunks, view: memoryview, piece_bytes: int) -> list[int]:
+def _receive_pipelined(
+    sock: socket.socket, chunks: Chunks, view: memoryview, piece_bytes: int, done: Callable[[int], None] | None = None
+) -> list[int]:
     """Receive on this thread; a checker thread hashes each piece once it has landed.
-    A bad chunk stops the receiving at its next piece; a receive error stops the checker."""
+    A bad chunk stops the receiving at its next piece; a receive error stops the checker
+    (once it has checked what landed before it)."""
     landed: queue.SimpleQueue[tuple[memoryview, _Chunk | None] | None] = queue.SimpleQueue()
     failed: list[str] = []
+    got: list[int] = []
 
     def check() -> None:
         hasher = xxhash.xxh3_64()
@@ -178,10 +189,12 @@ def _receive_pipelined(sock: socket.socket, chunks: Chunks, view: memoryview, pi
                     failed.append(_bad(last_of))
                     return
                 hasher.reset()
+                got.append(last_of[0])
+                if done is not None:
+                    done(last_of[0])
 
     checker = threading.Thread(target=check, name="polyrl-check", daemon=True)
     checker.start()
-    got = []
     try:
         while (chunk := _next_chunk(sock, chunks)) is not None:
             _, start, end, _ = chunk
@@ -190,7 +203,6 @@ def _receive_pipelined(sock: socket.socket, chunks: Chunks, view: memoryview, pi
                     raise PullFailed(failed[0])
                 stop = min(piece + piece_bytes, end)
                 landed.put((_recv(sock, view[piece:stop]), chunk if stop == end else None))
-            got.append(chunk[0])
     finally:
         landed.put(None)  # the checker ends once it has hashed what came before
         checker.join()
@@ -215,19 +227,32 @@ def _recv(sock: socket.socket, view: memoryview) -> memoryview:
     return view
 
 
-def run(job: Job, view: memoryview) -> tuple[str | None, list[int]]:
+def run(job: Job, view: memoryview, done: Callable[[int], None] | None = None) -> tuple[str | None, list[int]]:
     """Every stream of `job` on its own thread: the first error, if any, and the indices
-    of the chunks received and checked."""
+    of the chunks received and checked, those of failed streams included (the next
+    source is asked only for the rest). `done(index)` as each chunk checks out."""
     errors: list[str] = []
     got: list[int] = []
     tls = ssl.create_default_context(cafile=job.ca_file) if job.tls else None
 
+    def checked(index: int) -> None:
+        got.append(index)
+        if done is not None:
+            done(index)
+
     def one(request: bytes) -> None:
         try:
-            got.extend(
-                pull_stream(
-                    job.host, job.port, job.timeout_s, request, job.chunks, view, tls, job.pipelined, job.hash_piece
-                )
+            pull_stream(
+                job.host,
+                job.port,
+                job.timeout_s,
+                request,
+                job.chunks,
+                view,
+                tls,
+                job.pipelined,
+                job.hash_piece,
+                checked,
             )
         except (OSError, PullFailed) as e:
             errors.append(f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e))

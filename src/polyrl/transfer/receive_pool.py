@@ -25,7 +25,7 @@ import torch
 
 from polyrl.transfer.pull_proc import Chunks, Job, spare_cores_for_checking
 from polyrl.transfer.shm import SharedBuffer
-from polyrl.transfer.wire import PullSource, TransferError
+from polyrl.transfer.wire import PartialPull, PullSource, TransferError
 
 log = logging.getLogger("polyrl.transfer")
 
@@ -67,6 +67,10 @@ class _Proc:
             self.process.wait(5)
 
 
+GRACE_S = 2.0
+"""How long a failed pull waits for its other receiver processes (`ReceiverPool._collect`)."""
+
+
 class ReceiverPool:
     def __init__(self, num_processes: int, pipelined: bool | None = None) -> None:
         """`pipelined`: each stream hashes on a second thread of its process, or after
@@ -84,8 +88,9 @@ class ReceiverPool:
         self, source: PullSource, requests: list[bytes], chunks: Chunks, into: LandingBuffer, timeout_s: float
     ) -> list[int]:
         """Run the pull's streams (one encoded request each) into `into`: stream i on
-        process i mod N. The indices of the chunks received and checked; TransferError on
-        any failure. A process that died is replaced at the next pull."""
+        process i mod N. The indices of the chunks received and checked; PartialPull (the
+        chunks that did check out) or TransferError on any failure. A process that died is
+        replaced at the next pull."""
         pipelined = self.pipelined if self.pipelined is not None else spare_cores_for_checking(len(requests))
         jobs: dict[int, list[bytes]] = {}
         for stream, request in enumerate(requests):
@@ -112,7 +117,7 @@ class ReceiverPool:
                 raise
             errors, got = self._collect(conns, timeout_s)
         if errors:
-            raise TransferError(errors[0])
+            raise PartialPull(errors[0], got)
         return got
 
     def landing(self, nbytes: int, pin: bool) -> LandingBuffer:
@@ -145,18 +150,21 @@ class ReceiverPool:
         return proc.conn
 
     def _collect(self, conns: list[Connection], timeout_s: float) -> tuple[list[str], list[int]]:
-        """Each process's answer: the errors, and the chunks received. At the first error
-        the processes still pulling are killed (replaced at the next pull, in ~0.1 s: they
-        import no torch): the pull has failed, and one left running could write into the
-        landing buffer under the next."""
+        """Each process's answer: the errors, and the chunks received and checked. After
+        the first error the others get `GRACE_S` more to answer: when the source died,
+        their streams fail at once too, and the chunks they did check are kept for the
+        next source. One that does not answer in time is killed (replaced at the next
+        pull, in ~0.1 s: they import no torch): left running, it could write into the
+        landing buffer under the next pull."""
         errors: list[str] = []
         got: list[int] = []
         waiting = set(conns)
-        while waiting and not errors:
-            ready = wait(list(waiting), timeout=timeout_s * 2 + 10)
+        while waiting:
+            wait_s = GRACE_S if errors else timeout_s * 2 + 10
+            ready = wait(list(waiting), timeout=wait_s)
             if not ready:
                 self._kill(waiting)
-                return errors + [f"no answer from {len(waiting)} receiver processes in {timeout_s * 2 + 10:.0f}s"], got
+                return errors + [f"no answer from {len(waiting)} receiver processes in {wait_s:.0f}s"], got
             for conn in ready:
                 waiting.discard(conn)  # type: ignore[arg-type]
                 try:
@@ -167,8 +175,6 @@ class ReceiverPool:
                     self._kill({conn})  # type: ignore[arg-type]
                 if error is not None:
                     errors.append(error)
-        if waiting:
-            self._kill(waiting)
         return errors, got
 
     def _kill(self, conns: set[Connection]) -> None:

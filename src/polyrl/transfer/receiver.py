@@ -14,7 +14,9 @@ import logging
 import secrets
 import socket
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from pydantic import ValidationError
@@ -32,8 +34,10 @@ from polyrl.transfer.wire import (
     OP_DELTA,
     OP_DESCRIBE,
     OP_INT8,
+    OP_SOME,
     OP_ZSTD,
     STATUS_OK,
+    PartialPull,
     PullSource,
     TransferError,
     TransferInfo,
@@ -46,6 +50,7 @@ from polyrl.transfer.wire import (
     read_text,
     recv_exact,
     recv_into_exact,
+    wanted_bitmap,
 )
 
 log = logging.getLogger("polyrl.transfer")
@@ -78,7 +83,7 @@ def describe(source: PullSource, version: int, timeout_s: float = 30.0) -> Trans
             f"describing v{version} at {source.host}:{source.port} failed: {type(e).__name__}: {e}{hint}"
         ) from None
     if status != STATUS_OK:
-        raise TransferError(f"publisher refused v{version}: {text.decode(errors='replace')}")
+        raise TransferError(f"{source.host}:{source.port} refused v{version}: {text.decode(errors='replace')}")
     return parse_description(text, version)
 
 
@@ -97,6 +102,16 @@ def parse_description(text: bytes, version: int) -> TransferInfo:
     return info
 
 
+class PullWatcher(Protocol):
+    """Told how a pull goes (a relaying worker serves the chunks on as they check out)."""
+
+    def started(self, info: TransferInfo, buffer: torch.Tensor) -> None:
+        """The version's description, and the buffer its chunks land in."""
+
+    def checked(self, index: int) -> None:
+        """Chunk `index` lies in the buffer, checked (called from the receiving threads)."""
+
+
 def pull(
     source: PullSource,
     version: int,
@@ -106,6 +121,8 @@ def pull(
     base: tuple[int, torch.Tensor] | None = None,
     codec: str = "raw",
     pool: ReceiverPool | None = None,
+    fallbacks: Sequence[PullSource] = (),
+    watcher: PullWatcher | None = None,
 ) -> Pulled:
     """Fetch `version` over `num_streams` connections; raises TransferError.
 
@@ -115,11 +132,16 @@ def pull(
     words that changed, when it still holds that version (else `codec` follows).
     `codec`: raw (parallel streams), zstd (one compressed payload) or int8 (LOSSY).
     `pool`: receiver processes that pull the raw streams when `into` is one of their
-    LandingBuffers' tensors and the version is large (`transfer/receive_pool.py`)."""
+    LandingBuffers' tensors and the version is large (`transfer/receive_pool.py`).
+    `fallbacks`: where to go on when `source` (a relaying worker) cannot be reached or
+    fails mid-pull, in order (the publisher last): the chunks already checked are kept,
+    and the next source is asked only for the rest (op 8 of `wire.py`).
+    `watcher`: told the buffer, then each chunk as it checks out."""
     if codec not in ("raw", "zstd", "int8"):
         raise ValueError(f"unknown codec {codec!r} (raw, zstd, int8)")
     t0 = time.perf_counter()
-    info = describe(source, version, timeout_s)
+    sources = [source, *fallbacks]
+    info, at = _describe_first(sources, version, timeout_s)
     total = info.manifest.total_bytes
     usable = into is not None and into.dtype == torch.uint8 and into.dim() == 1 and into.numel() >= total
     if usable and not into.is_cuda and (base is None or into.data_ptr() != base[1].data_ptr()):  # type: ignore[union-attr]
@@ -129,13 +151,18 @@ def pull(
             buffer = torch.empty(total, dtype=torch.uint8)
         except RuntimeError as e:  # the description claims more than this host has
             raise TransferError(f"cannot allocate {total} bytes for v{version}: {e}") from None
+    if watcher is not None:
+        watcher.started(info, buffer)
     pulled = None
     if base is not None and base[1].numel() == total:
-        pulled = _pull_delta(source, info, base, buffer, timeout_s)
+        pulled = _pull_delta(sources[at], info, base, buffer, timeout_s)
     if pulled is None and codec != "raw":
-        pulled = _pull_whole(source, info, OP_ZSTD if codec == "zstd" else OP_INT8, buffer, timeout_s)
+        pulled = _pull_whole(sources[at], info, OP_ZSTD if codec == "zstd" else OP_INT8, buffer, timeout_s)
     if pulled is not None:
         pulled.seconds = time.perf_counter() - t0
+        if watcher is not None and not pulled.lossy:
+            for index in range(info.num_chunks):
+                watcher.checked(index)
         log.info(
             "pulled v%d as %s%s: %.1f MB on the wire for %.1f MB in %.2fs",
             version,
@@ -146,40 +173,116 @@ def pull(
             pulled.seconds,
         )
         return pulled
-    num_streams = max(1, min(num_streams, info.num_chunks))
-    pull_id = secrets.randbits(63)  # names this pull's streams to the publisher, which deals them its chunks
-    requests = [
-        encode_request(OP_CHUNKS, version, source.worker_id, source.token, i, num_streams, base=pull_id)
-        for i in range(num_streams)
-    ]
-    chunks = Chunks(info.chunk_bytes, total, info.chunk_checksums)
-    landing = pool.landing_of(buffer) if pool is not None and total >= MIN_POOL_BYTES else None
-    try:
-        if landing is not None:
-            got = pool.receive(source, requests, chunks, landing, timeout_s)  # type: ignore[union-attr]
-        else:
-            got = _pull_streams(source, requests, chunks, buffer, timeout_s)
-    except TransferError as e:
-        raise TransferError(f"pull of v{version} failed: {e}") from None
-    if sorted(got) != list(range(info.num_chunks)):
-        raise TransferError(
-            f"pull of v{version}: the publisher sent {len(got)} chunks, {len(set(got))} distinct, of {info.num_chunks}"
-        )
+    have: set[int] = set()
+    failures: list[str] = []
+    for i, src in enumerate(sources[at:], start=at):
+        missing = [c for c in range(info.num_chunks) if c not in have]
+        try:
+            if i > at:
+                _same_version(info, describe(src, version, timeout_s), src)
+            got = _pull_chunks(src, info, missing, buffer, num_streams, timeout_s, pool, watcher)
+        except TransferError as e:
+            kept = e.got if isinstance(e, PartialPull) else []
+            have.update(kept)
+            failures.append(f"{src.host}:{src.port}: {e}")
+            if i + 1 < len(sources):
+                nxt = sources[i + 1]
+                log.warning(
+                    "pull of v%d from %s:%d failed with %d of %d chunks checked (%s); the rest from %s:%d",
+                    version,
+                    src.host,
+                    src.port,
+                    len(have),
+                    info.num_chunks,
+                    e,
+                    nxt.host,
+                    nxt.port,
+                )
+            continue
+        if sorted(got) != missing:
+            raise TransferError(
+                f"pull of v{version}: {src.host}:{src.port} sent {len(got)} chunks, {len(set(got))} distinct, "
+                f"of the {len(missing)} asked for"
+            )
+        have.update(got)
+        break
+    if len(have) < info.num_chunks:
+        raise TransferError(f"pull of v{version} failed: {'; '.join(failures)}")
     if combined_checksum(info.chunk_checksums) != info.buffer_checksum:  # each chunk matched its own
         raise TransferError(f"v{version}: the chunk checksums do not add up to the version's checksum")
     pulled = Pulled(buffer, info.manifest, time.perf_counter() - t0, "raw", total)
     log.info(
-        "pulled v%d: %.1f MB in %.2fs over %d streams",
+        "pulled v%d: %.1f MB in %.2fs over %d streams%s",
         version,
         info.manifest.total_bytes / 1e6,
         pulled.seconds,
         num_streams,
+        f" ({len(failures)} sources failed on the way)" if failures else "",
     )
     return pulled
 
 
+def _describe_first(sources: list[PullSource], version: int, timeout_s: float) -> tuple[TransferInfo, int]:
+    """The description from the first source that gives one, and that source's index."""
+    failures = []
+    for i, src in enumerate(sources):
+        try:
+            return describe(src, version, timeout_s), i
+        except TransferError as e:
+            failures.append(str(e))
+            if i + 1 < len(sources):
+                log.warning("%s; trying %s:%d", e, sources[i + 1].host, sources[i + 1].port)
+    raise TransferError("; ".join(failures))
+
+
+def _same_version(info: TransferInfo, theirs: TransferInfo, source: PullSource) -> None:
+    """A fallback must serve the very bytes the first source described."""
+    if theirs.chunk_bytes != info.chunk_bytes or theirs.chunk_checksums != info.chunk_checksums:
+        raise TransferError(f"{source.host}:{source.port} describes another v{info.manifest.version}")
+
+
+def _pull_chunks(
+    source: PullSource,
+    info: TransferInfo,
+    missing: list[int],
+    buffer: torch.Tensor,
+    num_streams: int,
+    timeout_s: float,
+    pool: ReceiverPool | None,
+    watcher: PullWatcher | None,
+) -> list[int]:
+    """The `missing` chunks from `source` into `buffer`; PartialPull or TransferError."""
+    version, every = info.manifest.version, len(missing) == info.num_chunks
+    num_streams = max(1, min(num_streams, len(missing)))
+    pull_id = secrets.randbits(63)  # names this pull's streams to the publisher, which deals them its chunks
+    op, wanted = (OP_CHUNKS, b"") if every else (OP_SOME, wanted_bitmap(missing, info.num_chunks))
+    requests = [
+        encode_request(op, version, source.worker_id, source.token, i, num_streams, base=pull_id, wanted=wanted)
+        for i in range(num_streams)
+    ]
+    chunks = Chunks(info.chunk_bytes, info.manifest.total_bytes, info.chunk_checksums)
+    # a watched pull runs on threads here: the watcher hears of each chunk as it checks out
+    landing = None
+    if pool is not None and watcher is None and info.manifest.total_bytes >= MIN_POOL_BYTES:
+        landing = pool.landing_of(buffer)
+    checked = watcher.checked if watcher is not None else None
+    try:
+        if landing is not None:
+            return pool.receive(source, requests, chunks, landing, timeout_s)  # type: ignore[union-attr]
+        return _pull_streams(source, requests, chunks, buffer, timeout_s, checked)
+    except PartialPull as e:
+        raise PartialPull(f"pull of v{version} failed: {e}", e.got) from None
+    except TransferError as e:
+        raise TransferError(f"pull of v{version} failed: {e}") from None
+
+
 def _pull_streams(
-    source: PullSource, requests: list[bytes], chunks: Chunks, buffer: torch.Tensor, timeout_s: float
+    source: PullSource,
+    requests: list[bytes],
+    chunks: Chunks,
+    buffer: torch.Tensor,
+    timeout_s: float,
+    checked: Callable[[int], None] | None = None,
 ) -> list[int]:
     """The streams on threads of this process (`transfer/pull_proc.py` runs them)."""
     job = Job(
@@ -194,9 +297,9 @@ def _pull_streams(
         source.tls,
         source.ca_file,
     )
-    error, got = run(job, memoryview(buffer.numpy()).cast("B"))
+    error, got = run(job, memoryview(buffer.numpy()).cast("B"), checked)
     if error is not None:
-        raise TransferError(error)
+        raise PartialPull(error, got)
     return got
 
 

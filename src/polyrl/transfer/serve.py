@@ -49,6 +49,7 @@ from polyrl.transfer.wire import (
     GPU_OPS,
     OP_DELTA,
     OP_DESCRIBE,
+    OP_SOME,
     OP_ZSTD,
     STATUS_OK,
     STATUS_REFUSED,
@@ -63,6 +64,7 @@ from polyrl.transfer.wire import (
     read_request,
     send_text,
     transfer_token,
+    wanted_chunks,
 )
 
 log = logging.getLogger("polyrl.transfer")
@@ -148,7 +150,8 @@ class _Deal:
     receiver gave up) is dropped once idle for `stale_s`."""
 
     num_streams: int
-    num_chunks: int
+    chunks: list[int]
+    """The chunks asked for, in the order they are dealt (all of them, for op 2)."""
     next: int = 0
     joined: int = 0
     active: int = 0
@@ -277,7 +280,10 @@ class Versions:
         with self._lock:
             for k in [k for k, d in self._deals.items() if d.active == 0 and now - d.idle_since > stale_s]:
                 del self._deals[k]
-            deal = self._deals.setdefault(key, _Deal(req.num_streams, num_chunks))
+            deal = self._deals.get(key)
+            if deal is None:
+                wanted = wanted_chunks(req.wanted, num_chunks) if req.op == OP_SOME else list(range(num_chunks))
+                deal = self._deals[key] = _Deal(req.num_streams, wanted)
             if deal.num_streams != req.num_streams or deal.joined >= deal.num_streams:
                 raise ValueError(
                     f"stream {req.stream} of {req.num_streams} does not fit pull {req.base} of {deal.num_streams}"
@@ -289,10 +295,10 @@ class Versions:
     def claim(self, deal: _Deal) -> int | None:
         """The next chunk of `deal` for the calling stream; None once all are dealt."""
         with self._lock:
-            if deal.next >= deal.num_chunks:
+            if deal.next >= len(deal.chunks):
                 return None
             deal.next += 1
-            return deal.next - 1
+            return deal.chunks[deal.next - 1]
 
     def leave_deal(self, req: Request, deal: _Deal) -> None:
         with self._lock:

@@ -21,6 +21,10 @@ connection can only read the version it was granted.
     op 4 (ZSTD)     reply = the same framing; the version zstd-compressed (`transfer/compress.py`)
     op 5 (INT8)     reply = the same framing; the version quantized to int8, LOSSY
                             (`transfer/quantize.py`)
+    op 8 (SOME)     op 2 for some chunks only: the request goes on with wanted_len:u32 |
+                    a bitmap (bit i of byte i // 8, least significant first: chunk i
+                    wanted). A receiver whose source failed asks the next source for
+                    the chunks it has not verified yet.
 
 With `manager.transfer.tls` every connection is TLS from its first byte (the publisher
 presents its certificate, the receiver verifies it against its CA file), then the same
@@ -46,6 +50,7 @@ import socket
 import ssl
 import struct
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -57,12 +62,14 @@ from polyrl.transfer.schema import Manifest
 MAGIC = b"PRLW3\n"
 """Ends in the wire's version: PRLW2 was the same but for op 2, which sent stream i the
 chunks i, i+N, ... (a fixed share)."""
-OP_DESCRIBE, OP_CHUNKS, OP_DELTA, OP_ZSTD, OP_INT8, OP_NCCL, OP_IPC = 1, 2, 3, 4, 5, 6, 7
+OP_DESCRIBE, OP_CHUNKS, OP_DELTA, OP_ZSTD, OP_INT8, OP_NCCL, OP_IPC, OP_SOME = 1, 2, 3, 4, 5, 6, 7, 8
+CHUNK_OPS = {OP_CHUNKS, OP_SOME}
+"""Ops whose reply is raw chunks, dealt to the pull's streams."""
 ENCODED_OPS = {OP_DELTA: "delta", OP_ZSTD: "zstd", OP_INT8: "int8"}
 """Ops whose reply is one payload made by the publisher (once per version, shared)."""
 GPU_OPS = {OP_NCCL: "nccl", OP_IPC: "cuda_ipc"}
 """Ops served from the version held on the trainer's GPU (`WeightPublisher.device`)."""
-KNOWN_OPS = {OP_DESCRIBE, OP_CHUNKS, *ENCODED_OPS, *GPU_OPS}
+KNOWN_OPS = {OP_DESCRIBE, *CHUNK_OPS, *ENCODED_OPS, *GPU_OPS}
 READY, DONE = b"R", b"D"
 STATUS_OK, STATUS_REFUSED = 0, 1
 _HEADER = struct.Struct("!BqqHH")
@@ -115,6 +122,15 @@ class TransferError(RuntimeError):
     """A pull failed (refused, cut, corrupted); the receiver's old weights are untouched."""
 
 
+class PartialPull(TransferError):
+    """A raw pull that failed after some chunks had checked out: `got` names them (they
+    lie in the receiver's buffer), so the next source is asked only for the rest."""
+
+    def __init__(self, message: str, got: list[int]) -> None:
+        super().__init__(message)
+        self.got = got
+
+
 class WireVersionError(ValueError):
     """The other side speaks another version of this wire (the publisher says so in its
     refusal, which every version frames the same way)."""
@@ -136,20 +152,44 @@ def transfer_token(key: bytes, worker_id: str, version: int) -> str:
     return hmac.new(key, f"{worker_id}\0{version}".encode(), hashlib.sha256).hexdigest()
 
 
+def relay_key(key: bytes, relay_id: str) -> bytes:
+    """The key a relaying worker checks its receivers' tokens with: derived from the
+    publisher's by whoever holds that (the manager), so a relay learns a key that opens
+    only itself, never the publisher's."""
+    return hmac.new(key, f"relay\0{relay_id}".encode(), hashlib.sha256).digest()
+
+
 def encode_request(
-    op: int, version: int, worker_id: str, token: str, stream: int = 0, num_streams: int = 1, base: int = -1
+    op: int,
+    version: int,
+    worker_id: str,
+    token: str,
+    stream: int = 0,
+    num_streams: int = 1,
+    base: int = -1,
+    wanted: bytes = b"",
 ) -> bytes:
+    """`wanted`: op 8's chunk bitmap (`wanted_bitmap`)."""
     worker, tok = worker_id.encode(), token.encode()
-    return b"".join(
-        [
-            MAGIC,
-            _HEADER.pack(op, version, base, stream, num_streams),
-            _U16.pack(len(worker)),
-            worker,
-            _U16.pack(len(tok)),
-            tok,
-        ]
-    )
+    parts = [MAGIC, _HEADER.pack(op, version, base, stream, num_streams), _U16.pack(len(worker)), worker]
+    parts += [_U16.pack(len(tok)), tok]
+    if op == OP_SOME:
+        parts += [_U32.pack(len(wanted)), wanted]
+    return b"".join(parts)
+
+
+def wanted_bitmap(indices: Iterable[int], num_chunks: int) -> bytes:
+    bits = bytearray(-(-num_chunks // 8))
+    for i in indices:
+        bits[i // 8] |= 1 << (i % 8)
+    return bytes(bits)
+
+
+def wanted_chunks(bitmap: bytes, num_chunks: int) -> list[int]:
+    """The chunks a bitmap names, in order; ValueError for a bitmap of another size."""
+    if len(bitmap) != -(-num_chunks // 8):
+        raise ValueError(f"a {len(bitmap)}-byte chunk bitmap for a version of {num_chunks} chunks")
+    return [i for i in range(num_chunks) if bitmap[i // 8] >> (i % 8) & 1]
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -207,6 +247,8 @@ class Request:
     num_streams: int
     worker_id: str
     token: str
+    wanted: bytes = b""
+    """op 8: the bitmap of the chunks asked for."""
 
 
 def read_request(sock: socket.socket, timeout_s: float | None = None) -> Request:
@@ -228,7 +270,13 @@ def read_request(sock: socket.socket, timeout_s: float | None = None) -> Request
     token = recv_exact(sock, _U16.unpack(recv_exact(sock, 2, deadline))[0], deadline).decode()
     if op not in KNOWN_OPS or num_streams < 1 or stream >= num_streams:
         raise ValueError(f"bad request header (op {op}, stream {stream} of {num_streams})")
-    return Request(op, version, base, stream, num_streams, worker, token)
+    wanted = b""
+    if op == OP_SOME:
+        (length,) = _U32.unpack(recv_exact(sock, 4, deadline))
+        if length > MAX_TEXT:
+            raise ValueError(f"a chunk bitmap of {length} bytes")
+        wanted = recv_exact(sock, length, deadline)
+    return Request(op, version, base, stream, num_streams, worker, token, wanted)
 
 
 def send_text(sock: socket.socket, status: int, text: bytes) -> None:

@@ -30,6 +30,7 @@ from polyrl.protocol.ids import LOCAL_WORKER_ID
 from polyrl.protocol.manager_api import Heartbeat, RegisterRequest, RegisterResponse
 from polyrl.serving import QuietServer, bind, server_config, wait_started
 from polyrl.tls import base_url, reachable_host
+from polyrl.transfer.relay import Relay
 from polyrl.worker.manager_client import ManagerRejected, ManagerSession, ManagerUnreachable, worker_client
 from polyrl.worker.server import create_app
 from polyrl.worker.state import WorkerState
@@ -77,6 +78,10 @@ def _load_tokenizer(path: str) -> Any | None:
 
 async def _serve(cfg: WorkerRunConfig, engine: AsyncEngine, tokenizer: Any | None, sock: socket.socket) -> int:
     host, port = cfg.worker.host, sock.getsockname()[1]
+    relay = None
+    if cfg.worker.relay_port is not None and not cfg.worker.local:
+        tls = cfg.worker.tls
+        relay = Relay(host, cfg.worker.relay_port, tls_cert_file=tls.cert_file, tls_key_file=tls.key_file)
     state = WorkerState(
         engine,
         model_path=str(cfg.model.path),
@@ -87,6 +92,7 @@ async def _serve(cfg: WorkerRunConfig, engine: AsyncEngine, tokenizer: Any | Non
         token=shared_token(cfg.worker.token, cfg.worker.token_file, "worker.token_file"),
         stream_interval_s=cfg.worker.stream_interval_s,
         ca_file=cfg.worker.tls.ca_file,
+        relay=relay,
     )
     server = QuietServer(server_config(create_app(state), cfg.worker.http, cfg.worker.tls, int(FLUSH_TIMEOUT_S)))
     _install_signal_handlers(state)
@@ -100,6 +106,8 @@ async def _serve(cfg: WorkerRunConfig, engine: AsyncEngine, tokenizer: Any | Non
     await _stop_membership(membership, session, exit_code)
     server.should_exit = True
     await serving
+    if relay is not None:
+        relay.close()
     log.info("worker %s stopped", state.worker_id)
     return exit_code
 
@@ -138,6 +146,7 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
             instance_type=w.instance_type or os.environ.get("POLYRL_INSTANCE_TYPE") or None,
             pid=os.getpid(),
             log_path=log_file(),
+            relay_port=state.relay.address[1] if state.relay is not None else None,
             local=cfg.worker.local,
         )
 

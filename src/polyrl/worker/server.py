@@ -269,12 +269,23 @@ class _Handlers:
         return JSONResponse(UpdateWeightsResponse(success=True, message=message, weight_version=version).model_dump())
 
     async def update_weights_from_publisher(self, body: UpdateWeightsFromPublisherRequest) -> Response:
-        source = PullSource(body.host, body.port, body.worker_id, body.token, body.tls, self.state.ca_file)
-        receiver = self.state.weight_receiver
+        st = self.state
+        source = PullSource(body.host, body.port, body.worker_id, body.token, body.tls, st.ca_file)
+        relays = [PullSource(r.host, r.port, body.worker_id, r.token, r.tls, st.ca_file) for r in body.relays]
+        if body.relay_grant is not None and st.relay is not None:
+            st.relay.grant(bytes.fromhex(body.relay_grant.key), body.relay_grant.max_send_gbps)
+        receiver = st.weight_receiver
         t0 = time.perf_counter()
         try:
             pulled = await receiver.sync(
-                source, body.weight_version, body.num_streams, body.timeout_s, body.codec, body.path, body.swap_policy
+                source,
+                body.weight_version,
+                body.num_streams,
+                body.timeout_s,
+                body.codec,
+                body.path,
+                body.swap_policy,
+                relays,
             )
         except (TransferError, RequestError) as e:
             message = f"weights not updated: {e}"

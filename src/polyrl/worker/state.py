@@ -14,6 +14,7 @@ from polyrl.engine.types import RequestError, SampleResult
 from polyrl.httpapi import ApiError
 from polyrl.inference.versions import VersionBook
 from polyrl.protocol.worker_api import GenerateRequest, ServerInfo
+from polyrl.transfer.relay import Relay
 from polyrl.worker.protocol import text_token_ids
 from polyrl.worker.weight_sync import WeightReceiver
 
@@ -40,8 +41,11 @@ class WorkerState:
         token: str | None = None,
         stream_interval_s: float = 0.0,
         ca_file: str | None = None,
+        relay: Relay | None = None,
     ) -> None:
         self.engine = engine
+        self.relay = relay
+        """Serves the versions this worker pulls to other workers (`transfer/relay.py`)."""
         self.ca_file = ca_file
         """What a TLS publisher's certificate is verified against (`worker.tls.ca_file`)."""
         self.token = token
@@ -58,7 +62,7 @@ class WorkerState:
         self.shutdown_reason = ""
         self.num_open_generates = 0
         """/generate responses not yet fully sent; the drain waits for them to flush."""
-        self.weight_receiver = WeightReceiver(engine)
+        self.weight_receiver = WeightReceiver(engine, relay=relay)
         self.lora_name: str | None = None
         """The adapter loaded by name (`/v1/load_lora_adapter`), served merged; requests may
         name it as their model."""

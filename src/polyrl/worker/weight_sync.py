@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Sequence
 from functools import cached_property
 
 import torch
@@ -36,6 +37,7 @@ from polyrl.transfer.manifest import unflatten
 from polyrl.transfer.nccl import NcclReceiver
 from polyrl.transfer.receive_pool import MIN_POOL_BYTES, ReceiverPool
 from polyrl.transfer.receiver import Pulled, describe, pull
+from polyrl.transfer.relay import Relay
 from polyrl.transfer.wire import PullSource, TransferError
 
 log = logging.getLogger(__name__)
@@ -52,12 +54,19 @@ STAGE_ON_DEVICE_BYTES = 256 * 2**20
 
 class WeightReceiver:
     def __init__(
-        self, engine: AsyncEngine, pin_memory: bool | None = None, receive_processes: int | None = None
+        self,
+        engine: AsyncEngine,
+        pin_memory: bool | None = None,
+        receive_processes: int | None = None,
+        relay: Relay | None = None,
     ) -> None:
         """`pin_memory`: land TCP pulls in pinned host buffers (default: when the engine is on CUDA).
         `receive_processes`: pull large versions' streams in this many processes (default:
-        one per stream, up to the host's cores; 0: threads of this process only)."""
+        one per stream, up to the host's cores; 0: threads of this process only).
+        `relay`: serves each version on to other workers while it lands, once the manager
+        has granted it a key (a watched pull runs its streams on threads of this process)."""
         self.engine = engine
+        self.relay = relay
         self._pin_memory = pin_memory
         self._receive_processes = receive_processes
         self._pool: ReceiverPool | None = None
@@ -106,12 +115,14 @@ class WeightReceiver:
         codec: str = "auto",
         path: WeightPath = "tcp",
         swap_policy: SwapPolicy | None = None,
+        relays: Sequence[PullSource] = (),
     ) -> Pulled | None:
         """Pull `version` and load it; None if the engine already serves it or a newer one.
         `pulled.codec` says how it came (raw, delta, zstd, int8, nccl, cuda_ipc). Raises
         TransferError (the engine keeps its weights) or RequestError (the version does
         not fit the model). `swap_policy`: what the load does to running requests (None:
-        the engine's own)."""
+        the engine's own). `relays`: other workers to pull from first, in order (over
+        TCP, raw), then `source`."""
         async with self._lock:  # one sync at a time; a second caller waits, then no-ops
             if self.engine.engine.weight_version >= version:
                 return None
@@ -124,7 +135,7 @@ class WeightReceiver:
                     raise
                 except (OSError, RuntimeError, ValueError) as e:  # TransferError, CUDA and NCCL errors
                     self._fall_back(path, e)
-            return await self._sync_tcp(source, version, num_streams, timeout_s, codec)
+            return await self._sync_tcp(source, version, num_streams, timeout_s, codec, relays)
 
     async def _sync_gpu(self, path: WeightPath, source: PullSource, version: int, timeout_s: float) -> Pulled:
         if path == "nccl":
@@ -164,23 +175,41 @@ class WeightReceiver:
             log.warning("weight path %s failed (%s); pulling over TCP instead (logged once)", path, self.fallback)
 
     async def _sync_tcp(
-        self, source: PullSource, version: int, num_streams: int, timeout_s: float, codec: str
+        self,
+        source: PullSource,
+        version: int,
+        num_streams: int,
+        timeout_s: float,
+        codec: str,
+        relays: Sequence[PullSource] = (),
     ) -> Pulled:
         base, into = self._base, self._spare
         delta, whole = self._plan(codec)
+        if relays:
+            whole = "raw"  # relays serve raw chunks (a delta is asked, and refused, at no cost)
         if into is None:
             into = self._spare = await asyncio.to_thread(self._landing, source, version, num_streams, timeout_s)
-        pulled = await asyncio.to_thread(
-            pull,
-            source,
-            version,
-            num_streams=num_streams,
-            timeout_s=timeout_s,
-            into=into,
-            base=base if delta else None,
-            codec=whole,
-            pool=self._pool,
-        )
+        relay = self.relay if self.relay is not None and self.relay.key is not None else None
+        watcher = relay.watch(version) if relay is not None and whole != "int8" else None
+        sources = [*relays, source]
+        try:
+            pulled = await asyncio.to_thread(
+                pull,
+                sources[0],
+                version,
+                num_streams=num_streams,
+                timeout_s=timeout_s,
+                into=into,
+                base=base if delta else None,
+                codec=whole,
+                pool=self._pool,
+                fallbacks=sources[1:],
+                watcher=watcher,
+            )
+        except TransferError as e:
+            if relay is not None:
+                relay.failed(version, f"its pull failed: {e}")
+            raise
         if pulled.codec == "raw":
             self._raw_bytes_per_s = pulled.bytes_per_s
         staged = self._staged(pulled.buffer, pulled.manifest.total_bytes)
