@@ -13,11 +13,13 @@ manager's tree (`manager/relay_plan.py`, `--fan-out`), each serving the version 
 its own relay (`transfer/relay.py`) as the chunks check out, with its link capped the
 same, and its parent's ancestors then the publisher as fallbacks.
 
-    python benchmarks/fanout.py --workers 1 4 8 16 32 --version-mib 32 --cap-gbps 1 --json out.json
+    python benchmarks/fanout.py --workers 1 4 8 16 32 --version-mib 32 --cap-gbps 0.1 --json out.json
 
-The version's chunks are `--chunk-kib` (256 KiB by default: 128 chunks in 32 MiB, about
-the ratio of a 16 GB version in the publisher's 8 MiB chunks, 2000): a relay forwards a
-chunk once it has it whole, so what a level adds is one chunk's time.
+The version's chunks are `--chunk-kib` (256 KiB by default: 128 chunks in 32 MiB; a
+16 GB version in the publisher's 8 MiB chunks has 2000). A relay forwards a chunk once
+it has it whole, so what a level adds is about one chunk's time. On a small box, keep
+the cap times the number of workers within what its cores can copy and checksum
+(BENCHMARKS.md: at 1 Gbit/s, 32 relays on 2 cores are bound by the cores).
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ def run(mode: str, num_workers: int, weights: dict[str, torch.Tensor], args: arg
         "levels": depth(num_workers, args.fan_out if relayed else num_workers),
         "all_synced_s": all_synced_s,
         "first_synced_s": min(s for s, _, _ in results),
+        "synced_s": [round(s, 3) for s, _, _ in results],  # in the plan's order (the chain's, relayed)
         "trainer_bytes": trainer_bytes,
         "version_bytes": info.manifest.total_bytes,
         "max_relay_bytes": max(relay_bytes),
