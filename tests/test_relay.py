@@ -147,24 +147,34 @@ def test_a_chain_of_relays_moves_a_version_in_about_one_pull(publisher: WeightPu
             r.close()
 
 
-def test_a_relay_refuses_bad_tokens_and_encoded_ops_and_old_versions(publisher: WeightPublisher) -> None:
-    sent = version(0.25)
-    info = publisher.publish(sent, 1)
+def test_a_relay_checks_tokens_and_serves_deltas_and_zstd_of_whole_versions(publisher: WeightPublisher) -> None:
+    """Tokens under the relay's key only; a version never pulled here is refused after
+    the wait; a delta from a version held whole is served, one from a version not held
+    is refused as "no delta" and the pull goes on raw; zstd is served, int8 never."""
+    v1 = version(0.25)
+    info1 = publisher.publish(v1, 1)
     key = relay_key(publisher.key, "R")
     with Relay(key=key, wait_for_version_s=0.2) as relay:
         pull(at_publisher(publisher, "R"), 1, 2, 10, watcher=relay.watch(1))
         with pytest.raises(TransferError, match="bad transfer token"):
-            pull(
-                PullSource(*relay.address, "w", transfer_token(publisher.key, "w", 1)), 1, 2, 10
-            )  # the publisher's key
+            pull(PullSource(*relay.address, "w", transfer_token(publisher.key, "w", 1)), 1, 2, 10)  # publisher's key
         with pytest.raises(TransferError, match="not held"):
             pull(at_relay(relay, key, "w", 7), 7, 2, 10)  # never comes: refused after the wait
-        # a delta asked of a relay is refused as "no delta", and the pull goes on raw from it
         base = pull(at_publisher(publisher, "w0"), 1, 2, 10)
         got = pull(at_relay(relay, key, "w"), 1, 2, 10, base=(0, base.buffer.clone()))
-        assert got.codec == "raw" and exact(got, info)
-        with pytest.raises(TransferError, match="no encoded payloads"):
-            pull(at_relay(relay, key, "w"), 1, 2, 10, codec="zstd")
+        assert got.codec == "raw" and exact(got, info1)  # no v0 here: raw
+        zstd = pull(at_relay(relay, key, "w"), 1, 2, 10, codec="zstd")
+        assert zstd.codec == "zstd" and exact(zstd, info1)
+        with pytest.raises(TransferError, match="no int8"):
+            pull(at_relay(relay, key, "w"), 1, 2, 10, codec="int8")
+        v2 = {k: t.clone() for k, t in v1.items()}
+        v2["a.weight"][:100] += 1.0  # a few words change
+        info2 = publisher.publish(v2, 2)
+        pull(at_publisher(publisher, "R", 2), 2, 2, 10, watcher=relay.watch(2), base=(1, got.buffer.clone()))
+        sent = relay.bytes_sent
+        delta = pull(at_relay(relay, key, "w", 2), 2, 2, 10, base=(1, got.buffer.clone()))
+        assert delta.codec == "delta" and exact(delta, info2)
+        assert relay.bytes_sent - sent == delta.wire_bytes < info2.manifest.total_bytes // 10
 
 
 def test_the_publisher_serves_some_chunks_only(publisher: WeightPublisher) -> None:

@@ -66,6 +66,8 @@ class Pulled:
     wire_bytes: int = 0
     lossy: bool = False
     """int8: the buffer approximates the published version (never a delta base)."""
+    source: str = ""
+    """host:port the version came from (the last source of a pull that failed over)."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -160,6 +162,7 @@ def pull(
         pulled = _pull_whole(sources[at], info, OP_ZSTD if codec == "zstd" else OP_INT8, buffer, timeout_s)
     if pulled is not None:
         pulled.seconds = time.perf_counter() - t0
+        pulled.source = f"{sources[at].host}:{sources[at].port}"
         if watcher is not None and not pulled.lossy:
             for index in range(info.num_chunks):
                 watcher.checked(index)
@@ -210,10 +213,11 @@ def pull(
         raise TransferError(f"pull of v{version} failed: {'; '.join(failures)}")
     if combined_checksum(info.chunk_checksums) != info.buffer_checksum:  # each chunk matched its own
         raise TransferError(f"v{version}: the chunk checksums do not add up to the version's checksum")
-    pulled = Pulled(buffer, info.manifest, time.perf_counter() - t0, "raw", total)
+    pulled = Pulled(buffer, info.manifest, time.perf_counter() - t0, "raw", total, source=f"{src.host}:{src.port}")
     log.info(
-        "pulled v%d: %.1f MB in %.2fs over %d streams%s",
+        "pulled v%d from %s: %.1f MB in %.2fs over %d streams%s",
         version,
+        pulled.source,
         info.manifest.total_bytes / 1e6,
         pulled.seconds,
         num_streams,

@@ -10,8 +10,10 @@ in about the time of one pull plus one chunk per hop, not one pull per hop.
 
 Tokens are checked under the relay's own key, which the manager derives from the
 publisher's (`wire.relay_key`): the relay can open itself to the receivers the manager
-grants, never the publisher. Encoded ops (delta, zstd, int8) are refused with the text
-a receiver reads as "pull it raw". The relay's sends are capped like the publisher's
+grants, never the publisher. A version held whole is also served as a delta against the
+version before or as zstd, made as the publisher makes them; one still arriving is
+refused for those with the text a receiver reads as "pull it raw". int8 is never served
+(a relay's copies are exact). The relay's sends are capped like the publisher's
 (`manager.transfer.max_send_gbps`). Threads here only move bytes.
 """
 
@@ -27,17 +29,21 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from polyrl.tls import server_context
 from polyrl.transfer.pacing import SendPacer, gbps_to_bytes, paced
+from polyrl.transfer.serve import encode_payload, send_payload
 from polyrl.transfer.wire import (
     CHUNK_INDEX,
     CHUNK_OPS,
     CHUNKS_END,
+    ENCODED_OPS,
     OP_DELTA,
     OP_DESCRIBE,
     OP_SOME,
+    OP_ZSTD,
     STATUS_OK,
     STATUS_REFUSED,
     Request,
@@ -74,6 +80,9 @@ class _Version:
     def complete(self) -> bool:
         return self.num_landed == len(self.landed)
 
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.view, np.uint8)
+
 
 @dataclass
 class _Deal:
@@ -108,6 +117,8 @@ class Relay:
         self._versions: dict[int, _Version] = {}
         self._deals: dict[tuple[str, int, int], _Deal] = {}
         self._cond = threading.Condition()
+        self._encode_lock = threading.Lock()
+        self._encoded_cache: tuple[tuple[int, int, int], bytes] | None = None
         tls = server_context(tls_cert_file, tls_key_file) if tls_cert_file and tls_key_file else None
         self._server = _Server((host, port), self, tls)
         self._thread = threading.Thread(
@@ -234,10 +245,8 @@ class Relay:
     def serve(self, sock: socket.socket, req: Request, peer: str) -> None:
         """The token is checked once the version is here: the manager grants this relay its
         key with the worker's own pull, which may reach it after a receiver's first request."""
-        if req.op not in (OP_DESCRIBE, *CHUNK_OPS):
-            # "no delta" is what a receiver reads as: pull this version raw instead
-            what = "no delta" if req.op == OP_DELTA else "no encoded payloads"
-            send_text(sock, STATUS_REFUSED, f"{what} at a relay: it serves raw chunks".encode())
+        if req.op not in (OP_DESCRIBE, OP_DELTA, OP_ZSTD, *CHUNK_OPS):
+            send_text(sock, STATUS_REFUSED, f"no {ENCODED_OPS.get(req.op, req.op)} at a relay".encode())
             return
         held = self._version(req.version, self.wait_for_version_s if req.op == OP_DESCRIBE else 0.0)
         with self._cond:
@@ -253,8 +262,37 @@ class Relay:
             send_text(sock, STATUS_REFUSED, f"version {req.version} is not held here (held: {have})".encode())
         elif req.op == OP_DESCRIBE:
             send_text(sock, STATUS_OK, held.info.model_dump_json().encode())
+        elif req.op in ENCODED_OPS:
+            payload = self._encoded(req.op, req.version, req.base)
+            if payload is None:  # "no delta" is what a receiver reads as: pull this version raw
+                what = ENCODED_OPS[req.op]
+                text = f"no {what} from v{req.base}" if req.op == OP_DELTA else f"no {what} payload"
+                send_text(sock, STATUS_REFUSED, f"{text} at this relay yet: pull v{req.version} raw".encode())
+                return
+            send_payload(sock, payload, self.pacer)
+            with self._cond:
+                self.bytes_sent += len(payload)
         else:
             self._serve_chunks(sock, req, held)
+
+    def _encoded(self, op: int, version: int, base: int) -> bytes | None:
+        """A delta (from `base`) or zstd payload of `version`, as the publisher makes them,
+        once both versions are here whole (a version still arriving is served raw, chunk
+        by chunk); made once and shared by every receiver asking for the same."""
+        key = (op, version, base if op == OP_DELTA else -1)
+        with self._encode_lock:
+            if self._encoded_cache is not None and self._encoded_cache[0] == key:
+                return self._encoded_cache[1]
+            with self._cond:
+                new, old = self._versions.get(version), self._versions.get(base)
+            if new is None or not new.complete or (op == OP_DELTA and (old is None or not old.complete)):
+                return None
+            payload = encode_payload(op, new, old)
+            if new.gone or (old is not None and old.gone):  # a pull took a buffer meanwhile
+                return None
+            if payload is not None:
+                self._encoded_cache = (key, payload)
+            return payload
 
     def _serve_chunks(self, sock: socket.socket, req: Request, held: _Version) -> None:
         try:

@@ -33,6 +33,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
+from typing import Protocol
 
 import numpy as np
 
@@ -322,13 +323,23 @@ class Versions:
             if cached is not None and cached[0] == key:
                 return cached[1]
             with self.reading(version) as new, self.reading(base) as old:
-                payload = _encode(op, new, old)
+                payload = encode_payload(op, new, old)
             if payload is not None:
                 self._encoded_cache[op] = (key, payload)
             return payload
 
 
-def _encode(op: int, new: _Held | None, old: _Held | None) -> bytes | None:
+class HeldVersion(Protocol):
+    """What an encoder reads of a version: the publisher's `_Held`, a relay's `_Version`."""
+
+    info: TransferInfo
+
+    def array(self) -> np.ndarray: ...
+
+
+def encode_payload(op: int, new: HeldVersion | None, old: HeldVersion | None) -> bytes | None:
+    """`new` as the payload of encoded op `op` (a delta from `old`, zstd, int8); None if
+    a version it needs is missing, or a delta's two layouts differ."""
     if new is None or (op == OP_DELTA and (old is None or old.info.manifest.tensors != new.info.manifest.tensors)):
         return None
     t0 = time.perf_counter()
@@ -427,13 +438,18 @@ def serve(versions: Versions, sock: socket.socket, req: Request, held: _Held | N
                 sock, STATUS_REFUSED, f"no {ENCODED_OPS[req.op]} from v{req.base} (held: {versions.versions})".encode()
             )
         else:
-            sock.sendall(bytes([STATUS_OK]) + len(payload).to_bytes(8, "big") + checksum(payload).to_bytes(8, "big"))
-            view = memoryview(payload)
-            for start, end in paced(versions.pacer, 0, len(payload)):
-                sock.sendall(view[start:end])
+            send_payload(sock, payload, versions.pacer)
             versions.count_sent(len(payload))
     else:
         _serve_chunks(versions, sock, req, held)
+
+
+def send_payload(sock: socket.socket, payload: bytes, pacer: SendPacer | None) -> None:
+    """An encoded op's reply: status, length, xxh3, then the payload (paced)."""
+    sock.sendall(bytes([STATUS_OK]) + len(payload).to_bytes(8, "big") + checksum(payload).to_bytes(8, "big"))
+    view = memoryview(payload)
+    for start, end in paced(pacer, 0, len(payload)):
+        sock.sendall(view[start:end])
 
 
 def _serve_chunks(versions: Versions, sock: socket.socket, req: Request, held: _Held) -> None:

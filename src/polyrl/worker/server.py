@@ -298,8 +298,10 @@ class _Handlers:
             path = pulled.codec if pulled.codec in ("nccl", "cuda_ipc") else "tcp"
             lossy = ", LOSSY" if pulled.lossy else ""
             fallback = f" ({receiver.fallback})" if receiver.fallback else ""
+            origin = f" from {pulled.source}" if pulled.source else ""
             message = (
-                f"pulled {pulled.manifest.total_bytes} bytes ({pulled.codec}{lossy}, {pulled.wire_bytes} on the wire) "
+                f"pulled {pulled.manifest.total_bytes} bytes{origin} ({pulled.codec}{lossy}, "
+                f"{pulled.wire_bytes} on the wire) "
                 f"in {pulled.seconds:.3f}s, serving it {time.perf_counter() - t0:.3f}s after the request{fallback}"
             )
         reply = UpdateWeightsResponse(
