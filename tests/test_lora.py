@@ -385,7 +385,7 @@ def _record_shipped(monkeypatch: pytest.MonkeyPatch) -> dict[int, Manifest]:
     return shipped
 
 
-PULLED = re.compile(r"pulled v(\d+)(?: from \S+)?(?: as [^:]+:.* for|:) ([\d.]+) MB in")
+PULLED = re.compile(r"pulled v(\d+)(?: from \S+:\d+)?(?: as .* for|:) ([\d.]+) MB in")
 """A worker's log line for a version pulled over TCP, whole or as a delta: (version, MB)."""
 
 

@@ -155,7 +155,7 @@ def test_train_through_a_tls_manager_and_workers(
     assert {w.worker_id for w in seen["fleet"].workers} >= {"w0", "local"}  # type: ignore[attr-defined]
     worker_log = (run_dir / "workers" / "w0.log").read_text()
     assert "serving on https://" in worker_log
-    pulled = re.search(r"pulled v1(?: from \S+)?(?: as \S+)?: ([\d.]+) MB", worker_log)
+    pulled = re.search(r"pulled v1(?: as \S+)?(?: from \S+)?: ([\d.]+) MB", worker_log)
     assert pulled, worker_log
     # the weights: every connection to the publisher opens with its handshake (0x16) and
     # carries only TLS records, no plaintext manifest; they hold at least w0's v1

@@ -167,10 +167,11 @@ def pull(
             for index in range(info.num_chunks):
                 watcher.checked(index)
         log.info(
-            "pulled v%d as %s%s: %.1f MB on the wire for %.1f MB in %.2fs",
+            "pulled v%d as %s%s from %s: %.1f MB on the wire for %.1f MB in %.2fs",
             version,
             pulled.codec,
             " (LOSSY)" if pulled.lossy else "",
+            pulled.source,
             pulled.wire_bytes / 1e6,
             total / 1e6,
             pulled.seconds,
