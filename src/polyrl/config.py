@@ -617,6 +617,28 @@ class TrainerConfig(_Section):
         return self
 
 
+class AutoscaleConfig(_Section):
+    """`fleet.autoscale`: the launched fleet's size follows what the steps measure
+    (`launch/autoscale.py`), one worker at a time, within `min_workers`..`max_workers`."""
+
+    enabled: bool = False
+    min_workers: int = Field(1, ge=0)
+    max_workers: int = Field(8, ge=1)
+    target_step_s: float | None = Field(None, gt=0)
+    """Keep the step at or under this many seconds with the fewest workers (None: the
+    size with the most tokens per dollar)."""
+    interval_steps: int = Field(4, ge=1)
+    """Steps at one size, after the first, that a decision averages."""
+    min_gain: float = Field(0.05, ge=0)
+    """A change must be predicted to raise tokens per dollar by this fraction."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleConfig:
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers={self.min_workers} is over max_workers={self.max_workers}")
+        return self
+
+
 class FleetConfig(_Section):
     """Rollout workers the trainer starts itself, as `polyrl worker` subprocesses on this
     machine (remote and hybrid modes). Workers on other machines join with
@@ -672,6 +694,16 @@ class FleetConfig(_Section):
     """Price by instance type: a worker on a node of a listed type declares it instead of
     `usd_per_hour`. A node's type is its POLYRL_INSTANCE_TYPE variable, else the
     autoscaler's node type (RAY_NODE_TYPE_NAME)."""
+    autoscale: AutoscaleConfig = AutoscaleConfig()
+    """Grow and shrink the launched fleet from the steps' measurements (off by default)."""
+
+    @model_validator(mode="after")
+    def _autoscale_or_churn(self) -> FleetConfig:
+        if self.autoscale.enabled and (self.churn_interval_s > 0 or self.kill_interval_s > 0):
+            raise ValueError(
+                "fleet.autoscale decides the fleet's size: it cannot run with churn_interval_s or kill_interval_s"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ray_keys_need_ray(self) -> FleetConfig:

@@ -78,6 +78,7 @@ def train(
                     timer.spans["step"] = time.perf_counter() - t0
                     run.end_step(step)
                     metrics = run.step_metrics(result.groups, result, timer.spans)
+                    run.scale_fleet(metrics)
                     run.tracker.log(step, metrics)
                     if cfg.logging.console:
                         progress.console.print(format_step_line(step, tcfg.total_steps, metrics), soft_wrap=True)

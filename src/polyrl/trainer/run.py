@@ -19,6 +19,7 @@ from typing import Any
 
 from polyrl.config import ConfigError, RunConfig, save_config
 from polyrl.data.source import PromptSource
+from polyrl.launch.autoscale import Autoscaler, autoscaler_for
 from polyrl.launch.fleet import Fleet
 from polyrl.launch.start import start_rollout
 from polyrl.metrics.tracker import Tracker
@@ -81,6 +82,8 @@ class Run:
     """rollout.fully_async: the prompts in flight, and each step's first groups to finish."""
     sampler: DynamicSampler | None = None
     """algo.filter_groups: the step's rounds of generation, for its metrics."""
+    autoscaler: Autoscaler | None = None
+    """fleet.autoscale: the launched fleet's size, decided after each step."""
     ahead: deque[PendingBatch] = field(default_factory=deque)
     """Submitted batches of the steps to come (rollout.max_staleness of them), oldest first."""
     cleanup: ExitStack = field(default_factory=ExitStack)
@@ -142,6 +145,7 @@ class Run:
                 dp=dp,
                 fleet=fleet,
                 feed=feed,
+                autoscaler=autoscaler_for(cfg, dp.world_size) if fleet is not None else None,
                 cleanup=cleanup.pop_all(),
             )
 
@@ -223,6 +227,20 @@ class Run:
         if self.sampler is not None:
             metrics.update(self.sampler.stats.metrics())
         return metrics
+
+    def scale_fleet(self, metrics: dict[str, float]) -> None:
+        """fleet.autoscale: one worker more or fewer when the steps say so (launch/autoscale.py);
+        `fleet/autoscale_target` joins the step's metrics."""
+        if self.autoscaler is None or self.fleet is None:
+            return
+        decision = self.autoscaler.observe(metrics)
+        if decision is not None:
+            now = int(metrics["training/num_workers"])
+            for _ in range(decision.target - now):
+                self.fleet.launch()
+            if decision.target < now:
+                self.fleet.retire_oldest()
+        metrics["fleet/autoscale_target"] = float(self.autoscaler.target or metrics.get("training/num_workers", 0))
 
     def save(self) -> Path:
         model = self.policy.model
