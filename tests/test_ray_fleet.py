@@ -131,3 +131,39 @@ def test_a_node_lost_mid_step_is_replaced_and_nothing_is_lost(tmp_path: Path, cl
     assert last["training/num_rollout_instances"] == 2  # the replacement generated in the last step
     assert last["cost/usd_per_hour"] == pytest.approx(83.79 / 8 + 21.28 / 8 + 0.5)
     assert not ray.is_initialized()  # the fleet closed the connection it opened
+
+
+def test_the_autoscalers_target_reaches_rays_cluster_autoscaler(tmp_path: Path, cluster: Cluster) -> None:
+    """`Fleet.request(n)` on Ray is `request_resources` with n workers' bundles: the
+    request the cluster's autoscaler reads back is there (a later one replaces it)."""
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    from polyrl.config import EngineConfig, FleetConfig
+    from polyrl.launch.ray_fleet import RayFleet
+
+    ray.init(address=cluster.address, namespace="polyrl", log_to_driver=False)
+    try:
+        cfg = FleetConfig(launcher="ray", ray_num_cpus=1, ray_resources={"spot": 1})
+        fleet = RayFleet(cfg, EngineConfig(), str(tmp_path), "http://127.0.0.1:1", TOKEN)
+
+        def requested() -> list[dict[str, float]]:
+            if is_autoscaler_v2():
+                from ray.autoscaler.v2.sdk import get_cluster_resource_state
+
+                state = get_cluster_resource_state(ray._private.worker.global_worker.gcs_client)
+                return [
+                    dict(r.resources_bundle)
+                    for c in state.cluster_resource_constraints
+                    for b in c.resource_requests
+                    for r in [b.request] * b.count
+                ]
+            return json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL))
+
+        fleet.request(3)
+        assert requested() == [{"CPU": 1.0, "spot": 1.0}] * 3
+        fleet.request(1)
+        assert requested() == [{"CPU": 1.0, "spot": 1.0}]
+    finally:
+        ray.shutdown()

@@ -15,7 +15,8 @@ steps since its last change (the first after a change is left out: it pays the n
 worker's start and sync), moves one worker at a time toward the best n' within
 [min_workers, max_workers], and only when that is predicted to gain `min_gain`.
 Scaling down retires the oldest launched worker (SIGTERM: it drains and hands its
-samples back). Each decision is one log line and the `fleet/autoscale_target` metric.
+samples back). On Ray the target first goes to the cluster's autoscaler
+(`Fleet.request`). Each decision is one log line and the `fleet/autoscale_target` metric.
 """
 
 from __future__ import annotations

@@ -90,6 +90,10 @@ class Fleet(ABC):
     def alive(self) -> list[Any]:
         """The launched workers still running, oldest first (each has a `worker_id`)."""
 
+    def request(self, total: int) -> None:
+        """Make room for `total` workers before launching them (the autoscaler's target):
+        nothing to do for processes on this machine; Ray asks its cluster autoscaler."""
+
     def retire_oldest(self) -> str | None:
         """SIGTERM to the oldest (the spot notice): it drains, hands back, deregisters."""
         alive = self.alive()

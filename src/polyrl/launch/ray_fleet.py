@@ -211,8 +211,21 @@ class RayFleet(Fleet):
         return slot
 
     def _wants(self) -> str:
+        return _resources(self._bundle())
+
+    def _bundle(self) -> dict[str, float]:
+        """What one worker reserves, as Ray names resources."""
         wants = {"CPU": self.cfg.ray_num_cpus, "GPU": self.cfg.ray_num_gpus, **self.cfg.ray_resources}
-        return _resources({k: v for k, v in wants.items() if v})
+        return {k: float(v) for k, v in wants.items() if v}
+
+    def request(self, total: int) -> None:
+        """Ray's `request_resources`: the cluster autoscaler adds nodes until `total`
+        workers' bundles fit (each request replaces the one before, so a smaller one lets
+        it retire idle nodes)."""
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[self._bundle()] * total)
+        log.info("asked Ray's autoscaler for room for %d workers (%s each)", total, self._wants())
 
     def alive(self) -> list[RayWorker]:
         """The actors not dead for good, with their current ids (asked from each; Ray

@@ -236,6 +236,7 @@ class Run:
         decision = self.autoscaler.observe(metrics)
         if decision is not None:
             now = int(metrics["training/num_workers"])
+            self.fleet.request(decision.target)
             for _ in range(decision.target - now):
                 self.fleet.launch()
             if decision.target < now:

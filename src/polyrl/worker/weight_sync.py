@@ -122,7 +122,7 @@ class WeightReceiver:
         TransferError (the engine keeps its weights) or RequestError (the version does
         not fit the model). `swap_policy`: what the load does to running requests (None:
         the engine's own). `relays`: other workers to pull from first, in order (over
-        TCP, raw), then `source`."""
+        TCP), then `source`."""
         async with self._lock:  # one sync at a time; a second caller waits, then no-ops
             if self.engine.engine.weight_version >= version:
                 return None
@@ -186,7 +186,7 @@ class WeightReceiver:
         base, into = self._base, self._spare
         delta, whole = self._plan(codec)
         if relays:
-            whole = "raw"  # relays serve raw chunks (a delta is asked, and refused, at no cost)
+            whole = "raw"  # a version still arriving at a relay is served raw (a delta only once whole there)
         if into is None:
             into = self._spare = await asyncio.to_thread(self._landing, source, version, num_streams, timeout_s)
         relay = self.relay if self.relay is not None and self.relay.key is not None else None
