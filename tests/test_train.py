@@ -190,3 +190,19 @@ def test_dataset_task_with_math_reward(tmp_path):
     assert state.step == 2
     rows = _metrics(tmp_path / "run")
     assert all(0.0 <= r["critic/score/mean"] <= 1.0 for r in rows)
+
+
+def test_a_length_schedule_sets_each_steps_budget(tmp_path):
+    """rollout.max_new_tokens_schedule: [[1, 8], [3, 2]] gives steps 1-2 eight tokens and
+    steps 3-4 two (ignore_eos: every sample takes its whole budget); a bad schedule is
+    refused with the key's name."""
+    overrides = [*SMALL, "rollout.max_new_tokens=8", "rollout.ignore_eos=true", "trainer.save_every=0"]
+    cfg = load_config(None, [*overrides, "rollout.max_new_tokens_schedule=[[1, 8], [3, 2]]"])
+    assert [cfg.rollout.budget_at(s) for s in (1, 2, 3, 4)] == [8, 8, 2, 2]
+    train(cfg, tmp_path / "run")
+    rows = _metrics(tmp_path / "run")
+    assert [(r["response_length/max"], r["response_length/min"]) for r in rows] == [(8, 8), (8, 8), (2, 2), (2, 2)]
+    assert all(r["response_length/clip_ratio"] == 1.0 for r in rows)  # against each step's own budget
+    for bad, says in (("[[3, 2], [1, 8]]", "steps must rise"), ("[[1, 9]]", "budgets must lie")):
+        with pytest.raises(ValueError, match=says):
+            load_config(None, [*overrides, f"rollout.max_new_tokens_schedule={bad}"])

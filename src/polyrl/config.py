@@ -255,6 +255,11 @@ class RolloutConfig(_Section):
     n: int = Field(16, ge=1)
     """Samples per prompt (the GRPO group size)."""
     max_new_tokens: int = Field(6, ge=1)
+    max_new_tokens_schedule: list[tuple[int, int]] = []
+    """A length curriculum, [[step, tokens], ...]: from `step` on, samples get at most
+    `tokens` (ThinkPrune's shrinking budgets, DeepScaleR's growing ones). `max_new_tokens`
+    stays the most any step gets, which the engines plan for. Empty: `max_new_tokens`
+    every step."""
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, lt=2**63)
@@ -278,6 +283,14 @@ class RolloutConfig(_Section):
     float64 engine alone is 1.8x slower, and waiting in order costs more when completion
     times spread (long generations). On GPUs the data repeats but the kernels' bits do
     not (README, "Reproducible runs"). Local mode is reproducible without it."""
+
+    def budget_at(self, step: int) -> int:
+        """The generation budget of step `step`'s samples (`max_new_tokens_schedule`)."""
+        budget = self.max_new_tokens
+        for start, tokens in self.max_new_tokens_schedule:
+            if step >= start:
+                budget = tokens
+        return budget
 
     def sampling(self, stop_token_ids: Sequence[int]) -> SamplingParams:
         """How the run's samples are drawn: these settings, ending on `stop_token_ids`
@@ -318,6 +331,18 @@ class RolloutConfig(_Section):
                     "rollout.fully_async needs rollout.max_staleness >= 1: the versions a token may lag behind "
                     "the weights it trains (0 would wait for every response, as the synchronous loop does; try 2)"
                 )
+        steps = [start for start, _ in self.max_new_tokens_schedule]
+        if steps != sorted(set(steps)) or any(start < 1 for start in steps):
+            raise ValueError(f"rollout.max_new_tokens_schedule: steps must rise from 1 or more (got {steps})")
+        if any(not 1 <= tokens <= self.max_new_tokens for _, tokens in self.max_new_tokens_schedule):
+            raise ValueError(
+                f"rollout.max_new_tokens_schedule: budgets must lie in 1..rollout.max_new_tokens ({self.max_new_tokens})"
+            )
+        if self.max_new_tokens_schedule and self.fully_async:
+            raise ValueError(
+                "rollout.max_new_tokens_schedule needs the step-synchronous loop: with rollout.fully_async a "
+                "sample belongs to no one step"
+            )
         if self.async_admission != "bound" and not self.fully_async:
             raise ValueError(f"rollout.async_admission={self.async_admission} is for rollout.fully_async")
         if self.hybrid_local_until in ("idle", "always") and not self.fully_async:
@@ -1066,6 +1091,24 @@ class RunConfig(_Section):
         if self.model.lora.enabled and self.trainer.working_copy is True:
             raise ValueError(
                 "trainer.working_copy needs full fine-tuning: with model.lora the adapters train on the model itself"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_budget_rule(self) -> RunConfig:
+        if self.rollout.max_new_tokens_schedule and self.data.max_new_tokens_key is not None:
+            raise ValueError(
+                "rollout.max_new_tokens_schedule and data.max_new_tokens_key both set budgets: use one of them"
+            )
+        if self.rollout.max_new_tokens_schedule and self.reward.overlong_buffer.enable:
+            raise ValueError(
+                "rollout.max_new_tokens_schedule with reward.overlong_buffer: the penalty ramps up to "
+                "rollout.max_new_tokens, not to each step's budget; use one of them"
+            )
+        if self.rollout.max_new_tokens_schedule and self.data.source in ("atropos", "agent"):
+            raise ValueError(
+                f"rollout.max_new_tokens_schedule: with data.source = {self.data.source!r} the "
+                "environments set their own budgets"
             )
         return self
 

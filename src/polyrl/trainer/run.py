@@ -158,7 +158,7 @@ class Run:
             return self.feed.take(self.state.weight_version)
         if self.cfg.algo.filter_groups.enable:  # (max_staleness is 0: nothing was submitted ahead)
             self.sampler = DynamicSampler(
-                lambda: self._submit().groups,
+                lambda: self._submit(step).groups,
                 self.scorer,
                 self.cfg.algo.filter_groups,
                 self.cfg.trainer.train_batch_size,
@@ -167,14 +167,17 @@ class Run:
             return iter(self.sampler)
         last = min(step + self.cfg.rollout.max_staleness, self.cfg.trainer.total_steps)
         while step + len(self.ahead) <= last:
-            self.ahead.append(self._submit())
+            self.ahead.append(self._submit(step + len(self.ahead)))
         return self.ahead.popleft().groups
 
-    def _submit(self) -> PendingBatch:
-        """The next step's worth of prompts, submitted."""
+    def _submit(self, step: int) -> PendingBatch:
+        """Step `step`'s worth of prompts, submitted (with its generation budget)."""
         cursor, rng = self.source.cursor, rng_state()
         prompts = self.source.take(self.num_prompts_per_step)
-        groups = self.rollout.generate(prompts, self.sampling)
+        sampling = self.sampling
+        if self.cfg.rollout.max_new_tokens_schedule:
+            sampling = sampling.model_copy(update={"max_new_tokens": self.cfg.rollout.budget_at(step)})
+        groups = self.rollout.generate(prompts, sampling)
         if self.cfg.rollout.deterministic and prompts:  # (Atropos environments choose their own groups)
             groups = in_prompt_order(groups, [p.index for p in prompts])
         return PendingBatch(groups, cursor, rng)
@@ -223,6 +226,7 @@ class Run:
             world_size=self.dp.world_size,
             device=self.policy.model.device,
             weight_version=self.state.weight_version,
+            budget=self.cfg.rollout.budget_at(self.state.step),
         )
         if self.sampler is not None:
             metrics.update(self.sampler.stats.metrics())

@@ -62,12 +62,14 @@ def step_metrics(
     world_size: int,
     device: torch.device,
     weight_version: WeightVersion,
+    budget: int | None = None,
 ) -> dict[str, float]:
     """`timings` has the whole step's span as "step"; `device` is the learner's;
-    `weight_version` the one the step published."""
+    `weight_version` the one the step published; `budget` the step's generation budget
+    (default: `rollout.max_new_tokens`)."""
     step_s = timings["step"]
     metrics = average_metrics(result.train_metrics)
-    metrics.update(rollout_metrics(groups, cfg.rollout.max_new_tokens))
+    metrics.update(rollout_metrics(groups, budget or cfg.rollout.max_new_tokens))
     if result.version is not None:
         metrics.update(version_lag_metrics(groups, result.version))
     total_tokens = num_tokens(groups)
