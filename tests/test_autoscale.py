@@ -55,7 +55,7 @@ def test_idle_workers_shrink_the_fleet_and_the_bounds_hold() -> None:
     low = scaler(min_workers=2, max_workers=4, interval_steps=1)
     assert low.observe(step(10.0, 0.8, 2)) is None  # at the floor
     out = scaler(min_workers=1, max_workers=2, interval_steps=1)
-    assert out.observe(step(10.0, 0.0, 5)).target == 4  # type: ignore[union-attr]  # over the ceiling: down
+    assert out.observe(step(10.0, 0.0, 5)).target == 2  # type: ignore[union-attr]  # over the ceiling: to it
 
 
 def test_a_small_gain_is_not_worth_a_change() -> None:
@@ -64,6 +64,31 @@ def test_a_small_gain_is_not_worth_a_change() -> None:
     assert s.observe(step(10.0, 0.9, 2)) is not None  # (it shrinks instead)
     s = scaler(min_workers=1, max_workers=8, interval_steps=1, min_gain=0.5)
     assert s.observe(step(10.0, 0.05, 2)) is None  # a gain, but under 50%
+
+
+def test_a_change_that_measures_worse_is_undone_and_that_size_held_off() -> None:
+    """Workers that share cores: the model sees busy workers and predicts a gain from a
+    third; the third makes nothing faster, so its measured tokens per dollar fall, and
+    the scaler goes back to two and leaves three alone for `hold_steps`."""
+    s = scaler(min_workers=1, max_workers=4, interval_steps=1, hold_steps=5, probe_loss=0.0)
+    assert s.observe(step(10.0, 0.05, 2)).target == 3  # type: ignore[union-attr]
+    s.observe(step(10.0, 0.05, 3))  # the first step at 3: left out
+    back = s.observe(step(10.0, 0.05, 3))  # as slow as with 2, for more money
+    assert back is not None and back.target == 2 and "not tried again" in back.reason
+    s.observe(step(10.0, 0.05, 2))  # the first step back at 2: left out
+    assert [s.observe(step(10.0, 0.05, 2)) for _ in range(3)] == [None] * 3  # 3 is held (5 steps)
+    assert s.observe(step(10.0, 0.05, 2)).target == 3  # type: ignore[union-attr]  # the hold is over
+
+
+def test_one_fewer_is_tried_when_predicted_to_cost_little_and_kept_when_it_pays() -> None:
+    """Half the step is the fleet's, half nobody shortens: one worker fewer is predicted to
+    lose under `probe_loss`, so it is tried; it measures better, and it stays."""
+    s = scaler(min_workers=1, max_workers=4, interval_steps=1, probe_loss=0.2)
+    probe = s.observe(step(1.0, 0.5, 3))
+    assert probe is not None and probe.target == 2 and "trying it" in probe.reason
+    s.observe(step(1.0, 0.5, 2))
+    nxt = s.observe(step(1.0, 0.6, 2))  # as fast with 2, for less: no undo; 1 is tried next
+    assert nxt is not None and nxt.target == 1
 
 
 def test_a_target_step_time_takes_the_fewest_workers_that_meet_it() -> None:

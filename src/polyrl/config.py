@@ -655,7 +655,12 @@ class AutoscaleConfig(_Section):
     interval_steps: int = Field(4, ge=1)
     """Steps at one size, after the first, that a decision averages."""
     min_gain: float = Field(0.05, ge=0)
-    """A change must be predicted to raise tokens per dollar by this fraction."""
+    """A change must be predicted to raise tokens per dollar by this fraction; one that
+    measures this much worse is undone."""
+    probe_loss: float = Field(0.1, ge=0)
+    """One worker fewer is tried when predicted to cost less than this fraction."""
+    hold_steps: int = Field(16, ge=0)
+    """Steps a size that a measurement refuted is not tried again."""
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscaleConfig:

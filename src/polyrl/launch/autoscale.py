@@ -12,8 +12,12 @@ So, as Amdahl's law has it, a step with n' workers takes
 
 and costs (trainer + n' x worker) $/h for the same tokens. The scaler averages the
 steps since its last change (the first after a change is left out: it pays the new
-worker's start and sync), moves one worker at a time toward the best n' within
-[min_workers, max_workers], and only when that is predicted to gain `min_gain`.
+worker's start and sync) and moves one worker at a time within [min_workers,
+max_workers]: to a size predicted to gain `min_gain`, or one down when that is
+predicted to cost under `probe_loss` (the model cannot see what more workers cost
+beyond their price, such as cores they share). What the change measures decides: a
+change that lost `min_gain` or more is undone, and the size it tried is held off for
+`hold_steps`.
 Scaling down retires the oldest launched worker (SIGTERM: it drains and hands its
 samples back). On Ray the target first goes to the cluster's autoscaler
 (`Fleet.request`). Each decision is one log line and the `fleet/autoscale_target` metric.
@@ -61,13 +65,24 @@ class Autoscaler:
         self.target: int | None = None
         """The fleet size last asked for (None: nothing decided yet)."""
         self._seen: list[StepCost] = []
+        self._before: tuple[int, float] | None = None
+        """(size, tokens per dollar measured there) just before the last change."""
+        self._held: dict[int, int] = {}
+        """Sizes a measurement refuted, and until which observed step they are not tried."""
+        self._steps = 0
+        self._last_workers: int | None = None
+
+    def usd_per_hour(self, workers: int) -> float:
+        return self.trainer_usd + workers * self.worker_usd
 
     def tokens_per_usd(self, seen: StepCost, workers: int) -> float:
-        usd = predicted_step_s(seen, workers) * (self.trainer_usd + workers * self.worker_usd) / 3600
+        """Predicted for `workers` from a step seen at `seen.workers` (measured when equal)."""
+        usd = predicted_step_s(seen, workers) * self.usd_per_hour(workers) / 3600
         return seen.tokens / usd if usd > 0 else 0.0
 
     def observe(self, metrics: dict[str, float]) -> Decision | None:
         """A step's metrics; a decision once enough steps at the current size are in."""
+        self._steps += 1
         workers = int(metrics.get("training/num_workers", 0))
         if workers < 1 or "rollout/fleet_idle_s" not in metrics:
             self._seen.clear()  # nothing to reason from (no worker, or a manager that does not say)
@@ -75,12 +90,15 @@ class Autoscaler:
         step = StepCost(
             metrics["perf/time_per_step"], metrics["rollout/fleet_idle_s"], metrics["perf/total_num_tokens"], workers
         )
-        if self._seen and self._seen[-1].workers != workers:
+        changed, self._last_workers = self._last_workers not in (None, workers), workers
+        if changed:
             self._seen = []  # the fleet changed (a launch came up, a worker left): start over
             return None  # and this first step at the new size pays its start
         self._seen.append(step)
-        if len(self._seen) < self.cfg.interval_steps or (self.target is not None and self.target != workers):
-            return None  # too few steps, or a change asked for has not happened yet
+        if self.target is not None and self.target != workers and len(self._seen) <= 2 * self.cfg.interval_steps:
+            return None  # a change asked for has not happened yet (a worker starting, or draining)
+        if len(self._seen) < self.cfg.interval_steps:
+            return None
         seen = StepCost(
             statistics.median(s.step_s for s in self._seen),
             statistics.median(s.idle_s for s in self._seen),
@@ -88,34 +106,66 @@ class Autoscaler:
             workers,
         )
         self._seen = []
-        return self._decide(seen)
+        decision = self._decide(seen)
+        if decision is not None:
+            self._before = (workers, self.tokens_per_usd(seen, workers))
+            self.target = decision.target
+            log.info("autoscale: %s", decision.reason)
+        return decision
 
     def _decide(self, seen: StepCost) -> Decision | None:
         cfg, n = self.cfg, seen.workers
-        sizes = range(cfg.min_workers, cfg.max_workers + 1)
-        if cfg.target_step_s is not None:
-            meets = [k for k in sizes if predicted_step_s(seen, k) <= cfg.target_step_s]
-            best = min(meets) if meets else cfg.max_workers
-            goal = f"step {seen.step_s:.2f} s against a target of {cfg.target_step_s:.2f} s"
-            better = best != n
-        else:
-            best = max(sizes, key=lambda k: self.tokens_per_usd(seen, k))
-            now, then = self.tokens_per_usd(seen, n), self.tokens_per_usd(seen, n + (1 if best > n else -1))
-            better = best != n and then >= (1 + cfg.min_gain) * now
-            goal = f"tokens/$ {now:,.0f} now, {then:,.0f} predicted"
         if n < cfg.min_workers or n > cfg.max_workers:
-            better, best = True, min(max(n, cfg.min_workers), cfg.max_workers)
-        if not better:
+            target = min(max(n, cfg.min_workers), cfg.max_workers)
+            return Decision(target, f"{n} -> {target} workers: outside {cfg.min_workers}..{cfg.max_workers}")
+        if cfg.target_step_s is not None:
+            return self._toward_target(seen)
+        now = self.tokens_per_usd(seen, n)
+        before, self._before = self._before, None
+        if before is not None and before[0] != n and now < (1 - cfg.min_gain) * before[1]:
+            # the change did not pay as predicted (workers that share cores, say): undo it
+            self._held[n] = self._steps + cfg.hold_steps
+            return Decision(
+                before[0],
+                f"{n} -> {before[0]} workers: measured tokens/$ {now:,.0f} here against {before[1]:,.0f} at "
+                f"{before[0]}; {n} is not tried again for {cfg.hold_steps} steps",
+            )
+        sizes = [k for k in (n + 1, n - 1) if cfg.min_workers <= k <= cfg.max_workers and not self._is_held(k)]
+        predicted = {k: self.tokens_per_usd(seen, k) for k in sizes}
+        best = max(sizes, key=predicted.__getitem__, default=None)
+        if best is None:
+            return None
+        why = ""
+        if predicted[best] >= (1 + cfg.min_gain) * now:
+            why = "predicted"
+        elif n - 1 in predicted and predicted[n - 1] >= (1 - cfg.probe_loss) * now:
+            best, why = n - 1, "predicted to cost little: trying it"
+        if not why:
+            return None
+        idle = seen.idle_s / max(seen.workers * seen.step_s, 1e-9)
+        return Decision(
+            best,
+            f"{n} -> {best} workers: tokens/$ {now:,.0f} now, {predicted[best]:,.0f} {why}; step "
+            f"{seen.step_s:.2f} s now, {predicted_step_s(seen, best):.2f} s predicted; workers idle {idle:.0%}",
+        )
+
+    def _toward_target(self, seen: StepCost) -> Decision | None:
+        cfg, n = self.cfg, seen.workers
+        meets = [
+            k for k in range(cfg.min_workers, cfg.max_workers + 1) if predicted_step_s(seen, k) <= cfg.target_step_s
+        ]
+        best = min(meets) if meets else cfg.max_workers
+        if best == n:
             return None
         target = n + (1 if best > n else -1)
-        idle = seen.idle_s / max(seen.workers * seen.step_s, 1e-9)
-        reason = (
-            f"{n} -> {target} workers: {goal}; step {seen.step_s:.2f} s now, "
-            f"{predicted_step_s(seen, target):.2f} s predicted; workers idle {idle:.0%}"
+        return Decision(
+            target,
+            f"{n} -> {target} workers: step {seen.step_s:.2f} s against a target of {cfg.target_step_s:.2f} s, "
+            f"{predicted_step_s(seen, target):.2f} s predicted",
         )
-        self.target = target
-        log.info("autoscale: %s", reason)
-        return Decision(target, reason)
+
+    def _is_held(self, size: int) -> bool:
+        return self._held.get(size, 0) > self._steps
 
 
 def autoscaler_for(cfg: RunConfig, world_size: int) -> Autoscaler | None:

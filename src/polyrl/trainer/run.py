@@ -243,7 +243,7 @@ class Run:
             self.fleet.request(decision.target)
             for _ in range(decision.target - now):
                 self.fleet.launch()
-            if decision.target < now:
+            for _ in range(now - decision.target):
                 self.fleet.retire_oldest()
         metrics["fleet/autoscale_target"] = float(self.autoscaler.target or metrics.get("training/num_workers", 0))
 
