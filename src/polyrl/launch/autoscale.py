@@ -17,8 +17,8 @@ max_workers]: to a size predicted to gain `min_gain`, or one down when that is
 predicted to cost under `probe_loss` (the model cannot see what more workers cost
 beyond their price, such as cores they share). What the change measures decides: a
 change that lost `min_gain` or more is undone, and the size it tried is held off for
-`hold_steps`.
-Scaling down retires the oldest launched worker (SIGTERM: it drains and hands its
+`hold_steps`. (With `target_step_s` the model alone decides: the fewest workers
+predicted to meet it.) Scaling down retires the oldest launched worker (SIGTERM: it drains and hands its
 samples back). On Ray the target first goes to the cluster's autoscaler
 (`Fleet.request`). Each decision is one log line and the `fleet/autoscale_target` metric.
 """
