@@ -297,6 +297,7 @@ def test_what_each_call_sampled_is_what_the_learner_trains_on(agent_model: Path,
     assert checked == 4
 
 
+@pytest.mark.slow
 def test_an_episodes_calls_go_back_to_its_worker_and_hit_the_prefix_cache(agent_model: Path, tmp_path: Path) -> None:
     """Two workers, episodes of three calls: each call after the first goes to the worker
     that served the episode's last one (it has free slots), whose prefix cache serves the

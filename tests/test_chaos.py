@@ -174,7 +174,9 @@ def chaos(chaos_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield Context(fleet, SCALE, weights)
 
 
-@pytest.mark.parametrize("fault", list(SCENARIOS))
+@pytest.mark.parametrize(
+    "fault", [pytest.param(f, marks=pytest.mark.slow) if "readiness" in f else f for f in SCENARIOS]
+)  # the readiness fault waits out a heartbeat timeout: 9-10 s
 def test_fault_loses_nothing(chaos: Context, fault: str) -> None:
     row = FaultRow(fault)
     SCENARIOS[fault](chaos, row)

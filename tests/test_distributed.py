@@ -94,6 +94,7 @@ def _train(
         torch.save({"metrics": metrics, "weights": cpu, "optimizer": optimizer}, out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_two_ranks_resume_and_take_the_single_process_steps(tmp_path, tiny_model_dir, monkeypatch, mode):
     """One process trains on three mini-batches, checkpointing after the first; two ranks

@@ -133,6 +133,7 @@ def test_a_node_lost_mid_step_is_replaced_and_nothing_is_lost(tmp_path: Path, cl
     assert not ray.is_initialized()  # the fleet closed the connection it opened
 
 
+@pytest.mark.slow
 def test_the_autoscalers_target_reaches_rays_cluster_autoscaler(tmp_path: Path, cluster: Cluster) -> None:
     """`Fleet.request(n)` on Ray is `request_resources` with n workers' bundles: the
     request the cluster's autoscaler reads back is there (a later one replaces it)."""

@@ -218,6 +218,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP"])
 def test_a_relay_lost_mid_transfer_its_receivers_finish_from_the_publisher(
     publisher: WeightPublisher, fault: str
