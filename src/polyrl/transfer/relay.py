@@ -19,26 +19,22 @@ refused for those with the text a receiver reads as "pull it raw". int8 is never
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import socketserver
 import ssl
 import threading
 import time
-from contextlib import suppress
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from polyrl.tls import server_context
-from polyrl.transfer.pacing import SendPacer, gbps_to_bytes, paced
-from polyrl.transfer.serve import encode_payload, send_payload
+from polyrl.transfer.pacing import SendPacer, gbps_to_bytes
+from polyrl.transfer.serve import encode_payload, handle_connection, send_chunks, send_payload, token_ok
 from polyrl.transfer.wire import (
-    CHUNK_INDEX,
     CHUNK_OPS,
-    CHUNKS_END,
     ENCODED_OPS,
     OP_DELTA,
     OP_DESCRIBE,
@@ -49,11 +45,7 @@ from polyrl.transfer.wire import (
     Request,
     TransferError,
     TransferInfo,
-    WireVersionError,
-    kernel_timeouts,
-    read_request,
     send_text,
-    transfer_token,
     wanted_chunks,
 )
 
@@ -251,9 +243,7 @@ class Relay:
         held = self._version(req.version, self.wait_for_version_s if req.op == OP_DESCRIBE else 0.0)
         with self._cond:
             key = self.key
-        if key is None or not hmac.compare_digest(
-            req.token.encode(), transfer_token(key, req.worker_id, req.version).encode()
-        ):
+        if key is None or not token_ok(key, req):
             log.warning("relay refused %r from %s: bad token for v%d", req.worker_id, peer, req.version)
             send_text(sock, STATUS_REFUSED, b"bad transfer token for this worker and version")
         elif held is None:
@@ -270,8 +260,7 @@ class Relay:
                 send_text(sock, STATUS_REFUSED, f"{text} at this relay yet: pull v{req.version} raw".encode())
                 return
             send_payload(sock, payload, self.pacer)
-            with self._cond:
-                self.bytes_sent += len(payload)
+            self._count_sent(len(payload))
         else:
             self._serve_chunks(sock, req, held)
 
@@ -300,21 +289,21 @@ class Relay:
         except ValueError as e:
             send_text(sock, STATUS_REFUSED, str(e).encode())
             return
-        try:
-            sock.sendall(bytes([STATUS_OK]))
-            more = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_MORE
-            while (index := self._next_chunk(held, deal)) is not None:
-                start, end = held.info.chunk_range(index)
-                sock.sendall(CHUNK_INDEX.pack(index), more)
-                for piece, piece_end in paced(self.pacer, start, end):
-                    sock.sendall(held.view[piece:piece_end])
-                with self._cond:
-                    self.bytes_sent += end - start
-            sock.sendall(CHUNK_INDEX.pack(CHUNKS_END))
-            with suppress(OSError):
-                sock.recv(1)  # until the receiver closes: it has every byte
+        try:  # sendall copies: the buffer may change hands once this returns
+            send_chunks(
+                sock,
+                held.info,
+                lambda: self._next_chunk(held, deal),
+                lambda start, end: sock.sendall(held.view[start:end]),
+                self.pacer,
+                self._count_sent,
+            )
         finally:
             self._leave(req, deal)
+
+    def _count_sent(self, nbytes: int) -> None:
+        with self._cond:
+            self.bytes_sent += nbytes
 
 
 class _Watch:
@@ -345,19 +334,6 @@ class _Server(socketserver.ThreadingTCPServer):
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         relay: Relay = self.server.relay  # type: ignore[attr-defined]
+        timeout_s = relay.io_timeout_s
         tls: ssl.SSLContext | None = self.server.tls  # type: ignore[attr-defined]
-        sock: socket.socket = self.request
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = f"{self.client_address[0]}:{self.client_address[1]}"
-        try:
-            if tls is not None:
-                sock.settimeout(relay.io_timeout_s)
-                sock = tls.wrap_socket(sock, server_side=True)
-            req = read_request(sock, timeout_s=relay.io_timeout_s)
-            kernel_timeouts(sock, relay.io_timeout_s)
-            relay.serve(sock, req, peer)
-        except WireVersionError as e:
-            with suppress(OSError):
-                send_text(sock, STATUS_REFUSED, str(e).encode())
-        except (OSError, ValueError, TransferError) as e:  # a receiver that left, or the version lost
-            log.debug("relay: pull from %s ended: %s: %s", peer, type(e).__name__, e)
+        handle_connection(self.request, self.client_address, tls, timeout_s, timeout_s, relay.serve, "relayed pull")

@@ -28,7 +28,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -398,28 +398,55 @@ class _Server(socketserver.ThreadingTCPServer):
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         versions: Versions = self.server.versions  # type: ignore[attr-defined]
-        tls: ssl.SSLContext | None = self.server.tls  # type: ignore[attr-defined]
-        sock: socket.socket = self.request
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = f"{self.client_address[0]}:{self.client_address[1]}"
-        try:
-            if tls is not None:  # the TLS handshake falls under the request's deadline too
-                sock.settimeout(versions.cfg.handshake_timeout_s)
-                sock = tls.wrap_socket(sock, server_side=True)
-            req = read_request(sock, timeout_s=versions.cfg.handshake_timeout_s)
-            kernel_timeouts(sock, versions.cfg.io_timeout_s)
+        cfg = versions.cfg
+
+        def answer(sock: socket.socket, req: Request, peer: str) -> None:
             with versions.reading(req.version) as held:
                 serve(versions, sock, req, held, peer)
-        except WireVersionError as e:
-            log.warning("weight pull from %s refused: %s", peer, e)
-            with suppress(OSError):
-                send_text(sock, STATUS_REFUSED, str(e).encode())
-        except (OSError, ValueError, TransferError) as e:  # a receiver that died, stalled or spoke garbage
-            log.debug("weight pull from %s ended: %s: %s", peer, type(e).__name__, e)
+
+        handle_connection(
+            self.request,
+            self.client_address,
+            self.server.tls,  # type: ignore[attr-defined]
+            cfg.handshake_timeout_s,
+            cfg.io_timeout_s,
+            answer,
+            "weight pull",
+        )
+
+
+def handle_connection(
+    sock: socket.socket,
+    client_address: tuple[str, int],
+    tls: ssl.SSLContext | None,
+    handshake_timeout_s: float,
+    io_timeout_s: float,
+    answer: Callable[[socket.socket, Request, str], None],
+    what: str,
+) -> None:
+    """One connection of the weight wire, at the publisher or a relay (`relay.py`): the
+    TLS handshake and the request within `handshake_timeout_s`, then `answer` on a socket
+    with kernel-enforced idle timeouts. A receiver that died, stalled or spoke garbage
+    ends it with one debug line; one speaking another wire version is told so."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    peer = f"{client_address[0]}:{client_address[1]}"
+    try:
+        if tls is not None:  # the TLS handshake falls under the request's deadline too
+            sock.settimeout(handshake_timeout_s)
+            sock = tls.wrap_socket(sock, server_side=True)
+        req = read_request(sock, timeout_s=handshake_timeout_s)
+        kernel_timeouts(sock, io_timeout_s)
+        answer(sock, req, peer)
+    except WireVersionError as e:
+        log.warning("%s from %s refused: %s", what, peer, e)
+        with suppress(OSError):
+            send_text(sock, STATUS_REFUSED, str(e).encode())
+    except (OSError, ValueError, TransferError) as e:
+        log.debug("%s from %s ended: %s: %s", what, peer, type(e).__name__, e)
 
 
 def serve(versions: Versions, sock: socket.socket, req: Request, held: _Held | None, peer: str) -> None:
-    if not _token_ok(versions.cfg.key, req):
+    if not token_ok(versions.cfg.key, req):
         log.warning("weight pull refused for %r from %s: bad token for v%d", req.worker_id, peer, req.version)
         send_text(sock, STATUS_REFUSED, b"bad transfer token for this worker and version")
     elif req.op in GPU_OPS and isinstance(sock, ssl.SSLSocket):
@@ -461,22 +488,43 @@ def _serve_chunks(versions: Versions, sock: socket.socket, req: Request, held: _
         send_text(sock, STATUS_REFUSED, str(e).encode())
         return
     try:
-        sock.sendall(bytes([STATUS_OK]))
         # sendfile would bypass the TLS layer: TLS connections always send from this process
         sendfile = versions.cfg.send_mode == "sendfile" and not isinstance(sock, ssl.SSLSocket)
         send = _sendfile if sendfile else _sendall
-        more = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_MORE  # the index rides with its chunk
-        while (index := versions.claim(deal)) is not None:
-            start, end = held.info.chunk_range(index)
-            sock.sendall(CHUNK_INDEX.pack(index), more)
-            for piece, piece_end in paced(versions.pacer, start, end):
-                send(sock, held, piece, piece_end)
-            versions.count_sent(end - start)
-        sock.sendall(CHUNK_INDEX.pack(CHUNKS_END))
+        send_chunks(
+            sock,
+            held.info,
+            lambda: versions.claim(deal),
+            lambda start, end: send(sock, held, start, end),
+            versions.pacer,
+            versions.count_sent,
+        )
         if sendfile:
             _wait_for_close(sock)
     finally:
         versions.leave_deal(req, deal)
+
+
+def send_chunks(
+    sock: socket.socket,
+    info: TransferInfo,
+    claim: Callable[[], int | None],
+    send: Callable[[int, int], None],
+    pacer: SendPacer | None,
+    count: Callable[[int], None],
+) -> None:
+    """One stream of a raw pull, at the publisher or a relay: STATUS_OK, then each chunk
+    `claim` deals this stream, after its index, in the paced pieces `send` puts on the
+    socket (`count`ed once the chunk is out), then CHUNKS_END."""
+    sock.sendall(bytes([STATUS_OK]))
+    more = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_MORE  # the index rides with its chunk
+    while (index := claim()) is not None:
+        start, end = info.chunk_range(index)
+        sock.sendall(CHUNK_INDEX.pack(index), more)
+        for piece, piece_end in paced(pacer, start, end):
+            send(piece, piece_end)
+        count(end - start)
+    sock.sendall(CHUNK_INDEX.pack(CHUNKS_END))
 
 
 def _wait_for_close(sock: socket.socket) -> None:
@@ -505,7 +553,8 @@ def _sendfile(sock: socket.socket, held: _Held, start: int, end: int) -> None:
         start += sent
 
 
-def _token_ok(key: bytes, req: Request) -> bool:
+def token_ok(key: bytes, req: Request) -> bool:
+    """The request's token is the one granted for its worker and version under `key`."""
     return hmac.compare_digest(req.token.encode(), transfer_token(key, req.worker_id, req.version).encode())
 
 
