@@ -30,8 +30,9 @@ from polyrl.cli import main as cli_main
 from polyrl.config import load_config
 from polyrl.manager.fleet import FleetStatus, fleet_status
 from polyrl.manager.main import ManagerThread
-from polyrl.protocol.manager_api import BatchError, RegisterRequest
+from polyrl.protocol.manager_api import BatchError, FleetDecision, RegisterRequest
 from polyrl.report import PANELS, ReportError, draw, load_runs, report
+from polyrl.rollout.manager_link import ManagerLink
 from polyrl.status import status
 
 RUNS = Path(__file__).parent / "data" / "runs"
@@ -119,6 +120,27 @@ def _beat(version: int, tokens_per_s: float):  # type: ignore[no-untyped-def]
     from polyrl.protocol.manager_api import Heartbeat
 
     return Heartbeat(state="active", weight_version=version, num_running=0, num_waiting=0, gen_throughput=tokens_per_s)
+
+
+def test_the_autoscalers_decisions_reach_the_fleet_view_bounded_and_checked() -> None:
+    """The trainer's link posts each decision; `GET /v1/fleet` keeps the latest, with the
+    time they arrived; a malformed one is refused and changes nothing."""
+    from polyrl.manager.fleet import MAX_DECISIONS
+
+    with ManagerThread(chaos_manager_config(heartbeat_timeout_s=3600.0)) as mt:
+        link = ManagerLink(mt.url, TOKEN, retry_s=1.0)
+        t0 = time.time()
+        for i in range(MAX_DECISIONS + 2):
+            link.fleet_decision(FleetDecision(workers=i, target=i + 1, reason=f"step {i}: predicted"))
+        with pytest.raises(Exception, match="422"):
+            link._post("/v1/fleet/decisions", FleetDecision.model_construct(workers=-1, target=1, reason="x"))
+        with pytest.raises(Exception, match="401"):
+            ManagerLink(mt.url, "wrong", retry_s=1.0).fleet_decision(FleetDecision(workers=1, target=2, reason="x"))
+        fleet = FleetStatus.model_validate_json(link.http.get("/v1/fleet").content)
+        link.http.close()
+    assert len(fleet.decisions) == MAX_DECISIONS
+    assert [d.target for d in fleet.decisions[:2]] == [3, 4] and fleet.decisions[-1].reason == "step 101: predicted"
+    assert all(d.t >= t0 for d in fleet.decisions)
 
 
 def test_a_failed_batch_counts_its_lost_samples() -> None:
@@ -294,8 +316,14 @@ def test_page_renders_a_fleet_in_a_browser() -> None:
     with ManagerThread(chaos_manager_config(heartbeat_timeout_s=3600.0)) as mt:
         register_fake(mt, "a", usd_per_hour=0.5)
         register_fake(mt, "b")
+        before = dump_dom(binary, f"{mt.url}/?token={TOKEN}")
+        link = ManagerLink(mt.url, TOKEN)
+        link.fleet_decision(FleetDecision(workers=2, target=3, reason="tokens/$ 3,100,000 now, 3,400,000 predicted"))
+        link.http.close()
         dom = dump_dom(binary, f"{mt.url}/?token={TOKEN}")
         refused = dump_dom(binary, f"{mt.url}/?token=wrong")
+    assert "has not decided yet" in before and not re.search(r'data-target="\d', before)
+    assert 'data-target="3"' in dom and "2 → 3" in dom and "3,400,000 predicted" in dom
     row_a, row_b = worker_row(dom, "a"), worker_row(dom, "b")
     assert row_a and 'data-state="active"' in row_a and "v0" in row_a and "0.50" in row_a
     assert row_b and '<td class="num">-</td>' in row_b  # no price: "-"

@@ -1,4 +1,4 @@
-"""`polyrl` command line: `train`, `worker`, `manager`, `tiny-model`, `report`, `status`."""
+"""`polyrl` command line: `train`, `worker`, `manager`, `tiny-model`, `report`, `status`, `plan`."""
 
 from __future__ import annotations
 
@@ -339,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
     p.add_argument("--ca-file", help="PEM CA bundle to verify an https manager against (default: the system's)")
     p.set_defaults(func=cmd_status)
+
+    from polyrl.plan.command import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 

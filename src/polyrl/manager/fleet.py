@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict
 
 from polyrl.manager.events import WorkerEvent
-from polyrl.protocol.manager_api import LocalWindowReport, WorkerState
+from polyrl.protocol.manager_api import FleetDecision, LocalWindowReport, WorkerState
 
 if TYPE_CHECKING:
     from polyrl.manager.batch import Batch, WorkUnit
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 HISTORY_INTERVAL_S = 2.0
 MAX_HISTORY = 1800
 """An hour at HISTORY_INTERVAL_S."""
+MAX_DECISIONS = 100
+"""The autoscaler's latest decisions kept for the page (it decides every few steps)."""
 
 
 class _View(BaseModel):
@@ -89,6 +91,8 @@ class FleetStatus(_View):
     events: list[WorkerEvent]
     history: list[HistoryPoint]
     last_window: LocalWindowReport | None = None
+    decisions: list[FleetDecision] = []
+    """The trainer's autoscaler's latest decisions, oldest first."""
 
 
 class History:
@@ -145,6 +149,7 @@ class Observed(Protocol):
     registry: Registry
     metrics: ManagerMetrics
     history: History
+    decisions: deque[FleetDecision]
     window: LocalWindow
     batches: dict[str, Batch]
     pending: deque[WorkUnit]
@@ -167,4 +172,5 @@ def fleet_status(manager: Observed) -> FleetStatus:
         events=list(manager.registry.events.events),
         history=list(manager.history.points),
         last_window=manager.window.last,
+        decisions=list(manager.decisions),
     )

@@ -44,7 +44,7 @@ from polyrl.config import ManagerConfig
 from polyrl.inference.versions import VersionBook
 from polyrl.manager.backends import RemoteBackend
 from polyrl.manager.batch import Batch, WorkUnit
-from polyrl.manager.fleet import History
+from polyrl.manager.fleet import MAX_DECISIONS, History
 from polyrl.manager.local_window import WindowControl
 from polyrl.manager.membership import Membership
 from polyrl.manager.metrics import ManagerMetrics
@@ -59,6 +59,7 @@ from polyrl.protocol.manager_api import (
     BatchFailed,
     BatchFailureKind,
     BatchRequest,
+    FleetDecision,
     GroupResult,
     Heartbeat,
     RegisterRequest,
@@ -80,6 +81,8 @@ class RolloutManager:
         self.state = ManagerState(cfg)
         self.history = History()
         """Fleet throughput and price over time, for the operator page."""
+        self.decisions: deque[FleetDecision] = deque(maxlen=MAX_DECISIONS)
+        """The trainer's autoscaler's decisions, as it reported them, for the operator page."""
         self.completions = VersionBook()
         """The completions served on the OpenAI/vLLM routes, with their tokens' weight
         versions, for the trainer's Atropos groups (`inference/versions.py`)."""

@@ -17,6 +17,7 @@ malformed request gets a 4xx naming the reason and changes nothing.
     POST /v1/weights/version             PublishVersion
     POST /v1/learner_started             the trainer's learner started on the step: the local window closes
     POST /v1/learner_waiting             the trainer's learner waits for groups: the `idle` window opens
+    POST /v1/fleet/decisions             FleetDecision: the trainer's autoscaler changed the fleet's size
     POST /v1/groups/due                  DueGroupsRequest -> DueGroups: unfinished groups with tokens that old
     POST /v1/completions/versions        VersionsQuery -> VersionsReply: the weight versions of completions
                                          served below or by a worker, by token ids (completions.py)
@@ -55,6 +56,7 @@ from polyrl.protocol.manager_api import (
     BatchRequest,
     DueGroups,
     DueGroupsRequest,
+    FleetDecision,
     Heartbeat,
     LearnerWaiting,
     LeaveRequest,
@@ -158,6 +160,11 @@ class _Handlers:
         self.manager.learner_started()
         return {}
 
+    async def fleet_decision(self, body: FleetDecision) -> dict[str, Any]:
+        """The trainer's autoscaler decided; kept for the operator page (it already logged it)."""
+        self.manager.decisions.append(body.model_copy(update={"t": time.time()}))
+        return {}
+
     async def learner_waiting(self, body: LearnerWaiting) -> dict[str, Any]:
         self.manager.learner_waiting(body.prompt_ids)
         return {}
@@ -246,6 +253,7 @@ def create_app(manager: RolloutManager) -> FastAPI:
     app.post("/v1/weights/version", dependencies=auth)(h.publish)
     app.post("/v1/publisher", dependencies=auth)(h.set_publisher)
     app.post("/v1/learner_started", dependencies=auth)(h.learner_started)
+    app.post("/v1/fleet/decisions", dependencies=auth)(h.fleet_decision)
     app.post("/v1/learner_waiting", dependencies=auth)(h.learner_waiting)
     app.post("/v1/groups/due", dependencies=auth)(h.due_groups)
     app.post("/v1/completions/versions", dependencies=auth)(versions)
@@ -257,7 +265,7 @@ def create_app(manager: RolloutManager) -> FastAPI:
     app.post("/generate", dependencies=auth)(_vllm_generate(inference))
 
     def limit_for(path: str) -> int:
-        control = ("/v1/workers", "/v1/weights", "/v1/publisher", "/v1/learner_", "/v1/groups")
+        control = ("/v1/workers", "/v1/weights", "/v1/publisher", "/v1/learner_", "/v1/groups", "/v1/fleet/")
         return CONTROL_BODY_LIMIT if path.startswith(control) else cfg.max_body_bytes
 
     app.add_middleware(BodyLimit, limit_for=limit_for)

@@ -312,6 +312,20 @@ class PublishVersion(_Message):
     """The trainer also holds `version` on its GPU, for same-host workers (NCCL, CUDA IPC)."""
 
 
+class FleetDecision(BaseModel):
+    """`POST {manager}/v1/fleet/decisions`: the trainer's autoscaler changed the fleet's
+    size (`fleet.autoscale`), with why; the operator page lists the latest ones."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workers: int = Field(ge=0)
+    """The fleet's size when it decided."""
+    target: int = Field(ge=0)
+    reason: str = Field(max_length=1000)
+    t: float = 0.0
+    """Unix time, set by the manager when it arrives."""
+
+
 class LearnerWaiting(_Message):
     """`POST {manager}/v1/learner_waiting`: the trainer's learner waits for groups; in
     hybrid fully asynchronous training the local window opens, and the unfinished samples

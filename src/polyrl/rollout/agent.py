@@ -38,7 +38,14 @@ from polyrl.agent.client import AgentClient, EpisodeLimit
 from polyrl.agent.render import Renderer
 from polyrl.data.rewards import load_callable
 from polyrl.manager.client import AsyncBatchClient
-from polyrl.protocol.manager_api import BatchError, BatchFailed, BatchPrompt, BatchRequest, GroupResult
+from polyrl.protocol.manager_api import (
+    BatchError,
+    BatchFailed,
+    BatchPrompt,
+    BatchRequest,
+    FleetDecision,
+    GroupResult,
+)
 from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.remote import RECOVERABLE, to_sample
@@ -288,6 +295,9 @@ class AgentRollout:
 
     def learner_started(self) -> None:
         self.inner.learner_started()
+
+    def fleet_decision(self, decision: FleetDecision) -> None:
+        self.inner.fleet_decision(decision)
 
     def workers(self) -> list[WorkerInfo]:
         return self.inner.workers()

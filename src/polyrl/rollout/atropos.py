@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from polyrl.protocol.manager_api import WorkerInfo
+    from polyrl.protocol.manager_api import FleetDecision, WorkerInfo
     from polyrl.protocol.sampling import SamplingParams
     from polyrl.rollout.remote import RemoteRollout
 
@@ -208,6 +208,9 @@ class AtroposRollout:
 
     def learner_started(self) -> None:
         self.inner.learner_started()
+
+    def fleet_decision(self, decision: FleetDecision) -> None:
+        self.inner.fleet_decision(decision)
 
     def workers(self) -> list[WorkerInfo]:
         return self.inner.workers()

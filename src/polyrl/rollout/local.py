@@ -141,5 +141,8 @@ class LocalRollout:
     def workers(self) -> list:
         return []
 
+    def fleet_decision(self, decision) -> None:
+        pass  # no manager, no page
+
     def close(self) -> None:
         pass

@@ -30,6 +30,7 @@ from polyrl.protocol.manager_api import (
     BatchRequest,
     DueGroups,
     DueGroupsRequest,
+    FleetDecision,
     GroupResult,
     LearnerWaiting,
     PublisherEndpoint,
@@ -68,6 +69,9 @@ class ManagerLink:
 
     def learner_waiting(self, prompt_ids: list[str]) -> None:
         self._post("/v1/learner_waiting", LearnerWaiting(prompt_ids=prompt_ids))
+
+    def fleet_decision(self, decision: FleetDecision) -> None:
+        self._post("/v1/fleet/decisions", decision)
 
     def due_groups(self, max_floor_version: int) -> list[str]:
         response = self._call("POST", "/v1/groups/due", DueGroupsRequest(max_floor_version=max_floor_version))

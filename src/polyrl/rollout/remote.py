@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol, TypeVar
 
+import httpx
 import torch
 from transformers import PreTrainedModel
 
@@ -31,6 +32,7 @@ from polyrl.protocol.manager_api import (
     BatchError,
     BatchPrompt,
     BatchRequest,
+    FleetDecision,
     GroupResult,
     PublisherEndpoint,
     SampleResultOut,
@@ -167,6 +169,13 @@ class RemoteRollout:
         self._window_may_be_open = True
         self._moved |= new
         self._control(lambda: self.link.learner_waiting(sorted(new)))
+
+    def fleet_decision(self, decision: FleetDecision) -> None:
+        """Shown on the operator page; a manager that cannot be reached costs the run nothing."""
+        try:
+            self.link.fleet_decision(decision)
+        except (ManagerUnreachable, httpx.HTTPError) as e:
+            log.warning("could not tell the manager the fleet decision: %s", e)
 
     def due_groups(self, max_floor_version: int) -> set[str]:
         """Prompt ids of unfinished groups that may hold a token of that version or older."""

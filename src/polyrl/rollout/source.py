@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from polyrl.protocol.manager_api import WorkerInfo
+    from polyrl.protocol.manager_api import FleetDecision, WorkerInfo
     from polyrl.protocol.samples import Group, Prompt
     from polyrl.protocol.sampling import SamplingParams
     from polyrl.protocol.version import WeightVersion
@@ -52,5 +52,8 @@ class Rollout(Protocol):
 
     def workers(self) -> list[WorkerInfo]:
         """The rollout workers now (none colocated)."""
+
+    def fleet_decision(self, decision: FleetDecision) -> None:
+        """The autoscaler changed the fleet's size: tell the manager, for its operator page."""
 
     def close(self) -> None: ...

@@ -25,6 +25,7 @@ from polyrl.launch.start import start_rollout
 from polyrl.metrics.tracker import Tracker
 from polyrl.models.precision import DTYPES
 from polyrl.preflight import check_world_size
+from polyrl.protocol.manager_api import FleetDecision
 from polyrl.protocol.samples import Group
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.agent import AgentRollout
@@ -240,6 +241,7 @@ class Run:
         decision = self.autoscaler.observe(metrics)
         if decision is not None:
             now = int(metrics["training/num_workers"])
+            self.rollout.fleet_decision(FleetDecision(workers=now, target=decision.target, reason=decision.reason))
             self.fleet.request(decision.target)
             for _ in range(decision.target - now):
                 self.fleet.launch()

@@ -1,0 +1,97 @@
+"""The fleet model (`polyrl plan`) against measured runs on this machine.
+
+Calibrates (`polyrl plan calibrate --served`: decoding timed through a real worker's HTTP
+stream, the learner alone), then runs the default main job in remote mode with
+each fleet size of `--workers` (every response `--length` tokens, `rollout.ignore_eos`),
+and prints each run's measured step time beside the model's prediction for it. The
+first two steps of each run are left out (start-up, the first compile).
+
+    python benchmarks/plan.py --workers 1 2 4 --steps 12 --json plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from polyrl.config import load_config
+from polyrl.plan.calibration import Calibration
+from polyrl.plan.command import fleet_of, workload_of
+from polyrl.plan.fleet_model import predict
+
+
+def measured(work: Path, n: int, overrides: list[str]) -> dict:
+    run_dir = work / f"w{n}"
+    cmd = [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir), *overrides, f"fleet.num_workers={n}"]
+    with open(work / f"w{n}.log", "wb") as log:
+        if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode != 0:
+            raise RuntimeError(f"the run with {n} workers failed; see {work / f'w{n}.log'}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][2:]
+    prompt = statistics.fmean(r["perf/total_num_tokens"] for r in rows)
+    return {
+        "step_s": statistics.fmean(r["perf/time_per_step"] for r in rows),
+        "tokens_per_step": prompt,
+        "fleet_idle_ratio": statistics.fmean(r["rollout/fleet_idle_ratio"] for r in rows),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--length", type=int, default=48)
+    p.add_argument("--work", type=Path)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="polyrl-plan-"))
+    work.mkdir(parents=True, exist_ok=True)
+    overrides = [
+        "logging.console=false",
+        "logging.tensorboard=false",
+        "trainer.save_every=0",
+        f"trainer.total_steps={args.steps}",
+        f"rollout.max_new_tokens={args.length}",
+        "rollout.ignore_eos=true",
+    ]
+    cal_path = work / "calibration.json"
+    subprocess.run(
+        [sys.executable, "-m", "polyrl.cli", "plan", "calibrate", "--served", "--out", str(cal_path), *overrides],
+        check=True,
+    )
+    cal = Calibration.load(cal_path)
+    cfg = load_config(None, overrides)
+    rows = []
+    for n in args.workers:
+        real = measured(work, n, overrides)
+        prompt_tokens = round(real["tokens_per_step"] / (cfg.trainer.train_batch_size * cfg.rollout.n)) - args.length
+        model = predict(cal, workload_of(cfg, args.length, None, prompt_tokens), fleet_of(cfg, n))
+        rows.append(
+            {
+                "workers": n,
+                "measured_step_s": real["step_s"],
+                "predicted_step_s": model.step_s,
+                "error": model.step_s / real["step_s"] - 1,
+                "measured_fleet_idle": real["fleet_idle_ratio"],
+                "predicted_fleet_idle": model.fleet_idle_ratio,
+            }
+        )
+        print(f"{n} workers: measured {real['step_s']:.2f} s/step, predicted {model.step_s:.2f}", flush=True)
+    print(f"\ncalibration: {cal_path}; runs in {work}")
+    print("| workers | measured s/step | predicted s/step | error | measured fleet idle | predicted fleet idle |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['workers']} | {r['measured_step_s']:.2f} | {r['predicted_step_s']:.2f} | {r['error']:+.0%} | "
+            f"{r['measured_fleet_idle']:.0%} | {r['predicted_fleet_idle']:.0%} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"calibration": cal.model_dump(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

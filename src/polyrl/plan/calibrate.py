@@ -1,0 +1,240 @@
+"""Measure the fleet model's rates on this machine (`polyrl plan calibrate`).
+
+The run's own model, engine and learner, built from its config as `polyrl train` builds
+them, each timed alone: the engine's decode step at several batch sizes (the time of T
+tokens minus that of one, over T - 1, so the prefill drops out), its prefill rate, and
+one mini-batch of the learner on the workload's lengths. On a CPU host the engine runs
+with the workers' thread count (`fleet.worker_threads`) and the learner with the
+trainer's, since that is how they run beside each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from polyrl.config import RunConfig
+from polyrl.engine.engine import Engine
+from polyrl.engine.types import EngineRequest
+from polyrl.plan.calibration import Calibration, DecodePoint
+from polyrl.protocol.sampling import SamplingParams
+from polyrl.trainer.batching import SeqItem
+from polyrl.trainer.distributed import DataParallel
+from polyrl.trainer.policy import build_learner, load_policy
+
+log = logging.getLogger("polyrl.plan")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _generate(engine: Engine, batch: int, prompt_tokens: int, new_tokens: int, vocab: int) -> float:
+    rng = random.Random(batch)
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, n=1, seed=0)
+    t0 = time.perf_counter()
+    for i in range(batch):
+        engine.add_request(EngineRequest(str(i), [rng.randrange(3, vocab) for _ in range(prompt_tokens)], sampling))
+    while engine.has_work:
+        engine.step()
+    return time.perf_counter() - t0
+
+
+_TOKEN = "calibrate"
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _ServedWorker:
+    """A real `polyrl worker` on a free local port, with the fleet's thread count, driven
+    as the manager drives it: streaming /generate calls of one group (`rollout.n`
+    samples) each, read incrementally. Besides the times, it keeps what each timing cost
+    in CPU: the worker's cores while it decoded, and the reader's seconds per token."""
+
+    def __init__(self, cfg: RunConfig, model_dir: Path, max_num_seqs: int, vocab: int) -> None:
+        import httpx
+
+        from polyrl.launch.fleet import worker_env
+
+        self.cfg, self.vocab = cfg, vocab
+        self.worker_cores: list[float] = []
+        self.reader_s_per_token: list[float] = []
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--host", "127.0.0.1"]
+        cmd += ["--port", str(port), f"engine.max_num_seqs={max_num_seqs}"]
+        env = worker_env(_TOKEN, cfg.fleet.worker_threads)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the calibration's worker exited with {self.proc.returncode}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the calibration's worker did not come up in 120 s")
+                time.sleep(0.2)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def time(self, batch: int, prompt_tokens: int, new_tokens: int) -> float:
+        import asyncio
+
+        import httpx
+
+        from polyrl.manager.backends import GenerationCall, generate_body
+
+        n = min(batch, self.cfg.rollout.n)
+        rng = random.Random(batch)
+        sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, n=n, seed=0)
+        calls = [
+            GenerationCall(f"c{i}", [rng.randrange(3, self.vocab) for _ in range(prompt_tokens)], sampling)
+            for i in range(max(1, batch // n))
+        ]
+        headers = {"Authorization": f"Bearer {_TOKEN}", "Content-Type": "application/json"}
+        interval = self.cfg.manager.stream_interval_s
+
+        async def one(client: httpx.AsyncClient, call: GenerationCall) -> None:
+            body = generate_body(call, incremental=True, stream_interval_s=interval)
+            async with client.stream("POST", f"{self.url}/generate", content=body, headers=headers) as r:
+                r.raise_for_status()
+                async for _ in r.aiter_lines():
+                    pass
+
+        async def all_calls() -> None:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+                await asyncio.gather(*(one(client, c) for c in calls))
+
+        cpu0, worker0, t0 = time.process_time(), _cpu_s(self.proc.pid), time.perf_counter()
+        asyncio.run(all_calls())
+        wall = time.perf_counter() - t0
+        self.worker_cores.append((_cpu_s(self.proc.pid) - worker0) / wall)
+        self.reader_s_per_token.append((time.process_time() - cpu0) / (len(calls) * n * new_tokens))
+        return wall
+
+
+def _decode_points(
+    timer: Callable[[int, int], float], batches: tuple[int, ...], new_tokens: int, prompt_tokens: int, repeats: int
+) -> tuple[list[DecodePoint], float]:
+    """Decode steps from the time of `new_tokens` tokens less that of one, and the
+    largest batch's prefill rate."""
+    points, prefill = [], 0.0
+    for b in batches:
+        timer(b, 2)  # warm-up (graphs, allocator)
+        one = min(timer(b, 1) for _ in range(repeats))
+        full = min(timer(b, new_tokens) for _ in range(repeats))
+        points.append(DecodePoint(batch=b, step_s=max(1e-6, (full - one) / (new_tokens - 1))))
+        prefill = b * prompt_tokens / one  # the largest batch's: at batch 1 the call's own cost dominates
+        log.info("decode step at batch %d: %.2f ms", b, points[-1].step_s * 1e3)
+    return points, prefill
+
+
+def calibrate(
+    cfg: RunConfig,
+    batches: tuple[int, ...] = (1, 16, 64, 256),
+    new_tokens: int = 64,
+    prompt_tokens: int = 8,
+    learner_lengths: tuple[int, ...] = (),
+    repeats: int = 3,
+    served: bool = False,
+) -> Calibration:
+    """Rates of `cfg`'s model on `cfg.trainer.device`. `learner_lengths`: the sequences of
+    one timed mini-batch (prompt and response tokens); by default the run's own, one
+    mini-batch of `rollout.max_new_tokens` samples. `served`: time decoding through a real
+    worker process and its HTTP stream, as the manager drives it (on a CPU host the
+    serving path costs about as much as the model: BENCHMARKS.md), not the bare engine."""
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="polyrl-calibrate-") as tmp:
+        init = Path(cfg.model.path) if cfg.model.path else Path(tmp) / "init"  # as `polyrl train` picks it
+        policy = load_policy(cfg, init, None)
+        device = policy.model.device
+        vocab = policy.model.config.vocab_size
+        engine_threads = cfg.fleet.worker_threads if device.type == "cpu" else threads
+        worker = None
+        if served:
+            worker = _ServedWorker(cfg, init, max(batches), vocab)
+            try:
+                points, prefill = _decode_points(
+                    lambda b, t: worker.time(b, prompt_tokens, t), batches, new_tokens, prompt_tokens, repeats
+                )
+            finally:
+                worker.close()
+        else:
+            torch.set_num_threads(engine_threads)
+            engine = Engine(policy.model, cfg.engine.model_copy(update={"max_num_seqs": max(batches)}), torch.float32)
+            points, prefill = _decode_points(
+                lambda b, t: _generate(engine, b, prompt_tokens, t, vocab), batches, new_tokens, prompt_tokens, repeats
+            )
+            del engine
+            torch.set_num_threads(threads)
+        tcfg = cfg.trainer
+        per_mini = tcfg.ppo_mini_batch_size * cfg.rollout.n
+        lengths = learner_lengths or tuple([prompt_tokens + cfg.rollout.max_new_tokens] * per_mini)
+        learner = build_learner(cfg, policy.model, init_path=init, pad_id=policy.pad_id, blob=None, dp=DataParallel())
+        rng = random.Random(0)
+        items = [
+            SeqItem(
+                [rng.randrange(3, vocab) for _ in range(n)],
+                prompt_tokens,
+                [-5.0] * (n - prompt_tokens),
+                rng.uniform(-1, 1),
+            )
+            for n in lengths
+        ]
+        learner.train_mini_batch(items, weights_as_sampled=True)  # warm-up (compiles on a GPU)
+        times = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            learner.train_mini_batch(items, weights_as_sampled=True)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        learner_tps = sum(lengths) / min(times)
+        log.info("learner: %.0f tokens/s", learner_tps)
+        version_bytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    cpu = device.type == "cpu"
+    engine_cores = float(engine_threads)
+    reader = 0.0
+    if worker is not None and cpu:  # the largest batch's full-length timings: the decode steps the model plays
+        engine_cores = statistics.median(worker.worker_cores[-repeats:])
+        reader = statistics.median(worker.reader_s_per_token[-repeats:])
+        log.info("served: the worker used %.2f cores, the reader %.1f us a token", engine_cores, reader * 1e6)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{os.cpu_count()}-core CPU"
+    return Calibration(
+        device=name,
+        model=cfg.model.path or "tiny: " + ", ".join(f"{k}={v}" for k, v in cfg.model.tiny.model_dump().items()),
+        decode=points,
+        prefill_tokens_per_s=prefill,
+        learner_tokens_per_s=learner_tps,
+        version_bytes=version_bytes,
+        host_cores=float(os.cpu_count() or 1) if cpu else None,
+        engine_cores=engine_cores if cpu else 1.0,
+        learner_cores=float(threads) if cpu else 1.0,
+        stream_cpu_s_per_token=reader,
+    )

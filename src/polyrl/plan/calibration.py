@@ -1,0 +1,90 @@
+"""The measured rates the fleet model runs on, as one small JSON file.
+
+`polyrl plan calibrate` writes it on the machine it runs on (the engine's decode step
+against its batch, its prefill rate, the learner's tokens/s); the GPU benchmarks can
+write the same file from their own measurements. Everything is per process at full
+speed, alone on its device: what processes cost each other when they share one is
+`Placement`'s business, not the calibration's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class DecodePoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    batch: int = Field(ge=1)
+    step_s: float = Field(gt=0)
+    """One decode step of `batch` running sequences (one token each)."""
+
+
+class Calibration(BaseModel):
+    """Rates of one engine and one learner on one kind of device."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str
+    """What was measured, in words (`NVIDIA H200, MPS 50%`, `2-core CPU`)."""
+    model: str
+    """The model the rates are for (its shape or name)."""
+    decode: list[DecodePoint] = Field(min_length=1)
+    prefill_tokens_per_s: float = Field(gt=0)
+    learner_tokens_per_s: float = Field(gt=0)
+    """Forward and backward (with the old log-probs' forward) of prompt and response tokens."""
+    optimizer_step_s: float = Field(0.0, ge=0)
+    """Fixed cost of each optimizer step (the mini-batch's), beyond the tokens."""
+    version_bytes: int = Field(0, ge=0)
+    """Bytes a worker pulls for a new version."""
+    pull_gbps: float = Field(10.0, gt=0)
+    """A worker's pull bandwidth (Gbit/s)."""
+    swap_s: float = Field(0.0, ge=0)
+    """A worker's pause to load a pulled version, between two decode steps."""
+    step_overhead_s: float = Field(0.0, ge=0)
+    """Per step, outside generation and training: scoring, publishing, bookkeeping."""
+    host_cores: float | None = Field(None, gt=0)
+    """Set when every process shares one host's cores (the CPU box): the engines and the
+    learner then run slower as their demands add up past this. None: each worker has a
+    device of its own and only the trainer's engine shares the learner's."""
+    engine_cores: float = Field(1.0, gt=0)
+    learner_cores: float = Field(1.0, gt=0)
+    stream_cpu_s_per_token: float = Field(0.0, ge=0)
+    """Host CPU seconds to read one streamed token (shared hosts only). The model charges it
+    twice per token, on one core: the manager reads each worker's stream, and the trainer
+    reads the manager's."""
+
+    @model_validator(mode="after")
+    def _sorted(self) -> Calibration:
+        self.decode.sort(key=lambda p: p.batch)
+        if len({p.batch for p in self.decode}) != len(self.decode):
+            raise ValueError("decode: one point per batch size")
+        return self
+
+    def decode_step_s(self, batch: int) -> float:
+        """Interpolated linearly between measured batches, and beyond the largest along
+        the last two points' slope (at least flat)."""
+        pts = self.decode
+        if batch <= pts[0].batch or len(pts) == 1:
+            return pts[0].step_s
+        i = bisect.bisect_left([p.batch for p in pts], batch)
+        a, b = (pts[i - 1], pts[i]) if i < len(pts) else (pts[-2], pts[-1])
+        slope = max(0.0, (b.step_s - a.step_s) / (b.batch - a.batch))
+        return a.step_s + slope * (batch - a.batch)
+
+    def pull_s(self) -> float:
+        return self.version_bytes * 8 / (self.pull_gbps * 1e9) + self.swap_s
+
+    def save(self, path: Path) -> None:
+        path.write_text(self.model_dump_json(indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        try:
+            return cls.model_validate(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"calibration file {path}: {e}") from None

@@ -1,0 +1,463 @@
+"""A discrete-event model of training steps on a fleet: what `polyrl plan` predicts with.
+
+It plays the run's own schedule over measured rates (`Calibration`), one decode step at a
+time on each engine, so that what decides a step on real hardware decides it here too:
+* the long tail: a group is ready when its longest sample is, and an engine's step takes
+  as long as its batch's decode step, however few sequences are left in it;
+* placement: samples go to engines with free slots (`max_num_seqs`); a fully
+  asynchronous run places new work only on engines that hold the latest version;
+* the learner: a step-synchronous run trains each mini-batch as soon as its groups are
+  in (the remote modes) or after the whole batch (colocated), then publishes, and the
+  workers pull before the next step starts; a fully asynchronous run trains on the first
+  `prompts` groups to finish, takes every group its staleness bound makes due, and keeps
+  (k + 1) steps of prompts in flight;
+* shared devices: processes on one device run at `capacity / demand` of their full speed
+  while their busy demands add up past its capacity (processor sharing): the CPU box's
+  cores, or the trainer's GPU shared by its learner and its own engine;
+* preemptions: a worker lost at random moves its running samples, tokens kept, to the
+  queue (they re-prefill where they land) and comes back after `restart_s`.
+
+Deterministic for a seed; a step of the 8B seeds' setup takes well under a second.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+from typing import Literal
+
+from polyrl.plan.calibration import Calibration
+
+Mode = Literal["colocated", "remote", "fully_async"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: int
+    """Groups a step trains on (`trainer.train_batch_size`)."""
+    n: int
+    """Samples per prompt (`rollout.n`)."""
+    prompt_tokens: int
+    budgets: tuple[int, ...]
+    """Response lengths, one per group, drawn in turn (samples of a prompt share it: the
+    long-tail workloads' budgets, and what the learner waits on is the group)."""
+    mini_batches: int = 1
+    """Optimizer steps per step (train_batch_size / ppo_mini_batch_size)."""
+
+    @staticmethod
+    def fixed(prompts: int, n: int, prompt_tokens: int, length: int, mini_batches: int = 1) -> Workload:
+        return Workload(prompts, n, prompt_tokens, (length,), mini_batches)
+
+    @staticmethod
+    def long_tail(
+        prompts: int, n: int, prompt_tokens: int, median: int, p99: int, cap: int, mini_batches: int = 1, seed: int = 0
+    ) -> Workload:
+        """Lognormal budgets with the given median and 99th percentile, capped."""
+        sigma = math.log(p99 / median) / 2.326
+        rng = random.Random(seed)
+        budgets = tuple(max(1, min(cap, int(rng.lognormvariate(math.log(median), sigma)))) for _ in range(prompts * 64))
+        return Workload(prompts, n, prompt_tokens, budgets, mini_batches)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    workers: int
+    mode: Mode = "remote"
+    staleness: int = 1
+    """fully_async's k."""
+    trainer_engine: bool = False
+    """The trainer's own engine takes work too (`hybrid_local_until = always`); colocated
+    mode always has it and nothing else."""
+    trainer_engines: int = 1
+    """Engines on the trainer's devices (one per tensor-parallel group); they and the
+    learner share those devices."""
+    max_num_seqs: int = 256
+    trainer_max_num_seqs: int = 256
+    trainer_usd_per_hour: float = 10.47
+    worker_usd_per_hour: float = 2.66
+    preempt_per_hour: float = 0.0
+    restart_s: float = 60.0
+    neighbour_slowdown: float = 1.0
+    """A worker's decode step beside a busy learner (one GPU split in two by MPS: the
+    halves share memory bandwidth; 1.0 for separate devices)."""
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    tokens_per_step: float
+    usd_per_hour: float
+    learner_idle_s: float
+    fleet_idle_ratio: float
+    lag_mean: float
+    lag_max: int
+    steps: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def tokens_per_usd(self) -> float:
+        return self.tokens_per_s * 3600 / self.usd_per_hour
+
+
+@dataclass
+class _Group:
+    gid: int
+    length: int
+    samples_left: int
+    version: int | None = None
+    """The lowest version any of its samples started at."""
+    ready_at: float | None = None
+
+
+@dataclass
+class _Seq:
+    group: _Group
+    left: int
+    """Tokens still to decode when it joined its engine."""
+    done: int = 0
+    """Tokens decoded before it joined (re-prefilled with the prompt after a move)."""
+    start: int = 0
+    """Its engine's decode-step count when it joined."""
+
+
+@dataclass
+class _Actor:
+    """One process that does work on a shared device."""
+
+    device: str
+    demand: float
+    work_left: float = 0.0
+    """Seconds of work at full speed in its current task (0: idle)."""
+    busy: bool = False
+
+
+@dataclass
+class _Engine(_Actor):
+    name: str = ""
+    slots: int = 256
+    remote: bool = True
+    version: int = 0
+    running: list[tuple[int, int, _Seq]] = field(default_factory=list)
+    """A heap of (the engine's step count at which it ends, a tie-break, the sample)."""
+    ticks: int = 0
+    """Decode steps done so far: a sample's progress is read from it, not kept per token."""
+    joined: list[_Seq] = field(default_factory=list)
+    up: bool = True
+    paused_until: float = 0.0
+    idle_s: float = 0.0
+
+
+class FleetModel:
+    def __init__(self, cal: Calibration, workload: Workload, fleet: Fleet, seed: int = 0) -> None:
+        if fleet.mode != "colocated" and fleet.workers < 1 and not fleet.trainer_engine:
+            raise ValueError("a remote mode needs workers or the trainer's engine")
+        self.cal, self.w, self.f = cal, workload, fleet
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.version = 0
+        self.queue: list[_Seq] = []
+        self.timers: list[tuple[float, int, str, object]] = []
+        self._tick = 0
+        shared = cal.host_cores is not None
+        self.capacity = {"host": cal.host_cores} if shared else {"trainer": float(fleet.trainer_engines)}
+        trainer_dev = "host" if shared else "trainer"
+        self.learner = _Actor(trainer_dev, cal.learner_cores if shared else float(fleet.trainer_engines))
+        self.streams = _Actor("host", 1.0)
+        """The manager's and the trainer's reading of the token streams (shared hosts)."""
+        self.engines: list[_Engine] = []
+        if fleet.mode == "colocated" or fleet.trainer_engine:
+            for i in range(fleet.trainer_engines):
+                self.engines.append(
+                    _Engine(
+                        trainer_dev,
+                        cal.engine_cores if shared else 1.0,
+                        name=f"trainer{i}",
+                        slots=fleet.trainer_max_num_seqs,
+                        remote=False,
+                    )
+                )
+        if fleet.mode != "colocated":
+            for i in range(fleet.workers):
+                dev = "host" if shared else f"w{i}"
+                self.capacity.setdefault(dev, 1.0)
+                self.engines.append(
+                    _Engine(dev, cal.engine_cores if shared else 1.0, name=f"w{i}", slots=fleet.max_num_seqs)
+                )
+                self._schedule_preemption(self.engines[-1])
+        self._budget = 0
+        self._gid = 0
+        self.in_flight: list[_Group] = []
+        self.ready: list[_Group] = []
+        self.lags: list[int] = []
+
+    # ------------------------------------------------------------------ the schedule
+
+    def run(self, steps: int, warmup: int = 2) -> Prediction:
+        times, tokens, idle = [], [], []
+        idle0 = 0.0
+        start = 0.0
+        for s in range(warmup + steps):
+            if s == warmup:
+                idle0 = self._fleet_idle()
+                start = self.now
+            t0 = self.now
+            trained, waited = self._step()
+            times.append(self.now - t0)
+            tokens.append(trained)
+            idle.append(waited)
+        span = self.now - start
+        remote = [e for e in self.engines if e.remote] or self.engines
+        fleet_idle = (self._fleet_idle() - idle0) / (span * len(remote)) if span else 0.0
+        usd = (
+            self.f.trainer_usd_per_hour
+            + (self.f.workers if self.f.mode != "colocated" else 0) * self.f.worker_usd_per_hour
+        )
+        m = times[warmup:]
+        lags = self.lags
+        return Prediction(
+            step_s=statistics.fmean(m),
+            tokens_per_step=statistics.fmean(tokens[warmup:]),
+            usd_per_hour=usd,
+            learner_idle_s=statistics.fmean(idle[warmup:]),
+            fleet_idle_ratio=fleet_idle,
+            lag_mean=statistics.fmean(lags) if lags else 0.0,
+            lag_max=max(lags, default=0),
+            steps=m,
+        )
+
+    def _step(self) -> tuple[float, float]:
+        """One trainer step; returns (tokens trained, seconds the learner waited)."""
+        if self.f.mode == "fully_async":
+            return self._async_step()
+        groups = [self._submit() for _ in range(self.w.prompts)]
+        waited = 0.0
+        per = math.ceil(self.w.prompts / self.w.mini_batches)
+        if self.f.mode == "colocated":
+            t0 = self.now
+            self._until(lambda: all(g.ready_at is not None for g in groups))
+            waited = self.now - t0
+            self._train(groups)
+        else:
+            arrival: list[_Group] = []
+            for _ in range(self.w.mini_batches):
+                t0 = self.now
+                self._until(lambda: len(self._arrived(groups)) >= min(len(groups), len(arrival) + per))
+                waited += self.now - t0
+                batch = [g for g in self._arrived(groups) if g not in arrival][:per]
+                arrival += batch
+                self._train(batch, mini_batches=1)
+        self.ready = [g for g in self.ready if g not in groups]
+        self._publish(wait_for_pull=True)
+        for g in groups:
+            self.lags.append(0)
+        return self._tokens(groups), waited
+
+    def _async_step(self) -> tuple[float, float]:
+        k = self.f.staleness
+        target = (k + 1) * self.w.prompts
+        while len(self.in_flight) < target:
+            self.in_flight.append(self._submit())
+        t0 = self.now
+
+        def due() -> list[_Group]:
+            return [g for g in self.in_flight if g.version is not None and g.version <= self.version - k]
+
+        self._until(lambda: len(self.ready) >= self.w.prompts and all(g.ready_at is not None for g in due()))
+        waited = self.now - t0
+        taken = due()
+        taken += sorted((g for g in self.ready if g not in taken), key=lambda g: g.ready_at)[
+            : self.w.prompts - len(taken)
+        ]
+        for g in taken:
+            self.lags.append(self.version - (g.version or 0))
+        self.ready = [g for g in self.ready if g not in taken]
+        self.in_flight = [g for g in self.in_flight if g not in taken]
+        self._train(taken)
+        self._publish(wait_for_pull=False)
+        return self._tokens(taken), waited
+
+    # ------------------------------------------------------------------ pieces
+
+    def _submit(self) -> _Group:
+        length = self.w.budgets[self._budget % len(self.w.budgets)]
+        self._budget += 1
+        g = _Group(self._gid, length, self.w.n)
+        self._gid += 1
+        self.queue += [_Seq(g, length) for _ in range(self.w.n)]
+        return g
+
+    def _arrived(self, groups: list[_Group]) -> list[_Group]:
+        return sorted((g for g in groups if g.ready_at is not None), key=lambda g: g.ready_at)
+
+    def _tokens(self, groups: list[_Group]) -> float:
+        return sum((self.w.prompt_tokens + g.length) * self.w.n for g in groups)
+
+    def _train(self, groups: list[_Group], mini_batches: int | None = None) -> None:
+        steps = self.w.mini_batches if mini_batches is None else mini_batches
+        work = self._tokens(groups) / self.cal.learner_tokens_per_s + steps * self.cal.optimizer_step_s
+        self.learner.work_left, self.learner.busy = work, True
+        self._until(lambda: not self.learner.busy)
+
+    def _publish(self, wait_for_pull: bool) -> None:
+        self._advance(self.cal.step_overhead_s)
+        self.version += 1
+        pull = self.cal.pull_s()
+        for e in self.engines:
+            if not e.remote:
+                e.version = self.version
+            elif e.up:
+                self._timer(self.now + pull, "version", (e, self.version))
+        if wait_for_pull and any(e.remote and e.up for e in self.engines):
+            self._until(lambda: all(e.version == self.version for e in self.engines if e.up))
+
+    def _advance(self, seconds: float) -> None:
+        if seconds > 0:
+            end = self.now + seconds
+            self._until(lambda: self.now >= end - 1e-12, deadline=end)
+
+    def _timer(self, at: float, kind: str, payload: object) -> None:
+        self._tick += 1
+        heapq.heappush(self.timers, (at, self._tick, kind, payload))
+
+    def _schedule_preemption(self, e: _Engine) -> None:
+        if self.f.preempt_per_hour > 0:
+            self._timer(self.now + self.rng.expovariate(self.f.preempt_per_hour / 3600), "preempt", e)
+
+    def _fleet_idle(self) -> float:
+        remote = [e for e in self.engines if e.remote] or self.engines
+        return sum(e.idle_s for e in remote)
+
+    # ------------------------------------------------------------------ the event loop
+
+    def _can_take(self, e: _Engine) -> bool:
+        if not e.up or self.now < e.paused_until:
+            return False
+        return self.f.mode != "fully_async" or e.version == self.version
+
+    def _fill(self) -> None:
+        """Placement: queued samples to the engines with free slots, the emptiest first."""
+        if not self.queue:
+            return
+        free = [e for e in self.engines if self._can_take(e) and len(e.running) + len(e.joined) < e.slots]
+        while self.queue and free:
+            e = min(free, key=lambda x: len(x.running) + len(x.joined))
+            seq = self.queue.pop(0)
+            if seq.group.version is None or e.version < seq.group.version:
+                seq.group.version = e.version if seq.group.version is None else min(seq.group.version, e.version)
+            e.joined.append(seq)
+            if len(e.running) + len(e.joined) >= e.slots:
+                free.remove(e)
+
+    def _start_steps(self) -> None:
+        for e in self.engines:
+            if e.busy or not e.up or self.now < e.paused_until:
+                continue
+            if e.joined or e.running:
+                prefill = sum(self.w.prompt_tokens + s.done for s in e.joined) / self.cal.prefill_tokens_per_s
+                for s in e.joined:
+                    s.start = e.ticks
+                    self._tick += 1
+                    heapq.heappush(e.running, (e.ticks + s.left, self._tick, s))
+                e.joined = []
+                e.work_left = self.cal.decode_step_s(len(e.running)) + prefill
+                e.busy = True
+
+    def _rates(self) -> dict[int, float]:
+        load: dict[str, float] = {}
+        for a in self._actors():
+            if a.busy:
+                load[a.device] = load.get(a.device, 0.0) + a.demand
+        rates = {}
+        for a in self._actors():
+            if a.busy:
+                r = min(1.0, self.capacity[a.device] / load[a.device])
+                if isinstance(a, _Engine) and a.remote and self.learner.busy:
+                    r /= self.f.neighbour_slowdown
+                rates[id(a)] = r
+        return rates
+
+    def _until(self, done, deadline: float | None = None) -> None:
+        """Advance time, event by event, until `done()`."""
+        guard = 0
+        while not done():
+            guard += 1
+            if guard > 50_000_000:
+                raise RuntimeError("the fleet model made no progress")
+            self._fill()
+            self._start_steps()
+            rates = self._rates()
+            actors = [a for a in self._actors() if a.busy]
+            nxt = min((self.now + a.work_left / rates[id(a)] for a in actors), default=math.inf)
+            if self.timers:
+                nxt = min(nxt, self.timers[0][0])
+            paused = [e.paused_until for e in self.engines if e.paused_until > self.now]
+            nxt = min([nxt, *paused])
+            if deadline is not None:
+                nxt = min(nxt, deadline)
+            if nxt == math.inf:
+                raise RuntimeError("the fleet model is stuck: no work, no timer, and the step is not done")
+            dt = nxt - self.now
+            for e in self.engines:
+                if e.up and not e.busy and e.remote or (not e.remote and not e.busy):
+                    e.idle_s += dt
+            for a in actors:
+                a.work_left -= dt * rates[id(a)]
+            self.now = nxt
+            for a in actors:
+                if a.work_left <= 1e-12:
+                    a.busy, a.work_left = False, 0.0
+                    if isinstance(a, _Engine):
+                        self._decoded(a)
+            while self.timers and self.timers[0][0] <= self.now + 1e-12:
+                _, _, kind, payload = heapq.heappop(self.timers)
+                self._on_timer(kind, payload)
+
+    def _actors(self) -> list[_Actor]:
+        return [self.learner, *self.engines, self.streams]
+
+    def _decoded(self, e: _Engine) -> None:
+        e.ticks += 1
+        if self.cal.host_cores is not None and self.cal.stream_cpu_s_per_token:
+            self.streams.work_left += 2 * self.cal.stream_cpu_s_per_token * len(e.running)
+            self.streams.busy = True
+        while e.running and e.running[0][0] <= e.ticks:
+            s = heapq.heappop(e.running)[2]
+            s.group.samples_left -= 1
+            if s.group.samples_left == 0:
+                s.group.ready_at = self.now
+                self.ready.append(s.group)
+
+    def _on_timer(self, kind: str, payload) -> None:
+        if kind == "version":
+            e, v = payload
+            if e.up:
+                e.version = max(e.version, v)
+                e.paused_until = max(e.paused_until, self.now + self.cal.swap_s)
+        elif kind == "preempt":
+            e = payload
+            if not e.up:
+                return
+            for end, _, s in e.running:
+                s.done += e.ticks - s.start
+                s.left = end - e.ticks
+            moved = [s for _, _, s in e.running] + e.joined
+            e.running, e.joined, e.busy, e.work_left, e.up = [], [], False, 0.0, False
+            self.queue = moved + self.queue
+            self._timer(self.now + self.f.restart_s, "restart", e)
+        elif kind == "restart":
+            e = payload
+            e.up, e.version = True, self.version
+            e.paused_until = self.now + self.cal.pull_s()
+            self._schedule_preemption(e)
+
+
+def predict(
+    cal: Calibration, workload: Workload, fleet: Fleet, steps: int = 8, warmup: int = 2, seed: int = 0
+) -> Prediction:
+    return FleetModel(cal, workload, fleet, seed).run(steps, warmup)

@@ -1,0 +1,120 @@
+"""The fleet model behind `polyrl plan`: its schedule's arithmetic on cases worked by hand,
+and the properties a planner must keep (the tail bounds a synchronous step, the staleness
+bound holds, shared cores are shared, a preemption loses no sample)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from polyrl.cli import main
+from polyrl.plan.calibration import Calibration, DecodePoint
+from polyrl.plan.fleet_model import Fleet, Workload, predict
+
+
+def cal(**kw) -> Calibration:
+    base = dict(
+        device="test",
+        model="test",
+        decode=[DecodePoint(batch=1, step_s=0.01)],
+        prefill_tokens_per_s=1e9,
+        learner_tokens_per_s=10_000,
+        version_bytes=0,
+    )
+    return Calibration(**(base | kw))
+
+
+def test_a_synchronous_step_is_generation_then_training_then_the_pull() -> None:
+    # 4 groups x 2 samples of 100 tokens on one worker: 100 decode steps of 10 ms, then
+    # 4 x 2 x (5 + 100) tokens at 10k tokens/s, then a 1 MB pull at 1 Gbit/s
+    c = cal(version_bytes=1_000_000, pull_gbps=1.0)
+    p = predict(c, Workload.fixed(4, 2, 5, 100), Fleet(1, "remote"), steps=3)
+    assert p.step_s == pytest.approx(100 * 0.01 + 840 / 10_000 + 0.008, rel=1e-6)
+    assert p.tokens_per_step == 840
+    assert p.learner_idle_s == pytest.approx(1.0, rel=1e-6)
+
+
+def test_the_decode_step_interpolates_between_measured_batches() -> None:
+    c = cal(decode=[DecodePoint(batch=64, step_s=0.02), DecodePoint(batch=1, step_s=0.01)])
+    assert c.decode[0].batch == 1
+    assert c.decode_step_s(1) == 0.01
+    assert c.decode_step_s(32) == pytest.approx(0.01 + 0.01 * 31 / 63)
+    assert c.decode_step_s(127) == pytest.approx(0.03)  # beyond: the last slope
+    with pytest.raises(ValueError, match="one point per batch"):
+        cal(decode=[DecodePoint(batch=1, step_s=0.01), DecodePoint(batch=1, step_s=0.02)])
+
+
+def test_more_workers_cannot_shorten_a_synchronous_step_below_its_tail() -> None:
+    work = Workload.long_tail(32, 8, 5, 300, 3000, 1024)
+    longest = max(work.budgets[:32])
+    one = predict(cal(), work, Fleet(1, "remote"), steps=1, warmup=0)
+    many = predict(cal(), work, Fleet(8, "remote"), steps=1, warmup=0)
+    assert many.step_s >= longest * 0.01
+    assert many.step_s == pytest.approx(one.step_s, rel=0.05)  # a flat decode step: batching was free
+    assert many.fleet_idle_ratio > one.fleet_idle_ratio
+
+
+def test_fully_async_never_waits_for_the_tail_and_keeps_the_bound() -> None:
+    work = Workload.long_tail(32, 8, 5, 300, 3000, 1024, mini_batches=2)
+    sync = predict(cal(), work, Fleet(2, "remote"), steps=10)
+    for k in (1, 2):
+        p = predict(cal(), work, Fleet(2, "fully_async", staleness=k), steps=10)
+        assert p.step_s < 0.8 * sync.step_s
+        assert p.lag_max <= k
+        assert p.tokens_per_step > 0
+
+
+def test_processes_on_a_shared_host_share_its_cores() -> None:
+    work = Workload.fixed(16, 4, 5, 50)
+    compute = [DecodePoint(batch=1, step_s=0.001), DecodePoint(batch=64, step_s=0.064)]  # no batching gain
+    host = dict(decode=compute, host_cores=1.0, engine_cores=1.0, learner_cores=1.0)
+    own = predict(cal(decode=compute), work, Fleet(2, "remote"), steps=2)
+    shared = predict(cal(**host), work, Fleet(2, "remote"), steps=2)
+    one = predict(cal(**host), work, Fleet(1, "remote"), steps=2)
+    assert shared.step_s > own.step_s
+    assert shared.step_s == pytest.approx(one.step_s, rel=0.05)  # the second worker's core is not there
+
+
+def test_a_preempted_worker_loses_no_sample() -> None:
+    work = Workload.fixed(16, 4, 5, 200)
+    calm = predict(cal(), work, Fleet(3, "remote"), steps=6)
+    stormy = predict(cal(), work, Fleet(3, "remote", preempt_per_hour=3600, restart_s=0.5), steps=6, seed=1)
+    assert stormy.tokens_per_step == calm.tokens_per_step
+    assert stormy.step_s > calm.step_s
+
+
+def test_the_command_predicts_from_a_calibration_file(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "cal.json"
+    cal(host_cores=2.0, learner_cores=2.0).save(path)
+    out = tmp_path / "plan.json"
+    args = ["plan", "fleet", "--calibration", str(path), "--workers", "1", "2", "--json", str(out), "--steps", "2"]
+    assert main([*args, "trainer.total_steps=3"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["fleet"] for r in rows] == ["1 worker", "2 workers"]
+    assert all(r["step_s"] > 0 for r in rows)
+    assert "| 2 workers |" in capsys.readouterr().out
+    path.write_text("{}")
+    assert main(args) == 2
+    assert "calibration file" in capsys.readouterr().out
+
+
+def test_the_seeds_table_has_a_row_per_fleet_beside_the_seeds_numbers(capsys) -> None:
+    assert main(["plan", "seeds"]) == 0
+    out = capsys.readouterr().out
+    for seeds in ("~10,000", "~12,000", "~18,000"):
+        assert seeds in out
+    assert "not measured" in out
+
+
+def test_calibrate_measures_this_machines_engine_and_learner() -> None:
+    from polyrl.config import load_config
+    from polyrl.plan.calibrate import calibrate
+
+    c = calibrate(load_config(None, ["rollout.max_new_tokens=8"]), batches=(1, 4), new_tokens=4, repeats=1)
+    assert [p.batch for p in c.decode] == [1, 4]
+    assert all(p.step_s > 0 for p in c.decode)
+    assert c.learner_tokens_per_s > 0 and c.prefill_tokens_per_s > 0
+    assert c.version_bytes > 0
+    assert c.host_cores is not None  # a CPU: every process shares the host
