@@ -3,10 +3,11 @@
 Calibrates (`polyrl plan calibrate --served`: decoding timed through a real worker's HTTP
 stream, the learner alone), then runs the default main job in remote mode with
 each fleet size of `--workers` (every response `--length` tokens, `rollout.ignore_eos`),
-and prints each run's measured step time beside the model's prediction for it. The
-first two steps of each run are left out (start-up, the first compile).
+and prints each run's measured step time beside the model's prediction for it; 0
+workers is the colocated run (`rollout.mode=local`). The first two steps of each run are
+left out (start-up, the first compile).
 
-    python benchmarks/plan.py --workers 1 2 4 --steps 12 --json plan.json
+    python benchmarks/plan.py --workers 0 1 2 4 --steps 12 --json plan.json
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from polyrl.plan.fleet_model import predict
 
 def measured(work: Path, n: int, overrides: list[str]) -> dict:
     run_dir = work / f"w{n}"
-    cmd = [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir), *overrides, f"fleet.num_workers={n}"]
+    fleet = ["rollout.mode=local"] if n == 0 else [f"fleet.num_workers={n}"]
+    cmd = [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir), *overrides, *fleet]
     with open(work / f"w{n}.log", "wb") as log:
         if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode != 0:
             raise RuntimeError(f"the run with {n} workers failed; see {work / f'w{n}.log'}")
@@ -36,13 +38,13 @@ def measured(work: Path, n: int, overrides: list[str]) -> dict:
     return {
         "step_s": statistics.fmean(r["perf/time_per_step"] for r in rows),
         "tokens_per_step": prompt,
-        "fleet_idle_ratio": statistics.fmean(r["rollout/fleet_idle_ratio"] for r in rows),
+        "fleet_idle_ratio": statistics.fmean(r.get("rollout/fleet_idle_ratio", 0.0) for r in rows),
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 4], help="0: colocated")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--length", type=int, default=48)
     p.add_argument("--work", type=Path)
@@ -64,9 +66,9 @@ def main() -> None:
         check=True,
     )
     cal = Calibration.load(cal_path)
-    cfg = load_config(None, overrides)
     rows = []
     for n in args.workers:
+        cfg = load_config(None, [*overrides, *(["rollout.mode=local"] if n == 0 else [])])
         real = measured(work, n, overrides)
         prompt_tokens = round(real["tokens_per_step"] / (cfg.trainer.train_batch_size * cfg.rollout.n)) - args.length
         model = predict(cal, workload_of(cfg, args.length, None, prompt_tokens), fleet_of(cfg, n))

@@ -11,7 +11,7 @@ import pytest
 
 from polyrl.cli import main
 from polyrl.plan.calibration import Calibration, DecodePoint
-from polyrl.plan.fleet_model import Fleet, Workload, predict
+from polyrl.plan.fleet_model import Fleet, FleetModel, Workload, predict
 
 
 def cal(**kw) -> Calibration:
@@ -118,3 +118,30 @@ def test_calibrate_measures_this_machines_engine_and_learner() -> None:
     assert c.learner_tokens_per_s > 0 and c.prefill_tokens_per_s > 0
     assert c.version_bytes > 0
     assert c.host_cores is not None  # a CPU: every process shares the host
+
+
+def test_the_trainers_engine_hands_its_samples_to_the_workers_when_the_learner_starts() -> None:
+    # two groups of one sample, 100 and 50 tokens, one slot on each engine: the trainer's
+    # engine takes the long one; the learner starts at 0.5 s on the short one, and with
+    # `learner` the long one's last 50 tokens are decoded by the worker, nothing lost
+    work = Workload(prompts=2, n=1, prompt_tokens=5, budgets=(100, 50), mini_batches=2)
+    engines = {}
+    for until in ("always", "learner"):
+        fleet = Fleet(1, "remote", trainer_engine=True, trainer_until=until, max_num_seqs=1, trainer_max_num_seqs=1)
+        model = FleetModel(cal(), work, fleet)
+        step = model.run(1, warmup=0)
+        engines[until] = {e.name: e.ticks for e in model.engines}
+        assert step.tokens_per_step == 105 + 55
+        # `always`: the learner's first 5.5 ms share the trainer's device with its engine
+        shared = 55 / 10_000 if until == "always" else 0.0
+        assert step.step_s == pytest.approx(1.0 + shared + 105 / 10_000, rel=1e-6)
+    assert engines["always"] == {"trainer0": 100, "w0": 50}
+    assert engines["learner"] == {"trainer0": 50, "w0": 100}
+
+
+def test_the_trainers_own_engine_decodes_at_its_own_rate() -> None:
+    # the workers' step is 10 ms, the trainer's in-process engine's 5 ms: colocated, 100 steps
+    c = cal(trainer_decode=[DecodePoint(batch=1, step_s=0.005)])
+    assert c.decode_step_s(8) == 0.01 and c.decode_step_s(8, trainer=True) == 0.005
+    p = predict(c, Workload.fixed(4, 2, 5, 100), Fleet(0, "colocated"), steps=2)
+    assert p.step_s == pytest.approx(100 * 0.005 + 840 / 10_000, rel=1e-6)

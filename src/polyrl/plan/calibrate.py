@@ -185,14 +185,24 @@ def calibrate(
                 )
             finally:
                 worker.close()
-        else:
-            torch.set_num_threads(engine_threads)
-            engine = Engine(policy.model, cfg.engine.model_copy(update={"max_num_seqs": max(batches)}), torch.float32)
-            points, prefill = _decode_points(
+        engine = Engine(policy.model, cfg.engine.model_copy(update={"max_num_seqs": max(batches)}), torch.float32)
+
+        def bare(n_threads: int) -> tuple[list[DecodePoint], float]:
+            """The engine in this process, on `n_threads` threads."""
+            torch.set_num_threads(n_threads)
+            return _decode_points(
                 lambda b, t: _generate(engine, b, prompt_tokens, t, vocab), batches, new_tokens, prompt_tokens, repeats
             )
-            del engine
+
+        try:  # the trainer's own engine (its threads); a worker's too when not served
+            trainer_points, trainer_prefill = bare(threads)
+            if not served:
+                same = engine_threads == threads
+                points, prefill = (trainer_points, trainer_prefill) if same else bare(engine_threads)
+        finally:
             torch.set_num_threads(threads)
+        if trainer_points == points:
+            trainer_points = None
         tcfg = cfg.trainer
         per_mini = tcfg.ppo_mini_batch_size * cfg.rollout.n
         lengths = learner_lengths or tuple([prompt_tokens + cfg.rollout.max_new_tokens] * per_mini)
@@ -230,6 +240,7 @@ def calibrate(
         device=name,
         model=cfg.model.path or "tiny: " + ", ".join(f"{k}={v}" for k, v in cfg.model.tiny.model_dump().items()),
         decode=points,
+        trainer_decode=trainer_points,
         prefill_tokens_per_s=prefill,
         learner_tokens_per_s=learner_tps,
         version_bytes=version_bytes,

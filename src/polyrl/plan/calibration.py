@@ -34,6 +34,10 @@ class Calibration(BaseModel):
     model: str
     """The model the rates are for (its shape or name)."""
     decode: list[DecodePoint] = Field(min_length=1)
+    """A worker's decode step against its batch."""
+    trainer_decode: list[DecodePoint] | None = None
+    """The trainer's own engine's, when it differs (on a CPU host: in the trainer's process,
+    with its threads and no HTTP stream); None: as `decode`."""
     prefill_tokens_per_s: float = Field(gt=0)
     learner_tokens_per_s: float = Field(gt=0)
     """Forward and backward (with the old log-probs' forward) of prompt and response tokens."""
@@ -60,15 +64,18 @@ class Calibration(BaseModel):
 
     @model_validator(mode="after")
     def _sorted(self) -> Calibration:
-        self.decode.sort(key=lambda p: p.batch)
-        if len({p.batch for p in self.decode}) != len(self.decode):
-            raise ValueError("decode: one point per batch size")
+        for name in ("decode", "trainer_decode"):
+            points = getattr(self, name)
+            if points is not None:
+                points.sort(key=lambda p: p.batch)
+                if len({p.batch for p in points}) != len(points):
+                    raise ValueError(f"{name}: one point per batch size")
         return self
 
-    def decode_step_s(self, batch: int) -> float:
+    def decode_step_s(self, batch: int, trainer: bool = False) -> float:
         """Interpolated linearly between measured batches, and beyond the largest along
-        the last two points' slope (at least flat)."""
-        pts = self.decode
+        the last two points' slope (at least flat). `trainer`: the trainer's own engine."""
+        pts = self.trainer_decode if trainer and self.trainer_decode else self.decode
         if batch <= pts[0].batch or len(pts) == 1:
             return pts[0].step_s
         i = bisect.bisect_left([p.batch for p in pts], batch)

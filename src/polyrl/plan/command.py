@@ -62,14 +62,20 @@ def workload_of(cfg: RunConfig, length: int | None, tail: tuple[int, int] | None
     return Workload.fixed(t.train_batch_size, cfg.rollout.n, prompt_tokens, length or cfg.rollout.max_new_tokens, mini)
 
 
-def fleet_of(cfg: RunConfig, workers: int, preempt_per_hour: float = 0.0) -> Fleet:
+def fleet_of(cfg: RunConfig, workers: int, preempt_per_hour: float = 0.0, on_cpu: bool = True) -> Fleet:
+    """`on_cpu`: the trainer runs on a CPU (how `hybrid_local_until = auto` resolves)."""
     r = cfg.rollout
     mode = "colocated" if r.mode == "local" else ("fully_async" if r.fully_async else "remote")
+    until = r.hybrid_local_until
+    if until == "auto" and not r.fully_async:  # as the config resolves it (README, "Rollout modes")
+        until = "synced" if on_cpu or r.max_staleness else "learner"
+    # not played: `synced` (the trainer's engine only while the workers sync) and `idle`
     return Fleet(
         workers=workers,
         mode=mode,
         staleness=max(1, r.max_staleness),
-        trainer_engine=r.mode == "hybrid" and r.hybrid_local_until == "always",
+        trainer_engine=r.mode == "hybrid" and until in ("always", "learner"),
+        trainer_until="learner" if until == "learner" else "always",
         max_num_seqs=min(cfg.engine.max_num_seqs, cfg.manager.max_inflight_per_worker),
         trainer_max_num_seqs=cfg.engine.max_num_seqs,
         trainer_usd_per_hour=cfg.cost.trainer_usd_per_hour,
@@ -123,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
     work = workload_of(cfg, args.length, tuple(args.tail) if args.tail else None, args.prompt_tokens)
     rows = []
     for n in args.workers:
-        fleet = fleet_of(cfg, n, args.preempt_per_hour)
+        fleet = fleet_of(cfg, n, args.preempt_per_hour, on_cpu=cal.host_cores is not None)
         name = "colocated" if fleet.mode == "colocated" else f"{n} worker{'s' * (n != 1)}"
         rows.append(row(name, predict(cal, work, fleet, steps=args.steps)))
         if fleet.mode == "colocated":

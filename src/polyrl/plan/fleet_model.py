@@ -69,8 +69,13 @@ class Fleet:
     staleness: int = 1
     """fully_async's k."""
     trainer_engine: bool = False
-    """The trainer's own engine takes work too (`hybrid_local_until = always`); colocated
-    mode always has it and nothing else."""
+    """The trainer's own engine takes work too; colocated mode always has it and nothing
+    else."""
+    trainer_until: Literal["always", "learner"] = "always"
+    """With `trainer_engine` in a step-synchronous run: `learner` (`hybrid_local_until =
+    learner`, RLBoost's schedule) hands the trainer's running samples to the workers, tokens
+    kept, when the step's first mini-batch starts training, and takes no more work until
+    the next step; `always` keeps generating beside the learner."""
     trainer_engines: int = 1
     """Engines on the trainer's devices (one per tensor-parallel group); they and the
     learner share those devices."""
@@ -149,6 +154,8 @@ class _Engine(_Actor):
     """Decode steps done so far: a sample's progress is read from it, not kept per token."""
     joined: list[_Seq] = field(default_factory=list)
     up: bool = True
+    open: bool = True
+    """Takes work (a trainer's engine is closed from its hand-back to the next step)."""
     paused_until: float = 0.0
     idle_s: float = 0.0
 
@@ -244,6 +251,8 @@ class FleetModel:
             waited = self.now - t0
             self._train(groups)
         else:
+            for e in self.engines:
+                e.open = True
             arrival: list[_Group] = []
             for _ in range(self.w.mini_batches):
                 t0 = self.now
@@ -251,6 +260,8 @@ class FleetModel:
                 waited += self.now - t0
                 batch = [g for g in self._arrived(groups) if g not in arrival][:per]
                 arrival += batch
+                if self.f.trainer_until == "learner" and any(e.remote for e in self.engines):
+                    self._hand_back()
                 self._train(batch, mini_batches=1)
         self.ready = [g for g in self.ready if g not in groups]
         self._publish(wait_for_pull=True)
@@ -325,6 +336,22 @@ class FleetModel:
         self._tick += 1
         heapq.heappush(self.timers, (at, self._tick, kind, payload))
 
+    def _hand_back(self) -> None:
+        """The trainer's engines stop; their samples go to the queue's front, tokens kept."""
+        for e in self.engines:
+            if not e.remote and e.open:
+                e.open = False
+                self.queue = self._evict(e) + self.queue
+
+    def _evict(self, e: _Engine) -> list[_Seq]:
+        """An engine's samples, its running step abandoned, each with the tokens it has."""
+        for end, _, s in e.running:
+            s.done += e.ticks - s.start
+            s.left = end - e.ticks
+        moved = [s for _, _, s in e.running] + e.joined
+        e.running, e.joined, e.busy, e.work_left = [], [], False, 0.0
+        return moved
+
     def _schedule_preemption(self, e: _Engine) -> None:
         if self.f.preempt_per_hour > 0:
             self._timer(self.now + self.rng.expovariate(self.f.preempt_per_hour / 3600), "preempt", e)
@@ -336,7 +363,7 @@ class FleetModel:
     # ------------------------------------------------------------------ the event loop
 
     def _can_take(self, e: _Engine) -> bool:
-        if not e.up or self.now < e.paused_until:
+        if not e.up or not e.open or self.now < e.paused_until:
             return False
         return self.f.mode != "fully_async" or e.version == self.version
 
@@ -365,7 +392,7 @@ class FleetModel:
                     self._tick += 1
                     heapq.heappush(e.running, (e.ticks + s.left, self._tick, s))
                 e.joined = []
-                e.work_left = self.cal.decode_step_s(len(e.running)) + prefill
+                e.work_left = self.cal.decode_step_s(len(e.running), trainer=not e.remote) + prefill
                 e.busy = True
 
     def _rates(self) -> dict[int, float]:
@@ -443,12 +470,8 @@ class FleetModel:
             e = payload
             if not e.up:
                 return
-            for end, _, s in e.running:
-                s.done += e.ticks - s.start
-                s.left = end - e.ticks
-            moved = [s for _, _, s in e.running] + e.joined
-            e.running, e.joined, e.busy, e.work_left, e.up = [], [], False, 0.0, False
-            self.queue = moved + self.queue
+            self.queue = self._evict(e) + self.queue
+            e.up = False
             self._timer(self.now + self.f.restart_s, "restart", e)
         elif kind == "restart":
             e = payload

@@ -10,9 +10,11 @@ The rates are a roofline over the H100's measured copy bandwidth (2.78 TB/s, one
 alone, HOPPER.md) and the learner's measured MFU on the 0.6B shape (35%), and the
 workload is an assumption (the guide does not print its batch or lengths): 128 prompts x
 8 samples, lognormal response lengths with median 1500 and 99th percentile 8000 tokens,
-capped at 8192, 300-token prompts, 4 mini-batches. What it shows is the model's
-mechanism (the trainer's engines decode the same tail whether or not workers help), not
-a calibrated forecast.
+capped at 8192, 300-token prompts, 4 mini-batches. The schedule is the seeds' own: the
+trainer's engines generate beside the workers until the step's first mini-batch starts
+training, then hand their unfinished samples, tokens kept, to the workers
+(`hybrid_local_until = learner`). What it shows is that mechanism, not a calibrated
+forecast.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def seeds_table() -> str:
             workers=n,
             mode="colocated" if n == 0 else "remote",
             trainer_engine=True,
+            trainer_until="learner",
             trainer_engines=engines,
             max_num_seqs=512,
             trainer_max_num_seqs=512,
