@@ -28,8 +28,10 @@ import torch
 from polyrl.config import RunConfig
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest
+from polyrl.models.precision import DTYPES
 from polyrl.plan.calibration import Calibration, DecodePoint
 from polyrl.protocol.sampling import SamplingParams
+from polyrl.rollout.local import LocalRollout, engine_dtype
 from polyrl.trainer.batching import SeqItem
 from polyrl.trainer.distributed import DataParallel
 from polyrl.trainer.policy import build_learner, load_policy
@@ -185,7 +187,10 @@ def calibrate(
                 )
             finally:
                 worker.close()
-        engine = Engine(policy.model, cfg.engine.model_copy(update={"max_num_seqs": max(batches)}), torch.float32)
+        compute_dtype = DTYPES[cfg.model.dtype]
+        # the trainer's own engine, built as the colocated rollout builds it (its dtype, its copy)
+        engine_cfg = cfg.engine.model_copy(update={"max_num_seqs": max(batches)})
+        engine = LocalRollout.colocated(policy.model, engine_cfg, compute_dtype).engine
 
         def bare(n_threads: int) -> tuple[list[DecodePoint], float]:
             """The engine in this process, on `n_threads` threads."""
@@ -227,7 +232,11 @@ def calibrate(
             times.append(time.perf_counter() - t0)
         learner_tps = sum(lengths) / min(times)
         log.info("learner: %.0f tokens/s", learner_tps)
-        version_bytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+        published = engine_dtype(policy.model, compute_dtype)  # what the trainer publishes
+        version_bytes = sum(
+            p.numel() * (published.itemsize if p.is_floating_point() else p.element_size())
+            for p in policy.model.parameters()
+        )
     cpu = device.type == "cpu"
     engine_cores = float(engine_threads)
     reader = 0.0
