@@ -23,6 +23,19 @@ import time
 from pathlib import Path
 
 
+def quiet_run(steps: int, tokens: int) -> list[str]:
+    """Overrides of a measured run: no console or TensorBoard, no checkpoints, `steps`
+    steps of `tokens`-token responses (`ignore_eos`, so the lengths are known)."""
+    return [
+        "logging.console=false",
+        "logging.tensorboard=false",
+        "trainer.save_every=0",
+        f"trainer.total_steps={steps}",
+        f"rollout.max_new_tokens={tokens}",
+        "rollout.ignore_eos=true",
+    ]
+
+
 def run(name: str, overrides: list[str], work: Path, steps: int) -> list[dict]:
     """The run's metrics; a finished run of `steps` already in `work` is read again."""
     run_dir = work / name
@@ -71,12 +84,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="polyrl-autoscale-"))
     work.mkdir(parents=True, exist_ok=True)
     common = [
-        "logging.console=false",
-        "logging.tensorboard=false",
-        "trainer.save_every=0",
-        f"trainer.total_steps={args.steps}",
-        f"rollout.max_new_tokens={args.long}",
-        "rollout.ignore_eos=true",
+        *quiet_run(args.steps, args.long),
         f"rollout.max_new_tokens_schedule=[[1, {args.long}], [{half + 1}, {args.short}]]",
         "fleet.drain_timeout_s=1",
     ]

@@ -20,24 +20,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-from polyrl.config import load_config
-from polyrl.plan.calibration import Calibration
-from polyrl.plan.command import fleet_of, workload_of
-from polyrl.plan.fleet_model import predict
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from autoscale import quiet_run, run  # noqa: E402  (benchmarks/autoscale.py: a `polyrl train` run, read back)
+
+from polyrl.config import load_config  # noqa: E402
+from polyrl.plan.calibration import Calibration  # noqa: E402
+from polyrl.plan.command import fleet_of, workload_of  # noqa: E402
+from polyrl.plan.fleet_model import predict  # noqa: E402
 
 
-def measured(work: Path, n: int, overrides: list[str]) -> dict:
-    run_dir = work / f"w{n}"
+def measured(work: Path, n: int, overrides: list[str], steps: int) -> dict:
     fleet = ["rollout.mode=local"] if n == 0 else [f"fleet.num_workers={n}"]
-    cmd = [sys.executable, "-m", "polyrl.cli", "train", "--run-dir", str(run_dir), *overrides, *fleet]
-    with open(work / f"w{n}.log", "wb") as log:
-        if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode != 0:
-            raise RuntimeError(f"the run with {n} workers failed; see {work / f'w{n}.log'}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][2:]
-    prompt = statistics.fmean(r["perf/total_num_tokens"] for r in rows)
+    rows = run(f"w{n}", [*overrides, *fleet], work, steps)[2:]
+    tokens = statistics.fmean(r["perf/total_num_tokens"] for r in rows)
     return {
         "step_s": statistics.fmean(r["perf/time_per_step"] for r in rows),
-        "tokens_per_step": prompt,
+        "tokens_per_step": tokens,
         "fleet_idle_ratio": statistics.fmean(r.get("rollout/fleet_idle_ratio", 0.0) for r in rows),
     }
 
@@ -52,14 +50,7 @@ def main() -> None:
     args = p.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="polyrl-plan-"))
     work.mkdir(parents=True, exist_ok=True)
-    overrides = [
-        "logging.console=false",
-        "logging.tensorboard=false",
-        "trainer.save_every=0",
-        f"trainer.total_steps={args.steps}",
-        f"rollout.max_new_tokens={args.length}",
-        "rollout.ignore_eos=true",
-    ]
+    overrides = quiet_run(args.steps, args.length)
     cal_path = work / "calibration.json"
     subprocess.run(
         [sys.executable, "-m", "polyrl.cli", "plan", "calibrate", "--served", "--out", str(cal_path), *overrides],
@@ -69,7 +60,7 @@ def main() -> None:
     rows = []
     for n in args.workers:
         cfg = load_config(None, [*overrides, *(["rollout.mode=local"] if n == 0 else [])])
-        real = measured(work, n, overrides)
+        real = measured(work, n, overrides, args.steps)
         prompt_tokens = round(real["tokens_per_step"] / (cfg.trainer.train_batch_size * cfg.rollout.n)) - args.length
         model = predict(cal, workload_of(cfg, args.length, None, prompt_tokens), fleet_of(cfg, n))
         rows.append(
