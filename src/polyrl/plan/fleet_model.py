@@ -112,7 +112,6 @@ class Prediction:
 
 @dataclass
 class _Group:
-    gid: int
     length: int
     samples_left: int
     version: int | None = None
@@ -198,7 +197,6 @@ class FleetModel:
                 )
                 self._schedule_preemption(self.engines[-1])
         self._budget = 0
-        self._gid = 0
         self.in_flight: list[_Group] = []
         self.ready: list[_Group] = []
         self.lags: list[int] = []
@@ -298,8 +296,7 @@ class FleetModel:
     def _submit(self) -> _Group:
         length = self.w.budgets[self._budget % len(self.w.budgets)]
         self._budget += 1
-        g = _Group(self._gid, length, self.w.n)
-        self._gid += 1
+        g = _Group(length, self.w.n)
         self.queue += [_Seq(g, length) for _ in range(self.w.n)]
         return g
 
@@ -431,7 +428,7 @@ class FleetModel:
                 raise RuntimeError("the fleet model is stuck: no work, no timer, and the step is not done")
             dt = nxt - self.now
             for e in self.engines:
-                if e.up and not e.busy and e.remote or (not e.remote and not e.busy):
+                if not e.busy and (e.up or not e.remote):  # a preempted worker is not idle: it is gone
                     e.idle_s += dt
             for a in actors:
                 a.work_left -= dt * rates[id(a)]
