@@ -4,7 +4,9 @@
 E episodes run at once, each T turns. Turn 1's prompt is the episode's own opening
 (`--opening` tokens); every later turn's prompt is the whole history: the turns before,
 the engine's replies as sampled (token ids, as an agent's client keeps them), and an
-observation of `--observation` tokens from the environment. Replies are `--reply`
+observation of `--observation` tokens from the environment. With `--group G`, episodes
+come in groups of G that share their opening, as a GRPO step's `rollout.n` episodes of
+one item (its system prompt and task) do. Replies are `--reply`
 tokens (EOS ignored) at temperature 0, so both rows make the same tokens and their
 agreement is checked. The turns run in lockstep: turn t+1 starts when every episode's
 turn t is done, so each turn's prefill is counted apart.
@@ -15,7 +17,7 @@ prompt tokens computed; generated tokens/s and wall time over all turns (prefill
 decode; the first run of each row compiles and captures, so each row runs twice and the
 second is reported).
 
-    python benchmarks/agentic.py [--preset tiny|qwen3-0.6b] [--episodes 256] [--turns 4] [--json PATH]
+    python benchmarks/agentic.py [--preset tiny|qwen3-0.6b] [--episodes 256] [--turns 4] [--group 16] [--json PATH]
     # GPU: python benchmarks/agentic.py --device cuda --preset qwen3-0.6b --episodes 256 --turns 4
 """
 
@@ -43,7 +45,8 @@ from polyrl.protocol.sampling import SamplingParams  # noqa: E402
 def play(engine: Engine, args: argparse.Namespace, vocab: int) -> dict:
     """Every episode's turns in lockstep; returns the counts and the replies."""
     g = torch.Generator().manual_seed(0)
-    histories = [torch.randint(3, vocab, (args.opening,), generator=g).tolist() for _ in range(args.episodes)]
+    openings = [torch.randint(3, vocab, (args.opening,), generator=g).tolist() for _ in range(args.episodes)]
+    histories = [list(openings[e - e % args.group]) for e in range(args.episodes)]  # a group shares its opening
     observations = torch.randint(3, vocab, (args.turns, args.episodes, args.observation), generator=g).tolist()
     sampling = SamplingParams(max_new_tokens=args.reply, temperature=0.0, ignore_eos=True)
     blocks = engine.blocks
@@ -90,6 +93,12 @@ def main() -> int:
     p.add_argument("--episodes", type=int, default=None, help="default: 256 on CUDA, 16 on CPU")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--opening", type=int, default=128, help="tokens of each episode's first prompt")
+    p.add_argument(
+        "--group",
+        type=int,
+        default=1,
+        help="episodes that share their opening, as GRPO's rollout.n episodes of one item do (default 1: none)",
+    )
     p.add_argument("--observation", type=int, default=32, help="tokens the environment adds each turn")
     p.add_argument("--reply", type=int, default=None, help="tokens per reply (default: 128 on CUDA, 32 on CPU)")
     p.add_argument("--json")
@@ -99,6 +108,8 @@ def main() -> int:
     args.preset = args.preset or ("qwen3-0.6b" if gpu else "tiny")
     args.episodes = args.episodes or (256 if gpu else 16)
     args.reply = args.reply or (128 if gpu else 32)
+    if args.group < 1 or args.episodes % args.group:
+        p.error("--group must be at least 1 and divide --episodes")
     model = build_model(args.preset, device, torch.bfloat16 if gpu else torch.float32)
     vocab = model.config.vocab_size
     longest = args.opening + args.turns * (args.reply + args.observation)
@@ -131,7 +142,8 @@ def main() -> int:
         else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     ) + f", torch {torch.__version__}"
     print(
-        f"\npreset {args.preset}, {args.episodes} episodes x {args.turns} turns: opening {args.opening}, "
+        f"\npreset {args.preset}, {args.episodes} episodes x {args.turns} turns in groups of {args.group}: "
+        f"opening {args.opening}, "
         f"observation {args.observation}, reply {args.reply} tokens; {machine}"
     )
     print("| row | prompt tokens | prefill computed | turns 2+ computed | generated tok/s | wall s |")

@@ -150,3 +150,17 @@ def test_stats_count_queries_and_hits(model) -> None:
     stats = engine.stats()
     assert stats.prefix_cache_hits == turns[1][2] > 0
     assert stats.prefix_cache_queries == sum(len(prompt) for prompt, _, _ in turns)
+
+
+def test_episodes_that_arrive_together_compute_their_shared_opening_once(model) -> None:
+    """A GRPO group's episodes arrive at once with the same opening: one computes it and
+    the others read its blocks while it is still running (keyed as its prefill computes
+    them), with the tokens of an engine without the cache."""
+    opening = [1, *range(5, 27)]  # 23 tokens: 5 full blocks of 4
+    requests = [EngineRequest(f"e{i}", [*opening, 30 + i], SAMPLED) for i in range(4)]
+    engine = Engine(model, cfg())
+    got = run(engine, requests)
+    want = run(Engine(model, cfg(caching=False)), requests)
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
+    # the opening's 5 full blocks were computed once: each later episode read them
+    assert engine.blocks.num_hit_tokens == 3 * 20

@@ -5,9 +5,12 @@ only a partially filled last block is copied when a sequence forks (copy on fork
 later write can reach a shared block). Check-then-act pairs (`can_allocate`/`allocate`)
 keep the scheduler free of half-done allocations.
 
-Automatic prefix caching (`engine.enable_prefix_caching`, as vLLM's): when a sequence
-gives its blocks back, each full block whose KV it computed keeps a key, a hash chained
-over every token up to the block's end, and stays readable until it is handed out again.
+Automatic prefix caching (`engine.enable_prefix_caching`, as vLLM's): each full block
+whose KV a prefill computed gets a key at once, a hash chained over every token up to the
+block's end, so a request arriving while the first is still running (the other episodes
+of a GRPO group, with the same system prompt and task) reads it too; a sequence that
+gives its blocks back keys the full blocks its decode filled, and a freed block stays
+readable until it is handed out again.
 Free blocks go out least recently freed first, and a sequence's tail before its head,
 so the prefixes shared most live longest. A new sequence starts with every cached block
 its tokens match, from the first (its next turn of a conversation, another request with
@@ -141,8 +144,28 @@ class BlockManager:
         self.num_hit_tokens += seq.num_computed_tokens
         return seq.num_computed_tokens
 
+    def cache_computed(self, seq: Sequence) -> None:
+        """Key `seq`'s full blocks computed so far (after a prefill chunk), so that other
+        sequences match them while `seq` still runs. A full block is never written again."""
+        if self.prefix_caching and seq.kv_epoch == self.epoch:
+            self._remember(seq)
+
+    def next_key(self, seq: Sequence) -> int | None:
+        """The key of the first full block of `seq`'s tokens it has not computed, if any."""
+        index = seq.num_computed_tokens // self.block_size
+        if index >= seq.num_tokens // self.block_size:
+            return None
+        return self._key_list(seq, index + 1)[index]
+
+    def keys_to_compute(self, seq: Sequence) -> list[int]:
+        """The keys of the full blocks of `seq`'s tokens that it has yet to compute."""
+        return self._key_list(seq, seq.num_tokens // self.block_size)[seq.num_computed_tokens // self.block_size :]
+
     def release_match(self, seq: Sequence) -> None:
-        """Undo `match_prefix` for a sequence that stays waiting (waiting ones hold no blocks)."""
+        """Undo `match_prefix` for a sequence that stays waiting (waiting ones hold no blocks);
+        its next match counts again."""
+        self.num_queried_tokens -= seq.num_tokens
+        self.num_hit_tokens -= seq.num_computed_tokens
         self.free(seq)
         seq.num_computed_tokens = 0
 
@@ -162,14 +185,21 @@ class BlockManager:
                 self.block_key[block], self.block_tokens[block] = key, tokens
 
     def _keys(self, seq: Sequence, num_blocks: int) -> Iterator[tuple[bytes, int]]:
-        """(tokens as bytes, key) of `seq`'s first `num_blocks` full blocks, hashed as they
-        are asked for (a match stops at its first miss)."""
-        width, key = 8 * self.block_size, 0
+        """(tokens as bytes, key) of `seq`'s first `num_blocks` full blocks."""
+        width = 8 * self.block_size
         data = token_bytes(seq.token_ids[: num_blocks * self.block_size])
-        for i in range(num_blocks):
-            tokens = data[i * width : (i + 1) * width]
-            key = chain_hash(key, tokens)
-            yield tokens, key
+        for i, key in enumerate(self._key_list(seq, num_blocks)):
+            yield data[i * width : (i + 1) * width], key
+
+    def _key_list(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """`seq`'s first `num_blocks` keys, hashing only those it does not hold yet."""
+        keys, start = seq.block_keys, len(seq.block_keys)
+        if start < num_blocks:
+            width = 8 * self.block_size
+            data = token_bytes(seq.token_ids[start * self.block_size : num_blocks * self.block_size])
+            for i in range(num_blocks - start):
+                keys.append(chain_hash(keys[-1] if keys else 0, data[i * width : (i + 1) * width]))
+        return keys[:num_blocks]
 
     def _forget(self, block: int) -> None:
         key = self.block_key[block]

@@ -262,6 +262,8 @@ class Engine:
         self._store_routes(batch)
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
+            if item.num_new_tokens > 1:  # a prefill chunk: its full blocks are readable now
+                self.blocks.cache_computed(item.seq)
         seqs: list[Sequence] = []
         rows: list[int] = []
         for row, i in enumerate(sample_idx):

@@ -4,7 +4,10 @@ One step is one forward over a flat batch of tokens: a decode feeds 1 token, a p
 chunk of its prompt. Running sequences go first (oldest first), so decodes are never
 starved by new prompts; then waiting sequences are admitted while the token budget,
 the sequence cap and free KV blocks allow, each starting from the cached blocks its
-tokens match (block_manager.py: automatic prefix caching). When blocks run out, the
+tokens match (block_manager.py: automatic prefix caching). A waiting sequence whose next
+block another running sequence is computing waits for it instead of computing it again
+(the episodes of one GRPO group arrive together with the same opening: one computes it,
+the rest read it, as SGLang's in-batch prefix sharing does). When blocks run out, the
 newest running sequence is preempted: its blocks are freed and it goes back to the front
 of the queue to be recomputed later (its tokens are kept, and sampling is keyed by
 position, so the result does not change).
@@ -60,12 +63,20 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             i += 1
+        computing = self._blocks_in_progress()
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             # A sequence that reports its routes computes every position itself.
-            matched = 0 if seq.sampling.return_routed_experts else self.blocks.match_prefix(seq)
+            matching = self.blocks.prefix_caching and not seq.sampling.return_routed_experts
+            if matching:
+                self.blocks.match_prefix(seq)
+            if matching and computing and self.blocks.next_key(seq) in computing:
+                self.blocks.release_match(seq)
+                deferred.append(self.waiting.popleft())  # its next block is on the way
+                continue
             if not self._admissible(budget):
-                if matched:
+                if matching:
                     self.blocks.release_match(seq)
                 break
             self.waiting.popleft()
@@ -75,7 +86,21 @@ class Scheduler:
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+            if self.blocks.prefix_caching:
+                computing.update(self.blocks.keys_to_compute(seq))
+        self.waiting.extendleft(reversed(deferred))
         return batch
+
+    def _blocks_in_progress(self) -> set[int]:
+        """Keys of the full prompt blocks running prefills have still to compute."""
+        if not self.blocks.prefix_caching:
+            return set()
+        return {
+            key
+            for seq in self.running
+            if seq.num_uncomputed > 1 and seq.kv_epoch == self.blocks.epoch
+            for key in self.blocks.keys_to_compute(seq)
+        }
 
     def can_admit(self) -> bool:
         """Whether the next `schedule()` would start a waiting sequence (with every running

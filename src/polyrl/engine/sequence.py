@@ -46,6 +46,9 @@ class Sequence:
     experts of position p once a step has fed it."""
     routes_sent: int = 0
     """Positions whose routes went out in a delta already."""
+    block_keys: list[int] = field(default_factory=list)
+    """The prefix cache's keys of its first full blocks, hashed once: a key depends only on
+    the tokens up to its block's end, and tokens are only ever appended."""
     kv_epoch: int = -1
     """The weight version count (`BlockManager.epoch`) its KV blocks were first filled in:
     the prefix cache keeps them only if it is still the current one."""
