@@ -3,7 +3,7 @@ model, same work, measured in one run, next to the decode roofline on GPU.
 
     .venv/bin/python benchmarks/engine.py [--preset tiny|small|qwen3-0.6b|tiny-moe|qwen3-30b-a3b] [--batch 64]
         [--prompt-len 64] [--new-tokens 128] [--n 8] [--device auto]
-        [--baselines dynamic,static,cb,grouped] [--json PATH]
+        [--baselines dynamic,static,cb,grouped|none] [--profile] [--json PATH]
     # the GPU target: python benchmarks/engine.py --device cuda --preset qwen3-0.6b --batch 256 --new-tokens 256
 
 Shapes: B prompts of equal length at temperature 1; the GRPO shape (B/n prompts x n
@@ -245,6 +245,30 @@ def fmt(row: dict, key: str) -> str:
     return f"{row[key]:.0f}" if key in row else ("failed" if key.replace("_tok_s", "_error") in row else "-")
 
 
+def profile_engine(engine: Engine, prompts: list[list[int]], device: torch.device, tokens: int) -> list[dict]:
+    """Where a decode-heavy run's device time goes: `tokens` new tokens for the
+    batch under torch's profiler (kernels inside CUDA graphs are seen through CUPTI), the
+    top kernels by their own device time, printed and returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        engine_generate(engine, prompts, tokens, 1, True)
+        sync(device)
+    events = prof.key_averages()
+    own = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    total = sum(getattr(e, own) for e in events) or 1.0
+    top = sorted(events, key=lambda e: getattr(e, own), reverse=True)[:25]
+    out = [
+        {"name": e.key[:90], "calls": e.count, "ms": getattr(e, own) / 1e3, "share": getattr(e, own) / total}
+        for e in top
+    ]
+    print(f"  profile, {len(prompts)} x {tokens} new tokens, by own {own}:", flush=True)
+    for r in out:
+        print(f"    {r['share']:6.1%} {r['ms']:9.1f} ms {r['calls']:7d}x  {r['name']}", flush=True)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS | MOE_PRESETS), default="small")
@@ -254,8 +278,10 @@ def main() -> int:
     p.add_argument("--n", type=int, default=8, help="samples per prompt in the GRPO shape")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--baselines", default=None, help="comma-separated from dynamic,static,cb,grouped (MoE)")
+    p.add_argument("--baselines", default=None, help="comma-separated from dynamic,static,cb,grouped (MoE), or none")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="also profile the first shape's decode (top kernels)")
+    p.add_argument("--profile-tokens", type=int, default=32)
     p.add_argument("--json")
     args = p.parse_args()
     device = torch.device(
@@ -265,6 +291,7 @@ def main() -> int:
     )
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     baselines = (args.baselines or ("dynamic,static,cb" if device.type == "cuda" else "dynamic")).split(",")
+    baselines = [] if baselines == ["none"] else baselines
     if unknown := set(baselines) - {"dynamic", "static", "cb", "grouped"}:
         p.error(f"unknown baselines: {sorted(unknown)}")
     model = build_model(args.preset, device, dtype)
@@ -297,6 +324,7 @@ def main() -> int:
         # The greedy row is there for the agreement check: HF `generate` alone serves it.
         row_baselines = baselines if sample else [b for b in baselines if b == "dynamic"]
         rows[name] = measure(model, engine, prompts, args.new_tokens, n, sample, args.repeats, row_baselines, bandwidth)
+    profiled = profile_engine(engine, equal, device, args.profile_tokens) if args.profile else None
     machine = (
         torch.cuda.get_device_name(device)
         if device.type == "cuda"
@@ -342,6 +370,7 @@ def main() -> int:
                     "copy_bandwidth_bytes_s": bandwidth,
                     "baselines": baselines,
                     "rows": rows,
+                    "profile": profiled,
                 },
                 f,
                 indent=2,

@@ -42,7 +42,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import build_model, copy_bandwidth, engine_generate, measure, preset_config  # noqa: E402  (benchmarks/engine.py)
+from engine import build_model, copy_bandwidth, measure, preset_config, profile_engine  # noqa: E402  (benchmarks/engine.py)
 from learner import make_items  # noqa: E402  (benchmarks/learner.py: random tokens and log-probs)
 
 from polyrl.config import AlgoConfig, EngineConfig, TrainerConfig  # noqa: E402
@@ -106,35 +106,11 @@ def engine_part(args: argparse.Namespace) -> list[dict]:
             row = {"sequences": batch, "error": traceback.format_exc(limit=2)[-300:]}
         rows.append({"part": "engine", "preset": preset, "batch": batch, "cuda_graphs": bool(graphs), **row})
         if args.profile:
-            rows[-1]["profile"] = profile_engine(engine, prompts, args)
+            rows[-1]["profile"] = profile_engine(engine, prompts, args.device, args.profile_tokens)
     engine.sleep()  # frees the KV cache and the graphs
     del engine, model
     free()
     return rows
-
-
-def profile_engine(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]:
-    """Where a decode-heavy run's device time goes: `--profile-tokens` new tokens for the
-    batch under torch's profiler (kernels inside CUDA graphs are seen through CUPTI), the
-    top kernels by their own device time, printed and returned."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        engine_generate(engine, prompts, args.profile_tokens, 1, True)
-        sync(args.device)
-    events = prof.key_averages()
-    own = "self_device_time_total" if args.device.type == "cuda" else "self_cpu_time_total"
-    total = sum(getattr(e, own) for e in events) or 1.0
-    top = sorted(events, key=lambda e: getattr(e, own), reverse=True)[:25]
-    out = [
-        {"name": e.key[:90], "calls": e.count, "ms": getattr(e, own) / 1e3, "share": getattr(e, own) / total}
-        for e in top
-    ]
-    print(f"  profile, {len(prompts)} x {args.profile_tokens} new tokens, by own {own}:", flush=True)
-    for r in out:
-        print(f"    {r['share']:6.1%} {r['ms']:9.1f} ms {r['calls']:7d}x  {r['name']}", flush=True)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
