@@ -63,7 +63,7 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             i += 1
-        computing = self._blocks_in_progress()
+        computing = self._blocks_in_progress() if self.waiting else set()
         deferred: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
