@@ -292,6 +292,22 @@ class RolloutConfig(_Section):
                 budget = tokens
         return budget
 
+    def local_window(self, on_cuda: bool) -> str:
+        """`hybrid_local_until` with `auto` resolved, for a trainer on CUDA or not; `off`
+        outside hybrid mode (the manager's `local_window`)."""
+        if self.mode != "hybrid":
+            return "off"
+        if self.fully_async:
+            # auto: the trainer's engine fills the learner's waits only. `always` (beside
+            # the learner) helps where the fleet is the bottleneck (one H100 split by MPS:
+            # it made 47% of the tokens) and costs where the learner is (2 H200s: the spot
+            # idled 30% of the time while the learner's updates took 1.5x as long per
+            # token); see BENCHMARKS.md.
+            return "idle" if self.hybrid_local_until == "auto" else self.hybrid_local_until
+        if self.hybrid_local_until == "auto":
+            return "learner" if on_cuda and not self.max_staleness else "synced"
+        return self.hybrid_local_until
+
     def sampling(self, stop_token_ids: Sequence[int]) -> SamplingParams:
         """How the run's samples are drawn: these settings, ending on `stop_token_ids`
         (the EOS tokens the run wants; the model's own are not added), or on none with

@@ -42,19 +42,7 @@ def window_policy(cfg: RunConfig, device: torch.device) -> ManagerConfig:
     for fully asynchronous training, workers that keep their running samples across
     versions (`manager.swap_policy`, unless set)."""
     r = cfg.rollout
-    if r.mode != "hybrid":
-        mode = "off"
-    elif r.fully_async:
-        # auto: the trainer's engine fills the learner's waits only. `always` (beside the
-        # learner) helps where the fleet is the bottleneck (one H100 split by MPS: it made
-        # 47% of the tokens) and costs where the learner is (2 H200s: the spot idled 30%
-        # of the time while the learner's updates took 1.5x as long per token); see
-        # BENCHMARKS.md.
-        mode = "idle" if r.hybrid_local_until == "auto" else r.hybrid_local_until
-    elif r.hybrid_local_until == "auto":
-        mode = "learner" if device.type == "cuda" and not r.max_staleness else "synced"
-    else:
-        mode = r.hybrid_local_until
+    mode = r.local_window(on_cuda=device.type == "cuda")
     update: dict[str, object] = {"local_window": mode, "local_window_max_s": r.hybrid_max_window_s}
     if r.fully_async and cfg.manager.swap_policy is None:
         update["swap_policy"] = "continue"

@@ -66,15 +66,13 @@ def fleet_of(cfg: RunConfig, workers: int, preempt_per_hour: float = 0.0, on_cpu
     """`on_cpu`: the trainer runs on a CPU (how `hybrid_local_until = auto` resolves)."""
     r = cfg.rollout
     mode = "colocated" if r.mode == "local" else ("fully_async" if r.fully_async else "remote")
-    until = r.hybrid_local_until
-    if until == "auto" and not r.fully_async:  # as the config resolves it (README, "Rollout modes")
-        until = "synced" if on_cpu or r.max_staleness else "learner"
+    until = r.local_window(on_cuda=not on_cpu)
     # not played: `synced` (the trainer's engine only while the workers sync) and `idle`
     return Fleet(
         workers=workers,
         mode=mode,
         staleness=max(1, r.max_staleness),
-        trainer_engine=r.mode == "hybrid" and until in ("always", "learner"),
+        trainer_engine=until in ("always", "learner"),
         trainer_until="learner" if until == "learner" else "always",
         max_num_seqs=min(cfg.engine.max_num_seqs, cfg.manager.max_inflight_per_worker),
         trainer_max_num_seqs=cfg.engine.max_num_seqs,
