@@ -206,6 +206,7 @@ def calibrate(
                 points, prefill = (trainer_points, trainer_prefill) if same else bare(engine_threads)
         finally:
             torch.set_num_threads(threads)
+        engine.sleep()  # frees its KV cache (and graphs): the learner below runs without them, as in a run
         if trainer_points == points:
             trainer_points = None
         tcfg = cfg.trainer
