@@ -502,6 +502,20 @@ class FilterGroupsConfig(_Section):
     trains on the groups it has (fewer) and logs why. 0: no cap (verl's 0)."""
 
 
+class GiGPOConfig(_Section):
+    """Group-in-group advantages for multi-call agent episodes (Feng et al. 2025, "Group-in-
+    Group Policy Optimization for LLM Agent Training"; verl-agent's `algorithm.gigpo`),
+    used with `algo.adv_estimator = "gigpo"`."""
+
+    step_advantage_w: float = Field(1.0, ge=0)
+    """Weight of the step-level advantage added to the episode's. A call's step group is
+    the calls of the same GRPO group that saw exactly the same context (token for token),
+    so the calls that follow one tool answer are compared with each other rather than with
+    episodes that never got there; a call whose context no other episode shares adds 0.
+    Normalised by the step group's std when `algo.norm_adv_by_std` (verl-agent's
+    `gigpo.mode`: true is mean_std_norm, false mean_norm)."""
+
+
 class AlgoConfig(_Section):
     @model_validator(mode="before")
     @classmethod
@@ -545,6 +559,12 @@ class AlgoConfig(_Section):
             )
         return self
 
+    adv_estimator: Literal["grpo", "gigpo"] = "grpo"
+    """verl's `algorithm.adv_estimator`. grpo: one advantage per sequence from its group.
+    gigpo: for agent episodes of several calls, each call's tokens also get a step-level
+    advantage from the calls that saw the same context (`algo.gigpo`); single-call
+    samples are unchanged. `trainer/step_groups.py`."""
+    gigpo: GiGPOConfig = GiGPOConfig()
     norm_adv_by_std: bool = True
     """False gives Dr.GRPO's unnormalised group advantage."""
     clip_ratio_low: float = Field(0.2, ge=0)

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -27,6 +27,7 @@ from polyrl.trainer.batching import SeqItem, group_items
 from polyrl.trainer.grpo import group_advantages
 from polyrl.trainer.learner import Learner
 from polyrl.trainer.overlong import shaped_rewards
+from polyrl.trainer.step_groups import step_advantages
 
 
 class GroupScorer:
@@ -199,9 +200,27 @@ def _items(batch: list[Group], algo: AlgoConfig, out: StreamResult) -> list[SeqI
         advantages = group_advantages(rewards, algo.norm_adv_by_std)[0].tolist()
         if group.zero_advantage is not None:
             advantages = [0.0 if zero else a for a, zero in zip(advantages, group.zero_advantage, strict=True)]
+        if algo.adv_estimator == "gigpo":
+            group = _with_step_advantages(group, advantages, algo)
         if algo.overlong_filter:
             out.num_overlong_filtered += sum(
                 s.finish_reason == "length" and bool(s.completion_ids) for s in group.samples
             )
         items += group_items(group, advantages, out.version, drop_truncated=algo.overlong_filter)
     return items
+
+
+def _with_step_advantages(group: Group, advantages: list[float], algo: AlgoConfig) -> Group:
+    """The group with GiGPO's per-token advantages written into its samples."""
+    per_token = step_advantages(
+        group.prompt.prompt_ids,
+        group.samples,
+        group.rewards or [],
+        advantages,
+        algo.gigpo.step_advantage_w,
+        algo.norm_adv_by_std,
+    )
+    if group.zero_advantage is not None:
+        per_token = [None if zero else a for a, zero in zip(per_token, group.zero_advantage, strict=True)]
+    samples = [s if a is None else replace(s, advantages=a) for s, a in zip(group.samples, per_token, strict=True)]
+    return replace(group, samples=samples)

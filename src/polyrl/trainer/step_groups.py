@@ -1,0 +1,102 @@
+"""Step-level advantages for agent episodes: GiGPO's group in the group.
+
+An agent episode is trained as one sequence with one reward, so GRPO gives every call in
+it the same advantage: the episode's reward against its group's mean. That mixes up what
+each call did. In a tool task, the episodes that called the tool are ahead of those that
+did not, so every token of their *answer* gets a positive advantage whatever the answer
+was; the answers are sharpened towards whatever they happened to be before the model has
+learned which answer is right.
+
+GiGPO (Feng et al. 2025, verl-agent's `adv_estimator=gigpo`) adds a second, finer
+comparison. Calls that start from the same state form a step group, and each call is
+also scored against its step group. Here the state is the call's whole context, token for
+token: the calls that follow the same tool answer are compared with each other and not
+with episodes that never got there. The episode's reward is every call's return (the
+reward comes at the end, so a discount would only rescale it). Each sampled token of
+call k of episode i gets
+
+    A_episode[i] + step_advantage_w * A_step[i, k]
+
+where A_step is (R_i - mean of its step group), divided by the step group's std when
+`algo.norm_adv_by_std`, and 0 when no other episode shares the context. The first call
+of every episode shares the group's prompt, so its step group is the whole group, as in
+GiGPO.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import xxhash
+
+from polyrl.protocol.samples import Sample
+
+
+def call_spans(sample: Sample) -> list[tuple[int, int]]:
+    """[start, end) of each call's reply in the completion: each run of trained tokens
+    (a sample without a loss mask is a single call)."""
+    if sample.loss_mask is None:
+        return [(0, len(sample.completion_ids))] if sample.completion_ids else []
+    spans, start = [], None
+    for i, trained in enumerate([*sample.loss_mask, False]):
+        if trained and start is None:
+            start = i
+        elif not trained and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def _context_keys(prompt_ids: list[int], sample: Sample, spans: list[tuple[int, int]]) -> list[int]:
+    """One hash per call of everything before it (the prompt and the completion so far)."""
+    h = xxhash.xxh3_128(np.asarray(prompt_ids, dtype=np.int64).tobytes())
+    done, keys = 0, []
+    completion = np.asarray(sample.completion_ids, dtype=np.int64)
+    for start, _ in spans:
+        h.update(completion[done:start].tobytes())
+        done = start
+        keys.append(h.intdigest())
+    return keys
+
+
+def step_advantages(
+    prompt_ids: list[int],
+    samples: list[Sample],
+    rewards: list[float],
+    episode_advantages: list[float],
+    weight: float,
+    norm_by_std: bool,
+    eps: float = 1e-6,
+) -> list[list[float] | None]:
+    """Per sample, its per-token advantages (`Sample.advantages` layout), or None where
+    the sample keeps one advantage for all its tokens (it brings its own, or is empty)."""
+    spans = [call_spans(s) if s.advantages is None else [] for s in samples]
+    keys = [
+        _context_keys(s.prompt_ids if s.prompt_ids is not None else prompt_ids, s, sp) if sp else []
+        for s, sp in zip(samples, spans, strict=True)
+    ]
+    returns_by_key: dict[int, list[float]] = defaultdict(list)
+    for i, sample_keys in enumerate(keys):
+        for key in sample_keys:
+            returns_by_key[key].append(rewards[i])
+    baseline: dict[int, tuple[float, float]] = {}  # key -> (mean, divisor)
+    for key, returns in returns_by_key.items():
+        if len(returns) < 2:
+            continue  # nothing to compare with: the step part is 0
+        r = np.asarray(returns, dtype=np.float64)
+        baseline[key] = (float(r.mean()), float(r.std(ddof=1)) + eps if norm_by_std else 1.0)
+    out: list[list[float] | None] = []
+    for i, s in enumerate(samples):
+        if not spans[i]:
+            out.append(None)
+            continue
+        per_token = [episode_advantages[i]] * len(s.completion_ids)
+        for (start, end), key in zip(spans[i], keys[i], strict=True):
+            if key not in baseline:
+                continue
+            mean, scale = baseline[key]
+            value = episode_advantages[i] + weight * (rewards[i] - mean) / scale
+            per_token[start:end] = [value] * (end - start)
+        out.append(per_token)
+    return out
