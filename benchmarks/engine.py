@@ -43,13 +43,14 @@ PRESETS = {  # hidden, layers, heads, kv heads, intermediate, vocab
     "tiny": (96, 2, 4, 2, 192, 64),
     "small": (256, 4, 8, 4, 768, 1024),
     "qwen3-0.6b": (1024, 28, 16, 8, 3072, 151936),
+    "qwen3-8b": (4096, 36, 32, 8, 12288, 151936),
 }
 MOE_PRESETS = {  # hidden, layers, heads, kv heads, expert intermediate, vocab, experts, experts per token
     "tiny-moe": (128, 2, 4, 2, 64, 64, 8, 2),  # head size 32: the fused kernels take powers of two
     # Qwen3-30B-A3B's shape: 30.5B parameters, 3.35B active per token
     "qwen3-30b-a3b": (2048, 48, 32, 4, 768, 151936, 128, 8),
 }
-LARGE = {"qwen3-0.6b", "qwen3-30b-a3b"}  # Qwen's head size of 128 and untied embeddings where Qwen unties
+LARGE = {"qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"}  # Qwen's head size of 128 and untied embeddings where Qwen unties
 
 
 def preset_config(

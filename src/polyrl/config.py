@@ -382,6 +382,15 @@ class RolloutConfig(_Section):
 class EngineConfig(_Section):
     """The embedded continuous-batching engine (workers and the trainer's local rollout)."""
 
+    @model_validator(mode="after")
+    def _fp8_needs_a_gpu(self) -> EngineConfig:
+        if self.weight_dtype == "fp8" and (self.device == "cpu" or self.dtype in ("float32", "float64")):
+            raise ValueError(
+                f"engine.weight_dtype = 'fp8' needs a CUDA engine computing in bfloat16 "
+                f"(engine.device = {self.device!r}, engine.dtype = {self.dtype!r})"
+            )
+        return self
+
     block_size: int = Field(16, ge=1)
     """Tokens per KV-cache block."""
     num_kv_blocks: int = Field(0, ge=0)
@@ -410,6 +419,12 @@ class EngineConfig(_Section):
     2**-20 before sampling: a sample's log-probs are then the same whatever batch computed
     them (float32 matmuls round differently with the number of rows)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    weight_dtype: Literal["auto", "fp8"] = "auto"
+    """auto: the engine's `dtype`. fp8: the decoder layers' projections multiply in FP8
+    (e4m3, a scale per output channel, activations scaled per token), quantized again
+    from each version the engine receives; the trainer is unchanged, and the behaviour
+    log-probs are the FP8 model's (`polyrl/engine/fp8.py`). Needs a CUDA GPU of compute
+    capability 8.9+ (Ada, Hopper) and bfloat16 compute; anything else is refused."""
     cuda_graphs: bool = True
     """On CUDA (with Triton), replay decode steps as CUDA graphs with the Triton paged-attention
     kernel; off: every step runs eagerly on the PyTorch path (for debugging)."""

@@ -34,7 +34,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from polyrl.config import EngineConfig, SwapPolicy
 from polyrl.cpu_threads import measured
+from polyrl.engine import fp8
 from polyrl.engine.block_manager import BlockManager, cdiv
+from polyrl.engine.fp8 import Fp8Linear
 from polyrl.engine.lora import AdapterMerger, base_fingerprint, is_adapter_version, unpack
 from polyrl.engine.model_runner import ModelRunner, num_kv_blocks_for
 from polyrl.engine.sampler import SamplingBatch, sample, top_logprobs
@@ -84,6 +86,10 @@ class Engine:
         self.compute_dtype = compute_dtype or param_dtype
         self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
         self._autocast_dtype = self.compute_dtype if self.compute_dtype != param_dtype else None
+        self._fp8: list[Fp8Linear] = []
+        if cfg.weight_dtype == "fp8":
+            fp8.check_supported(self.device, self.compute_dtype)
+            self._fp8 = fp8.quantize_model(model)
         self.blocks = BlockManager(0, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner: ModelRunner | None = None
@@ -481,6 +487,8 @@ class Engine:
         still in flight, if any, and of samples aborted by the policy."""
         if weights is not None:
             self._load_weights(weights)  # after the step in flight on the device's stream
+        for module in self._fp8:  # the 16-bit weights changed (here, or in place by the trainer)
+            module.requantize()
         deltas = self._ready + self._settle()  # the tokens in flight are the old version's
         self._ready = []
         old, self.weight_version = self.weight_version, version

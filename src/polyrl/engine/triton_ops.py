@@ -252,6 +252,25 @@ if triton is not None:
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)  # rounded like torch's silu
         tl.store(out_ptr + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_cols, stride_x, fp8_max, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < num_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / fp8_max
+        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)  # rounding may pass the largest value
+        tl.store(q_ptr + row * num_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8_max: float) -> None:
+    """Per-row FP8 quantization of a [T, K] tensor into `q` ([T, K], contiguous) and
+    `scale` ([T, 1] float32): each row over its absolute maximum / `fp8_max`, in one pass."""
+    _quantize_rows_kernel[(x.shape[0],)](
+        x, q, scale, x.shape[1], x.stride(0), fp8_max, BLOCK=_next_pow2(x.shape[1]), num_warps=8
+    )
+
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of a [T, N] tensor; with `residual`, first `residual += x`

@@ -1,0 +1,133 @@
+"""FP8 rollout weights against bf16, in the same run: decode throughput and log-prob gap.
+
+    python benchmarks/fp8.py --preset qwen3-8b --batch 256 --new-tokens 256 [--json PATH]
+
+One model in the preset's shape (random weights), decoded by the engine twice on the same
+prompts (`--batch` sequences, `--prompt-len` tokens, `--new-tokens` sampled with EOS
+ignored): first with its bf16 weights, then with `engine.weight_dtype = "fp8"`. The
+table gives tokens/s for each, their ratio, and the roofline: the bytes a decode step
+must read (weights at their stored width, plus the KV cache at the mean context) over
+the GPU's measured copy bandwidth. The log-prob gap is what `rollout/logprob_diff` would
+show: the FP8 engine's log-prob of each token it sampled against the bf16 model's on the
+same tokens, for the first `--score` sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine import best_time, build_model, copy_bandwidth  # noqa: E402  (benchmarks/engine.py)
+
+from polyrl.config import EngineConfig  # noqa: E402
+from polyrl.engine.engine import Engine  # noqa: E402
+from polyrl.engine.types import EngineRequest  # noqa: E402
+from polyrl.protocol.sampling import SamplingParams  # noqa: E402
+
+
+def generate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[float]]]:
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=0)
+    out: dict[int, tuple[list[int], list[float]]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(str(i), p, sampling))
+    while engine.has_work:
+        for d in engine.step():
+            ids, lps = out.setdefault(int(d.rid), ([], []))
+            ids += d.token_ids
+            lps += d.logprobs
+    return [out[i] for i in range(len(prompts))]
+
+
+def roofline(model: nn.Module, weight_bytes: int, batch: int, context: float, bandwidth: float) -> float:
+    cfg = model.config
+    kv_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # bf16 cache
+    return batch / ((weight_bytes + batch * context * kv_bytes) / bandwidth)
+
+
+def stored_bytes(model: nn.Module, fp8: bool) -> int:
+    """Bytes a decode step reads for the weights: the projections at one byte each with FP8."""
+    total = 0
+    for name, p in model.named_parameters():
+        quantized = fp8 and name.endswith("_proj.weight") and ".layers." in name
+        total += p.numel() * (1 if quantized else p.element_size())
+    return total
+
+
+@torch.no_grad()
+def bf16_logprobs(model: nn.Module, prompt: list[int], ids: list[int]) -> list[float]:
+    tokens = torch.tensor([prompt + ids], device=model.device)
+    logits = model(tokens).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(ids, device=model.device)[:, None])[:, 0].tolist()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen3-8b")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--score", type=int, default=16, help="sequences whose log-probs are compared")
+    p.add_argument("--json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("FP8 weights need a CUDA GPU (compute capability 8.9+); nothing to measure here")
+        return 0
+    device = torch.device("cuda")
+    model = build_model(args.preset, device, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+    bandwidth = copy_bandwidth(device)
+    context = args.prompt_len + args.new_tokens / 2
+    cfg = dict(max_num_seqs=args.batch, max_num_batched_tokens=4096, max_model_len=args.prompt_len + args.new_tokens)
+    rows = []
+    sampled = None
+    for mode in ("auto", "fp8"):
+        engine = Engine(model, EngineConfig(**cfg, weight_dtype=mode, kv_cache_memory_fraction=0.3))
+        seconds, out = best_time(lambda e=engine: generate(e, prompts, args.new_tokens), device, args.repeats)
+        tok_s = args.batch * args.new_tokens / seconds
+        ceiling = roofline(model, stored_bytes(model, mode == "fp8"), args.batch, context, bandwidth)
+        rows.append({"weights": "fp8" if mode == "fp8" else "bf16", "tok_s": tok_s, "roofline_tok_s": ceiling})
+        if mode == "fp8":
+            sampled = out
+            swapped = engine._fp8
+        engine.sleep()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    for m in swapped:  # the bf16 model again, to score the FP8 engine's tokens
+        m.__class__ = nn.Linear
+    diffs = []
+    for prompt, (ids, lps) in zip(prompts[: args.score], sampled[: args.score], strict=True):
+        diffs += [abs(a - b) for a, b in zip(lps, bf16_logprobs(model, prompt, ids), strict=True)]
+    gap = sum(diffs) / len(diffs)
+    rows[1]["vs_bf16"] = rows[1]["tok_s"] / rows[0]["tok_s"]
+    rows[1]["logprob_diff"] = gap
+    name = torch.cuda.get_device_name(device)
+    print(f"\n{args.preset}, {args.batch} x {args.new_tokens} new tokens (prompts of {args.prompt_len}), {name}")
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; torch {torch.__version__}")
+    print("| weights | tok/s | roofline tok/s | share | vs bf16 |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        share = r["tok_s"] / r["roofline_tok_s"]
+        print(
+            f"| {r['weights']} | {r['tok_s']:,.0f} | {r['roofline_tok_s']:,.0f} | {share:.0%} | {r.get('vs_bf16', 1.0):.2f}x |"
+        )
+    print(f"mean |log-prob(fp8 engine) - log-prob(bf16 model)| over {len(diffs)} sampled tokens: {gap:.4f}")
+    if args.json:
+        meta = {"preset": args.preset, "batch": args.batch, "new_tokens": args.new_tokens, "device": name}
+        meta |= {"torch": torch.__version__, "python": platform.python_version(), "bandwidth": bandwidth}
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

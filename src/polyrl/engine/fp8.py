@@ -1,0 +1,107 @@
+"""FP8 rollout weights (`engine.weight_dtype = "fp8"`): the engine decodes with FP8 matmuls.
+
+At RL batch sizes a decode step reads every weight once, and on Hopper an FP8 matmul
+also has twice the bf16 tensor-core rate, so halving the weights' bytes shortens the
+step. The trainer stays bf16/fp32: the engine keeps the model's own 16-bit weights as
+they arrive with each version (the weight transfer, LoRA merges and the colocated
+trainer's in-place updates all write those) and quantizes them again after every update
+(`requantize`), into FP8 copies it reads from then on.
+
+Scheme: e4m3 weights with one scale per output channel; activations quantized per token
+(row) at run time, by one Triton kernel (its scale is the row's absolute maximum over
+448, e4m3's largest value); `torch._scaled_mm` multiplies with both scale vectors and
+writes bf16. The decoder layers' seven projections are quantized; the embedding, the LM
+head and the norms stay 16-bit (as vLLM's and SGLang's FP8 checkpoints keep them), and
+so do a mixture of experts' expert weights (not Linears). The quantized copies keep their
+storage across versions, so CUDA graphs captured against them stay valid.
+
+The behaviour log-probs the engine reports are the FP8 model's own, so the learner's
+rollout correction (`algo.rollout_correction`) sees the gap to its own policy, which
+`rollout/logprob_diff` shows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from polyrl.engine import triton_ops
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def check_supported(device: torch.device, compute_dtype: torch.dtype) -> None:
+    """Raise ValueError unless this engine can run FP8 weights: CUDA with FP8 tensor cores
+    (compute capability 8.9 or newer: Ada, Hopper, Blackwell), Triton, bf16 compute."""
+    why = None
+    if device.type != "cuda":
+        why = f"it needs a CUDA GPU with FP8 tensor cores, and this engine runs on {device.type}"
+    elif torch.cuda.get_device_capability(device) < (8, 9):
+        why = f"it needs compute capability 8.9 or newer (Ada, Hopper), this GPU has {torch.cuda.get_device_capability(device)}"
+    elif not triton_ops.available("cuda"):
+        why = "it needs Triton (for the activation quantization kernel)"
+    elif compute_dtype != torch.bfloat16:
+        why = f"it needs engine.dtype bfloat16 (the engine computes in {compute_dtype})"
+    if why:
+        raise ValueError(f"engine.weight_dtype = 'fp8': {why}; use engine.weight_dtype = 'auto'")
+
+
+class Fp8Linear(nn.Linear):
+    """An `nn.Linear` (its class swapped in place: the parameters, their names and the
+    modules around it are unchanged) that multiplies with an FP8 copy of its weight."""
+
+    qweight: torch.Tensor  # [out, in] e4m3
+    wscale: torch.Tensor  # [1, out] float32
+
+    def requantize(self) -> None:
+        """Quantize the 16-bit weight again, into the same storage."""
+        with torch.no_grad():
+            w = self.weight.float()
+            scale = w.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8_MAX  # [out, 1]
+            self.qweight.copy_((w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8))  # e4m3fn has no inf
+            self.wscale.copy_(scale.t())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xq, xscale = quantize_rows(x.reshape(-1, shape[-1]))
+        out = torch._scaled_mm(
+            xq, self.qweight.t(), scale_a=xscale, scale_b=self.wscale, out_dtype=torch.bfloat16
+        )  # [T, out]
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (e4m3 [T, K], float32 scales [T, 1]), one scale per row."""
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        triton_ops.quantize_rows_fp8(x, q, scale, FP8_MAX)
+    return q, scale
+
+
+def quantize_model(model: nn.Module) -> list[Fp8Linear]:
+    """Swap the decoder layers' projections to `Fp8Linear` and quantize them."""
+    swapped: list[Fp8Linear] = []
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in PROJECTIONS:
+                module = getattr(parent, name, None)
+                if type(module) is not nn.Linear:
+                    continue
+                module.__class__ = Fp8Linear
+                out_features, in_features = module.weight.shape
+                device = module.weight.device
+                module.register_buffer(
+                    "qweight", torch.empty(out_features, in_features, dtype=FP8, device=device), persistent=False
+                )
+                module.register_buffer(
+                    "wscale", torch.empty(1, out_features, dtype=torch.float32, device=device), persistent=False
+                )
+                module.requantize()
+                swapped.append(module)
+    return swapped

@@ -1,0 +1,101 @@
+"""FP8 rollout weights (`engine.weight_dtype = "fp8"`, `polyrl/engine/fp8.py`).
+
+On CPU: the refusal, with a message that says what is needed. On a GPU with FP8 tensor
+cores (`gpu` tests, skipped elsewhere): the quantization's error bounds, the FP8 engine's
+log-probs against the bf16 engine's on the same tokens, and a new version quantized
+again into the storage the CUDA graphs read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyrl.config import ConfigError, EngineConfig, TinyModelConfig, load_config
+from polyrl.engine.engine import Engine
+from polyrl.engine.types import EngineRequest
+from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.sampling import SamplingParams
+
+HAS_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+gpu = pytest.mark.skipif(not HAS_FP8, reason="needs a CUDA GPU of compute capability 8.9+")
+
+# head size 64 (the fused kernels take powers of two), sizes multiples of 16 (FP8 matmuls)
+SHAPE = TinyModelConfig(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("fp8") / "model", SHAPE)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the engine's device resolves to CUDA here")
+def test_cpu_engine_refuses_fp8_weights_and_says_what_is_needed(model_dir: Path) -> None:
+    # engine.device = "auto" resolves to the CPU only when the engine starts
+    with pytest.raises(ValueError, match=r"weight_dtype = 'fp8'.*CUDA GPU with FP8 tensor cores.*runs on cpu"):
+        Engine.from_pretrained(str(model_dir), EngineConfig(weight_dtype="fp8"))
+
+
+def test_the_config_refuses_fp8_weights_on_a_cpu_engine() -> None:
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        load_config(None, ["engine.device=cpu", "engine.weight_dtype=fp8"])
+    assert load_config(None, ["engine.weight_dtype=fp8"]).engine.weight_dtype == "fp8"
+
+
+def _logprobs(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[int, tuple[list[int], list[float]]]:
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=0)
+    out: dict[int, tuple[list[int], list[float]]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(str(i), p, sampling))
+    while engine.has_work:
+        for d in engine.step():
+            ids, lps = out.setdefault(int(d.rid), ([], []))
+            ids += d.token_ids
+            lps += d.logprobs or []
+    return out
+
+
+@gpu
+def test_fp8_quantization_error_is_bounded() -> None:
+    from polyrl.engine.fp8 import quantize_rows
+
+    x = torch.randn(37, 512, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, 37, device="cuda")[:, None]
+    q, scale = quantize_rows(x)
+    back = q.float() * scale
+    # e4m3 keeps 3 mantissa bits: a relative error of at most 2**-4 of each row's largest value
+    err = (back - x.float()).abs().amax(dim=1) / x.float().abs().amax(dim=1)
+    assert float(err.max()) <= 2**-4, err
+
+
+@gpu
+def test_fp8_engine_logprobs_are_near_the_bf16_engines_and_follow_new_versions(model_dir: Path) -> None:
+    """The FP8 engine samples; the bf16 engine scores the same tokens (teacher-forced by
+    feeding them as prompts): their log-probs agree within FP8's rounding. Then a new
+    version (random weights) reaches both, and they agree again: the FP8 copies were
+    quantized again in place, under the captured CUDA graphs."""
+    bf16 = Engine.from_pretrained(str(model_dir), EngineConfig(num_kv_blocks=256))
+    fp8 = Engine.from_pretrained(str(model_dir), EngineConfig(num_kv_blocks=256, weight_dtype="fp8"))
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 40, (16, 12), generator=g).tolist()
+    for version in (1, 2):
+        sampled = _logprobs(fp8, prompts, 24)
+        diffs = []
+        for i, p in enumerate(prompts):
+            ids, lps = sampled[i]
+            scored = _bf16_logprobs(bf16, p, ids)
+            diffs += [abs(a - b) for a, b in zip(lps, scored, strict=True)]
+        mean = sum(diffs) / len(diffs)
+        assert mean < 0.05, (version, mean, max(diffs))
+        new = {k: torch.randn_like(v) * 0.05 for k, v in bf16.model.state_dict().items() if k != "lm_head.weight"}
+        bf16.update_weights(new, version + 1)
+        fp8.update_weights(new, version + 1)
+
+
+def _bf16_logprobs(engine: Engine, prompt: list[int], ids: list[int]) -> list[float]:
+    """The bf16 model's log-probs of `ids` after `prompt`, in one forward."""
+    model = engine.model
+    tokens = torch.tensor([prompt + ids], device=model.device)
+    with torch.no_grad():
+        logits = model(tokens).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(ids, device=model.device)[:, None])[:, 0].tolist()
