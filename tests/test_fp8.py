@@ -69,6 +69,35 @@ def test_fp8_quantization_error_is_bounded() -> None:
 
 
 @gpu
+def test_the_fused_kernels_quantize_as_the_separate_kernel_does() -> None:
+    """The RMSNorm and SwiGLU kernels that write FP8 rows give what quantizing their
+    16-bit output separately gives, bit for bit."""
+    from polyrl.engine import triton_ops
+    from polyrl.engine.fp8 import FP8_MAX, quantize_rows
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, res = (torch.randn(19, 320, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    weight = torch.rand(320, device="cuda", generator=g, dtype=torch.bfloat16) + 0.5
+    res_a, res_b = res.clone(), res.clone()
+    q, scale = triton_ops.rmsnorm_fp8(x, weight, 1e-6, res_a, FP8_MAX)
+    q_ref, scale_ref = quantize_rows(triton_ops.rmsnorm(x, weight, 1e-6, res_b))
+    assert torch.equal(res_a, res_b) and torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    both = torch.randn(19, 2 * 384, device="cuda", generator=g, dtype=torch.bfloat16)
+    gate, up = both.split(384, dim=1)
+    q, scale = triton_ops.silu_mul_fp8(gate, up, FP8_MAX)
+    q_ref, scale_ref = quantize_rows(triton_ops.silu_mul(gate, up))
+    assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@gpu
+def test_a_model_shape_without_the_fused_layers_is_refused(tmp_path: Path) -> None:
+    odd = save_tiny_model(tmp_path / "odd", TinyModelConfig())  # head size 24: no fused path
+    with pytest.raises(ValueError, match="power-of-two head size"):
+        Engine.from_pretrained(str(odd), EngineConfig(weight_dtype="fp8"))
+
+
+@gpu
 def test_fp8_engine_logprobs_are_near_the_bf16_engines_and_follow_new_versions(model_dir: Path) -> None:
     """The FP8 engine samples; the bf16 engine scores the same tokens (teacher-forced by
     feeding them as prompts): their log-probs agree within FP8's rounding. Then a new

@@ -277,3 +277,17 @@ def test_kv_cache_frees_and_regrows_across_weight_swaps_without_leaking():
     assert max(a for a, _ in steady) - min(a for a, _ in steady) < 2**20, held  # asleep: the same bytes
     assert max(b for _, b in steady) - min(b for _, b in steady) < 2**20, held  # awake: the same cache again
     assert held[0][1] - held[0][0] > 2**30, held  # and the cache was real (20% of free memory)
+
+
+def test_silu_mul_reads_the_two_halves_of_one_output() -> None:
+    """The FP8 engine's gate and up come out of one matmul as column slices of a [T, 2I]
+    tensor; silu_mul reads them in place and writes a contiguous [T, I]."""
+    from polyrl.engine import triton_ops
+
+    if not triton_ops.available("cpu"):
+        pytest.skip("Triton kernels run on CPU only under TRITON_INTERPRET=1")
+    both = torch.randn(5, 2 * 24)
+    gate, up = both.split(24, dim=1)
+    out = triton_ops.silu_mul(gate, up)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up)

@@ -36,7 +36,7 @@ from polyrl.config import EngineConfig, SwapPolicy
 from polyrl.cpu_threads import measured
 from polyrl.engine import fp8
 from polyrl.engine.block_manager import BlockManager, cdiv
-from polyrl.engine.fp8 import Fp8Linear
+from polyrl.engine.fp8 import Fp8Fused, Fp8Linear
 from polyrl.engine.lora import AdapterMerger, base_fingerprint, is_adapter_version, unpack
 from polyrl.engine.model_runner import ModelRunner, num_kv_blocks_for
 from polyrl.engine.sampler import SamplingBatch, sample, top_logprobs
@@ -86,14 +86,19 @@ class Engine:
         self.compute_dtype = compute_dtype or param_dtype
         self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
         self._autocast_dtype = self.compute_dtype if self.compute_dtype != param_dtype else None
-        self._fp8: list[Fp8Linear] = []
+        self._fp8: list[Fp8Linear | Fp8Fused] = []
         if cfg.weight_dtype == "fp8":
-            fp8.check_supported(self.device, self.compute_dtype)
+            fp8.check_supported(self.device, self.compute_dtype, cfg.cuda_graphs)
             self._fp8 = fp8.quantize_model(model)
         self.blocks = BlockManager(0, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner: ModelRunner | None = None
         self.wake()
+        if self._fp8 and self.runner.decode_graphs is None:
+            raise ValueError(
+                "engine.weight_dtype = 'fp8' runs in the engine's fused layers, which this model's shape has "
+                "no path for (they need SwiGLU MLPs and a power-of-two head size of at least 16)"
+            )
         self.vocab_size: int = model.config.vocab_size
         self.eos_token_ids = model_eos_ids(model)
         self.weight_version = 0

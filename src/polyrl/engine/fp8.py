@@ -29,10 +29,13 @@ from polyrl.engine import triton_ops
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+Rows = tuple[torch.Tensor, torch.Tensor]
+"""Activations quantized per row: (e4m3 [T, K], float32 scales [T, 1]). The engine's
+fused layers make them in the kernel before the matmul (the RMSNorm, SwiGLU's product),
+so that only the attention output is quantized by a kernel of its own."""
 
 
-def check_supported(device: torch.device, compute_dtype: torch.dtype) -> None:
+def check_supported(device: torch.device, compute_dtype: torch.dtype, cuda_graphs: bool) -> None:
     """Raise ValueError unless this engine can run FP8 weights: CUDA with FP8 tensor cores
     (compute capability 8.9 or newer: Ada, Hopper, Blackwell), Triton, bf16 compute."""
     why = None
@@ -42,6 +45,8 @@ def check_supported(device: torch.device, compute_dtype: torch.dtype) -> None:
         why = f"it needs compute capability 8.9 or newer (Ada, Hopper), this GPU has {torch.cuda.get_device_capability(device)}"
     elif not triton_ops.available("cuda"):
         why = "it needs Triton (for the activation quantization kernel)"
+    elif not cuda_graphs:
+        why = "it runs in the engine's fused layers, which engine.cuda_graphs = false turns off"
     elif compute_dtype != torch.bfloat16:
         why = f"it needs engine.dtype bfloat16 (the engine computes in {compute_dtype})"
     if why:
@@ -63,15 +68,63 @@ class Fp8Linear(nn.Linear):
             self.qweight.copy_((w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8))  # e4m3fn has no inf
             self.wscale.copy_(scale.t())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Rows) -> torch.Tensor:
+        """x [..., in], or rows already quantized by the kernel before (`Rows`)."""
+        if isinstance(x, tuple):
+            return self._matmul(*x)
         shape = x.shape
-        xq, xscale = quantize_rows(x.reshape(-1, shape[-1]))
+        out = self._matmul(*quantize_rows(x.reshape(-1, shape[-1])))
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _matmul(self, xq: torch.Tensor, xscale: torch.Tensor) -> torch.Tensor:
         out = torch._scaled_mm(
             xq, self.qweight.t(), scale_a=xscale, scale_b=self.wscale, out_dtype=torch.bfloat16
         )  # [T, out]
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
-        return out.reshape(*shape[:-1], out.shape[-1])
+        return out
+
+
+class Fp8Fused(nn.Module):
+    """Several projections of one input (q, k and v; gate and up) as one FP8 matmul: the
+    input is quantized once, and one larger GEMM replaces several small ones (a decode
+    step's GEMMs are small-tiled and launch-bound at RL batch sizes). The source Linears
+    keep their 16-bit weights, which versions overwrite; `requantize` reads them."""
+
+    def __init__(self, sources: list[nn.Linear]) -> None:
+        super().__init__()
+        self.sources = sources  # a plain list: not submodules, so no parameter is renamed
+        self.sizes = [m.weight.shape[0] for m in sources]
+        rows, cols = sum(self.sizes), sources[0].weight.shape[1]
+        device = sources[0].weight.device
+        self.register_buffer("qweight", torch.empty(rows, cols, dtype=FP8, device=device), persistent=False)
+        self.register_buffer("wscale", torch.empty(1, rows, dtype=torch.float32, device=device), persistent=False)
+        biases = [m.bias for m in sources]
+        self.has_bias = all(b is not None for b in biases)
+        self.register_buffer(
+            "bias", torch.empty(rows, dtype=torch.bfloat16, device=device) if self.has_bias else None, persistent=False
+        )
+        self.requantize()
+
+    def requantize(self) -> None:
+        with torch.no_grad():
+            start = 0
+            for m, size in zip(self.sources, self.sizes, strict=True):
+                w = m.weight.float()
+                scale = w.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8_MAX
+                self.qweight[start : start + size].copy_((w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8))
+                self.wscale[:, start : start + size].copy_(scale.t())
+                if self.has_bias:
+                    self.bias[start : start + size].copy_(m.bias)
+                start += size
+
+    def forward(self, x: torch.Tensor | Rows) -> list[torch.Tensor]:
+        """x [T, in] (or already quantized: `Rows`) -> one [T, out_i] view per source."""
+        xq, xscale = x if isinstance(x, tuple) else quantize_rows(x)
+        out = torch._scaled_mm(xq, self.qweight.t(), scale_a=xscale, scale_b=self.wscale, out_dtype=torch.bfloat16)
+        if self.has_bias:
+            out = out + self.bias
+        return list(out.split(self.sizes, dim=1))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,12 +137,20 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_model(model: nn.Module) -> list[Fp8Linear]:
-    """Swap the decoder layers' projections to `Fp8Linear` and quantize them."""
-    swapped: list[Fp8Linear] = []
+def quantize_model(model: nn.Module) -> list[Fp8Linear | Fp8Fused]:
+    """Quantize the decoder layers' projections: q, k and v fused into one FP8 matmul
+    (`self_attn.fp8_qkv`), gate and up into another (`mlp.fp8_gate_up`), which the
+    engine's fused layers call; o and down swapped to `Fp8Linear` in place."""
+    swapped: list[Fp8Linear | Fp8Fused] = []
     for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name in PROJECTIONS:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.fp8_qkv = Fp8Fused([attn.q_proj, attn.k_proj, attn.v_proj])
+        swapped.append(attn.fp8_qkv)
+        if type(getattr(mlp, "gate_proj", None)) is nn.Linear:
+            mlp.fp8_gate_up = Fp8Fused([mlp.gate_proj, mlp.up_proj])
+            swapped.append(mlp.fp8_gate_up)
+        for parent in (attn, mlp):
+            for name in ("o_proj", "down_proj"):
                 module = getattr(parent, name, None)
                 if type(module) is not nn.Linear:
                     continue

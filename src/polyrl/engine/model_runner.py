@@ -25,10 +25,19 @@ from polyrl.engine import triton_ops
 from polyrl.engine.attention import AttentionGroup, AttentionMetadata, paged_attention
 from polyrl.engine.block_manager import cdiv
 from polyrl.engine.cuda_graphs import DecodeGraphs, DecodeMetadata
+from polyrl.engine.fp8 import FP8_MAX, Rows
 from polyrl.engine.scheduler import ScheduledSeq
 from polyrl.models.moe import is_moe_block, moe_routers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
+def _norm(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, fp8: bool) -> torch.Tensor | Rows:
+    """A fused layer's RMSNorm (with the residual add when given); `fp8`: its output
+    quantized per row in the same kernel, for the FP8 matmul that reads it."""
+    if fp8:
+        return triton_ops.rmsnorm_fp8(x, norm.weight, norm.variance_epsilon, residual, FP8_MAX)
+    return triton_ops.rmsnorm(x, norm.weight, norm.variance_epsilon, residual)
 
 
 def run_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -222,18 +231,19 @@ class ModelRunner:
         residual = inner.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = inner.rotary_emb(residual, positions[None])
         cos, sin = cos[0], sin[0]
+        fp8 = hasattr(layers[0].self_attn, "fp8_qkv")  # FP8 weights: norms write FP8 rows
         norm = layers[0].input_layernorm
-        hidden = triton_ops.rmsnorm(residual, norm.weight, norm.variance_epsilon)
+        hidden = _norm(residual, norm, None, fp8)
         for layer_idx, layer in enumerate(layers):
             if layer_idx:  # the previous block's residual add, fused with this block's norm
-                norm = layer.input_layernorm
-                hidden = triton_ops.rmsnorm(hidden, norm.weight, norm.variance_epsilon, residual)
+                hidden = _norm(hidden, layer.input_layernorm, residual, fp8)
             hidden = self._fused_attention(layer.self_attn, hidden, cos, sin, slot_mapping, layer_idx, attend)
-            norm = layer.post_attention_layernorm
-            hidden = triton_ops.rmsnorm(hidden, norm.weight, norm.variance_epsilon, residual)
             mlp = layer.mlp
+            hidden = _norm(hidden, layer.post_attention_layernorm, residual, hasattr(mlp, "fp8_gate_up"))
             if is_moe_block(mlp):
                 hidden = run_mlp(mlp, hidden)
+            elif hasattr(mlp, "fp8_gate_up"):
+                hidden = mlp.down_proj(triton_ops.silu_mul_fp8(*mlp.fp8_gate_up(hidden), FP8_MAX))
             else:
                 hidden = mlp.down_proj(triton_ops.silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
         return triton_ops.rmsnorm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
@@ -248,10 +258,9 @@ class ModelRunner:
         layer_idx: int,
         attend: Callable[[int, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q = attn.q_proj(x).view(num_tokens, -1, self.head_dim)
-        k = attn.k_proj(x).view(num_tokens, -1, self.head_dim)
-        v = attn.v_proj(x).view(num_tokens, -1, self.head_dim)
+        num_tokens = x[0].shape[0] if isinstance(x, tuple) else x.shape[0]
+        qkv = attn.fp8_qkv(x) if hasattr(attn, "fp8_qkv") else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+        q, k, v = (t.view(num_tokens, -1, self.head_dim) for t in qkv)
         k_cache, v_cache = self.kv_cache[layer_idx]  # [S, KVH, D]
         has_norm = hasattr(attn, "q_norm")
         q = triton_ops.rope_and_cache(

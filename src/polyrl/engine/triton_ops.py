@@ -169,10 +169,15 @@ if triton is not None:
         stride_o,
         num_cols,
         eps,
+        scale_ptr,
+        fp8_max,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
+        QUANT: tl.constexpr = False,
     ):
         # HF's RMSNorm rounding: normalise in float32, round to the input dtype, then scale.
+        # QUANT: the output, rounded to the input dtype, is quantized per row into FP8
+        # (`out_ptr` e4m3, its scale at `scale_ptr`), as `_quantize_rows_kernel` would.
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < num_cols
@@ -185,7 +190,14 @@ if triton is not None:
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = (xf * rstd).to(x.dtype).to(tl.float32) * w
-        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        if QUANT:
+            y = y.to(x.dtype).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / fp8_max
+            q = tl.minimum(tl.maximum(y / scale, -fp8_max), fp8_max)
+            tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(scale_ptr + row, scale)
+        else:
+            tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rope_cache_kernel(
@@ -243,14 +255,30 @@ if triton is not None:
             tl.store(out_ptr + t * stride_ot + h * stride_oh + d, y.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, num, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, num, cols, stride_in, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < num
-        g = tl.load(gate_ptr + offs, mask=mask, other=0.0)
-        u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        src = (offs // cols) * stride_in + offs % cols  # gate and up may be column slices of one tensor
+        g = tl.load(gate_ptr + src, mask=mask, other=0.0)
+        u = tl.load(up_ptr + src, mask=mask, other=0.0).to(tl.float32)
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)  # rounded like torch's silu
         tl.store(out_ptr + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_fp8_kernel(gate_ptr, up_ptr, q_ptr, scale_ptr, cols, stride_in, fp8_max, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < cols
+        g = tl.load(gate_ptr + row * stride_in + offs, mask=mask, other=0.0)
+        u = tl.load(up_ptr + row * stride_in + offs, mask=mask, other=0.0).to(tl.float32)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)  # rounded like torch's silu
+        y = (act * u).to(g.dtype).to(tl.float32)  # rounded as silu_mul's output is
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / fp8_max
+        q = tl.minimum(tl.maximum(y / scale, -fp8_max), fp8_max)
+        tl.store(q_ptr + row * cols + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_cols, stride_x, fp8_max, BLOCK: tl.constexpr):
@@ -276,6 +304,23 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     """RMSNorm over the last dim of a [T, N] tensor; with `residual`, first `residual += x`
     (in place) and normalise the sum: the pre-norm block's add and norm in one pass."""
     out = torch.empty_like(x)
+    _rmsnorm(x, weight, eps, residual, out, None)
+    return out
+
+
+def rmsnorm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, fp8_max: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rmsnorm` with its output quantized per row to FP8 in the same pass, for an FP8
+    matmul: (e4m3 [T, N], float32 scales [T, 1]), equal to `quantize_rows_fp8` of
+    `rmsnorm`'s output."""
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    _rmsnorm(x, weight, eps, residual, out, scale, fp8_max)
+    return out, scale
+
+
+def _rmsnorm(x, weight, eps, residual, out, scale, fp8_max: float = 448.0) -> None:
     res = residual if residual is not None else x
     _rmsnorm_kernel[(x.shape[0],)](
         x,
@@ -287,10 +332,12 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         out.stride(0),
         x.shape[1],
         eps,
+        scale if scale is not None else x,
+        fp8_max,
         HAS_RESIDUAL=residual is not None,
         BLOCK=_next_pow2(x.shape[1]),
+        QUANT=scale is not None,
     )
-    return out
 
 
 def rope_and_cache(
@@ -339,11 +386,28 @@ def rope_and_cache(
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, the SwiGLU MLP's middle; both contiguous and the same shape."""
-    out = torch.empty_like(gate)
-    num = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(num, 1024),)](gate, up, out, num, BLOCK=1024)
+    """silu(gate) * up, the SwiGLU MLP's middle: [T, I] each, the same shape and row
+    stride, rows contiguous (they may be the two halves of one [T, 2I] output); out [T, I]
+    contiguous."""
+    assert gate.shape == up.shape and gate.stride() == up.stride() and gate.stride(-1) == 1
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    num, cols = gate.numel(), gate.shape[-1]
+    _silu_mul_kernel[(triton.cdiv(num, 1024),)](gate, up, out, num, cols, gate.stride(0), BLOCK=1024)
     return out
+
+
+def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_mul` with its output quantized per row to FP8 in the same pass (for the down
+    projection's FP8 matmul): equal to `quantize_rows_fp8` of `silu_mul`'s output."""
+    assert gate.shape == up.shape and gate.stride() == up.stride() and gate.stride(-1) == 1
+    rows, cols = gate.shape
+    out = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=gate.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=gate.device)
+    if rows:
+        _silu_mul_fp8_kernel[(rows,)](
+            gate, up, out, scale, cols, gate.stride(0), fp8_max, BLOCK=_next_pow2(cols), num_warps=8
+        )
+    return out, scale
 
 
 def _next_pow2(x: int) -> int:
