@@ -1,13 +1,15 @@
-"""FP8 rollout weights against bf16, in the same run: decode throughput and log-prob gap.
+"""FP8 rollout weights and KV cache against bf16, in the same run: throughput and log-prob gap.
 
     python benchmarks/fp8.py --preset qwen3-8b --batch 256 --new-tokens 256 [--json PATH]
+    python benchmarks/fp8.py --preset qwen3-0.6b --batch 512 --new-tokens 1024 --configs "bf16,fp8 kv"
 
-One model in the preset's shape (random weights), decoded by the engine twice on the same
+One model in the preset's shape (random weights), decoded by the engine on the same
 prompts (`--batch` sequences, `--prompt-len` tokens, `--new-tokens` sampled with EOS
-ignored): first with its bf16 weights, then with `engine.weight_dtype = "fp8"`. The
-table gives tokens/s for each, their ratio, and the roofline: the bytes a decode step
-must read (weights at their stored width, plus the KV cache at the mean context) over
-the GPU's measured copy bandwidth. The log-prob gap is what `rollout/logprob_diff` would
+ignored) once per `--configs` entry: bf16 first, then FP8 weights (`engine.weight_dtype`),
+an FP8 KV cache (`engine.kv_cache_dtype`) or both. The table gives tokens/s for each,
+the ratio to bf16, and the roofline: the bytes a decode step must read (weights and KV
+cache at the mean context, each at its stored width) over the GPU's measured copy
+bandwidth. The log-prob gap is what `rollout/logprob_diff` would
 show: each engine's log-prob of each token it sampled against the bf16 model's on the
 same tokens (transformers, one forward), for the first `--score` sequences; the bf16
 engine's row is the floor (kernels that round differently).
@@ -30,6 +32,7 @@ from engine import best_time, build_model, copy_bandwidth  # noqa: E402  (benchm
 
 from polyrl.config import EngineConfig  # noqa: E402
 from polyrl.engine.engine import Engine  # noqa: E402
+from polyrl.engine.fp8 import restore_model  # noqa: E402
 from polyrl.engine.types import EngineRequest  # noqa: E402
 from polyrl.protocol.sampling import SamplingParams  # noqa: E402
 
@@ -47,9 +50,10 @@ def generate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[
     return [out[i] for i in range(len(prompts))]
 
 
-def roofline(model: nn.Module, weight_bytes: int, batch: int, context: float, bandwidth: float) -> float:
+def roofline(model: nn.Module, weight_bytes: int, batch: int, context: float, bandwidth: float, fp8_kv: bool) -> float:
     cfg = model.config
-    kv_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # bf16 cache
+    per_head = cfg.head_dim + 4 if fp8_kv else cfg.head_dim * 2  # e4m3 and a float32 scale, or bf16
+    kv_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * per_head
     return batch / ((weight_bytes + batch * context * kv_bytes) / bandwidth)
 
 
@@ -69,6 +73,14 @@ def bf16_logprobs(model: nn.Module, prompt: list[int], ids: list[int]) -> list[f
     return logits.log_softmax(-1).gather(1, torch.tensor(ids, device=model.device)[:, None])[:, 0].tolist()
 
 
+CONFIGS = {  # name: (engine.weight_dtype, engine.kv_cache_dtype)
+    "bf16": ("auto", "auto"),
+    "fp8 weights": ("fp8", "auto"),
+    "fp8 kv": ("auto", "fp8"),
+    "fp8 weights+kv": ("fp8", "fp8"),
+}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-8b")
@@ -77,10 +89,16 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--score", type=int, default=16, help="sequences whose log-probs are compared")
+    p.add_argument("--configs", default="bf16,fp8 weights", help=f"comma-separated from {sorted(CONFIGS)}")
     p.add_argument("--json")
     args = p.parse_args()
+    names = args.configs.split(",")
+    if unknown := set(names) - set(CONFIGS):
+        p.error(f"unknown configs: {sorted(unknown)}")
+    if names[0] != "bf16":
+        p.error("the first config is the baseline: bf16")
     if not torch.cuda.is_available():
-        print("FP8 weights need a CUDA GPU (compute capability 8.9+); nothing to measure here")
+        print("FP8 needs a CUDA GPU (compute capability 8.9+); nothing to measure here")
         return 0
     device = torch.device("cuda")
     model = build_model(args.preset, device, torch.bfloat16)
@@ -90,39 +108,42 @@ def main() -> int:
     context = args.prompt_len + args.new_tokens / 2
     cfg = dict(max_num_seqs=args.batch, max_num_batched_tokens=4096, max_model_len=args.prompt_len + args.new_tokens)
     rows = []
-    sampled: dict[str, list] = {}
-    for mode in ("auto", "fp8"):
-        engine = Engine(model, EngineConfig(**cfg, weight_dtype=mode, kv_cache_memory_fraction=0.3))
+    for name in names:
+        weight_dtype, kv_dtype = CONFIGS[name]
+        engine = Engine(model, EngineConfig(**cfg, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype))
         seconds, out = best_time(lambda e=engine: generate(e, prompts, args.new_tokens), device, args.repeats)
         tok_s = args.batch * args.new_tokens / seconds
-        ceiling = roofline(model, stored_bytes(model, mode == "fp8"), args.batch, context, bandwidth)
-        rows.append({"weights": "fp8" if mode == "fp8" else "bf16", "tok_s": tok_s, "roofline_tok_s": ceiling})
-        sampled[mode] = out
-        if mode == "fp8":
-            swapped = engine._fp8
+        weights = stored_bytes(model, weight_dtype == "fp8")
+        ceiling = roofline(model, weights, args.batch, context, bandwidth, kv_dtype == "fp8")
         engine.sleep()
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    for m in swapped:  # the bf16 model again, to score the engines' tokens
-        if isinstance(m, nn.Linear):
-            m.__class__ = nn.Linear
-    for row, mode in zip(rows, ("auto", "fp8"), strict=True):
+        restore_model(model)  # the bf16 model again, to score the tokens and for the next config
         diffs = []
-        for prompt, (ids, lps) in zip(prompts[: args.score], sampled[mode][: args.score], strict=True):
+        for prompt, (ids, lps) in zip(prompts[: args.score], out[: args.score], strict=True):
             diffs += [abs(a - b) for a, b in zip(lps, bf16_logprobs(model, prompt, ids), strict=True)]
-        row["logprob_diff"] = sum(diffs) / len(diffs)
-    rows[1]["vs_bf16"] = rows[1]["tok_s"] / rows[0]["tok_s"]
+        rows.append(
+            {
+                "config": name,
+                "weight_dtype": weight_dtype,
+                "kv_cache_dtype": kv_dtype,
+                "tok_s": tok_s,
+                "roofline_tok_s": ceiling,
+                "vs_bf16": tok_s / (rows[0]["tok_s"] if rows else tok_s),
+                "logprob_diff": sum(diffs) / len(diffs),
+            }
+        )
     name = torch.cuda.get_device_name(device)
     print(f"\n{args.preset}, {args.batch} x {args.new_tokens} new tokens (prompts of {args.prompt_len}), {name}")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; torch {torch.__version__}")
-    print("| weights | tok/s | roofline tok/s | share | vs bf16 | logprob diff |")
+    print("| config | tok/s | roofline tok/s | share | vs bf16 | logprob diff |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         share = r["tok_s"] / r["roofline_tok_s"]
         print(
-            f"| {r['weights']} | {r['tok_s']:,.0f} | {r['roofline_tok_s']:,.0f} | {share:.0%} "
-            f"| {r.get('vs_bf16', 1.0):.2f}x | {r['logprob_diff']:.4f} |"
+            f"| {r['config']} | {r['tok_s']:,.0f} | {r['roofline_tok_s']:,.0f} | {share:.0%} "
+            f"| {r['vs_bf16']:.2f}x | {r['logprob_diff']:.4f} |"
         )
     print(
         f"logprob diff: mean |engine's log-prob - the bf16 model's (transformers, one forward)| over the "
@@ -130,7 +151,8 @@ def main() -> int:
     )
     if args.json:
         meta = {"preset": args.preset, "batch": args.batch, "new_tokens": args.new_tokens, "device": name}
-        meta |= {"torch": torch.__version__, "python": platform.python_version(), "bandwidth": bandwidth}
+        meta |= {"prompt_len": args.prompt_len, "torch": torch.__version__, "python": platform.python_version()}
+        meta |= {"bandwidth": bandwidth}
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 

@@ -37,10 +37,19 @@ def test_cpu_engine_refuses_fp8_weights_and_says_what_is_needed(model_dir: Path)
         Engine.from_pretrained(str(model_dir), EngineConfig(weight_dtype="fp8"))
 
 
-def test_the_config_refuses_fp8_weights_on_a_cpu_engine() -> None:
-    with pytest.raises(ConfigError, match="weight_dtype"):
-        load_config(None, ["engine.device=cpu", "engine.weight_dtype=fp8"])
-    assert load_config(None, ["engine.weight_dtype=fp8"]).engine.weight_dtype == "fp8"
+@pytest.mark.parametrize("key", ["weight_dtype", "kv_cache_dtype"])
+def test_the_config_refuses_fp8_on_a_cpu_engine(key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, ["engine.device=cpu", f"engine.{key}=fp8"])
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, ["engine.dtype=float32", f"engine.{key}=fp8"])
+    assert getattr(load_config(None, [f"engine.{key}=fp8"]).engine, key) == "fp8"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the engine's device resolves to CUDA here")
+def test_cpu_engine_refuses_an_fp8_kv_cache(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"kv_cache_dtype = 'fp8'.*CUDA GPU"):
+        Engine.from_pretrained(str(model_dir), EngineConfig(kv_cache_dtype="fp8"))
 
 
 def _logprobs(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[int, tuple[list[int], list[float]]]:
@@ -91,6 +100,40 @@ def test_the_fused_kernels_quantize_as_the_separate_kernel_does() -> None:
 
 
 @gpu
+def test_an_fp8_cache_serves_forks_and_prefix_hits(model_dir: Path) -> None:
+    """n = 4 samples of one prompt share its blocks (a partial last block is copied, its
+    scales too), and a second turn reads the first turn's blocks from the prefix cache;
+    the log-probs the engine reports stay near the bf16 model's on the same tokens."""
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, n=4, seed=3)
+    engine = Engine.from_pretrained(str(model_dir), EngineConfig(num_kv_blocks=128, kv_cache_dtype="fp8"))
+    scorer = Engine.from_pretrained(str(model_dir), EngineConfig(num_kv_blocks=16)).model
+    prompt = list(range(3, 3 + 21))  # a partial last block
+    first = _run(engine, EngineRequest("a", prompt, sampling))
+    turn2 = prompt + first[0][0] + [5, 6, 7]
+    second = _run(engine, EngineRequest("b", turn2, sampling))
+    assert engine.stats().prefix_cache_hits >= 16  # the first turn's full block
+    diffs = [
+        abs(a - b)
+        for context, samples in ((prompt, first), (turn2, second))
+        for ids, lps in samples
+        for a, b in zip(lps, _bf16_logprobs_of(scorer, context, ids), strict=True)
+    ]
+    assert sum(diffs) / len(diffs) < 0.05, max(diffs)
+
+
+def _run(engine: Engine, req: EngineRequest) -> list[tuple[list[int], list[float]]]:
+    """Each sample's (tokens, log-probs)."""
+    out: dict[int, tuple[list[int], list[float]]] = {}
+    engine.add_request(req)
+    while engine.has_work:
+        for d in engine.step():
+            ids, lps = out.setdefault(d.index, ([], []))
+            ids += d.token_ids
+            lps += d.logprobs
+    return [out[i] for i in sorted(out)]
+
+
+@gpu
 def test_a_model_shape_without_the_fused_layers_is_refused(tmp_path: Path) -> None:
     odd = save_tiny_model(tmp_path / "odd", TinyModelConfig())  # head size 24: no fused path
     with pytest.raises(ValueError, match="power-of-two head size"):
@@ -98,13 +141,18 @@ def test_a_model_shape_without_the_fused_layers_is_refused(tmp_path: Path) -> No
 
 
 @gpu
-def test_fp8_engine_logprobs_are_near_the_bf16_engines_and_follow_new_versions(model_dir: Path) -> None:
-    """The FP8 engine samples; the bf16 engine scores the same tokens (teacher-forced by
-    feeding them as prompts): their log-probs agree within FP8's rounding. Then a new
-    version (random weights) reaches both, and they agree again: the FP8 copies were
-    quantized again in place, under the captured CUDA graphs."""
+@pytest.mark.parametrize("weights,kv", [("fp8", "auto"), ("auto", "fp8"), ("fp8", "fp8")])
+def test_fp8_engine_logprobs_are_near_the_bf16_engines_and_follow_new_versions(
+    model_dir: Path, weights: str, kv: str
+) -> None:
+    """The FP8 engine samples; the bf16 model scores the same tokens in one forward: their
+    log-probs agree within FP8's rounding. Then a new version (random weights) reaches
+    both, and they agree again: the FP8 copies were quantized again in place, under the
+    captured CUDA graphs (and the FP8 cache, emptied by the version, was written anew)."""
     bf16 = Engine.from_pretrained(str(model_dir), EngineConfig(num_kv_blocks=256))
-    fp8 = Engine.from_pretrained(str(model_dir), EngineConfig(num_kv_blocks=256, weight_dtype="fp8"))
+    fp8 = Engine.from_pretrained(
+        str(model_dir), EngineConfig(num_kv_blocks=256, weight_dtype=weights, kv_cache_dtype=kv)
+    )
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 40, (16, 12), generator=g).tolist()
     for version in (1, 2):
@@ -122,8 +170,11 @@ def test_fp8_engine_logprobs_are_near_the_bf16_engines_and_follow_new_versions(m
 
 
 def _bf16_logprobs(engine: Engine, prompt: list[int], ids: list[int]) -> list[float]:
+    return _bf16_logprobs_of(engine.model, prompt, ids)
+
+
+def _bf16_logprobs_of(model: torch.nn.Module, prompt: list[int], ids: list[int]) -> list[float]:
     """The bf16 model's log-probs of `ids` after `prompt`, in one forward."""
-    model = engine.model
     tokens = torch.tensor([prompt + ids], device=model.device)
     with torch.no_grad():
         logits = model(tokens).logits[0, len(prompt) - 1 : -1].float()

@@ -384,11 +384,12 @@ class EngineConfig(_Section):
 
     @model_validator(mode="after")
     def _fp8_needs_a_gpu(self) -> EngineConfig:
-        if self.weight_dtype == "fp8" and (self.device == "cpu" or self.dtype in ("float32", "float64")):
-            raise ValueError(
-                f"engine.weight_dtype = 'fp8' needs a CUDA engine computing in bfloat16 "
-                f"(engine.device = {self.device!r}, engine.dtype = {self.dtype!r})"
-            )
+        for key in ("weight_dtype", "kv_cache_dtype"):
+            if getattr(self, key) == "fp8" and (self.device == "cpu" or self.dtype in ("float32", "float64")):
+                raise ValueError(
+                    f"engine.{key} = 'fp8' needs a CUDA engine computing in bfloat16 "
+                    f"(engine.device = {self.device!r}, engine.dtype = {self.dtype!r})"
+                )
         return self
 
     block_size: int = Field(16, ge=1)
@@ -419,6 +420,12 @@ class EngineConfig(_Section):
     2**-20 before sampling: a sample's log-probs are then the same whatever batch computed
     them (float32 matmuls round differently with the number of rows)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """vLLM's option. auto: the engine's `dtype`. fp8: keys and values are stored as e4m3
+    with a float32 scale per token and KV head (set when the token is written, so no
+    calibration), and read back to bf16 by the attention kernels: about half the bytes a
+    decode step reads at long contexts, and about twice the tokens in the same memory.
+    Same requirements as `weight_dtype = "fp8"`."""
     weight_dtype: Literal["auto", "fp8"] = "auto"
     """auto: the engine's `dtype`. fp8: the decoder layers' projections multiply in FP8
     (e4m3, a scale per output channel, activations scaled per token), quantized again

@@ -100,13 +100,19 @@ def paged_attention(
     v_cache: torch.Tensor,  # [NBLK, BS, KVH, D]
     meta: AttentionMetadata,
     scale: float,
+    k_scales: torch.Tensor | None = None,  # [NBLK, BS, KVH] float32: an FP8 cache's scales
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, H, D]
-    q = q.to(k_cache.dtype)  # under autocast, RoPE in float32 promotes q past the cache's dtype
+    fp8 = k_scales is not None
+    # under autocast, RoPE in float32 promotes q past the cache's dtype; an FP8 cache is read as bf16
+    q = q.to(torch.bfloat16 if fp8 else k_cache.dtype)
     out = q if meta.is_pure_decode else torch.empty_like(q)  # a pure decode returns from the loop
     for g in meta.groups:
         if g.context_lens is not None:  # decodes, each reading its own blocks in place
             q_group = q if meta.is_pure_decode else q[g.token_index]
-            attn = triton_ops.paged_decode_attention(q_group, k_cache, v_cache, g.block_tables, g.context_lens, scale)
+            attn = triton_ops.paged_decode_attention(
+                q_group, k_cache, v_cache, g.block_tables, g.context_lens, scale, k_scales=k_scales, v_scales=v_scales
+            )
             if meta.is_pure_decode:
                 return attn
             out[g.token_index] = attn
@@ -115,8 +121,12 @@ def paged_attention(
         num_seqs, num_blocks = g.block_tables.shape
         shape = (num_seqs, num_blocks * k_cache.shape[1], *k_cache.shape[2:])  # [B, C, KVH, D]
         blocks = g.block_tables.view(-1)
-        keys = k_cache.index_select(0, blocks).view(shape).transpose(1, 2)  # [B, KVH, C, D]
-        values = v_cache.index_select(0, blocks).view(shape).transpose(1, 2)
+        keys = k_cache.index_select(0, blocks).view(shape)  # [B, C, KVH, D]
+        values = v_cache.index_select(0, blocks).view(shape)
+        if fp8:  # scale each (slot, head) back
+            keys = (keys.float() * k_scales.index_select(0, blocks).view(shape[:-1])[..., None]).to(q.dtype)
+            values = (values.float() * v_scales.index_select(0, blocks).view(shape[:-1])[..., None]).to(q.dtype)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, KVH, C, D]
         q_group = q if meta.is_pure_decode else q[g.token_index]  # [Tg, H, D]
         if g.max_query_len == 1:  # decodes: one query per sequence, already in row order
             queries = q_group[:, :, None]  # [B, H, 1, D]

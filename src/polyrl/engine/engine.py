@@ -86,17 +86,18 @@ class Engine:
         self.compute_dtype = compute_dtype or param_dtype
         self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
         self._autocast_dtype = self.compute_dtype if self.compute_dtype != param_dtype else None
-        self._fp8: list[Fp8Linear | Fp8Fused] = []
-        if cfg.weight_dtype == "fp8":
-            fp8.check_supported(self.device, self.compute_dtype, cfg.cuda_graphs)
-            self._fp8 = fp8.quantize_model(model)
+        for key in ("weight_dtype", "kv_cache_dtype"):
+            if getattr(cfg, key) == "fp8":
+                fp8.check_supported(self.device, self.compute_dtype, cfg.cuda_graphs, key)
+        self._fp8: list[Fp8Linear | Fp8Fused] = fp8.quantize_model(model) if cfg.weight_dtype == "fp8" else []
         self.blocks = BlockManager(0, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner: ModelRunner | None = None
         self.wake()
-        if self._fp8 and self.runner.decode_graphs is None:
+        fp8_keys = [k for k in ("weight_dtype", "kv_cache_dtype") if getattr(cfg, k) == "fp8"]
+        if fp8_keys and self.runner.decode_graphs is None:
             raise ValueError(
-                "engine.weight_dtype = 'fp8' runs in the engine's fused layers, which this model's shape has "
+                f"engine.{fp8_keys[0]} = 'fp8' runs in the engine's fused layers, which this model's shape has "
                 "no path for (they need SwiGLU MLPs and a power-of-two head size of at least 16)"
             )
         self.vocab_size: int = model.config.vocab_size
@@ -172,6 +173,7 @@ class Engine:
             self.max_model_len,
             cfg.kv_cache_memory_fraction if self.blocks.num_blocks == 0 else 0.95,
             cfg.cpu_kv_cache_gib,
+            fp8_kv=cfg.kv_cache_dtype == "fp8",
         )
         if self.blocks.num_blocks:
             if num_blocks < self.blocks.num_blocks:
@@ -186,6 +188,7 @@ class Engine:
             self._autocast_dtype,
             cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0,
             max_model_len=self.max_model_len,
+            fp8_kv=cfg.kv_cache_dtype == "fp8",
         )
 
     @property

@@ -28,16 +28,17 @@ from torch import nn
 from polyrl.engine import triton_ops
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
+FP8_MAX = triton_ops.FP8_MAX
 Rows = tuple[torch.Tensor, torch.Tensor]
 """Activations quantized per row: (e4m3 [T, K], float32 scales [T, 1]). The engine's
 fused layers make them in the kernel before the matmul (the RMSNorm, SwiGLU's product),
 so that only the attention output is quantized by a kernel of its own."""
 
 
-def check_supported(device: torch.device, compute_dtype: torch.dtype, cuda_graphs: bool) -> None:
-    """Raise ValueError unless this engine can run FP8 weights: CUDA with FP8 tensor cores
-    (compute capability 8.9 or newer: Ada, Hopper, Blackwell), Triton, bf16 compute."""
+def check_supported(device: torch.device, compute_dtype: torch.dtype, cuda_graphs: bool, key: str) -> None:
+    """Raise ValueError unless this engine can run `engine.<key> = "fp8"`: CUDA with FP8
+    tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell), Triton, the
+    fused layers, bf16 compute."""
     why = None
     if device.type != "cuda":
         why = f"it needs a CUDA GPU with FP8 tensor cores, and this engine runs on {device.type}"
@@ -50,7 +51,7 @@ def check_supported(device: torch.device, compute_dtype: torch.dtype, cuda_graph
     elif compute_dtype != torch.bfloat16:
         why = f"it needs engine.dtype bfloat16 (the engine computes in {compute_dtype})"
     if why:
-        raise ValueError(f"engine.weight_dtype = 'fp8': {why}; use engine.weight_dtype = 'auto'")
+        raise ValueError(f"engine.{key} = 'fp8': {why}; use engine.{key} = 'auto'")
 
 
 class Fp8Linear(nn.Linear):
@@ -166,3 +167,17 @@ def quantize_model(model: nn.Module) -> list[Fp8Linear | Fp8Fused]:
                 module.requantize()
                 swapped.append(module)
     return swapped
+
+
+def restore_model(model: nn.Module) -> None:
+    """Undo `quantize_model`: the 16-bit Linears again, the FP8 copies dropped (for a
+    benchmark or test that runs the same model with and without FP8 weights)."""
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in ("fp8_qkv", "fp8_gate_up"):
+                if hasattr(parent, name):
+                    delattr(parent, name)
+            for module in parent.children():
+                if isinstance(module, Fp8Linear):
+                    del module.qweight, module.wscale
+                    module.__class__ = nn.Linear

@@ -55,10 +55,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def kv_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype, fp8_kv: bool = False) -> int:
+    """A token's K and V over all layers; an FP8 cache: a byte a value, and a float32
+    scale a head."""
     attn = model.model.layers[0].self_attn
     num_kv_heads = model.config.num_key_value_heads
-    return len(model.model.layers) * 2 * num_kv_heads * attn.head_dim * dtype.itemsize
+    per_head = attn.head_dim + 4 if fp8_kv else attn.head_dim * dtype.itemsize
+    return len(model.model.layers) * 2 * num_kv_heads * per_head
 
 
 class ModelRunner:
@@ -71,9 +74,12 @@ class ModelRunner:
         autocast_dtype: torch.dtype | None,
         cuda_graph_max_batch: int = 0,
         max_model_len: int = 0,
+        fp8_kv: bool = False,
     ) -> None:
         """`cuda_graph_max_batch` > 0 replays decode steps of up to that many sequences as
-        CUDA graphs (CUDA with Triton only; elsewhere it is ignored)."""
+        CUDA graphs (CUDA with Triton only; elsewhere it is ignored). `fp8_kv`: the cache
+        holds e4m3 values with a float32 scale per (slot, KV head) (`engine.kv_cache_dtype`),
+        which only the fused layers write and read."""
         model_type = model.config.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -98,7 +104,9 @@ class ModelRunner:
         # rows of a captured decode step write into.
         num_slots = (num_blocks + 1) * block_size
         shape = (len(model.model.layers), 2, num_slots, model.config.num_key_value_heads, self.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=torch.float8_e4m3fn if fp8_kv else kv_dtype, device=self.device)
+        self.kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=self.device) if fp8_kv else None
+        """[layers, 2, slots, KVH]: the FP8 cache's scales (None for a 16/32-bit cache)."""
         self.decode_graphs: DecodeGraphs | None = None
         if (
             cuda_graph_max_batch > 0
@@ -138,11 +146,13 @@ class ModelRunner:
         """Drop the KV cache and the graphs now (the graphs refer back to this runner, so
         the pair would otherwise wait for the garbage collector)."""
         self.decode_graphs = None
-        self.kv_cache = None
+        self.kv_cache = self.kv_scales = None
 
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size
         self.kv_cache[:, :, dst * bs : (dst + 1) * bs] = self.kv_cache[:, :, src * bs : (src + 1) * bs]
+        if self.kv_scales is not None:
+            self.kv_scales[:, :, dst * bs : (dst + 1) * bs] = self.kv_scales[:, :, src * bs : (src + 1) * bs]
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -187,7 +197,9 @@ class ModelRunner:
             if self.decode_graphs is not None:  # CUDA with Triton: fused layers, the paged kernel for decodes
 
                 def attend(layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-                    return paged_attention(q, *self._blocked_cache(layer_idx), meta, self.scale)
+                    return paged_attention(
+                        q, *self._blocked_cache(layer_idx), meta, self.scale, **self._blocked_scales(layer_idx)
+                    )
 
                 hidden = self._fused_decoder(input_ids, positions, meta.slot_mapping, attend)[sample_rows]
             else:
@@ -202,13 +214,22 @@ class ModelRunner:
         blocked = (-1, self.block_size, *k_cache.shape[1:])
         return k_cache.view(blocked), v_cache.view(blocked)
 
+    def _blocked_scales(self, layer_idx: int) -> dict[str, torch.Tensor]:
+        """An FP8 cache's scales of one layer as [blocks, block_size, KVH], as keyword
+        arguments of the attention functions (none for a 16/32-bit cache)."""
+        if self.kv_scales is None:
+            return {}
+        k_scales, v_scales = self.kv_scales[layer_idx]
+        blocked = (-1, self.block_size, k_scales.shape[-1])
+        return {"k_scales": k_scales.view(blocked), "v_scales": v_scales.view(blocked)}
+
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
         """The captured decode step: every row feeds one token and samples."""
 
         def attend(layer_idx: int, q: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = self._blocked_cache(layer_idx)
             return triton_ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, **self._blocked_scales(layer_idx)
             )
 
         with self._autocast():
@@ -275,6 +296,7 @@ class ModelRunner:
             attn.q_norm.weight if has_norm else None,
             attn.k_norm.weight if has_norm else None,
             attn.q_norm.variance_epsilon if has_norm else 1e-6,
+            *(self.kv_scales[layer_idx] if self.kv_scales is not None else ()),
         )
         return attn.o_proj(attend(layer_idx, q).reshape(num_tokens, -1))
 
@@ -359,11 +381,12 @@ def num_kv_blocks_for(
     max_model_len: int,
     memory_fraction: float,
     cpu_gib: float,
+    fp8_kv: bool = False,
 ) -> int:
     """The configured number of KV blocks, or one sized from the device's memory."""
     if cfg_blocks:
         return cfg_blocks
-    block_bytes = kv_bytes_per_token(model, kv_dtype) * block_size
+    block_bytes = kv_bytes_per_token(model, kv_dtype, fp8_kv) * block_size
     if model.device.type == "cuda":
         free_bytes, _ = torch.cuda.mem_get_info(model.device)
         return max(1, int(free_bytes * memory_fraction) // block_bytes)

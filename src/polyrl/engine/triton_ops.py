@@ -60,13 +60,20 @@ if triton is not None:
         stride_ob,
         stride_oh,
         stride_tb,
+        ks_ptr,
+        vs_ptr,
+        stride_sblk,
+        stride_sslot,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
+        FP8_KV: tl.constexpr = False,
     ):
+        # FP8_KV: the cache holds e4m3 values with one float32 scale per (slot, KV head) in
+        # `ks_ptr`/`vs_ptr`; they are scaled back to the queries' dtype as they are read.
         # One program per (sequence, KV head): its GROUP query heads share every K/V load.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -86,6 +93,12 @@ if triton is not None:
             offs = block * stride_kblk + (n % BLOCK_SIZE) * stride_kslot + kvh * stride_kh
             k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=nmask[:, None], other=0.0)  # [N, D]
             v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+            if FP8_KV:
+                soffs = block * stride_sblk + (n % BLOCK_SIZE) * stride_sslot + kvh
+                ks = tl.load(ks_ptr + soffs, mask=nmask, other=0.0)
+                vs = tl.load(vs_ptr + soffs, mask=nmask, other=0.0)
+                k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+                v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
             s = tl.where(nmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -220,9 +233,14 @@ if triton is not None:
         stride_cslot,
         stride_ch,
         eps,
+        ks_ptr,
+        vs_ptr,
+        stride_sslot,
+        fp8_max,
         HEAD_DIM: tl.constexpr,
         HAS_NORM: tl.constexpr,
         TO_CACHE: tl.constexpr,
+        FP8_KV: tl.constexpr = False,
     ):
         # One head of one token: optional per-head RMSNorm (Qwen3's q/k norms), rotate-half
         # RoPE; queries go to `out`, keys (and the token's values) into their cache slot.
@@ -248,9 +266,21 @@ if triton is not None:
         if TO_CACHE:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             dst = slot * stride_cslot + h * stride_ch + d
-            tl.store(k_cache_ptr + dst, y.to(k_cache_ptr.dtype.element_ty))
             v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
-            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty))
+            if FP8_KV:  # e4m3 with one scale per (slot, head): the head's largest value maps to fp8_max
+                y = y.to(x.dtype).to(tl.float32)  # the key as a 16-bit cache would hold it
+                vf = v.to(tl.float32)
+                ks = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / fp8_max
+                vs = tl.maximum(tl.max(tl.abs(vf), axis=0), 1e-12) / fp8_max
+                y = tl.minimum(tl.maximum(y / ks, -fp8_max), fp8_max)
+                vf = tl.minimum(tl.maximum(vf / vs, -fp8_max), fp8_max)
+                tl.store(k_cache_ptr + dst, y.to(k_cache_ptr.dtype.element_ty))
+                tl.store(v_cache_ptr + dst, vf.to(v_cache_ptr.dtype.element_ty))
+                tl.store(ks_ptr + slot * stride_sslot + h, ks)
+                tl.store(vs_ptr + slot * stride_sslot + h, vs)
+            else:
+                tl.store(k_cache_ptr + dst, y.to(k_cache_ptr.dtype.element_ty))
+                tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty))
         else:
             tl.store(out_ptr + t * stride_ot + h * stride_oh + d, y.to(out_ptr.dtype.element_ty))
 
@@ -352,8 +382,12 @@ def rope_and_cache(
     q_norm: torch.Tensor | None = None,  # [D] weights of per-head RMSNorms applied before RoPE
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    k_scales: torch.Tensor | None = None,  # [S, KVH] float32: an FP8 cache's scales
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rotated queries [T, H, D]; rotated keys and the values are written to the cache."""
+    """Rotated queries [T, H, D]; rotated keys and the values are written to the cache
+    (an FP8 cache, `k_scales` given: each (slot, head) scaled to e4m3's range, its scale
+    written beside it)."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     has_norm = q_norm is not None
@@ -378,9 +412,14 @@ def rope_and_cache(
             k_cache.stride(0),
             k_cache.stride(1),
             eps,
+            k_scales if k_scales is not None else x,
+            v_scales if v_scales is not None else x,
+            k_scales.stride(0) if k_scales is not None else 0,
+            FP8_MAX,
             HEAD_DIM=head_dim,
             HAS_NORM=has_norm,
             TO_CACHE=to_cache,
+            FP8_KV=k_scales is not None,
         )
     return out
 
@@ -410,6 +449,10 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor, fp8_max: float) -> tuple[
     return out, scale
 
 
+FP8_MAX = 448.0
+"""The largest finite e4m3 value."""
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
@@ -424,12 +467,15 @@ def paged_decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scales: torch.Tensor | None = None,  # [NBLK, BS, KVH] float32: an FP8 cache's scales
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, H, D] in q's dtype
     """One query token per sequence attending to its whole cached context."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    q = q.to(k_cache.dtype)
+    fp8 = k_scales is not None
+    q = q.to(torch.bfloat16 if fp8 else k_cache.dtype)
     out = torch.empty_like(q)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
@@ -448,12 +494,17 @@ def paged_decode_attention(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
+        k_scales if fp8 else q,
+        v_scales if fp8 else q,
+        k_scales.stride(0) if fp8 else 0,
+        k_scales.stride(1) if fp8 else 0,
         GROUP=group,
         GROUP_PAD=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         PRECISION=precision,
+        FP8_KV=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
