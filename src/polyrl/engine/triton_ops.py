@@ -93,19 +93,26 @@ if triton is not None:
             offs = block * stride_kblk + (n % BLOCK_SIZE) * stride_kslot + kvh * stride_kh
             k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=nmask[:, None], other=0.0)  # [N, D]
             v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-            if FP8_KV:
+            if FP8_KV:  # the scales multiply the [G, N] scores and probabilities, not the [N, D] values
                 soffs = block * stride_sblk + (n % BLOCK_SIZE) * stride_sslot + kvh
                 ks = tl.load(ks_ptr + soffs, mask=nmask, other=0.0)
                 vs = tl.load(vs_ptr + soffs, mask=nmask, other=0.0)
-                k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
-                v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
+                # e4m3 converts to fp16 in one instruction (to bf16 it takes several), so these
+                # two products run in fp16 with float32 accumulation
+                s = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)), input_precision=PRECISION)
+                s = s * (ks * scale)[None, :]
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
             s = tl.where(nmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             denom = denom * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            if FP8_KV:
+                pv = tl.dot((p * vs[None, :]).to(tl.float16), v.to(tl.float16), input_precision=PRECISION)
+            else:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
             m = m_new
         out = acc / tl.maximum(denom, 1e-30)[:, None]  # a padding row (ctx 0) writes zeros
         tl.store(
@@ -464,17 +471,20 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, >= max blocks] int32
     context_lens: torch.Tensor,  # [B] int32; 0 = a padding row (output zeros)
     scale: float,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     k_scales: torch.Tensor | None = None,  # [NBLK, BS, KVH] float32: an FP8 cache's scales
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, H, D] in q's dtype
-    """One query token per sequence attending to its whole cached context."""
+    """One query token per sequence attending to its whole cached context. `block_n`
+    (tokens a loop iteration reads) defaults to 64 for a 16-bit cache and 128 for an FP8
+    one (on an H200, 512 sequences of 600 tokens: 0.32 ms against 0.45 at 64)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     fp8 = k_scales is not None
+    block_n = block_n or (128 if fp8 else 64)
     q = q.to(torch.bfloat16 if fp8 else k_cache.dtype)
     out = torch.empty_like(q)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
