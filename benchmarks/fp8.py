@@ -32,7 +32,6 @@ from engine import best_time, build_model, copy_bandwidth  # noqa: E402  (benchm
 
 from polyrl.config import EngineConfig  # noqa: E402
 from polyrl.engine.engine import Engine  # noqa: E402
-from polyrl.engine.fp8 import restore_model  # noqa: E402
 from polyrl.engine.types import EngineRequest  # noqa: E402
 from polyrl.protocol.sampling import SamplingParams  # noqa: E402
 
@@ -119,7 +118,6 @@ def main() -> int:
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-        restore_model(model)  # the bf16 model again, to score the tokens and for the next config
         diffs = []
         for prompt, (ids, lps) in zip(prompts[: args.score], out[: args.score], strict=True):
             diffs += [abs(a - b) for a, b in zip(lps, bf16_logprobs(model, prompt, ids), strict=True)]

@@ -134,6 +134,22 @@ def _run(engine: Engine, req: EngineRequest) -> list[tuple[list[int], list[float
 
 
 @gpu
+def test_an_fp8_engine_leaves_the_model_it_shares_unchanged(model_dir: Path) -> None:
+    """Local and hybrid modes hand the trainer's own model to the engine: its forward (the
+    learner's) stays 16-bit, whatever the engine multiplies in."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    tokens = torch.arange(3, 40, device="cuda")[None]
+    with torch.no_grad():
+        before = model(tokens).logits
+        names = [n for n, _ in model.named_parameters()]
+        Engine(model, EngineConfig(num_kv_blocks=64, weight_dtype="fp8", kv_cache_dtype="fp8"))
+        assert torch.equal(model(tokens).logits, before)
+    assert [n for n, _ in model.named_parameters()] == names
+
+
+@gpu
 def test_a_model_shape_without_the_fused_layers_is_refused(tmp_path: Path) -> None:
     odd = save_tiny_model(tmp_path / "odd", TinyModelConfig())  # head size 24: no fused path
     with pytest.raises(ValueError, match="power-of-two head size"):

@@ -36,7 +36,7 @@ from polyrl.config import EngineConfig, SwapPolicy
 from polyrl.cpu_threads import measured
 from polyrl.engine import fp8
 from polyrl.engine.block_manager import BlockManager, cdiv
-from polyrl.engine.fp8 import Fp8Fused, Fp8Linear
+from polyrl.engine.fp8 import Fp8Layer
 from polyrl.engine.lora import AdapterMerger, base_fingerprint, is_adapter_version, unpack
 from polyrl.engine.model_runner import ModelRunner, num_kv_blocks_for
 from polyrl.engine.sampler import SamplingBatch, sample, top_logprobs
@@ -89,7 +89,7 @@ class Engine:
         for key in ("weight_dtype", "kv_cache_dtype"):
             if getattr(cfg, key) == "fp8":
                 fp8.check_supported(self.device, self.compute_dtype, cfg.cuda_graphs, key)
-        self._fp8: list[Fp8Linear | Fp8Fused] = fp8.quantize_model(model) if cfg.weight_dtype == "fp8" else []
+        self._fp8: list[Fp8Layer] = fp8.quantize_model(model) if cfg.weight_dtype == "fp8" else []
         self.blocks = BlockManager(0, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner: ModelRunner | None = None
@@ -189,6 +189,7 @@ class Engine:
             cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0,
             max_model_len=self.max_model_len,
             fp8_kv=cfg.kv_cache_dtype == "fp8",
+            fp8_layers=self._fp8,
         )
 
     @property
@@ -495,8 +496,9 @@ class Engine:
         still in flight, if any, and of samples aborted by the policy."""
         if weights is not None:
             self._load_weights(weights)  # after the step in flight on the device's stream
-        for module in self._fp8:  # the 16-bit weights changed (here, or in place by the trainer)
-            module.requantize()
+        for layer in self._fp8:  # the 16-bit weights changed (here, or in place by the trainer)
+            for matmul in layer.matmuls():
+                matmul.requantize()
         deltas = self._ready + self._settle()  # the tokens in flight are the old version's
         self._ready = []
         old, self.weight_version = self.weight_version, version

@@ -5,15 +5,20 @@ also has twice the bf16 tensor-core rate, so halving the weights' bytes shortens
 step. The trainer stays bf16/fp32: the engine keeps the model's own 16-bit weights as
 they arrive with each version (the weight transfer, LoRA merges and the colocated
 trainer's in-place updates all write those) and quantizes them again after every update
-(`requantize`), into FP8 copies it reads from then on.
+(`requantize`), into FP8 copies only its fused layers read. The model's modules are not
+touched, so a trainer whose model the engine shares (local and hybrid modes) still
+trains through its own 16/32-bit Linears.
 
 Scheme: e4m3 weights with one scale per output channel; activations quantized per token
-(row) at run time, by one Triton kernel (its scale is the row's absolute maximum over
-448, e4m3's largest value); `torch._scaled_mm` multiplies with both scale vectors and
-writes bf16. The decoder layers' seven projections are quantized; the embedding, the LM
-head and the norms stay 16-bit (as vLLM's and SGLang's FP8 checkpoints keep them), and
-so do a mixture of experts' expert weights (not Linears). The quantized copies keep their
-storage across versions, so CUDA graphs captured against them stay valid.
+(row) at run time, their scale the row's absolute maximum over 448 (e4m3's largest
+value); `torch._scaled_mm` multiplies with both scale vectors and writes bf16. A
+decoder layer's seven projections become four matmuls (q, k and v one; o; gate and up
+one; down), and the kernels before three of them write FP8 rows themselves (the
+RMSNorms, SwiGLU's product: `Rows`); only the attention output is quantized by a kernel
+of its own. The embedding, the LM head and the norms stay 16-bit (as vLLM's and SGLang's
+FP8 checkpoints keep them), and so do a mixture of experts' expert weights (not Linears).
+The FP8 copies keep their storage across versions, so CUDA graphs captured against them
+stay valid.
 
 The behaviour log-probs the engine reports are the FP8 model's own, so the learner's
 rollout correction (`algo.rollout_correction`) sees the gap to its own policy, which
@@ -21,6 +26,8 @@ rollout correction (`algo.rollout_correction`) sees the gap to its own policy, w
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -54,78 +61,60 @@ def check_supported(device: torch.device, compute_dtype: torch.dtype, cuda_graph
         raise ValueError(f"engine.{key} = 'fp8': {why}; use engine.{key} = 'auto'")
 
 
-class Fp8Linear(nn.Linear):
-    """An `nn.Linear` (its class swapped in place: the parameters, their names and the
-    modules around it are unchanged) that multiplies with an FP8 copy of its weight."""
-
-    qweight: torch.Tensor  # [out, in] e4m3
-    wscale: torch.Tensor  # [1, out] float32
-
-    def requantize(self) -> None:
-        """Quantize the 16-bit weight again, into the same storage."""
-        with torch.no_grad():
-            w = self.weight.float()
-            scale = w.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8_MAX  # [out, 1]
-            self.qweight.copy_((w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8))  # e4m3fn has no inf
-            self.wscale.copy_(scale.t())
-
-    def forward(self, x: torch.Tensor | Rows) -> torch.Tensor:
-        """x [..., in], or rows already quantized by the kernel before (`Rows`)."""
-        if isinstance(x, tuple):
-            return self._matmul(*x)
-        shape = x.shape
-        out = self._matmul(*quantize_rows(x.reshape(-1, shape[-1])))
-        return out.reshape(*shape[:-1], out.shape[-1])
-
-    def _matmul(self, xq: torch.Tensor, xscale: torch.Tensor) -> torch.Tensor:
-        out = torch._scaled_mm(
-            xq, self.qweight.t(), scale_a=xscale, scale_b=self.wscale, out_dtype=torch.bfloat16
-        )  # [T, out]
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out
-
-
-class Fp8Fused(nn.Module):
-    """Several projections of one input (q, k and v; gate and up) as one FP8 matmul: the
-    input is quantized once, and one larger GEMM replaces several small ones (a decode
-    step's GEMMs are small-tiled and launch-bound at RL batch sizes). The source Linears
-    keep their 16-bit weights, which versions overwrite; `requantize` reads them."""
+class Fp8Matmul:
+    """One or more Linears of the same input (q, k and v; gate and up; o alone) as one FP8
+    matmul: the input is quantized once, and one larger GEMM replaces several small ones
+    (a decode step's GEMMs are small-tiled at RL batch sizes). The Linears keep their
+    16-bit weights, which versions overwrite; `requantize` reads them."""
 
     def __init__(self, sources: list[nn.Linear]) -> None:
-        super().__init__()
-        self.sources = sources  # a plain list: not submodules, so no parameter is renamed
+        self.sources = sources
         self.sizes = [m.weight.shape[0] for m in sources]
         rows, cols = sum(self.sizes), sources[0].weight.shape[1]
         device = sources[0].weight.device
-        self.register_buffer("qweight", torch.empty(rows, cols, dtype=FP8, device=device), persistent=False)
-        self.register_buffer("wscale", torch.empty(1, rows, dtype=torch.float32, device=device), persistent=False)
-        biases = [m.bias for m in sources]
-        self.has_bias = all(b is not None for b in biases)
-        self.register_buffer(
-            "bias", torch.empty(rows, dtype=torch.bfloat16, device=device) if self.has_bias else None, persistent=False
-        )
+        self.qweight = torch.empty(rows, cols, dtype=FP8, device=device)  # [out, in] e4m3
+        self.wscale = torch.empty(1, rows, dtype=torch.float32, device=device)
+        has_bias = [m.bias is not None for m in sources]
+        if any(has_bias) and not all(has_bias):
+            raise ValueError("a fused FP8 matmul needs all or none of its Linears with a bias")
+        self.bias = torch.empty(rows, dtype=torch.bfloat16, device=device) if all(has_bias) else None
         self.requantize()
 
     def requantize(self) -> None:
+        """Quantize the 16-bit weights again, into the same storage."""
         with torch.no_grad():
             start = 0
             for m, size in zip(self.sources, self.sizes, strict=True):
                 w = m.weight.float()
-                scale = w.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8_MAX
-                self.qweight[start : start + size].copy_((w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8))
+                scale = w.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8_MAX  # [out, 1]
+                self.qweight[start : start + size].copy_(
+                    (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+                )  # no inf in e4m3fn
                 self.wscale[:, start : start + size].copy_(scale.t())
-                if self.has_bias:
+                if self.bias is not None:
                     self.bias[start : start + size].copy_(m.bias)
                 start += size
 
-    def forward(self, x: torch.Tensor | Rows) -> list[torch.Tensor]:
-        """x [T, in] (or already quantized: `Rows`) -> one [T, out_i] view per source."""
+    def __call__(self, x: torch.Tensor | Rows) -> list[torch.Tensor]:
+        """x [T, in] (or rows already quantized: `Rows`) -> one [T, out_i] view per source."""
         xq, xscale = x if isinstance(x, tuple) else quantize_rows(x)
         out = torch._scaled_mm(xq, self.qweight.t(), scale_a=xscale, scale_b=self.wscale, out_dtype=torch.bfloat16)
-        if self.has_bias:
+        if self.bias is not None:
             out = out + self.bias
         return list(out.split(self.sizes, dim=1))
+
+
+@dataclass
+class Fp8Layer:
+    """One decoder layer's FP8 matmuls; the MLP's are None for a mixture of experts."""
+
+    qkv: Fp8Matmul
+    o: Fp8Matmul
+    gate_up: Fp8Matmul | None
+    down: Fp8Matmul | None
+
+    def matmuls(self) -> list[Fp8Matmul]:
+        return [m for m in (self.qkv, self.o, self.gate_up, self.down) if m is not None]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,46 +127,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_model(model: nn.Module) -> list[Fp8Linear | Fp8Fused]:
-    """Quantize the decoder layers' projections: q, k and v fused into one FP8 matmul
-    (`self_attn.fp8_qkv`), gate and up into another (`mlp.fp8_gate_up`), which the
-    engine's fused layers call; o and down swapped to `Fp8Linear` in place."""
-    swapped: list[Fp8Linear | Fp8Fused] = []
+def quantize_model(model: nn.Module) -> list[Fp8Layer]:
+    """FP8 copies of every decoder layer's projections (the model itself is unchanged)."""
+    layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.fp8_qkv = Fp8Fused([attn.q_proj, attn.k_proj, attn.v_proj])
-        swapped.append(attn.fp8_qkv)
-        if type(getattr(mlp, "gate_proj", None)) is nn.Linear:
-            mlp.fp8_gate_up = Fp8Fused([mlp.gate_proj, mlp.up_proj])
-            swapped.append(mlp.fp8_gate_up)
-        for parent in (attn, mlp):
-            for name in ("o_proj", "down_proj"):
-                module = getattr(parent, name, None)
-                if type(module) is not nn.Linear:
-                    continue
-                module.__class__ = Fp8Linear
-                out_features, in_features = module.weight.shape
-                device = module.weight.device
-                module.register_buffer(
-                    "qweight", torch.empty(out_features, in_features, dtype=FP8, device=device), persistent=False
-                )
-                module.register_buffer(
-                    "wscale", torch.empty(1, out_features, dtype=torch.float32, device=device), persistent=False
-                )
-                module.requantize()
-                swapped.append(module)
-    return swapped
-
-
-def restore_model(model: nn.Module) -> None:
-    """Undo `quantize_model`: the 16-bit Linears again, the FP8 copies dropped (for a
-    benchmark or test that runs the same model with and without FP8 weights)."""
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name in ("fp8_qkv", "fp8_gate_up"):
-                if hasattr(parent, name):
-                    delattr(parent, name)
-            for module in parent.children():
-                if isinstance(module, Fp8Linear):
-                    del module.qweight, module.wscale
-                    module.__class__ = nn.Linear
+        dense = type(getattr(mlp, "gate_proj", None)) is nn.Linear
+        layers.append(
+            Fp8Layer(
+                qkv=Fp8Matmul([attn.q_proj, attn.k_proj, attn.v_proj]),
+                o=Fp8Matmul([attn.o_proj]),
+                gate_up=Fp8Matmul([mlp.gate_proj, mlp.up_proj]) if dense else None,
+                down=Fp8Matmul([mlp.down_proj]) if dense else None,
+            )
+        )
+    return layers

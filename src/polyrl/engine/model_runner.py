@@ -25,7 +25,7 @@ from polyrl.engine import triton_ops
 from polyrl.engine.attention import AttentionGroup, AttentionMetadata, paged_attention
 from polyrl.engine.block_manager import cdiv
 from polyrl.engine.cuda_graphs import DecodeGraphs, DecodeMetadata
-from polyrl.engine.fp8 import FP8_MAX, Rows
+from polyrl.engine.fp8 import FP8_MAX, Fp8Layer, Rows
 from polyrl.engine.scheduler import ScheduledSeq
 from polyrl.models.moe import is_moe_block, moe_routers
 
@@ -75,11 +75,14 @@ class ModelRunner:
         cuda_graph_max_batch: int = 0,
         max_model_len: int = 0,
         fp8_kv: bool = False,
+        fp8_layers: list[Fp8Layer] | None = None,
     ) -> None:
         """`cuda_graph_max_batch` > 0 replays decode steps of up to that many sequences as
         CUDA graphs (CUDA with Triton only; elsewhere it is ignored). `fp8_kv`: the cache
         holds e4m3 values with a float32 scale per (slot, KV head) (`engine.kv_cache_dtype`),
-        which only the fused layers write and read."""
+        which only the fused layers write and read. `fp8_layers`: the decoder layers' FP8
+        matmuls (`engine.weight_dtype`), which the fused layers run instead of the
+        model's projections."""
         model_type = model.config.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -88,6 +91,7 @@ class ModelRunner:
         if getattr(model.config, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported by the engine")
         self.model, self.block_size = model, block_size
+        self.fp8_layers = fp8_layers or None
         self._routes: list[torch.Tensor] | None = None
         self.last_routes: torch.Tensor | None = None
         """[rows, moe_layers, k] int16: the experts of the last forward's rows, when one of
@@ -252,19 +256,19 @@ class ModelRunner:
         residual = inner.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = inner.rotary_emb(residual, positions[None])
         cos, sin = cos[0], sin[0]
-        fp8 = hasattr(layers[0].self_attn, "fp8_qkv")  # FP8 weights: norms write FP8 rows
-        norm = layers[0].input_layernorm
-        hidden = _norm(residual, norm, None, fp8)
-        for layer_idx, layer in enumerate(layers):
+        fp8_layers = self.fp8_layers or [None] * len(layers)  # FP8 weights: norms write FP8 rows
+        hidden = _norm(residual, layers[0].input_layernorm, None, fp8_layers[0] is not None)
+        for layer_idx, (layer, fp8) in enumerate(zip(layers, fp8_layers, strict=True)):
             if layer_idx:  # the previous block's residual add, fused with this block's norm
-                hidden = _norm(hidden, layer.input_layernorm, residual, fp8)
-            hidden = self._fused_attention(layer.self_attn, hidden, cos, sin, slot_mapping, layer_idx, attend)
+                hidden = _norm(hidden, layer.input_layernorm, residual, fp8 is not None)
+            hidden = self._fused_attention(layer.self_attn, hidden, cos, sin, slot_mapping, layer_idx, attend, fp8)
             mlp = layer.mlp
-            hidden = _norm(hidden, layer.post_attention_layernorm, residual, hasattr(mlp, "fp8_gate_up"))
+            fp8_mlp = fp8 is not None and fp8.gate_up is not None
+            hidden = _norm(hidden, layer.post_attention_layernorm, residual, fp8_mlp)
             if is_moe_block(mlp):
                 hidden = run_mlp(mlp, hidden)
-            elif hasattr(mlp, "fp8_gate_up"):
-                hidden = mlp.down_proj(triton_ops.silu_mul_fp8(*mlp.fp8_gate_up(hidden), FP8_MAX))
+            elif fp8_mlp:
+                (hidden,) = fp8.down(triton_ops.silu_mul_fp8(*fp8.gate_up(hidden), FP8_MAX))
             else:
                 hidden = mlp.down_proj(triton_ops.silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
         return triton_ops.rmsnorm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
@@ -278,9 +282,10 @@ class ModelRunner:
         slot_mapping: torch.Tensor,
         layer_idx: int,
         attend: Callable[[int, torch.Tensor], torch.Tensor],
+        fp8: Fp8Layer | None = None,
     ) -> torch.Tensor:
         num_tokens = x[0].shape[0] if isinstance(x, tuple) else x.shape[0]
-        qkv = attn.fp8_qkv(x) if hasattr(attn, "fp8_qkv") else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+        qkv = fp8.qkv(x) if fp8 is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
         q, k, v = (t.view(num_tokens, -1, self.head_dim) for t in qkv)
         k_cache, v_cache = self.kv_cache[layer_idx]  # [S, KVH, D]
         has_norm = hasattr(attn, "q_norm")
@@ -298,7 +303,8 @@ class ModelRunner:
             attn.q_norm.variance_epsilon if has_norm else 1e-6,
             *(self.kv_scales[layer_idx] if self.kv_scales is not None else ()),
         )
-        return attn.o_proj(attend(layer_idx, q).reshape(num_tokens, -1))
+        out = attend(layer_idx, q).reshape(num_tokens, -1)
+        return fp8.o(out)[0] if fp8 is not None else attn.o_proj(out)
 
     def _prepare(self, batch: list[ScheduledSeq]):
         bs = self.block_size
