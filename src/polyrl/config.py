@@ -423,9 +423,9 @@ class EngineConfig(_Section):
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """vLLM's option. auto: the engine's `dtype`. fp8: keys and values are stored as e4m3
     with a float32 scale per token and KV head (set when the token is written, so no
-    calibration), and read back to bf16 by the attention kernels: about half the bytes a
-    decode step reads at long contexts, and about twice the tokens in the same memory.
-    Same requirements as `weight_dtype = "fp8"`."""
+    calibration), and read back by the attention kernels: about twice the tokens in the
+    same memory. Not yet faster than bf16 (0.94x at 512 x 1024 on an H200: README, "The
+    generation engine"). Same requirements as `weight_dtype = "fp8"`."""
     weight_dtype: Literal["auto", "fp8"] = "auto"
     """auto: the engine's `dtype`. fp8: the decoder layers' projections multiply in FP8
     (e4m3, a scale per output channel, activations scaled per token), quantized again

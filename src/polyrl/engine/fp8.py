@@ -87,9 +87,8 @@ class Fp8Matmul:
             for m, size in zip(self.sources, self.sizes, strict=True):
                 w = m.weight.float()
                 scale = w.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8_MAX  # [out, 1]
-                self.qweight[start : start + size].copy_(
-                    (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-                )  # no inf in e4m3fn
+                q = (w / scale).clamp_(-FP8_MAX, FP8_MAX)  # e4m3fn has no inf: a value past the top is NaN
+                self.qweight[start : start + size].copy_(q.to(FP8))
                 self.wscale[:, start : start + size].copy_(scale.t())
                 if self.bias is not None:
                     self.bias[start : start + size].copy_(m.bias)

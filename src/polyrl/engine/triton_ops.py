@@ -73,7 +73,8 @@ if triton is not None:
         FP8_KV: tl.constexpr = False,
     ):
         # FP8_KV: the cache holds e4m3 values with one float32 scale per (slot, KV head) in
-        # `ks_ptr`/`vs_ptr`; they are scaled back to the queries' dtype as they are read.
+        # `ks_ptr`/`vs_ptr`; the key scales multiply the scores, the value scales the
+        # probabilities, and the values themselves enter the dots as fp16.
         # One program per (sequence, KV head): its GROUP query heads share every K/V load.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
