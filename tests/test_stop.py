@@ -432,3 +432,45 @@ def test_ctrl_c_during_the_cleanup_hurries_it_instead_of_cutting_it_short() -> N
         with pytest.raises(KeyboardInterrupt):  # a user who insists still gets out
             stop._handle(signal.SIGINT, None)
     HURRY.clear()
+
+
+def test_a_child_started_with_the_parent_death_env_dies_with_its_parent(tmp_path: Path) -> None:
+    """`polyrl.lifetime.parent_death_env`: the child asks for its parent-death signal
+    itself, after exec (no `preexec_fn`, which can hang a threaded parent's child between
+    fork and exec). A middle process starts such a child and is killed -9: the child goes
+    too. A child whose named parent is not its parent (it died before the child asked)
+    leaves at once."""
+    pid_file = tmp_path / "child.pid"
+    child = (
+        "import os, time; from polyrl.lifetime import die_with_parent_from_env; die_with_parent_from_env(); "
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    middle = (
+        "import subprocess, sys, os, time; from polyrl.lifetime import parent_death_env; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}], env=os.environ | parent_death_env()); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", middle])
+    try:
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child_pid = int(pid_file.read_text())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while not _gone(child_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(child_pid), "the child outlived its parent"
+    finally:
+        proc.kill()
+    env = os.environ | {"POLYRL_DIE_WITH_PARENT": f"{os.getpid() + 10**6}:{int(signal.SIGTERM)}"}  # no such parent
+    orphan = subprocess.run([sys.executable, "-c", child.replace("time.sleep(60)", "")], env=env, timeout=30)
+    assert orphan.returncode == 1
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie its new parent has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

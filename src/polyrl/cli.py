@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from polyrl.config import ConfigError, ManagerRunConfig, RunConfig, WorkerRunConfig, load_config
 from polyrl.gc_heap import start_up_imports
+from polyrl.lifetime import die_with_parent_from_env
 from polyrl.pipes import survive_closed_pipes
 
 if TYPE_CHECKING:
@@ -347,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_from_env()  # a child of polyrl train: go when it goes (`polyrl.lifetime`)
     args = build_parser().parse_args(argv)
     if args.command == "train":  # a Ctrl-C that kills `| tee` must not cost the save
         survive_closed_pipes()

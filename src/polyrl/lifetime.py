@@ -46,15 +46,40 @@ _PRCTL = _find_prctl()
 
 
 def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
-    """Have `sig` sent to this process when the thread that started it ends (usable as a
-    Popen `preexec_fn`)."""
+    """Have `sig` sent to this process when the thread that started it ends."""
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, int(sig))
 
 
+PARENT_ENV = "POLYRL_DIE_WITH_PARENT"
+"""`<parent pid>:<signal>`: set by `parent_death_env` for a child, read by the child's
+`polyrl.cli` before anything else (`die_with_parent_from_env`)."""
+
+
+def parent_death_env(sig: signal.Signals = signal.SIGTERM) -> dict[str, str]:
+    """The environment entry that makes a `polyrl.cli` child die with this process.
+
+    The child asks for it itself, first thing after exec, rather than in a Popen
+    `preexec_fn`: Python runs a `preexec_fn` in the forked child before exec, and in a
+    parent with threads (the trainer's I/O threads) that child can hang on a lock another
+    thread held at fork time. It happened in a test run: a child spun for 28 minutes
+    between fork and exec, taking a core from everything after it."""
+    return {PARENT_ENV: f"{os.getpid()}:{int(sig)}"}
+
+
+def die_with_parent_from_env() -> None:
+    """In a child started with `parent_death_env`: `exit_with_parent` with the parent's
+    pid and signal (removed from the environment, so this process's own children do not
+    take its parent for theirs)."""
+    value = os.environ.pop(PARENT_ENV, None)
+    if value:
+        pid, sig = (int(part) for part in value.split(":"))
+        exit_with_parent(pid, signal.Signals(sig))
+
+
 def exit_with_parent(parent_pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
     """`die_with_parent`, then exit at once if the parent `parent_pid` already died before
-    this process could ask (a child started with exec, not fork: its parent passes its pid)."""
+    this process could ask (a child started with exec: its parent passes its pid)."""
     die_with_parent(sig)
     if os.getppid() != parent_pid:
         os._exit(1)

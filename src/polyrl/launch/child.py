@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from polyrl.lifetime import die_with_parent, wait_unless_hurried
+from polyrl.lifetime import parent_death_env, wait_unless_hurried
 
 STOP_TIMEOUT_S = 15.0
 """After SIGTERM a child gets this long to drain and leave, then SIGKILL."""
@@ -29,9 +29,8 @@ class Child:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             pass_fds=tuple(pass_fds),
-            env=env,
+            env=env | parent_death_env(),  # the child dies with this process (`polyrl.lifetime`)
             start_new_session=True,
-            preexec_fn=die_with_parent,
         )
 
     def alive(self) -> bool:

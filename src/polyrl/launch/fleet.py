@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from polyrl.config import EngineConfig, FleetConfig, LoraConfig, TlsConfig
-from polyrl.lifetime import die_with_parent, wait_unless_hurried
+from polyrl.lifetime import parent_death_env, wait_unless_hurried
 
 log = logging.getLogger("polyrl.fleet")
 
@@ -194,9 +194,8 @@ class WorkerFleet(Fleet):
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=self._env(),
+            env=self._env() | parent_death_env(),  # the worker dies with this process
             start_new_session=True,  # a Ctrl-C in the trainer's terminal is the trainer's
-            preexec_fn=die_with_parent,
         )
         with self._lock:
             self.workers.append(LaunchedWorker(worker_id, proc, log_file))

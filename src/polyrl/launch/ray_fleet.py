@@ -21,7 +21,6 @@ Ray is an optional extra (`pip install 'polyrl[ray]'`), imported only here.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import secrets
@@ -40,7 +39,7 @@ from urllib.parse import urlsplit
 
 from polyrl.config import ConfigError, EngineConfig, FleetConfig, LoraConfig, TlsConfig
 from polyrl.launch.fleet import Fleet, lora_overrides, tls_overrides, worker_command, worker_env
-from polyrl.lifetime import HURRY, die_with_parent
+from polyrl.lifetime import HURRY, parent_death_env
 from polyrl.preflight import RAY_MISSING
 from polyrl.serving import is_loopback
 
@@ -103,9 +102,8 @@ class WorkerHost:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env,
+                env=self.env | parent_death_env(signal.SIGKILL),  # dies with this actor
                 start_new_session=True,
-                preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
             )
             started.set()
             self.exit_code = self.proc.wait()
