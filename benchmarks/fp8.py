@@ -32,27 +32,28 @@ from engine import best_time, build_model, copy_bandwidth  # noqa: E402  (benchm
 
 from polyrl.config import EngineConfig  # noqa: E402
 from polyrl.engine.engine import Engine  # noqa: E402
+from polyrl.engine.model_runner import kv_bytes_per_token  # noqa: E402
 from polyrl.engine.types import EngineRequest  # noqa: E402
 from polyrl.protocol.sampling import SamplingParams  # noqa: E402
 
 
-def generate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[float]]]:
-    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=0)
-    out: dict[int, tuple[list[int], list[float]]] = {}
+def generate(
+    engine: Engine, prompts: list[list[int]], sampling: SamplingParams
+) -> list[list[tuple[list[int], list[float]]]]:
+    """Every prompt run to its end: per prompt, per sample, (tokens, log-probs)."""
+    out: dict[tuple[int, int], tuple[list[int], list[float]]] = {}
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(str(i), p, sampling))
     while engine.has_work:
         for d in engine.step():
-            ids, lps = out.setdefault(int(d.rid), ([], []))
+            ids, lps = out.setdefault((int(d.rid), d.index), ([], []))
             ids += d.token_ids
             lps += d.logprobs
-    return [out[i] for i in range(len(prompts))]
+    return [[out[i, j] for j in range(sampling.n)] for i in range(len(prompts))]
 
 
 def roofline(model: nn.Module, weight_bytes: int, batch: int, context: float, bandwidth: float, fp8_kv: bool) -> float:
-    cfg = model.config
-    per_head = cfg.head_dim + 4 if fp8_kv else cfg.head_dim * 2  # e4m3 and a float32 scale, or bf16
-    kv_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * per_head
+    kv_bytes = kv_bytes_per_token(model, torch.bfloat16, fp8_kv)  # as the engine sizes its cache
     return batch / ((weight_bytes + batch * context * kv_bytes) / bandwidth)
 
 
@@ -67,6 +68,7 @@ def stored_bytes(model: nn.Module, fp8: bool) -> int:
 
 @torch.no_grad()
 def bf16_logprobs(model: nn.Module, prompt: list[int], ids: list[int]) -> list[float]:
+    """The (bf16) model's log-probs of `ids` after `prompt`, in one transformers forward."""
     tokens = torch.tensor([prompt + ids], device=model.device)
     logits = model(tokens).logits[0, len(prompt) - 1 : -1].float()
     return logits.log_softmax(-1).gather(1, torch.tensor(ids, device=model.device)[:, None])[:, 0].tolist()
@@ -110,7 +112,8 @@ def main() -> int:
     for name in names:
         weight_dtype, kv_dtype = CONFIGS[name]
         engine = Engine(model, EngineConfig(**cfg, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype))
-        seconds, out = best_time(lambda e=engine: generate(e, prompts, args.new_tokens), device, args.repeats)
+        sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=0)
+        seconds, out = best_time(lambda e=engine: generate(e, prompts, sampling), device, args.repeats)
         tok_s = args.batch * args.new_tokens / seconds
         weights = stored_bytes(model, weight_dtype == "fp8")
         ceiling = roofline(model, weights, args.batch, context, bandwidth, kv_dtype == "fp8")
@@ -119,7 +122,7 @@ def main() -> int:
         gc.collect()
         torch.cuda.empty_cache()
         diffs = []
-        for prompt, (ids, lps) in zip(prompts[: args.score], out[: args.score], strict=True):
+        for prompt, [(ids, lps)] in zip(prompts[: args.score], out[: args.score], strict=True):
             diffs += [abs(a - b) for a, b in zip(lps, bf16_logprobs(model, prompt, ids), strict=True)]
         rows.append(
             {

@@ -7,14 +7,17 @@ again into the storage the CUDA graphs read."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from fp8 import bf16_logprobs, generate  # noqa: E402  (benchmarks/fp8.py: run to the end, score with bf16)
+
 from polyrl.config import ConfigError, EngineConfig, TinyModelConfig, load_config
 from polyrl.engine.engine import Engine
-from polyrl.engine.types import EngineRequest
 from polyrl.models.tiny import save_tiny_model
 from polyrl.protocol.sampling import SamplingParams
 
@@ -50,19 +53,6 @@ def test_the_config_refuses_fp8_on_a_cpu_engine(key: str) -> None:
 def test_cpu_engine_refuses_an_fp8_kv_cache(model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"kv_cache_dtype = 'fp8'.*CUDA GPU"):
         Engine.from_pretrained(str(model_dir), EngineConfig(kv_cache_dtype="fp8"))
-
-
-def _logprobs(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[int, tuple[list[int], list[float]]]:
-    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=0)
-    out: dict[int, tuple[list[int], list[float]]] = {}
-    for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(str(i), p, sampling))
-    while engine.has_work:
-        for d in engine.step():
-            ids, lps = out.setdefault(int(d.rid), ([], []))
-            ids += d.token_ids
-            lps += d.logprobs or []
-    return out
 
 
 @gpu
@@ -108,29 +98,17 @@ def test_an_fp8_cache_serves_forks_and_prefix_hits(model_dir: Path) -> None:
     engine = Engine.from_pretrained(str(model_dir), EngineConfig(num_kv_blocks=128, kv_cache_dtype="fp8"))
     scorer = Engine.from_pretrained(str(model_dir), EngineConfig(num_kv_blocks=16)).model
     prompt = list(range(3, 3 + 21))  # a partial last block
-    first = _run(engine, EngineRequest("a", prompt, sampling))
+    [first] = generate(engine, [prompt], sampling)
     turn2 = prompt + first[0][0] + [5, 6, 7]
-    second = _run(engine, EngineRequest("b", turn2, sampling))
+    [second] = generate(engine, [turn2], sampling)
     assert engine.stats().prefix_cache_hits >= 16  # the first turn's full block
     diffs = [
         abs(a - b)
         for context, samples in ((prompt, first), (turn2, second))
         for ids, lps in samples
-        for a, b in zip(lps, _bf16_logprobs_of(scorer, context, ids), strict=True)
+        for a, b in zip(lps, bf16_logprobs(scorer, context, ids), strict=True)
     ]
     assert sum(diffs) / len(diffs) < 0.05, max(diffs)
-
-
-def _run(engine: Engine, req: EngineRequest) -> list[tuple[list[int], list[float]]]:
-    """Each sample's (tokens, log-probs)."""
-    out: dict[int, tuple[list[int], list[float]]] = {}
-    engine.add_request(req)
-    while engine.has_work:
-        for d in engine.step():
-            ids, lps = out.setdefault(d.index, ([], []))
-            ids += d.token_ids
-            lps += d.logprobs
-    return [out[i] for i in sorted(out)]
 
 
 @gpu
@@ -172,26 +150,12 @@ def test_fp8_engine_logprobs_are_near_the_bf16_engines_and_follow_new_versions(
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 40, (16, 12), generator=g).tolist()
     for version in (1, 2):
-        sampled = _logprobs(fp8, prompts, 24)
+        sampled = generate(fp8, prompts, SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True, seed=0))
         diffs = []
-        for i, p in enumerate(prompts):
-            ids, lps = sampled[i]
-            scored = _bf16_logprobs(bf16, p, ids)
-            diffs += [abs(a - b) for a, b in zip(lps, scored, strict=True)]
+        for p, [(ids, lps)] in zip(prompts, sampled, strict=True):
+            diffs += [abs(a - b) for a, b in zip(lps, bf16_logprobs(bf16.model, p, ids), strict=True)]
         mean = sum(diffs) / len(diffs)
         assert mean < 0.05, (version, mean, max(diffs))
         new = {k: torch.randn_like(v) * 0.05 for k, v in bf16.model.state_dict().items() if k != "lm_head.weight"}
         bf16.update_weights(new, version + 1)
         fp8.update_weights(new, version + 1)
-
-
-def _bf16_logprobs(engine: Engine, prompt: list[int], ids: list[int]) -> list[float]:
-    return _bf16_logprobs_of(engine.model, prompt, ids)
-
-
-def _bf16_logprobs_of(model: torch.nn.Module, prompt: list[int], ids: list[int]) -> list[float]:
-    """The bf16 model's log-probs of `ids` after `prompt`, in one forward."""
-    tokens = torch.tensor([prompt + ids], device=model.device)
-    with torch.no_grad():
-        logits = model(tokens).logits[0, len(prompt) - 1 : -1].float()
-    return logits.log_softmax(-1).gather(1, torch.tensor(ids, device=model.device)[:, None])[:, 0].tolist()
