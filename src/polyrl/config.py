@@ -584,8 +584,9 @@ class AlgoConfig(_Section):
     adv_estimator: Literal["grpo", "gigpo"] = "grpo"
     """verl's `algorithm.adv_estimator`. grpo: one advantage per sequence from its group.
     gigpo: for agent episodes of several calls, each call's tokens also get a step-level
-    advantage from the calls that saw the same context (`algo.gigpo`); single-call
-    samples are unchanged. `trainer/step_groups.py`."""
+    advantage from the calls that saw the same context (`algo.gigpo`). A first call's
+    context is its group's prompt, so single-call groups get (1 + step_advantage_w)
+    times GRPO's advantage, as in GiGPO. `trainer/step_groups.py`."""
     gigpo: GiGPOConfig = GiGPOConfig()
     norm_adv_by_std: bool = True
     """False gives Dr.GRPO's unnormalised group advantage."""

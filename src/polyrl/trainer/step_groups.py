@@ -28,9 +28,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+import torch
 import xxhash
 
 from polyrl.protocol.samples import Sample
+from polyrl.trainer.grpo import group_advantages
 
 
 def call_spans(sample: Sample) -> list[tuple[int, int]]:
@@ -67,36 +69,31 @@ def step_advantages(
     episode_advantages: list[float],
     weight: float,
     norm_by_std: bool,
-    eps: float = 1e-6,
 ) -> list[list[float] | None]:
     """Per sample, its per-token advantages (`Sample.advantages` layout), or None where
-    the sample keeps one advantage for all its tokens (it brings its own, or is empty)."""
+    the sample keeps one advantage for all its tokens (it brings its own, or is empty).
+    A step group's advantages are GRPO's own rule (`group_advantages`) over its returns."""
     spans = [call_spans(s) if s.advantages is None else [] for s in samples]
     keys = [
         _context_keys(s.prompt_ids if s.prompt_ids is not None else prompt_ids, s, sp) if sp else []
         for s, sp in zip(samples, spans, strict=True)
     ]
-    returns_by_key: dict[int, list[float]] = defaultdict(list)
+    members: dict[int, list[tuple[int, int]]] = defaultdict(list)  # context -> (sample, call)
     for i, sample_keys in enumerate(keys):
-        for key in sample_keys:
-            returns_by_key[key].append(rewards[i])
-    baseline: dict[int, tuple[float, float]] = {}  # key -> (mean, divisor)
-    for key, returns in returns_by_key.items():
-        if len(returns) < 2:
-            continue  # nothing to compare with: the step part is 0
-        r = np.asarray(returns, dtype=np.float64)
-        baseline[key] = (float(r.mean()), float(r.std(ddof=1)) + eps if norm_by_std else 1.0)
+        for k, key in enumerate(sample_keys):
+            members[key].append((i, k))
+    step: dict[tuple[int, int], float] = {}  # (sample, call) -> its step-level advantage
+    for group in members.values():
+        returns = torch.tensor([[rewards[i] for i, _ in group]], dtype=torch.float64)
+        # a group of one has no baseline: group_advantages gives it 0
+        step.update(zip(group, group_advantages(returns, norm_by_std)[0].tolist(), strict=True))
     out: list[list[float] | None] = []
     for i, s in enumerate(samples):
         if not spans[i]:
             out.append(None)
             continue
         per_token = [episode_advantages[i]] * len(s.completion_ids)
-        for (start, end), key in zip(spans[i], keys[i], strict=True):
-            if key not in baseline:
-                continue
-            mean, scale = baseline[key]
-            value = episode_advantages[i] + weight * (rewards[i] - mean) / scale
-            per_token[start:end] = [value] * (end - start)
+        for k, (start, end) in enumerate(spans[i]):
+            per_token[start:end] = [episode_advantages[i] + weight * step[i, k]] * (end - start)
         out.append(per_token)
     return out
