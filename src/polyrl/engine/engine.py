@@ -86,15 +86,14 @@ class Engine:
         self.compute_dtype = compute_dtype or param_dtype
         self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
         self._autocast_dtype = self.compute_dtype if self.compute_dtype != param_dtype else None
-        for key in ("weight_dtype", "kv_cache_dtype"):
-            if getattr(cfg, key) == "fp8":
-                fp8.check_supported(self.device, self.compute_dtype, cfg.cuda_graphs, key)
+        fp8_keys = [key for key in ("weight_dtype", "kv_cache_dtype") if getattr(cfg, key) == "fp8"]
+        for key in fp8_keys:
+            fp8.check_supported(self.device, self.compute_dtype, cfg.cuda_graphs, key)
         self._fp8: list[Fp8Layer] = fp8.quantize_model(model) if cfg.weight_dtype == "fp8" else []
         self.blocks = BlockManager(0, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner: ModelRunner | None = None
         self.wake()
-        fp8_keys = [k for k in ("weight_dtype", "kv_cache_dtype") if getattr(cfg, k) == "fp8"]
         if fp8_keys and self.runner.decode_graphs is None:
             raise ValueError(
                 f"engine.{fp8_keys[0]} = 'fp8' runs in the engine's fused layers, which this model's shape has "
