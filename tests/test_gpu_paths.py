@@ -322,7 +322,7 @@ def test_gpu_paths_between_processes(path: str) -> None:
         expected = []
         for version in (1, 2):
             pub.device.publish({k: v.to(trainer) for k, v in weights(version).items()}, version)
-            expected.append(xxhash.xxh3_64_hexdigest(pub.device._held[version][0].cpu().numpy().tobytes()))
+            expected.append(xxhash.xxh3_64_hexdigest(pub.device._held[version].buffer.cpu().numpy().tobytes()))
         args = [path, *map(str, pub.address), "cuda:0" if path == "cuda_ipc" else "cuda:1"]
         tokens = [pub.grant("gpu-w", v) for v in (1, 2)]
         out = subprocess.run(

@@ -395,8 +395,9 @@ class EngineConfig(_Section):
     block_size: int = Field(16, ge=1)
     """Tokens per KV-cache block."""
     num_kv_blocks: int = Field(0, ge=0)
-    """0: sized automatically (CUDA: `kv_cache_memory_fraction` of free memory; CPU: enough
-    for `max_num_seqs` full-length sequences, capped at `cpu_kv_cache_gib`)."""
+    """0: sized automatically (CUDA: `kv_cache_memory_fraction` of free memory, at most
+    twice what `max_num_seqs` full-length sequences take; CPU: enough for `max_num_seqs`
+    full-length sequences, capped at `cpu_kv_cache_gib`)."""
     kv_cache_memory_fraction: float = Field(0.5, gt=0, le=0.95)
     cpu_kv_cache_gib: float = Field(2.0, gt=0)
     max_num_seqs: int = Field(256, ge=1)
@@ -960,6 +961,12 @@ class TransferConfig(_Section):
     """Workers on the trainer's host get versions from its GPU when the trainer holds them
     there (`WeightPublisher.device`): NCCL from another GPU, CUDA IPC on the same one. A
     worker whose GPU path fails falls back to TCP (logged once) and stays on TCP."""
+    single_copy: bool = True
+    """A worker on the trainer's own GPU (the local worker) decodes from the trainer's
+    published bf16 buffer in place instead of copying it into weights of its own: the
+    GPU holds one copy of the weights fewer, and a new version costs no copy. Each
+    version is then written into that buffer while the engine pauses between two steps
+    (README, "Weight transfer"). Needs `gpu_paths`; LoRA versions are copied as before."""
     send_mode: Literal["sendfile", "sendall"] = "sendfile"
     """How the publisher sends a chunk: sendfile has the kernel send from the shared
     buffer (no copy in the publisher process), sendall copies it into the socket.

@@ -176,6 +176,18 @@ class AsyncEngine:
         """Apply new weights between two engine steps (see `Engine.update_weights`)."""
         await asyncio.wrap_future(self._call(lambda: self.engine.update_weights(weights, version, policy)))
 
+    def submit(self, command: Command) -> concurrent.futures.Future:
+        """Run `command` on the engine thread between two steps (its deltas, if it returns
+        any, go to their requests); the future holds its outcome."""
+        return self._call(command)
+
+    def fail(self, error: BaseException) -> None:
+        """The engine cannot go on (its weights are no longer known good): fail every
+        request and refuse new ones, as after a crashed step."""
+        log.error("engine stopped: %s", error)
+        self.error = error
+        self._call(self.engine.abort_all)
+
     @property
     def num_in_flight(self) -> int:
         with self._lock:

@@ -95,6 +95,12 @@ class DecodeGraphs:
         self.pool = None
         self.capture_s = 0.0
 
+    def reset(self) -> None:
+        """Drop the captured graphs (the weights moved: they hold the old addresses); each
+        batch size is captured again on first use."""
+        self.graphs.clear()
+        self.pool = None
+
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -70,6 +71,21 @@ class InFlightStep:
     top: tuple[list[list[float]], list[list[int]]] | None = None  # [S, k] alternatives, on the host
 
 
+class SharedWeightsOwner(Protocol):
+    def release(self) -> None:
+        """The engine no longer reads the shared weights (the device is synchronized)."""
+
+
+def weights_dtype(cfg: EngineConfig, device_type: str) -> torch.dtype:
+    """The dtype an engine on `device_type` holds its weights in (`engine.dtype`)."""
+    return {
+        "auto": torch.bfloat16 if device_type == "cuda" else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float64": torch.float64,
+    }[cfg.dtype]
+
+
 def model_eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
     ids: set[int] = set()
     for value in (model.config.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
@@ -102,6 +118,8 @@ class Engine:
         self.vocab_size: int = model.config.vocab_size
         self.eos_token_ids = model_eos_ids(model)
         self.weight_version = 0
+        self.weights_owner: SharedWeightsOwner | None = None
+        """Set while the parameters are views of another process's buffer (`share_weights`)."""
         self.adapters: AdapterMerger | None = None
         """Set by the first adapter version (or by the worker, with the adapter it expects):
         it keeps the target modules' base weights (see `polyrl.lora`)."""
@@ -129,13 +147,7 @@ class Engine:
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("engine.device: cuda requested but CUDA is not available")
-        dtype = {
-            "auto": torch.bfloat16 if device == "cuda" else torch.float32,
-            "float32": torch.float32,
-            "bfloat16": torch.bfloat16,
-            "float64": torch.float64,
-        }[cfg.dtype]
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=weights_dtype(cfg, device)).to(device).eval()
         return cls(model, cfg)
 
     @property
@@ -514,11 +526,20 @@ class Engine:
         return deltas
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self.unshare_weights()  # a copy lands in memory of our own, never in a buffer we only read
         if is_adapter_version(weights):
             self._load_adapter(weights)
             return
         if self.adapters is not None:  # a new base: adapters merge into it, with the same constraints
             self.adapters = AdapterMerger(self.model, self.adapters.fingerprint, self.adapters.spec)
+        params = self._full_version_params(weights)
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                params[name].copy_(tensor)
+
+    def _full_version_params(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.nn.Parameter]:
+        """The parameters by name (tied names alias one), once `weights` is checked to
+        cover them all with the right shapes; RequestError otherwise."""
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names alias one tensor
         unknown = [k for k in weights if k not in params]
         if unknown:
@@ -533,9 +554,70 @@ class Engine:
         missing = [k for k, p in self.model.named_parameters() if id(p) not in covered]
         if missing:
             raise RequestError(f"missing parameters: {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+        return params
+
+    # ---- single copy: weights read in place from another process's buffer ---------------
+
+    def can_share(self, weights: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the engine could decode from `weights` in place (`share_weights`): a
+        full version, in the parameters' dtypes, on our device, and no adapters to merge."""
+        if self.adapters is not None or is_adapter_version(weights):
+            return False
+        try:
+            params = self._full_version_params(weights)
+        except RequestError:
+            return False
+        return all(t.dtype == params[k].dtype and t.device == params[k].device for k, t in weights.items())
+
+    def share_weights(
+        self, weights: Mapping[str, torch.Tensor], version: int, owner: SharedWeightsOwner
+    ) -> list[SampleDelta]:
+        """Point the parameters at `weights` (views of a buffer another process owns and
+        rewrites in place, between our steps: see `transfer/cuda_ipc.py`) and free our
+        own copy. `owner.release()` is called once the engine stops reading them
+        (`unshare_weights`). The decode graphs are captured again: they hold the old
+        addresses. Returns what `update_weights` returns."""
+        if not self.can_share(weights):
+            raise RequestError("these weights cannot be read in place (not a full version in the engine's dtypes)")
+        previous = self.weights_owner
+        self.quiesce()
+        params = self._full_version_params(weights)
         with torch.no_grad():
             for name, tensor in weights.items():
-                params[name].copy_(tensor)
+                params[name].data = tensor  # tied names: the same parameter, pointed twice
+        self.weights_owner = owner
+        if previous is not None:
+            previous.release()
+        self._weights_moved()
+        return self.update_weights(None, version)
+
+    def unshare_weights(self) -> None:
+        """Copy the shared weights into memory of our own and let their owner go (before
+        anything writes into the parameters)."""
+        owner = self.weights_owner
+        if owner is None:
+            return
+        self.quiesce()
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.data = p.data.clone()
+        self.weights_owner = None
+        self._weights_moved()
+        owner.release()
+
+    def quiesce(self) -> None:
+        """Finish the step in flight (its deltas come with the next step) and wait for the
+        device: from here until the next step nothing of ours reads the weights."""
+        self._ready += self._settle()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _weights_moved(self) -> None:
+        if self.runner is not None and self.runner.decode_graphs is not None:
+            self.runner.decode_graphs.reset()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the copy we no longer use goes back to the device
 
     def _load_adapter(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Merge an adapter version into the base weights (checked first: a refused one

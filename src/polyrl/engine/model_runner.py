@@ -389,12 +389,16 @@ def num_kv_blocks_for(
     cpu_gib: float,
     fp8_kv: bool = False,
 ) -> int:
-    """The configured number of KV blocks, or one sized from the device's memory."""
+    """The configured number of KV blocks, or one sized from the device's memory. On CUDA
+    that is `memory_fraction` of the free memory, but never more than twice what
+    `max_num_seqs` full-length sequences take (the rest is room for the prefix cache): a
+    small model would otherwise take half the GPU, and the next engine started on the
+    same GPU (the trainer's local worker next to launched workers) would not fit."""
     if cfg_blocks:
         return cfg_blocks
     block_bytes = kv_bytes_per_token(model, kv_dtype, fp8_kv) * block_size
+    wanted = max_num_seqs * cdiv(max_model_len, block_size)
     if model.device.type == "cuda":
         free_bytes, _ = torch.cuda.mem_get_info(model.device)
-        return max(1, int(free_bytes * memory_fraction) // block_bytes)
-    wanted = max_num_seqs * cdiv(max_model_len, block_size)
+        return max(1, min(2 * wanted, int(free_bytes * memory_fraction) // block_bytes))
     return max(1, min(wanted, int(cpu_gib * 2**30) // block_bytes))

@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from polyrl.config import ConfigError, EngineConfig, RunConfig
+from polyrl.engine.engine import weights_dtype
 from polyrl.launch.fleet import Fleet, WorkerFleet
 from polyrl.launch.supervisor import Supervisor
 from polyrl.preflight import shared_token
@@ -73,6 +74,7 @@ def start_remote(
         publisher=processes.publisher,
         endpoint=processes.endpoint,
         processes=processes,
+        device_dtype=weights_dtype(cfg.engine, model.device.type),
     )
     processes.on_close(rollout.close)
     info = run_dir / "manager.json"

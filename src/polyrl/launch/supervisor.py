@@ -85,7 +85,7 @@ class Supervisor:
         self._stack.callback(self.publisher.stop)
         # workers on this host pull over NCCL / CUDA IPC (not with TLS: those sockets go to another process)
         if transfer.gpu_paths and not transfer.tls and device.type == "cuda":
-            self.publisher.device = DeviceVersions(device)
+            self.publisher.device = DeviceVersions(device, single_copy=transfer.single_copy)
         # each group's own bind address, else where other machines reach this one
         reachable = transfer.advertise_host or reachable_host(mcfg.host, mcfg.advertise_host)
         advertise = None if transfer.group_hosts else reachable

@@ -83,13 +83,17 @@ class RemoteRollout:
         publisher: WeightPublisher,
         endpoint: PublisherEndpoint,
         processes: Processes,
+        device_dtype: torch.dtype | None = None,
     ) -> None:
         """`mode`: `rollout.mode` (remote or hybrid). `link` reaches the manager;
         `publisher` serves the versions whose address the manager is told as `endpoint`;
-        `processes` brings the manager and the local worker back when they die."""
+        `processes` brings the manager and the local worker back when they die.
+        `device_dtype`: the dtype of the copy on the trainer's GPU (`publisher.device`),
+        which the GPU paths serve: the run's engines' (default: the published one)."""
         self.model, self.mode = model, mode
         self.link, self.publisher, self.endpoint, self.processes = link, publisher, endpoint, processes
         self.publish_dtype = engine_dtype(model, compute_dtype)
+        self.device_dtype = device_dtype or self.publish_dtype
         self.weight_version: WeightVersion = 0
         """The last version `publish` was given (the trainer's `TrainState` counts them):
         what new batches need, and what a restarted manager, which forgets it, is told
@@ -136,14 +140,20 @@ class RemoteRollout:
         """Snapshot the learner's weights (or `weights`, full tensors by HF name) as
         `version` for the workers to pull; batches from now on need `version`. On CUDA
         with bf16 compute, the version is published in bf16: what every engine computes
-        with, and half the bytes of the master weights."""
+        with, and half the bytes of the master weights. The copy on the trainer's GPU is
+        in the engines' dtype whatever the compute dtype (bf16 by default), so the local
+        engine can decode from it in place (`manager.transfer.single_copy`)."""
         if weights is None:
             weights = learner_weights(self.model)
         # floating tensors in the engines' dtype; a LoRA version's spec (uint8) as it is
-        weights = {k: t.detach().to(self.publish_dtype) if t.is_floating_point() else t for k, t in weights.items()}
-        self.publisher.publish(weights, version)
-        if self.publisher.device is not None:
-            self.publisher.device.publish(weights, version)
+        device = self.publisher.device
+        if device is not None:  # cast straight into the device copy (the local engine may decode from it in place)
+            device.publish(weights, version, self.device_dtype)
+        if device is not None and self.device_dtype == self.publish_dtype:
+            host = device.views(version)  # the host copy reads the device copy: no second cast
+        else:
+            host = {k: t.detach().to(self.publish_dtype) if t.is_floating_point() else t for k, t in weights.items()}
+        self.publisher.publish(host, version)
         self.weight_version = version
         self.processes.revive_local_worker()
         self._control(lambda: self.link.publish_version(version, self.publisher.device is not None))

@@ -68,6 +68,8 @@ class Pulled:
     """int8: the buffer approximates the published version (never a delta base)."""
     source: str = ""
     """host:port the version came from (the last source of a pull that failed over)."""
+    in_place: bool = False
+    """cuda_ipc: the engine reads the trainer's buffer itself (single copy), no copy made."""
 
     @property
     def bytes_per_s(self) -> float:

@@ -296,7 +296,7 @@ class _Handlers:
             message = f"already serving v{version}"
         else:
             path = pulled.codec if pulled.codec in ("nccl", "cuda_ipc") else "tcp"
-            lossy = ", LOSSY" if pulled.lossy else ""
+            lossy = ", LOSSY" if pulled.lossy else (", read in place" if pulled.in_place else "")
             fallback = f" ({receiver.fallback})" if receiver.fallback else ""
             origin = f" from {pulled.source}" if pulled.source else ""
             message = (

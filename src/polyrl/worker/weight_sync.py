@@ -13,6 +13,13 @@ trainer's GPU broadcasts into a buffer on ours) or `cuda_ipc` (our engine is on 
 trainer's GPU and copies straight out of its buffer). Any failure there falls back to
 TCP in the same call, logged once per path.
 
+Over `cuda_ipc`, when the trainer offers it, the engine keeps no copy at all: its
+parameters become views of the trainer's buffer (single copy), and a thread of ours
+follows the lease on which the trainer announces each in-place write of the next
+version (`transfer/cuda_ipc.py`). The engine pauses between two steps for the write and
+serves the new version as soon as it is in; the manager's own sync request then finds
+it already served.
+
 Whichever path, the engine keeps serving the old weights until the new version is
 complete, and a failed pull changes nothing.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from functools import cached_property
 
@@ -29,8 +37,8 @@ import torch
 
 from polyrl.config import SwapPolicy
 from polyrl.engine.async_engine import AsyncEngine
-from polyrl.engine.types import RequestError
-from polyrl.transfer.cuda_ipc import IpcVersion
+from polyrl.engine.types import RequestError, SampleDelta
+from polyrl.transfer.cuda_ipc import HeldVersion, IpcVersion
 from polyrl.transfer.device import local_identity
 from polyrl.transfer.identity import DeviceIdentity, WeightPath
 from polyrl.transfer.manifest import unflatten
@@ -152,12 +160,63 @@ class WeightReceiver:
         try:
             total = shared.manifest.total_bytes
             pulled = Pulled(shared.buffer[:total], shared.manifest, 0.0, "cuda_ipc", total)
-            await self._load(pulled)
+            views = unflatten(pulled.buffer, pulled.manifest)
+            if shared.lease and self.engine.engine.can_share(views):
+                await self._hold(shared, views, version)
+                pulled.in_place = True
+            else:
+                await self._load(pulled)
             pulled.buffer = torch.empty(0, dtype=torch.uint8)  # the caller must not keep the mapping
         finally:
-            await asyncio.to_thread(shared.close)
+            await asyncio.to_thread(shared.close)  # a no-op once held
         pulled.seconds = loop.time() - t0
         return pulled
+
+    async def _hold(self, shared: IpcVersion, views: dict[str, torch.Tensor], version: int) -> None:
+        """Decode from the trainer's buffer in place, and follow its lease from a thread."""
+        engine, policy = self.engine.engine, self._swap_policy
+        holder: list[HeldVersion] = []
+
+        def point_engine_at_it() -> list[SampleDelta]:
+            held = shared.hold()  # the trainer writes nothing before we answer PAUSED
+            holder.append(held)
+            return engine.share_weights(views, version, held)
+
+        await asyncio.wrap_future(self.engine.submit(point_engine_at_it))
+        held = holder[0]
+        log.info("serving v%d from the trainer's GPU buffer in place (single copy)", version)
+        threading.Thread(target=self._follow, args=(held, policy), name="polyrl-weights-lease", daemon=True).start()
+
+    def _follow(self, held: HeldVersion, policy: SwapPolicy | None) -> None:
+        """The lease's thread: each version the trainer announces is written while the
+        engine is paused between two steps, then served."""
+        engine = self.engine.engine
+
+        def take_write(version: int) -> list[SampleDelta] | None:
+            if engine.weights_owner is not held:  # the engine moved off this buffer
+                held.release()
+                return None
+            engine.quiesce()
+            if not held.paused():
+                return None  # retired: the buffer stays as it was
+            deltas = engine.update_weights(None, version, policy)
+            held.serving()
+            return deltas
+
+        while (version := held.next_write()) is not None:
+            try:
+                self.engine.submit(lambda v=version: take_write(v)).result()
+            except TransferError as e:  # the trainer went away mid-write: the weights may be torn
+                self.engine.fail(e)
+                return
+            except Exception as e:  # noqa: BLE001 - the engine cannot serve a version it did not get
+                log.exception("the in-place update to v%d failed", version)
+                self.engine.fail(e)
+                return
+        if engine.weights_owner is held:
+            log.info(
+                "the trainer retired the GPU buffer we read in place; still serving v%d from it", engine.weight_version
+            )
 
     async def _load(self, pulled: Pulled) -> None:
         """Load a version that lies on our device; returns once the copies are done, so its
