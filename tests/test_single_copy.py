@@ -140,12 +140,16 @@ def test_a_silent_lease_makes_the_trainer_write_a_new_buffer_and_leave_the_old_o
     assert versions.num_leases == 0
 
 
-def test_a_released_lease_lets_the_trainer_write_at_once() -> None:
+@pytest.mark.parametrize("how", ["released", "killed"])
+def test_a_lease_whose_worker_let_go_or_died_lets_the_trainer_write_at_once(how: str) -> None:
     versions = DeviceVersions(CPU, timeout_s=5.0)
     versions.publish({"w": torch.zeros(10)}, 1)
     held = lease_on(versions)
     buffer = buffer_of(versions)
-    held.release()
+    if how == "released":
+        held.release()  # DONE: it stopped reading
+    else:
+        held.sock.close()  # what the kernel does for a worker killed -9: the connection ends
     t0 = time.monotonic()
     versions.publish({"w": torch.ones(10)}, 2)
     assert time.monotonic() - t0 < 1.0 and buffer_of(versions).data_ptr() == buffer.data_ptr()
@@ -181,6 +185,43 @@ def test_a_new_layout_or_a_transfer_in_flight_is_handled() -> None:
     thread.join(5)
     assert not thread.is_alive() and versions.versions == [3] and versions.num_leases == 0
     assert buffer_of(versions).data_ptr() != entry.buffer.data_ptr()
+
+
+def test_a_lease_granted_while_a_write_waits_for_readers_is_paused_before_the_write() -> None:
+    """A worker's IPC pull is a reader until it answers HOLD; a write that waits for the
+    readers must then pause that new lease too, not write under it."""
+    versions = DeviceVersions(CPU, timeout_s=5.0)
+    versions.publish({"w": torch.zeros(10)}, 1)
+    first = lease_on(versions)  # the write goes in place
+    entry = versions._held[1]
+    entry.readers += 1  # a pull in flight that will answer HOLD
+    seen: dict[str, float] = {}
+
+    def follow(held: HeldVersion, name: str) -> None:
+        assert held.next_write() == 2
+        seen[name] = held.buffer.view(torch.float32)[:10].abs().sum().item()  # just before PAUSED
+        assert held.paused()
+        held.serving()
+
+    def late_hold() -> None:
+        time.sleep(0.2)  # the write is waiting for this reader by now
+        trainer_end, worker_end = socket.socketpair()
+        versions._add_lease(entry, Lease(trainer_end, versions.timeout_s), "late")
+        threading.Thread(
+            target=follow, args=(HeldVersion(worker_end, entry.buffer, entry.manifest, 5.0), "late")
+        ).start()
+        with versions._cv:
+            entry.readers -= 1
+            versions._cv.notify_all()
+
+    threads = [threading.Thread(target=follow, args=(first, "first")), threading.Thread(target=late_hold)]
+    for t in threads:
+        t.start()
+    versions.publish({"w": torch.ones(10)}, 2)
+    for t in threads:
+        t.join(5)
+    assert seen == {"first": 0.0, "late": 0.0}  # neither read a byte of v2 before it paused
+    assert versions.num_leases == 2 and buffer_of(versions).data_ptr() == entry.buffer.data_ptr()
 
 
 # -------------------------------------------------------------------------------- engine

@@ -285,13 +285,15 @@ class DeviceVersions:
                 self._cv.notify_all()
 
     def _add_lease(self, held: _Held, lease: Lease, worker_id: str) -> None:
+        """Called while the serve still counts as a reader: an in-place write waiting for
+        the readers to finish then finds this lease too, and pauses it first."""
         with self._cv:
-            current = not held.retired and self._held.get(held.manifest.version) is held
-            if current:
+            live = not held.retired
+            if live:
                 held.leases.append(lease)
-        if current:
+        if live:
             log.info("worker %s reads v%d in place from this GPU (single copy)", worker_id, held.manifest.version)
-        else:  # a newer version was published meanwhile: this buffer is never written again
+        else:  # a newer version went into a new buffer meanwhile: this one is never written again
             lease.retire()
 
     def close(self) -> None:

@@ -179,8 +179,13 @@ class WeightReceiver:
 
         def point_engine_at_it() -> list[SampleDelta]:
             held = shared.hold()  # the trainer writes nothing before we answer PAUSED
+            try:
+                deltas = engine.share_weights(views, version, held)
+            except BaseException:
+                held.release()  # not reading it after all: the trainer must not wait for us
+                raise
             holder.append(held)
-            return engine.share_weights(views, version, held)
+            return deltas
 
         await asyncio.wrap_future(self.engine.submit(point_engine_at_it))
         held = holder[0]
