@@ -7,7 +7,8 @@ over a socket pair, with the engine's parameters pointed at a CPU buffer that th
 "trainer" (this test) writes in place: the engine must pause before every write, serve
 the new version after it, never be written to without having paused, and stop when the
 trainer dies mid-write. A copy loaded from elsewhere (TCP) must never land in the
-trainer's buffer.
+trainer's buffer. The trainer's side: its device copy is in the engines' dtype, its TCP
+copy in the compute dtype.
 """
 
 from __future__ import annotations
@@ -363,3 +364,51 @@ def test_a_cuda_worker_reads_the_trainers_buffer_in_place(tmp_path) -> None:
         finally:
             proc.kill()
             proc.wait(10)
+
+
+# ------------------------------------------------------------------------------ trainer
+
+
+@pytest.mark.parametrize("device_dtype", [torch.bfloat16, torch.float32])
+def test_the_trainer_publishes_the_device_copy_in_the_engines_dtype(device_dtype: torch.dtype) -> None:
+    """A float32 learner: the copy on its device is in the engines' dtype (what a local
+    engine can read in place), the host copy for TCP pulls stays float32 (a CPU worker
+    computing in float32 gets exact weights); with one dtype, the host copy is read from
+    the device copy."""
+    from test_dynamic_sampling import _Model, _NoProcesses
+    from test_manager import TOKEN, fast_cfg
+
+    from polyrl.manager.main import ManagerThread
+    from polyrl.rollout.manager_link import ManagerLink
+    from polyrl.rollout.remote import RemoteRollout
+    from polyrl.transfer.manifest import unflatten
+    from polyrl.transfer.publisher import WeightPublisher
+    from polyrl.transfer.receiver import pull
+    from polyrl.transfer.wire import PullSource
+
+    model = _Model(33, 7)
+    with ManagerThread(fast_cfg()) as mt, WeightPublisher() as pub:
+        pub.device = DeviceVersions(CPU)
+        link = ManagerLink(mt.url, TOKEN)
+        try:
+            rollout = RemoteRollout(
+                model=model,
+                mode="remote",
+                compute_dtype=torch.float32,
+                link=link,
+                publisher=pub,
+                endpoint=None,  # type: ignore[arg-type]  # the manager is never restarted here
+                processes=_NoProcesses(),
+                device_dtype=device_dtype,
+            )
+            rollout.publish(None, 1)
+            pulled = pull(PullSource(*pub.address, "w", pub.grant("w", 1)), 1, num_streams=1, timeout_s=10.0)
+            on_device = {k: t.clone() for k, t in pub.device.views(1).items()}
+        finally:
+            link.close()
+    assert {t.dtype for t in on_device.values()} == {device_dtype}
+    assert {e.dtype for e in pulled.manifest.tensors} == {"float32"}
+    host = unflatten(pulled.buffer, pulled.manifest)
+    for name, p in model.named_parameters():
+        assert torch.equal(host[name], p.detach())  # exact float32 over TCP
+        assert torch.equal(on_device[name], p.detach().to(device_dtype))
