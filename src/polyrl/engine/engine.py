@@ -559,15 +559,20 @@ class Engine:
     # ---- single copy: weights read in place from another process's buffer ---------------
 
     def can_share(self, weights: Mapping[str, torch.Tensor]) -> bool:
-        """Whether the engine could decode from `weights` in place (`share_weights`): a
-        full version, in the parameters' dtypes, on our device, and no adapters to merge."""
+        """Whether the engine could decode from `weights` in place (`share_weights`)."""
+        return self._shared_params(weights) is not None
+
+    def _shared_params(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.nn.Parameter] | None:
+        """The parameters by name when `weights` can stand in for them: a full version, in
+        the parameters' dtypes, on our device, and no adapters to merge; else None."""
         if self.adapters is not None or is_adapter_version(weights):
-            return False
+            return None
         try:
             params = self._full_version_params(weights)
         except RequestError:
-            return False
-        return all(t.dtype == params[k].dtype and t.device == params[k].device for k, t in weights.items())
+            return None
+        fits = all(t.dtype == params[k].dtype and t.device == params[k].device for k, t in weights.items())
+        return params if fits else None
 
     def share_weights(
         self, weights: Mapping[str, torch.Tensor], version: int, owner: SharedWeightsOwner
@@ -577,11 +582,11 @@ class Engine:
         own copy. `owner.release()` is called once the engine stops reading them
         (`unshare_weights`). The decode graphs are captured again: they hold the old
         addresses. Returns what `update_weights` returns."""
-        if not self.can_share(weights):
+        params = self._shared_params(weights)
+        if params is None:
             raise RequestError("these weights cannot be read in place (not a full version in the engine's dtypes)")
         previous = self.weights_owner
         self.quiesce()
-        params = self._full_version_params(weights)
         with torch.no_grad():
             for name, tensor in weights.items():
                 params[name].data = tensor  # tied names: the same parameter, pointed twice

@@ -49,12 +49,18 @@ def local_identity(device: torch.device) -> DeviceIdentity:
     return DeviceIdentity(host_id=host_id(), gpu_uuid=gpu_uuid(device))
 
 
+def stored_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """What `t` is stored as in a version published with `dtype`: floating tensors cast
+    to it when given, the rest (a LoRA version's spec) as they are."""
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
 def device_layout(state_dict: Mapping[str, torch.Tensor], version: int, dtype: torch.dtype | None = None) -> Manifest:
     """The flat layout of `state_dict` (that of `manifest.flatten`), its floating tensors
     as `dtype` when given."""
     entries, offset = [], 0
     for name, t in state_dict.items():
-        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        target = stored_dtype(t, dtype)
         nbytes = t.numel() * target.itemsize
         entries.append(
             TensorEntry(
@@ -67,10 +73,7 @@ def device_layout(state_dict: Mapping[str, torch.Tensor], version: int, dtype: t
 
 def layout_key(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> tuple:
     """What decides the layout (names, shapes, dtypes), cheap to compare per version."""
-    return tuple(
-        (name, t.shape, dtype if dtype is not None and t.is_floating_point() else t.dtype)
-        for name, t in state_dict.items()
-    )
+    return tuple((name, t.shape, stored_dtype(t, dtype)) for name, t in state_dict.items())
 
 
 def write_flat(views: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -189,15 +192,12 @@ class DeviceVersions:
                 held.retire()
                 return False
             del self._held[held.manifest.version]  # refused to new transfers while it changes
-            if not self._cv.wait_for(lambda: held.readers == 0, self.timeout_s):
-                log.warning(
-                    "v%d: a transfer still reads the buffer after %.0f s; writing a new one",
-                    manifest.version,
-                    self.timeout_s,
-                )
-                self._held[held.manifest.version] = held
-                held.retire()
-                return False
+            drained = self._cv.wait_for(lambda: held.readers == 0, self.timeout_s)
+        if not drained:
+            log.warning(
+                "v%d: a transfer still reads the buffer after %.0f s; writing a new one", version, self.timeout_s
+            )
+            return self._give_up(held)
         paused = []
         for lease in list(held.leases):
             answer = lease.pause(manifest.version)
@@ -207,13 +207,8 @@ class DeviceVersions:
                 held.leases.remove(lease)
                 lease.close()
             else:
-                log.warning(
-                    "v%d: a worker reading the weights in place did not pause; writing a new buffer", manifest.version
-                )
-                with self._cv:
-                    self._held[held.manifest.version] = held
-                held.retire()  # RETIRED resumes the paused ones on the old, untouched weights
-                return False
+                log.warning("v%d: a worker reading the weights in place did not pause; writing a new buffer", version)
+                return self._give_up(held)  # RETIRED resumes the paused ones on the old, untouched weights
         t1 = time.monotonic()
         write_flat(held.views, state_dict)
         if held.buffer.is_cuda:
@@ -230,6 +225,14 @@ class DeviceVersions:
             self._held[manifest.version] = held
         self.last_write = {"pause_s": t1 - t0, "write_s": t2 - t1, "serving_s": time.monotonic() - t2}
         return True
+
+    def _give_up(self, held: _Held) -> bool:
+        """An in-place write that cannot be made safely: `held` is served again as it was,
+        retired (never written again, its leases told so); the caller writes a new buffer."""
+        with self._cv:
+            self._held[held.manifest.version] = held
+        held.retire()
+        return False
 
     def holds(self, version: int) -> bool:
         with self._cv:
