@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -334,19 +333,21 @@ def test_a_worker_killed_in_turn_2_loses_no_episode_and_no_token(agent_model: Pa
             stop = threading.Event()
 
             def killer() -> None:
-                def on_victim() -> bool:  # on the manager's loop: a later call running on w0
+                def on_victim() -> bool:  # on the manager's loop: a later call streaming from w0
                     manager = fleet.mt.manager
                     record = manager.registry.get("w0")
                     units = [manager.state.units.get(t) for t in (record.tasks if record is not None else ())]
-                    return any(u is not None and len(u.group.prompt.input_ids) > 100 for u in units)
+                    return any(
+                        u is not None and len(u.group.prompt.input_ids) > 100 and u.samples[0]._seg_tokens
+                        for u in units
+                    )
 
                 def second_turn_on_victim() -> bool:
                     return stop.is_set() or fleet.mt.call(on_victim)
 
                 wait_for(second_turn_on_victim, 120, "a second call generating on w0")
                 if not stop.is_set():
-                    time.sleep(0.05)  # into the reply
-                    victim.kill()
+                    victim.kill()  # mid-reply: it has streamed tokens, and has more to make
 
             thread = threading.Thread(target=killer, daemon=True)
             thread.start()

@@ -871,7 +871,7 @@ def test_worker_refuses_a_huge_n_before_allocating_for_it(
     """Regression: /generate built one result object per requested sample before the
     engine refused n, so n = 10**7 held the event loop (no other client answered) for
     ~20 s before its 400, and a larger n exhausted memory."""
-    import polyrl.worker.server as server_module
+    import polyrl.worker.protocol as protocol_module  # `WireSamples` builds the results
 
     made: list[int] = []
 
@@ -879,7 +879,7 @@ def test_worker_refuses_a_huge_n_before_allocating_for_it(
         made.append(1)
         return SampleResult(*args)
 
-    monkeypatch.setattr(server_module, "SampleResult", counting)
+    monkeypatch.setattr(protocol_module, "SampleResult", counting)
     response = worker_client.post("/generate", json=greedy(2, sampling={"n": 4000}))  # > the engine's max_num_seqs
     assert response.status_code == 400 and "n must be in" in response.json()["error"]["message"]
     response = worker_client.post("/generate", json=greedy(2, sampling={"n": 10**6}))  # > any group

@@ -25,6 +25,7 @@ from polyrl.config import EngineConfig, ManagerConfig
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest
 from polyrl.manager.backends import GenerationCall, generate_body
+from polyrl.manager.batch import Batch
 from polyrl.manager.client import BatchClient
 from polyrl.manager.fleet import fleet_status
 from polyrl.manager.main import ManagerThread
@@ -662,6 +663,52 @@ def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _start_worker(model_dir: Path, manager_url: str, worker_id: str) -> WorkerProcess:
     return WorkerProcess(model_dir, "--manager", manager_url, "--token", TOKEN, "--worker-id", worker_id)
+
+
+def test_calls_placed_together_share_a_request_and_each_fails_or_stops_alone(long_context_model: Path) -> None:
+    """Calls placed on a worker in one pass go as one batched /generate. A call the worker
+    refuses fails its own batch only, and a cancelled batch's calls are aborted on the
+    worker by rid while the others in the same request run to their end."""
+    with ManagerThread(fast_cfg()) as mt:
+        proc = _start_worker(long_context_model, mt.url, "w1")
+        try:
+            url = proc.wait_ready()
+            wait_active(mt, "w1")
+
+            def submit_together(*requests: BatchRequest) -> list[Batch]:
+                return mt.call(lambda: [mt.manager.submit(r) for r in requests])
+
+            def sent() -> tuple[int, int]:
+                return mt.call(lambda: (mt.manager.remote.num_requests, mt.manager.remote.num_calls))
+
+            good = batch(2, 1, 40)
+            bad = BatchRequest(prompts=[BatchPrompt(id="bad", input_ids=[1, 10_000])], sampling=good.sampling)
+            good_batch, bad_batch = submit_together(good, bad)
+            with pytest.raises(BatchError, match="invalid_request|refused"):
+                list(mt.results(bad_batch))
+            assert [len(s.output_ids) for g in mt.results(good_batch) for s in g.samples] == [40, 40]
+            assert sent()[0] < sent()[1], "no call shared a request"
+
+            keep, drop = batch(2, 1, 1000), batch(2, 1, 2000)
+            for request in (keep, drop):
+                request.sampling = request.sampling.model_copy(update={"ignore_eos": True})
+            drop.prompts = [p.model_copy(update={"id": f"d{p.id}"}) for p in drop.prompts]
+
+            def info() -> dict[str, Any]:
+                return httpx.get(f"{url}/get_server_info", timeout=10).json()
+
+            before = sent()
+            kept, dropped = submit_together(keep, drop)
+            _wait_until(lambda: _streamed_from(mt, "w1"), 30, "w1 streaming tokens")
+            assert sent()[0] - before[0] == 1 and sent()[1] - before[1] == 4  # one request, four calls
+            mt.call(mt.manager.close_batch, dropped)
+            _wait_until(lambda: info()["num_running_reqs"] == 2, 20, "the cancelled calls aborted")
+            assert mt.call(lambda: kept.num_groups_done) == 0, "the cancelled calls ran on until the others ended"
+            groups = list(mt.results(kept))
+        finally:
+            proc.kill()
+    assert sorted(len(s.output_ids) for g in groups for s in g.samples) == [1000, 1000]
+    assert all(len(s.segments) == 1 for g in groups for s in g.samples), "nothing migrated"
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ MANAGER = Path(__file__).resolve().parents[1] / "src" / "polyrl" / "manager"
 
 def test_both_sides_of_the_worker_api_use_the_same_classes() -> None:
     assert server.GenerateRequest is backends.GenerateRequest is worker_api.GenerateRequest
+    assert server.GenerateBatchRequest is backends.GenerateBatchRequest is worker_api.GenerateBatchRequest
     for name in ("UpdateWeightsFromPublisherRequest", "UpdateWeightsFromDiskRequest", "UpdateWeightsResponse"):
         assert getattr(server, name) is getattr(weight_sync, name) is getattr(worker_api, name), name
 
@@ -48,6 +49,36 @@ def test_no_manager_request_body_is_a_dict_literal() -> None:
                     if isinstance(n, ast.Assign | ast.AnnAssign | ast.Return) and isinstance(n.value, ast.Dict)
                 ]
     assert not found, found
+
+
+def test_a_batched_request_parses_back_into_each_calls_own_request() -> None:
+    calls = [
+        GenerationCall("a", [1, 2], SamplingParams(max_new_tokens=4, n=2, seed=5)),
+        GenerationCall("b", [3], SamplingParams(max_new_tokens=9, n=1, seed=8, temperature=0.5)),
+    ]
+    sent = worker_api.GenerateBatchRequest.model_validate_json(backends.generate_batch_body(calls, 0.05))
+    assert sent.stream and sent.incremental_stream and sent.return_logprob and sent.stream_interval_s == 0.05
+    for call, prompt in zip(calls, sent.prompts(), strict=True):
+        assert (prompt.rid, prompt.input_ids) == (call.rid, call.input_ids)
+        assert prompt.sampling_params == call.sampling and prompt.incremental_stream
+
+
+def test_calls_are_cut_into_requests_by_count_and_by_prompt_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backends, "MAX_CALLS_PER_REQUEST", 3)
+    monkeypatch.setattr(backends, "MAX_TOKENS_PER_REQUEST", 10)
+    calls = [GenerationCall(str(k), [1] * size, SamplingParams()) for k, size in enumerate([2, 2, 2, 2, 9, 4, 30, 1])]
+    assert backends._requests_of(list(range(8)), calls) == [[0, 1, 2], [3], [4], [5], [6], [7]]
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [("429", backends.WorkerBusy), ("400", backends.RequestRefused), ("500", backends.WorkerFailed)],
+)
+def test_a_batched_streams_refusal_of_one_call_is_that_calls_error(code: str, error: type) -> None:
+    event = json.dumps({"error": {"message": "no", "type": "x", "code": code}, "rid": "c7"})
+    rid, raised = backends._call_refusal(event)  # type: ignore[misc]
+    assert rid == "c7" and type(raised) is error and "no" in str(raised)
+    assert backends._call_refusal(json.dumps({"error": {"message": "engine died"}})) is None  # the whole stream's
 
 
 def test_a_generate_request_carries_only_what_the_manager_set() -> None:

@@ -207,8 +207,8 @@ def test_generate_request_validation() -> None:
     assert (sampling.top_k, sampling.seed, sampling.max_new_tokens) == (0, 5, 128)
     assert len(engine_request(req, [1]).rid) == 32  # a uuid4 hex when the client sends none
     for bad, needle in [
-        ({"input_ids": [[1, 2], [3]]}, "one request per prompt"),
-        ({"text": ["a", "b"]}, "one request per prompt"),
+        ({"input_ids": [[1, 2], [3]]}, "list of lists"),  # `GenerateBatchRequest`'s
+        ({"text": ["a", "b"]}, "one request per text"),
         ({"input_ids": [1], "text": "a"}, "exactly one"),
         ({}, "exactly one"),
         ({"input_ids": [1], "sampling_params": {"stop": ["x"]}}, "extra"),
@@ -390,7 +390,9 @@ BAD_REQUESTS = [
     pytest.param(greedy(CONTEXT), 400, "exceeds the context length", id="beyond-context"),
     pytest.param({"input_ids": [1, 10_000]}, 400, "outside the vocabulary", id="id-outside-vocab"),
     pytest.param({"input_ids": []}, 400, "empty", id="empty-prompt"),
-    pytest.param({"input_ids": [[1, 2], [3, 4]]}, 422, "send one request per prompt", id="batched"),
+    pytest.param({"text": ["ab", "cd"]}, 422, "one request per text", id="batched-text"),
+    pytest.param({"input_ids": [[1, 2], [3, 4]], "rid": ["a", "a"]}, 422, "distinct ids", id="batched-same-rid"),
+    pytest.param({"input_ids": [[1, 2], []]}, 400, "empty", id="batched-empty-prompt"),
     pytest.param({"input_ids": [1], "text": "a"}, 422, "exactly one of input_ids and text", id="both-inputs"),
 ]
 
@@ -423,6 +425,93 @@ def test_abort_request_returns_partial_stream(worker: InProcessWorker) -> None:
     assert 0 < final["meta_info"]["completion_tokens"] < LONG
     assert worker.client.post("/abort_request", json={"rid": "to-abort"}).json() == {"num_aborted": 0}
     assert worker.client.post("/abort_request", json={}).status_code == 422
+
+
+def _batch(*prompts: tuple[list[int], int], stream: bool = True, **extra: Any) -> dict[str, Any]:
+    """A batched /generate of (input_ids, n) prompts, seeded, each with its own rid."""
+    return {
+        "input_ids": [ids for ids, _ in prompts],
+        "rid": [f"b{k}" for k in range(len(prompts))],
+        "sampling_params": [{"max_new_tokens": 6, "n": n, "sampling_seed": 7 + k} for k, (_, n) in enumerate(prompts)],
+        "return_logprob": True,
+        "stream": stream,
+        "incremental_stream": stream,
+    } | extra
+
+
+def _alone(worker: InProcessWorker, ids: list[int], n: int, seed: int) -> list[list[int]]:
+    """The prompt's samples as a request of its own."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "n": n, "sampling_seed": seed}}
+    reply = worker.client.post("/generate", json=body).json()
+    return [s["output_ids"] for s in (reply if isinstance(reply, list) else [reply])]
+
+
+def test_batched_generate_numbers_samples_across_prompts_and_equals_separate_requests(
+    worker: InProcessWorker,
+) -> None:
+    """SGLang's batched form: sample j of prompt k is index n_0 + .. + n_(k-1) + j, its
+    meta id is prompt k's rid, and each prompt samples what it would alone (same seed)."""
+    prompts = [([1, 5, 6], 2), ([1, 9], 1), ([1, 7, 7, 7], 3)]
+    streamed: dict[int, list[int]] = {}
+    ids_of: dict[int, str] = {}
+    with worker.client.stream("POST", "/generate", json=_batch(*prompts)) as r:
+        assert r.status_code == 200
+        events = list(read_sse(r))
+    assert events[-1] == "[DONE]"
+    for e in events[:-1]:
+        assert isinstance(e, dict)
+        streamed.setdefault(e["index"], []).extend(e["output_ids"])
+        ids_of[e["index"]] = e["meta_info"]["id"]
+    assert sorted(streamed) == list(range(6))
+    assert [ids_of[i] for i in range(6)] == ["b0", "b0", "b1", "b2", "b2", "b2"]
+    expected = [s for k, (ids, n) in enumerate(prompts) for s in _alone(worker, ids, n, 7 + k)]
+    assert [streamed[i] for i in range(6)] == expected
+    reply = worker.client.post("/generate", json=_batch(*prompts, stream=False)).json()
+    assert [(s["index"], s["meta_info"]["id"]) for s in reply] == [(i, ids_of[i]) for i in range(6)]
+    assert [s["output_ids"] for s in reply] == expected
+
+
+def test_a_refused_prompt_of_a_batched_stream_is_an_error_event_and_the_others_run(worker: InProcessWorker) -> None:
+    body = _batch(([1, 5, 6], 1), ([1, 10_000], 1), ([1, 9], 2))
+    with worker.client.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        events = list(read_sse(r))
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and errors[0]["rid"] == "b1" and errors[0]["error"]["code"] == "400"
+    assert "outside the vocabulary" in errors[0]["error"]["message"]
+    finished = {
+        e["index"] for e in events if isinstance(e, dict) and "error" not in e and e["meta_info"]["finish_reason"]
+    }
+    assert finished == {0, 2, 3}  # prompt 1 keeps its number (1) and gets none
+    everything_refused = _batch(([1, 10_000], 1), ([], 1))
+    r = worker.client.post("/generate", json=everything_refused)
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    r = worker.client.post("/generate", json=_batch(([1, 5], 1), ([1, 10_000], 1), stream=False))
+    assert r.status_code == 400  # a plain reply has no place for one prompt's refusal
+    worker.wait_for(lambda i: i["num_running_reqs"] == 0 and i["num_queued_reqs"] == 0)
+
+
+def test_abort_stops_one_prompt_of_a_batched_request(worker: InProcessWorker) -> None:
+    body = _batch(([1, 5, 6], 1), ([1, 9], 1))
+    body["sampling_params"] = [
+        {"max_new_tokens": LONG, "ignore_eos": True, "temperature": 0.0},
+        {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0.0},
+    ]
+    finish: dict[int, str] = {}
+    tokens: dict[int, int] = {}
+    with worker.client.stream("POST", "/generate", json=body) as r:
+        for e in read_sse(r):
+            if e == "[DONE]":
+                break
+            assert isinstance(e, dict)
+            tokens[e["index"]] = tokens.get(e["index"], 0) + len(e["output_ids"])
+            if e["index"] == 0 and "aborted" not in finish:
+                finish["aborted"] = "asked"
+                assert worker.client.post("/abort_request", json={"rid": "b0"}).json() == {"num_aborted": 1}
+            if e["meta_info"]["finish_reason"]:
+                finish[e["index"]] = e["meta_info"]["finish_reason"]["type"]
+    assert finish[0] == "abort" and tokens[0] < LONG
+    assert finish[1] == "length" and tokens[1] == 40  # the other prompt ran to its end
 
 
 def test_client_disconnect_aborts(worker: InProcessWorker) -> None:

@@ -14,8 +14,7 @@ import queue
 import sys
 import threading
 import time
-from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 
 import torch
 
@@ -114,18 +113,19 @@ class AsyncEngine:
         return future
 
     def _dispatch(self, deltas: list[SampleDelta]) -> None:
-        by_rid: dict[str, list[SampleDelta]] = defaultdict(list)
-        for d in deltas:
-            by_rid[d.rid].append(d)
+        """Each subscriber's deltas of the step, in one call to its loop (the requests of a
+        batched `/generate` share one queue, so one call carries them all)."""
+        by_queue: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue, list[SampleDelta]]] = {}
         with self._lock:
-            targets = [(self._subscribers.get(rid), ds) for rid, ds in by_rid.items()]
-        for target, ds in targets:
-            if target is not None:
-                loop, q = target
-                try:
-                    loop.call_soon_threadsafe(q.put_nowait, ds)
-                except RuntimeError:  # the subscriber's loop is closed: nobody is listening
-                    pass
+            for d in deltas:
+                target = self._subscribers.get(d.rid)
+                if target is not None:
+                    by_queue.setdefault(id(target[1]), (*target, []))[2].append(d)
+        for loop, q, ds in by_queue.values():
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, ds)
+            except RuntimeError:  # the subscriber's loop is closed: nobody is listening
+                pass
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -133,28 +133,48 @@ class AsyncEngine:
         """Yield this request's deltas step by step until all its samples are finished.
         Raises RequestError / EngineFullError / EngineDeadError before yielding anything.
         Leaving the iteration early (a client that went away) aborts the request."""
-        if self.error is not None:
-            raise EngineDeadError(f"engine failed: {self.error}")
-        self.engine.validate(request)
-        q: asyncio.Queue[list[SampleDelta]] = asyncio.Queue()
-        with self._lock:
-            if request.rid in self._subscribers:
-                raise RequestError(f"request id {request.rid!r} is already in flight")
-            if len(self._subscribers) >= self.max_in_flight:
-                raise EngineFullError(f"{len(self._subscribers)} requests in flight; retry later")
-            self._subscribers[request.rid] = (asyncio.get_running_loop(), q)
-        remaining = set(range(request.sampling.n))
+        stream, refused = self.admit([request])
         try:
-            await asyncio.wrap_future(self._call(lambda: self.engine.add_request(request)))
-            while remaining:
-                deltas = await q.get()
-                remaining.difference_update(d.index for d in deltas if d.finished)
+            refused |= await stream.start()
+            if refused:
+                raise refused[request.rid]
+            async for deltas in stream:
                 yield deltas
         finally:
+            stream.close()
+
+    def admit(self, requests: list[EngineRequest]) -> tuple[RequestStream, dict[str, Exception]]:
+        """Several requests whose deltas come on one stream (a worker's batched `/generate`),
+        and the ones refused, by rid (RequestError, EngineFullError): a refused request
+        does not stop the others. Raises EngineDeadError. The stream's `start` adds the
+        admitted ones to the engine; its `close` aborts what is unfinished."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine failed: {self.error}")
+        queue_: asyncio.Queue[list[SampleDelta]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        refused: dict[str, Exception] = {}
+        admitted: list[EngineRequest] = []
+        for request in requests:
+            try:
+                self.engine.validate(request)
+            except RequestError as e:
+                refused[request.rid] = e
+                continue
             with self._lock:
-                self._subscribers.pop(request.rid, None)
-            if remaining:
-                self._call(lambda: self.engine.abort(request.rid))
+                if request.rid in self._subscribers:
+                    refused[request.rid] = RequestError(f"request id {request.rid!r} is already in flight")
+                    continue
+                if len(self._subscribers) >= self.max_in_flight:
+                    refused[request.rid] = EngineFullError(f"{len(self._subscribers)} requests in flight; retry later")
+                    continue
+                self._subscribers[request.rid] = (loop, queue_)
+            admitted.append(request)
+        return RequestStream(self, admitted, queue_), refused
+
+    def _unsubscribe(self, rids: Iterable[str]) -> None:
+        with self._lock:
+            for rid in rids:
+                self._subscribers.pop(rid, None)
 
     def abort(self, rid: str) -> bool:
         """Abort `rid`; its stream ends with finish reason "abort" and its partial tokens."""
@@ -203,3 +223,58 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+
+class RequestStream:
+    """The deltas of several admitted requests, interleaved in step order on one queue
+    (`AsyncEngine.admit`); it ends when every sample of every request has finished."""
+
+    def __init__(self, engine: AsyncEngine, requests: list[EngineRequest], deltas: asyncio.Queue) -> None:
+        self._engine, self._requests, self._deltas = engine, requests, deltas
+        self._unfinished = {r.rid: set(range(r.sampling.n)) for r in requests}
+        self._closed = False
+
+    async def start(self) -> dict[str, Exception]:
+        """Add the requests to the engine, in one command between two steps; those it
+        refuses after all (an id still in use inside it), by rid."""
+
+        def add() -> None:
+            for request in self._requests:
+                try:
+                    self._engine.engine.add_request(request)
+                except RequestError as e:
+                    failed[request.rid] = e
+
+        failed: dict[str, Exception] = {}
+        if self._requests:
+            await asyncio.wrap_future(self._engine.submit(add))
+        for rid in failed:
+            self._unfinished.pop(rid, None)
+        self._engine._unsubscribe(failed)
+        return failed
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> list[SampleDelta]:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        deltas = await self._deltas.get()
+        for d in deltas:
+            if d.finished:
+                left = self._unfinished.get(d.rid)
+                if left is not None:
+                    left.discard(d.index)
+                    if not left:
+                        del self._unfinished[d.rid]
+        return deltas
+
+    def close(self) -> None:
+        """Stop listening; the requests with unfinished samples are aborted."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._unsubscribe(r.rid for r in self._requests)
+        if self._unfinished:
+            rids = list(self._unfinished)
+            self._engine.submit(lambda: [d for rid in rids for d in self._engine.engine.abort(rid)])

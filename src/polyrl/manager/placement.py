@@ -52,6 +52,7 @@ class Placement:
         ):
             return  # the common case under load: every worker is full (a lazy local worker is asked below)
         waiting: deque[WorkUnit] = deque()
+        planned: dict[str, tuple[WorkerRecord, list[tuple[WorkUnit, GenerationCall]]]] = {}
         no_worker: set[tuple[int, bool, bool]] = set()  # (version, stalled, to_local) with nothing free right now
         while state.pending:
             unit = state.pending.popleft()
@@ -71,10 +72,12 @@ class Placement:
                 continue
             worker, slots = picked
             piece, rest = unit.split(slots)
-            self._launch(piece, worker)
+            planned.setdefault(worker.worker_id, (worker, []))[1].append((piece, self._plan(piece, worker)))
             if rest is not None:
                 state.pending.appendleft(rest)
         state.pending = waiting
+        for worker, pieces in planned.values():  # a worker's calls of this pass go together
+            self.settlement.launch(worker, pieces)
 
     def _any_free_slot(self, now: float) -> bool:
         cap = self.cfg.max_inflight_per_worker
@@ -114,7 +117,9 @@ class Placement:
                 self.sync.want_local()
         return None
 
-    def _launch(self, unit: WorkUnit, worker: WorkerRecord) -> None:
+    def _plan(self, unit: WorkUnit, worker: WorkerRecord) -> GenerationCall:
+        """The call that runs `unit` on `worker`: its samples' segments start and the
+        worker's slots are taken now; settlement launches it after the pass."""
         first = unit.samples[0]
         call = GenerationCall(
             rid=f"{unit.group.batch.batch_id}-{next(self.state.ids)}",
@@ -135,4 +140,5 @@ class Placement:
             self.sessions[session] = worker.worker_id
             if len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
-        self.settlement.launch(unit, worker, call)
+        self.settlement.reserve(unit, worker)
+        return call

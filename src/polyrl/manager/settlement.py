@@ -11,8 +11,10 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import AsyncIterator
 
 from polyrl.manager.backends import (
+    CallStream,
     Delta,
     GenerationCall,
     RequestRefused,
@@ -57,21 +59,34 @@ class Settlement:
         self.state, self.cfg, self.metrics = state, state.cfg, state.metrics
         self.membership, self.fail = membership, fail
 
-    def launch(self, unit: WorkUnit, worker: WorkerRecord, call: GenerationCall) -> None:
-        """Run `call` for `unit`'s samples (their segments started) on `worker`."""
+    def reserve(self, unit: WorkUnit, worker: WorkerRecord) -> None:
+        """Take the worker's slots for `unit`'s samples now, as placement plans the call (its
+        next pick must see them); `launch` runs the call, and its end gives them back."""
         worker.add_inflight(len(unit.samples))
-        outcome = Outcome()
-        task = asyncio.ensure_future(self._run(unit, worker, call, outcome))
-        worker.tasks.add(task)
-        unit.group.batch.tasks.add(task)
-        self.state.units[task] = unit
-        # a done-callback, not a `finally`: a task cancelled before its first step never
-        # runs its body, and its samples and slots must come back all the same
-        task.add_done_callback(functools.partial(self._call_done, unit, worker, outcome))
 
-    async def _run(self, unit: WorkUnit, worker: WorkerRecord, call: GenerationCall, outcome: Outcome) -> None:
+    def launch(self, worker: WorkerRecord, pieces: list[tuple[WorkUnit, GenerationCall]]) -> None:
+        """Run each call for its unit's samples (their segments started, slots reserved) on
+        `worker`; the backend carries calls placed together in one request where it can."""
+        streams = self.state.remote.streams(worker, [call for _, call in pieces])
+        for (unit, call), stream in zip(pieces, streams, strict=True):
+            outcome = Outcome()
+            task = asyncio.ensure_future(self._run(unit, worker, call, stream, outcome))
+            worker.tasks.add(task)
+            unit.group.batch.tasks.add(task)
+            self.state.units[task] = unit
+            # a done-callback, not a `finally`: a task cancelled before its first step never
+            # runs its body, and its samples and slots must come back all the same
+            task.add_done_callback(functools.partial(self._call_done, unit, worker, stream, outcome))
+
+    async def _run(
+        self,
+        unit: WorkUnit,
+        worker: WorkerRecord,
+        call: GenerationCall,
+        stream: AsyncIterator[list[Delta]],
+        outcome: Outcome,
+    ) -> None:
         try:
-            stream = self.state.remote.stream(worker, call)
             async with contextlib.aclosing(stream):  # closed at once on errors
                 async for deltas in stream:
                     for d in deltas:
@@ -97,7 +112,16 @@ class Settlement:
         self.metrics.tokens.inc(len(d.token_ids))
         self._count_if_done(sample)
 
-    def _call_done(self, unit: WorkUnit, worker: WorkerRecord, outcome: Outcome, task: asyncio.Task[None]) -> None:
+    def _call_done(
+        self,
+        unit: WorkUnit,
+        worker: WorkerRecord,
+        stream: AsyncIterator[list[Delta]],
+        outcome: Outcome,
+        task: asyncio.Task[None],
+    ) -> None:
+        if isinstance(stream, CallStream):
+            stream.close()  # a task cancelled before its first step never opened it to close it
         worker.add_inflight(-len(unit.samples))
         worker.tasks.discard(task)
         unit.group.batch.tasks.discard(task)

@@ -46,7 +46,12 @@ class ManagerState:
         self.registry = Registry()
         self.registry.local_on_demand = cfg.local_window == "off"
         self.remote = RemoteBackend(
-            cfg.connect_timeout_s, cfg.stall_timeout_s, cfg.token, cfg.stream_interval_s, cfg.tls.ca_file
+            cfg.connect_timeout_s,
+            cfg.stall_timeout_s,
+            cfg.token,
+            cfg.stream_interval_s,
+            cfg.tls.ca_file,
+            batch_calls=cfg.batch_calls,
         )
         self.window = LocalWindow(cfg.local_window, cfg.local_window_max_s)
         self.pending: deque[WorkUnit] = deque()

@@ -9,12 +9,39 @@ import json
 import uuid
 from typing import Any
 
-from polyrl.engine.types import EngineRequest, SampleResult
+from polyrl.engine.types import EngineRequest, SampleDelta, SampleResult
 from polyrl.httpapi import checksum
 from polyrl.protocol.routes import encode_routes, rows_through
 from polyrl.protocol.worker_api import FinishReasonInfo, GenerateRequest, GenerateResponse, MetaInfo
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+class WireSamples:
+    """The samples of one `/generate` request, numbered as on the wire: prompt after
+    prompt, each prompt's samples in order (`GenerateBatchRequest`); a single prompt's are
+    numbered 0..n-1. Only admitted prompts get results; a refused one keeps its numbers."""
+
+    def __init__(self, requests: list[EngineRequest], admitted: set[str]) -> None:
+        self.offsets: dict[str, int] = {}
+        self.results: dict[int, SampleResult] = {}
+        """By wire index, the admitted prompts' samples."""
+        offset = 0
+        for r in requests:
+            self.offsets[r.rid] = offset
+            if r.rid in admitted:
+                for i in range(r.sampling.n):
+                    self.results[offset + i] = SampleResult(r.rid, i, len(r.input_ids))
+            offset += r.sampling.n
+
+    def apply(self, deltas: list[SampleDelta]) -> set[int]:
+        """Accumulate deltas into their samples; the wire indices that changed."""
+        touched = set()
+        for d in deltas:
+            index = self.offsets[d.rid] + d.index
+            self.results[index].add(d)
+            touched.add(index)
+        return touched
 
 
 def engine_request(body: GenerateRequest, input_ids: list[int]) -> EngineRequest:
@@ -35,10 +62,19 @@ def text_token_ids(result: SampleResult) -> list[int]:
 
 
 def sample_response(
-    result: SampleResult, text: str, *, return_logprob: bool, current_version: int, with_index: bool, start: int = 0
+    result: SampleResult,
+    text: str,
+    *,
+    return_logprob: bool,
+    current_version: int,
+    with_index: bool,
+    start: int = 0,
+    index: int | None = None,
 ) -> dict[str, Any]:
     """One sample as SGLang's /generate reports it: cumulative (also one stream chunk),
-    or from token `start` on (an incremental stream chunk; `text` is then the caller's)."""
+    or from token `start` on (an incremental stream chunk; `text` is then the caller's).
+    `index`: its number on the wire, when not its index in its request (a batched
+    request numbers samples across its prompts)."""
     finish = None
     if result.finish_reason is not None:
         finish = FinishReasonInfo(type=result.finish_reason, matched=result.matched_stop)
@@ -64,7 +100,7 @@ def sample_response(
         output_top_logprobs=top,
         routed_experts=routes,
     )
-    index = result.index if with_index else None
+    index = (result.index if index is None else index) if with_index else None
     response = GenerateResponse(text=text, output_ids=token_ids, meta_info=meta, index=index)
     exclude: dict[str, Any] = {}
     if not with_index:

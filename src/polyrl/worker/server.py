@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,7 +29,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from polyrl.engine.async_engine import EngineDeadError
+from polyrl.engine.async_engine import EngineDeadError, RequestStream
 from polyrl.engine.lora import base_fingerprint, pack, read_adapter_dir, spec_of_dir
 from polyrl.engine.types import (
     EngineFullError,
@@ -45,6 +46,7 @@ from polyrl.protocol.sampling import SamplingParams
 from polyrl.protocol.worker_api import (
     AbortRequest,
     AbortResponse,
+    GenerateBatchRequest,
     GenerateRequest,
     LoadLoraAdapterRequest,
     ModelInfo,
@@ -55,7 +57,7 @@ from polyrl.protocol.worker_api import (
 )
 from polyrl.transfer.wire import PullSource, TransferError
 from polyrl.worker.inference import WorkerBackend
-from polyrl.worker.protocol import SSE_DONE, engine_request, sample_response, sse_event, text_token_ids
+from polyrl.worker.protocol import SSE_DONE, WireSamples, engine_request, sample_response, sse_event, text_token_ids
 from polyrl.worker.state import WorkerState
 from polyrl.worker.stream import Coalesced, coalesce
 
@@ -65,6 +67,16 @@ NEITHER_DIALECT = (
     "a /generate body has either SGLang's form (input_ids or text, sampling_params) or vLLM's "
     '(prompt: {"prompt_token_ids": [...]}, n, max_tokens, temperature, logprobs)'
 )
+
+BATCHED_IDS = re.compile(rb'"input_ids"\s*:\s*\[\s*\[')
+"""SGLang's batched form: `input_ids` a list of lists."""
+
+ENGINE_ERRORS: dict[type[Exception], tuple[int, str]] = {
+    RequestError: (400, "invalid_request"),
+    EngineFullError: (429, "engine_full"),
+    EngineDeadError: (503, "engine_dead"),
+}
+"""The engine's refusals as HTTP: status and error type."""
 
 MAX_BODY_BYTES = 16 * 2**20
 """Largest request body (413 above it, before it is read): a prompt of a million tokens
@@ -102,7 +114,8 @@ class _Handlers:
 
     async def dispatch_generate(self, request: Request) -> Response:
         """`/generate` speaks two dialects, told apart by the body: vLLM's has `prompt`
-        (`{"prompt_token_ids": [...]}`), SGLang's has `input_ids` or `text`."""
+        (`{"prompt_token_ids": [...]}`), SGLang's has `input_ids` or `text` (and
+        `input_ids` as a list of lists is SGLang's batched form)."""
         raw = await request.body()
         parsed = None  # the manager's SGLang calls, the hot path, are parsed once, below
         if b'"prompt"' in raw or (b'"input_ids"' not in raw and b'"text"' not in raw):
@@ -115,71 +128,103 @@ class _Handlers:
                 return await self.inference.vllm_generate(VllmGenerateRequest.model_validate(parsed), request)
             if isinstance(parsed, dict) and not {"input_ids", "text"} & parsed.keys():
                 raise ApiError(422, NEITHER_DIALECT, "invalid_request")
-            body = GenerateRequest.model_validate_json(raw)
+            batch = GenerateBatchRequest.model_validate_json(raw) if BATCHED_IDS.search(raw) else None
+            body = GenerateRequest.model_validate_json(raw) if batch is None else None
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
+        if batch is not None:
+            return await self.generate_batch(batch, request)
+        assert body is not None
         return await self.generate(body, request)
 
     async def generate(self, body: GenerateRequest, request: Request) -> Response:
         st = self.state
         st.require_active()
-        wanted = engine_request(body, st.prompt_ids(body))
+        return await self._serve(body, [engine_request(body, st.prompt_ids(body))], request, batched=False)
+
+    async def generate_batch(self, body: GenerateBatchRequest, request: Request) -> Response:
+        self.state.require_active()
+        wanted = [engine_request(prompt, prompt.input_ids or []) for prompt in body.prompts()]
+        return await self._serve(body, wanted, request, batched=True)
+
+    async def _serve(
+        self, body: GenerateRequest | GenerateBatchRequest, wanted: list[EngineRequest], request: Request, batched: bool
+    ) -> Response:
+        """Run `wanted` on the engine and answer with their samples (a stream, or one
+        reply). Refusals (400/429) come before any output; in a stream, a refused prompt
+        of several becomes an error event naming its rid and the others run."""
+        st = self.state
+        admitted, refused = st.engine.admit(wanted)
         st.num_open_generates += 1
-        stream = coalesce(st.engine.generate(wanted))
-        is_streaming = False  # once True, the event generator owns `stream` and the count
+        stream: Coalesced[SampleDelta] | None = None
+        is_streaming = False  # once True, the event generator owns the streams and the count
         try:
-            first = await anext(stream, [])  # refusals (400/429) raise here, before any output
-            results = [  # only now: `n` is validated (n = 10**9 would have been built first)
-                SampleResult(wanted.rid, i, len(wanted.input_ids)) for i in range(wanted.sampling.n)
-            ]
+            refused |= await admitted.start()
+            first_refusal = next((refused[r.rid] for r in wanted if r.rid in refused), None)
+            if first_refusal is not None and (len(refused) == len(wanted) or not body.stream):
+                raise first_refusal  # nothing runs, or a reply with no place to say what was refused
+            samples = WireSamples(wanted, {r.rid for r in wanted} - refused.keys())
+            stream = coalesce(admitted)
             if body.stream:
-                events = self._events(body, results, first, stream)
+                errors = [
+                    _refusal_event(r.rid, refused[r.rid], body.incremental_stream) for r in wanted if r.rid in refused
+                ]
+                events = self._events(body, samples, errors, stream, admitted)
                 is_streaming = True
                 return EventStream(events, headers={"Cache-Control": "no-cache"})
-            _apply(results, first)
-            if not await _consume_unless_disconnected(request, stream, results):
+            if not await _consume_unless_disconnected(request, stream, samples):
                 return Response(status_code=499)  # nobody is listening; the request was aborted
-            return JSONResponse(self._final_json(body, results))
+            return JSONResponse(self._final_json(body, samples, batched))
         finally:
             if not is_streaming:
                 st.num_open_generates -= 1
-                await stream.aclose()
+                if stream is not None:
+                    await stream.aclose()
+                admitted.close()
 
     async def _events(
         self,
-        body: GenerateRequest,
-        results: list[SampleResult],
-        first: list[SampleDelta],
+        body: GenerateRequest | GenerateBatchRequest,
+        samples: WireSamples,
+        errors: list[bytes],
         stream: Coalesced[SampleDelta],
+        admitted: RequestStream,
     ) -> AsyncIterator[bytes]:
-        sent = [0] * len(results)  # tokens already streamed per sample (incremental mode)
+        sent: dict[int, int] = {}  # tokens already streamed per sample (incremental mode)
         interval_s = max(self.state.stream_interval_s, body.stream_interval_s)
         try:
-            batch: list[SampleDelta] | None = first
-            while batch is not None:
-                touched = sorted(_apply(results, batch))
-                chunks = []
-                for i in touched:
-                    chunks.append(sse_event(self._chunk_json(body, results[i], sent[i]), body.incremental_stream))
-                    if body.incremental_stream:
-                        sent[i] = len(results[i].token_ids)
-                yield b"".join(chunks)
-                if interval_s:  # `stream` coalesces what arrives meanwhile; a finish ends the wait
-                    await stream.wait(interval_s)
+            if errors:
+                yield b"".join(errors)
+            while True:
                 try:
                     batch = await anext(stream, None)
                 except Exception as e:  # the status line is sent: report in the stream, as SGLang does
-                    log.warning("stream %s failed: %s: %s", results[0].rid, type(e).__name__, e)
-                    yield sse_event(error_body(f"{type(e).__name__}: {e}", "engine_error"))
-                    batch = None
+                    log.warning("stream %s failed: %s: %s", next(iter(samples.offsets)), type(e).__name__, e)
+                    yield sse_event(error_body(f"{type(e).__name__}: {e}", "engine_error"), body.incremental_stream)
+                    break
+                if batch is None:
+                    break
+                chunks = []
+                for i in sorted(samples.apply(batch)):
+                    result = samples.results[i]
+                    start = sent.get(i, 0)
+                    chunks.append(sse_event(self._chunk_json(body, result, start, i), body.incremental_stream))
+                    if body.incremental_stream:
+                        sent[i] = len(result.token_ids)
+                yield b"".join(chunks)
+                if interval_s:  # `stream` coalesces what arrives meanwhile; a finish ends the wait
+                    await stream.wait(interval_s)
             yield SSE_DONE
         finally:
             self.state.num_open_generates -= 1
             await stream.aclose()
+            admitted.close()
 
-    def _chunk_json(self, body: GenerateRequest, result: SampleResult, start: int) -> dict[str, Any]:
+    def _chunk_json(
+        self, body: GenerateRequest | GenerateBatchRequest, result: SampleResult, start: int, index: int
+    ) -> dict[str, Any]:
         if not body.incremental_stream:
-            return self._sample_json(body, result, True)
+            return self._sample_json(body, result, True, index)
         # the new tokens' text, decoded on their own: cheap, but a character split across
         # two chunks decodes as replacement characters (join output_ids for exact text)
         text_ids = text_token_ids(result)[start:]
@@ -191,21 +236,26 @@ class _Handlers:
             current_version=self.state.weight_version,
             with_index=True,
             start=start,
+            index=index,
         )
 
-    def _sample_json(self, body: GenerateRequest, result: SampleResult, with_index: bool) -> dict[str, Any]:
+    def _sample_json(
+        self, body: GenerateRequest | GenerateBatchRequest, result: SampleResult, with_index: bool, index: int
+    ) -> dict[str, Any]:
         return sample_response(
             result,
             self.state.decode(result),
             return_logprob=body.return_logprob,
             current_version=self.state.weight_version,
             with_index=with_index,
+            index=index,
         )
 
-    def _final_json(self, body: GenerateRequest, results: list[SampleResult]) -> Any:
-        if len(results) == 1:
-            return self._sample_json(body, results[0], False)
-        return [self._sample_json(body, r, True) for r in results]
+    def _final_json(self, body: GenerateRequest | GenerateBatchRequest, samples: WireSamples, batched: bool) -> Any:
+        results = sorted(samples.results.items())
+        if len(results) == 1 and not batched:
+            return self._sample_json(body, results[0][1], False, 0)
+        return [self._sample_json(body, result, True, i) for i, result in results]
 
     async def health(self) -> dict[str, Any]:
         return {}
@@ -314,11 +364,11 @@ class _Handlers:
         return {"state": "draining"}
 
 
-def _apply(results: list[SampleResult], deltas: list[SampleDelta]) -> set[int]:
-    """Accumulate deltas into their samples; returns the indices that changed."""
-    for delta in deltas:
-        results[delta.index].add(delta)
-    return {delta.index for delta in deltas}
+def _refusal_event(rid: str, error: Exception, with_checksum: bool) -> bytes:
+    """A stream's error event for one refused prompt of a batched request: the error body
+    its own request would have had, with its status as `code` and the prompt's `rid`."""
+    status, type_ = ENGINE_ERRORS.get(type(error), (400, "invalid_request"))
+    return sse_event(error_body(str(error), type_, code=str(status)) | {"rid": rid}, with_checksum)
 
 
 async def _run_to_end(stream: AsyncIterator[Any]) -> None:
@@ -327,13 +377,13 @@ async def _run_to_end(stream: AsyncIterator[Any]) -> None:
 
 
 async def _consume_unless_disconnected(
-    request: Request, stream: AsyncIterator[list[SampleDelta]], results: list[SampleResult]
+    request: Request, stream: AsyncIterator[list[SampleDelta]], samples: WireSamples
 ) -> bool:
     """Accumulate the rest of the stream; False (request aborted) if the client hangs up."""
 
     async def consume() -> None:
         async for batch in stream:
-            _apply(results, batch)
+            samples.apply(batch)
 
     consumer = asyncio.ensure_future(consume())
     watcher = asyncio.ensure_future(_wait_disconnect(request))
@@ -353,13 +403,7 @@ async def _consume_unless_disconnected(
 
 def create_app(state: WorkerState, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The worker's FastAPI app over `state` (which the caller owns and shuts down)."""
-    handlers = error_handlers(
-        {
-            RequestError: (400, "invalid_request"),
-            EngineFullError: (429, "engine_full"),
-            EngineDeadError: (503, "engine_dead"),
-        }
-    )
+    handlers = error_handlers(ENGINE_ERRORS)
     app = FastAPI(title="polyrl worker", exception_handlers=handlers)
     inference = InferenceRoutes(WorkerBackend(state), state.completions)
 
