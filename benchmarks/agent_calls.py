@@ -53,7 +53,7 @@ def run(example: str, batch_calls: bool, items: int, steps: int, n: int) -> dict
         "steps": len(rows),
         "step_s": statistics.median(r["perf/time_per_step"] for r in later),
         "gen_s": gen,
-        "episodes_per_gen_s": items * n / gen,
+        "episodes_per_gen_s": items * n / gen if gen else float("nan"),  # (no remote generation timed)
         "lost": sum(r.get("rollout/samples_lost", 0) for r in rows),
         "wall_s": wall,
     }

@@ -254,7 +254,7 @@ class FakeFleet:
             weight_version=0,
             max_num_seqs=self.max_num_seqs,
             max_model_len=4096,
-            capabilities=["incremental_stream"] if engine.incremental else [],
+            capabilities=["incremental_stream", "batched_generate"] if engine.incremental else [],
         )
 
         def beat() -> Heartbeat:
@@ -329,17 +329,25 @@ class FakeFleet:
             await _send_json(send, 404, {"error": {"message": f"no route {path}"}})
 
     async def _generate(self, engine: FakeEngine, body: dict[str, Any], receive: Any, send: Any) -> None:
+        """One call, or several (SGLang's batched form, as polyrl workers take it: samples
+        numbered across the prompts), streamed a token per `token_delay_s`."""
         self.stats.num_calls += 1
         if engine.state == "draining":
             await _send_json(send, 503, {"error": {"message": "worker is draining", "type": "draining"}})
             return
-        sp = body["sampling_params"]
-        n, seed, budget, start = sp["n"], sp["sampling_seed"], sp["max_new_tokens"], len(body["input_ids"])
+        batched = bool(body["input_ids"]) and isinstance(body["input_ids"][0], list)
+        inputs = body["input_ids"] if batched else [body["input_ids"]]
+        rids = body["rid"] if batched else [body["rid"]]
+        params = body["sampling_params"] if batched else [body["sampling_params"]]
+        prompts, offset = [], 0  # (rid, n, seed, budget, prompt length, index of its first sample)
+        for ids, rid, sp in zip(inputs, rids, params, strict=True):
+            prompts.append((rid, sp["n"], sp["sampling_seed"], sp["max_new_tokens"], len(ids), offset))
+            offset += sp["n"]
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         disconnected = asyncio.ensure_future(receive())  # resolves when the manager hangs up
-        engine.num_running += n
+        engine.num_running += offset
         try:
-            for t in range(1, budget + 1):
+            for t in range(1, max(p[3] for p in prompts) + 1):
                 await asyncio.sleep(self.token_delay_s)
                 if engine.state == "dead":
                     self.stats.num_cut_streams += 1
@@ -347,22 +355,26 @@ class FakeFleet:
                 if disconnected.done():
                     return
                 handback = engine.state == "draining"
-                finish = {"type": "abort"} if handback else ({"type": "length"} if t == budget else None)
-                total = t - 1 if handback else t  # a hand-back brings no new token
-                events = b"".join(
-                    sse_event(
-                        _chunk(body["rid"], seed + j, j, start, t - 1, total, finish, engine.incremental),
-                        with_checksum=engine.incremental,
-                    )  # as `polyrl worker` does
-                    for j in range(n)
-                )
-                await send({"type": "http.response.body", "body": events, "more_body": True})
-                if finish is not None:
-                    self.stats.num_handbacks += handback
+                events = []
+                for rid, n, seed, budget, start, first in prompts:
+                    if t > budget:
+                        continue  # finished at an earlier token
+                    finish = {"type": "abort"} if handback else ({"type": "length"} if t == budget else None)
+                    total = t - 1 if handback else t  # a hand-back brings no new token
+                    events += [
+                        sse_event(
+                            _chunk(rid, seed + j, first + j, start, t - 1, total, finish, engine.incremental),
+                            with_checksum=engine.incremental,
+                        )  # as `polyrl worker` does
+                        for j in range(n)
+                    ]
+                await send({"type": "http.response.body", "body": b"".join(events), "more_body": True})
+                if handback:
+                    self.stats.num_handbacks += len(prompts)
                     break
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         finally:
-            engine.num_running -= n
+            engine.num_running -= offset
             disconnected.cancel()
 
 

@@ -499,6 +499,8 @@ class LoadHarness:
                     f"workers_{e}": get("polyrl_manager_worker_events_total", event=e)
                     for e in ("registered", "failed", "left")
                 },
+                "generate_requests": self.mt.manager.remote.num_requests,
+                "generate_calls": self.mt.manager.remote.num_calls,
             }
 
         return self.mt.call(read)

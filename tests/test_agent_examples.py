@@ -52,7 +52,7 @@ def test_the_game_example_plays_three_moves_fully_async(tmp_path: Path) -> None:
         "trainer.total_steps=4",
         "rollout.fully_async=true",
         "rollout.max_staleness=1",
-        "engine.max_num_seqs=16",  # the fleet is the bottleneck: publishes find episodes running
+        "engine.max_num_seqs=4",  # the fleet is the bottleneck: publishes find episodes running
         "model.lora.enabled=true",
     )
     assert len(rows) == 4

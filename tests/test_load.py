@@ -78,6 +78,7 @@ def test_thousands_of_samples_survive_a_churning_fleet() -> None:
     assert c["migrated_failure"] == r["sample_failures"]  # each failure migration charged to its sample
     assert c["workers_left"] == f["num_leaves_delivered"]
     assert c["workers_registered"] >= f["num_registrations"]  # some replies die with their engine
+    assert c["generate_calls"] > c["generate_requests"], "no batched request: the fleet's half that takes them"
 
     check_idle(r, r["leftovers"])
     assert r["live_objects"] == {"Batch": 0, "GroupState": 0, "SampleState": 0, "WorkerRecord": r["registry_size"]}

@@ -402,11 +402,13 @@ class RemoteBackend:
         well calls share requests)."""
 
     def streams(self, worker: WorkerRecord, calls: list[GenerationCall]) -> list[AsyncIterator[list[Delta]]]:
-        """One stream of deltas per call, in order. A polyrl worker gets the calls that
-        share their request-level fields (`batch_key`) as batched requests
-        (`_requests_of`); any other server (SGLang's), a lone call, or every call with
-        `batch_calls` off, one request per call."""
-        if len(calls) == 1 or not worker.incremental_stream or not self.batch_calls:
+        """One stream of deltas per call, in order. A worker that takes batched requests
+        and streams incrementally (a polyrl worker: its `batched_generate` and
+        `incremental_stream` capabilities) gets the calls that share their request-level
+        fields (`batch_key`) as batched requests (`_requests_of`); any other server
+        (SGLang's), a lone call, or every call with `batch_calls` off, one request per
+        call."""
+        if len(calls) == 1 or not (worker.batched_generate and worker.incremental_stream) or not self.batch_calls:
             return [self.stream(worker, call) for call in calls]
         by_key: dict[tuple[int, bool], list[int]] = {}
         for k, call in enumerate(calls):

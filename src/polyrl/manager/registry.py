@@ -54,6 +54,8 @@ class WorkerRecord:
     """The newest version the sync hooks were already asked to deliver."""
     incremental_stream: bool = False
     """Speaks polyrl's incremental stream chunks (else: SGLang's cumulative snapshots)."""
+    batched_generate: bool = False
+    """Takes many calls in one `/generate` (`GenerateBatchRequest`), as polyrl workers do."""
     usd_per_hour: float | None = None
     device: str | None = None
     node: str | None = None
@@ -165,6 +167,7 @@ class Registry:
             max_model_len=request.max_model_len,
             weight_version=request.weight_version,
             incremental_stream="incremental_stream" in request.capabilities,
+            batched_generate="batched_generate" in request.capabilities,
             usd_per_hour=request.usd_per_hour,
             device=request.device,
             node=request.node,

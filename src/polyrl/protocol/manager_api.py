@@ -51,7 +51,9 @@ class RegisterRequest(_Message):
     max_num_seqs: int = Field(ge=1, lt=2**63)
     max_model_len: int = Field(ge=1, lt=2**63)
     capabilities: list[str] = []
-    """Extensions beyond SGLang's API the worker speaks: "incremental_stream"."""
+    """Extensions beyond SGLang's API the worker speaks: "incremental_stream" (chunks carry
+    only what is new), "batched_generate" (many calls in one `/generate`, each with its
+    own rid, errors and abort: `GenerateBatchRequest`)."""
     usd_per_hour: Finite | None = Field(None, ge=0)
     """What the worker costs, for the trainer's cost accounting (None: the trainer's default)."""
     device: str | None = Field(None, max_length=256)

@@ -139,7 +139,7 @@ def _manager_session(cfg: WorkerRunConfig, state: WorkerState, port: int) -> Man
             weight_version=state.weight_version,
             max_num_seqs=state.max_num_seqs,
             max_model_len=state.engine.engine.max_model_len,
-            capabilities=["incremental_stream"],
+            capabilities=["incremental_stream", "batched_generate"],
             usd_per_hour=cfg.worker.usd_per_hour,
             device=device_name(state.engine.engine.device),
             node=w.node or socket.gethostname(),
