@@ -25,19 +25,20 @@ from agent_tool import _match, main
 MOVES = 3
 
 
-async def play(client: Any, item: dict[str, Any]) -> float:
+async def play(client: Any, item: dict[str, Any]) -> list[float]:
+    """One episode; its reward per move (their sum is the episode's reward)."""
     words = item["words"]
     messages: list[Any] = [{"role": "user", "content": words[0]}]
-    score = 0.0
+    scores = []
     for move in range(MOVES):
         reply = await client.chat.completions.create(messages=messages)
         answer = reply.choices[0].message.content or ""
         right = words[move]
-        score += _match(answer, right, reply.choices[0].finish_reason)
+        scores.append(_match(answer, right, reply.choices[0].finish_reason) / MOVES)
         if move + 1 < MOVES:
             verdict = "ok" if answer == right else "no"
             messages += [reply.choices[0].message, {"role": "user", "content": f"{verdict} {words[move + 1]}"}]
-    return score / MOVES
+    return scores
 
 
 def write_items(path: Path, count: int = 2000, seed: int = 0) -> None:

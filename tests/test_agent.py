@@ -213,6 +213,19 @@ async def tool_episode(client: Any, item: dict[str, Any]) -> float:
     return float(len(messages))
 
 
+def rewarded_per_call(rewards: list[float]):
+    """An episode of two calls that rewards each (`algo.adv_estimator = "turn_grpo"`)."""
+
+    async def play(client: Any, item: dict[str, Any]) -> list[float]:
+        messages: list[Any] = [{"role": "user", "content": item["word"]}]
+        reply = await client.chat.completions.create(messages=messages)
+        messages += [reply.choices[0].message, {"role": "user", "content": "again"}]
+        await client.chat.completions.create(messages=messages)
+        return rewards
+
+    return play
+
+
 class Recorded(AsyncBatchClient):
     """The manager's client, keeping every call's request and what the engine sampled."""
 
@@ -266,6 +279,11 @@ def test_what_each_call_sampled_is_what_the_learner_trains_on(agent_model: Path,
     with ChaosFleet(agent_model, tmp_path, chaos_manager_config()) as fleet:
         fleet.add_worker()
         groups, calls, runner = run_episodes(fleet, tool_episode, [{"word": "abc"}, {"word": "fed"}], 2, sampling)
+        per_call, _, _ = run_episodes(fleet, rewarded_per_call([0.25, 0.5]), [{"word": "ab"}], 2, sampling)
+        miscounted, _, refused = run_episodes(fleet, rewarded_per_call([1.0]), [{"word": "ab"}], 2, sampling)
+    # a list is a reward per call, summed for the episode; one of the wrong length drops its group
+    assert [s.call_rewards for s in per_call[0].samples] == [[0.25, 0.5]] * 2 and per_call[0].rewards == [0.75] * 2
+    assert miscounted == [None] and refused.num_failed_groups == 1
     assert runner.num_failed_groups == 0 and all(g is not None for g in groups)
     assert len(calls) == 2 * 2 * 3
     by_episode: dict[str, list] = {}

@@ -1,15 +1,17 @@
-"""GiGPO's step-level advantages (`algo.adv_estimator = "gigpo"`) against hand-computed
-numbers, on episodes shaped like the tool example's: call, tool answer, reply."""
+"""GiGPO's step-level advantages (`algo.adv_estimator = "gigpo"`) and turn-level GRPO's
+(`"turn_grpo"`) against hand-computed numbers, on episodes shaped like the tool
+example's: call, tool answer, reply."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 
 from polyrl.config import AlgoConfig, load_config
 from polyrl.protocol.samples import Group, Prompt, Sample
-from polyrl.trainer.step_groups import call_spans, step_advantages
+from polyrl.trainer.step_groups import call_spans, step_advantages, turn_advantages, turn_returns
 from polyrl.trainer.stream import StreamResult, _items
 
 approx = functools.partial(pytest.approx, rel=1e-5)  # the std carries an epsilon
@@ -82,3 +84,51 @@ def test_the_estimator_is_checked() -> None:
     )
     with pytest.raises(Exception, match="adv_estimator"):
         load_config(None, ["algo.adv_estimator=gae"])
+
+
+def test_a_calls_return_is_its_reward_and_the_discounted_returns_after_it() -> None:
+    three_calls = _episode(([4], True), ([8], False), ([5], True), ([8], False), ([6], True))
+    with_rewards = replace(three_calls, call_rewards=[1.0, 0.0, 2.0])
+    assert turn_returns(with_rewards, 3, 3.0, gamma=0.5) == [1.5, 1.0, 2.0]
+    assert turn_returns(with_rewards, 3, 3.0, gamma=0.0) == [1.0, 0.0, 2.0]
+    # one reward for the episode: its last call's
+    assert turn_returns(three_calls, 3, 0.7, gamma=1.0) == [0.7, 0.7, 0.7]
+    assert turn_returns(three_calls, 3, 0.7, gamma=0.0) == [0.0, 0.0, 0.7]
+    with pytest.raises(ValueError, match="2 call rewards"):
+        turn_returns(replace(three_calls, call_rewards=[1.0, 2.0]), 3, 3.0, gamma=1.0)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_each_turn_is_compared_with_the_same_turn_of_the_other_episodes(norm: bool) -> None:
+    """Three episodes rewarded per call, gamma 0: each call's advantage comes from its own
+    reward against the group's calls of the same turn; the one-call episode takes part in
+    the first turn only."""
+    group = _tool_group()
+    samples = [
+        replace(group.samples[0], call_rewards=[0.3, 0.7]),
+        replace(group.samples[1], call_rewards=[0.3, 0.1]),
+        replace(group.samples[2], call_rewards=[0.3, 0.7]),
+        replace(group.samples[3], call_rewards=[0.0]),
+    ]
+    out = turn_advantages(samples, [1.0, 0.4, 1.0, 0.0], gamma=0.0, norm_by_std=norm)
+
+    def grpo(values: list[float]) -> list[float]:
+        mean = sum(values) / len(values)
+        std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if norm else 1.0
+        return [(v - mean) / std for v in values]
+
+    first, second = grpo([0.3, 0.3, 0.3, 0.0]), grpo([0.7, 0.1, 0.7])
+    for i in range(3):
+        assert out[i] == approx([first[i]] * 2 + [0.0] * 2 + [second[i]] * 2)  # the tool's tokens: 0
+    assert out[3] == approx([first[3]] * 2)
+
+
+def test_the_stream_trains_each_turn_on_its_own_advantage() -> None:
+    group = _tool_group()
+    group.samples = [
+        replace(s, call_rewards=r) for s, r in zip(group.samples, [[0.3, 0.7], [0.3, 0.1], [0.3, 0.7], [0.0]])
+    ]
+    items = _items([group], AlgoConfig(adv_estimator="turn_grpo", gamma=0.0), StreamResult())
+    right, wrong = items[0].token_advantages, items[1].token_advantages
+    assert right is not None and wrong is not None
+    assert right[0] == wrong[0] and right[4] > 0 > wrong[4]  # the same call; then the answers differ

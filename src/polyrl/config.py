@@ -582,12 +582,19 @@ class AlgoConfig(_Section):
             )
         return self
 
-    adv_estimator: Literal["grpo", "gigpo"] = "grpo"
+    adv_estimator: Literal["grpo", "gigpo", "turn_grpo"] = "grpo"
     """verl's `algorithm.adv_estimator`. grpo: one advantage per sequence from its group.
     gigpo: for agent episodes of several calls, each call's tokens also get a step-level
     advantage from the calls that saw the same context (`algo.gigpo`). A first call's
     context is its group's prompt, so single-call groups get (1 + step_advantage_w)
-    times GRPO's advantage, as in GiGPO. `trainer/step_groups.py`."""
+    times GRPO's advantage, as in GiGPO. turn_grpo: for agent episodes whose function
+    rewards each call (it returns a list, README "Agent episodes"), call k's tokens get
+    GRPO's advantage of its return among the group's k-th calls; an episode that returns
+    one number gives it to its last call. `trainer/step_groups.py`."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """verl's `algorithm.gamma`; with turn_grpo, a call's return is its reward plus gamma
+    times the next call's return (1: everything after it counts, as when a tool call
+    earns only through the answer it enables; 0: its own reward only)."""
     gigpo: GiGPOConfig = GiGPOConfig()
     norm_adv_by_std: bool = True
     """False gives Dr.GRPO's unnormalised group advantage."""

@@ -60,6 +60,9 @@ class Sample:
     advantages: list[float] | None = None
     """Per completion token, given by the producer (an Atropos environment's own
     advantages); None: the learner's group advantage."""
+    call_rewards: list[float] | None = None
+    """An agent episode's reward per call, when its function gave one (they sum to the
+    episode's reward); `algo.adv_estimator = "turn_grpo"` trains each call on its own."""
     routed_experts: np.ndarray | None = None
     """Mixture-of-experts models, when asked for (`algo.router_replay = "R3"`): the experts
     each position of prompt + completion but the last went through in the engine,

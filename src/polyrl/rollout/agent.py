@@ -180,15 +180,20 @@ class EpisodeRunner:
                 failed[0],
             )
             return None
-        samples = [client.transcript.to_sample() for client, _ in outcomes]  # type: ignore[misc]
-        rewards = [reward for _, reward in outcomes]  # type: ignore[misc]
+        samples = [
+            replace(client.transcript.to_sample(), call_rewards=per_call)
+            for client, _, per_call in outcomes  # type: ignore[misc]
+        ]
+        rewards = [reward for _, reward, _ in outcomes]  # type: ignore[misc]
         return Group(prompt=replace(prompt, prompt_ids=samples[0].prompt_ids or []), samples=samples, rewards=rewards)
 
     async def episode(
         self, prompt: Prompt, i: int, sampling: SamplingParams, seed: int, version: int
-    ) -> tuple[AgentClient, float]:
-        """Episode `i` of `prompt`'s item: (its client, which holds the transcript; reward).
-        `seed` fixes every call's sampling seed, so a replayed episode draws the same."""
+    ) -> tuple[AgentClient, float, list[float] | None]:
+        """Episode `i` of `prompt`'s item: (its client, which holds the transcript; reward;
+        the reward per call, when the function returned a list: one number per call it
+        made, summing to the reward). `seed` fixes every call's sampling seed, so a
+        replayed episode draws the same."""
         episode = f"{prompt.index}.{i}.{seed % 10**6}"
         rng = random.Random(seed)
 
@@ -212,11 +217,18 @@ class EpisodeRunner:
             self.num_limited += 1
             log.debug("%s: scored 0", e)
             reward = 0.0
-        if isinstance(reward, bool) or not isinstance(reward, int | float):
-            raise TypeError(f"data.agent returned {type(reward).__name__}, not a number (the episode's reward)")
         if client.transcript.num_calls == 0:
             raise ValueError("the episode made no call to the model")
-        return client, float(reward)
+        per_call = None
+        if isinstance(reward, list | tuple):
+            per_call = [_number(r) for r in reward]
+            if len(per_call) != client.transcript.num_calls:
+                raise ValueError(
+                    f"data.agent returned {len(per_call)} rewards for an episode of {client.transcript.num_calls} calls "
+                    "(a list holds one reward per call)"
+                )
+            return client, sum(per_call), per_call
+        return client, _number(reward), None
 
     async def call(
         self, episode: str, ids: list[int], max_new_tokens: int, seed: int, sampling: SamplingParams, version: int
@@ -236,6 +248,15 @@ class EpisodeRunner:
                 log.warning("episode %s: call cut (%s); asking again once the manager is back", episode, e)
                 await asyncio.to_thread(self.manager_lost)
         return to_sample(result.samples[0], result.prompt_tokens)
+
+
+def _number(reward: Any) -> float:
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise TypeError(
+            f"data.agent returned {type(reward).__name__}, not a number (the episode's reward) or a list of "
+            "numbers (one per call)"
+        )
+    return float(reward)
 
 
 class AgentRollout:

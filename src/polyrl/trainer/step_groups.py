@@ -97,3 +97,50 @@ def step_advantages(
             per_token[start:end] = [episode_advantages[i] + weight * step[i, k]] * (end - start)
         out.append(per_token)
     return out
+
+
+def turn_returns(sample: Sample, num_calls: int, reward: float, gamma: float) -> list[float]:
+    """Each call's return: its reward plus `gamma` times the next call's return. The
+    rewards are the episode's per call (`Sample.call_rewards`), or its one `reward` given
+    to its last call."""
+    rewards = sample.call_rewards
+    if rewards is None:
+        rewards = [0.0] * (num_calls - 1) + [reward] if num_calls else []
+    if len(rewards) != num_calls:
+        raise ValueError(f"an episode of {num_calls} calls was given {len(rewards)} call rewards")
+    returns, ahead = [0.0] * num_calls, 0.0
+    for k in reversed(range(num_calls)):
+        ahead = rewards[k] + gamma * ahead
+        returns[k] = ahead
+    return returns
+
+
+def turn_advantages(
+    samples: list[Sample], rewards: list[float], gamma: float, norm_by_std: bool
+) -> list[list[float] | None]:
+    """Turn-level GRPO: per sample, its per-token advantages (`Sample.advantages` layout),
+    where call k's tokens get GRPO's rule (`group_advantages`) applied to its return among
+    the group's k-th calls. An episode's calls are compared with the same turn of the
+    other episodes of its item, so a move's own success is not averaged with the other
+    moves' (which, under one episode advantage, every token of it would carry as noise).
+    None where a sample brings its own advantages or has no call."""
+    spans = [call_spans(s) if s.advantages is None else [] for s in samples]
+    returns = [turn_returns(s, len(sp), r, gamma) for s, sp, r in zip(samples, spans, rewards, strict=True)]
+    by_turn: dict[int, list[int]] = defaultdict(list)  # turn -> the samples that have it
+    for i, sp in enumerate(spans):
+        for k in range(len(sp)):
+            by_turn[k].append(i)
+    advantage: dict[tuple[int, int], float] = {}  # (sample, call) -> its advantage
+    for k, members in by_turn.items():
+        turn = torch.tensor([[returns[i][k] for i in members]], dtype=torch.float64)
+        advantage.update(zip(((i, k) for i in members), group_advantages(turn, norm_by_std)[0].tolist(), strict=True))
+    out: list[list[float] | None] = []
+    for i, s in enumerate(samples):
+        if not spans[i]:
+            out.append(None)
+            continue
+        per_token = [0.0] * len(s.completion_ids)  # untrained tokens (the environment's) keep 0
+        for k, (start, end) in enumerate(spans[i]):
+            per_token[start:end] = [advantage[i, k]] * (end - start)
+        out.append(per_token)
+    return out

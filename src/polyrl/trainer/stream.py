@@ -27,7 +27,7 @@ from polyrl.trainer.batching import SeqItem, group_items
 from polyrl.trainer.grpo import group_advantages
 from polyrl.trainer.learner import Learner
 from polyrl.trainer.overlong import shaped_rewards
-from polyrl.trainer.step_groups import step_advantages
+from polyrl.trainer.step_groups import step_advantages, turn_advantages
 
 
 class GroupScorer:
@@ -202,12 +202,23 @@ def _items(batch: list[Group], algo: AlgoConfig, out: StreamResult) -> list[SeqI
             advantages = [0.0 if zero else a for a, zero in zip(advantages, group.zero_advantage, strict=True)]
         if algo.adv_estimator == "gigpo":
             group = _with_step_advantages(group, advantages, algo)
+        elif algo.adv_estimator == "turn_grpo":
+            group = _with_turn_advantages(group, algo)
         if algo.overlong_filter:
             out.num_overlong_filtered += sum(
                 s.finish_reason == "length" and bool(s.completion_ids) for s in group.samples
             )
         items += group_items(group, advantages, out.version, drop_truncated=algo.overlong_filter)
     return items
+
+
+def _with_turn_advantages(group: Group, algo: AlgoConfig) -> Group:
+    """The group with turn-level GRPO's per-token advantages written into its samples."""
+    per_token = turn_advantages(group.samples, group.rewards or [], algo.gamma, algo.norm_adv_by_std)
+    if group.zero_advantage is not None:
+        per_token = [None if zero else a for a, zero in zip(per_token, group.zero_advantage, strict=True)]
+    samples = [s if a is None else replace(s, advantages=a) for s, a in zip(group.samples, per_token, strict=True)]
+    return replace(group, samples=samples)
 
 
 def _with_step_advantages(group: Group, advantages: list[float], algo: AlgoConfig) -> Group:
