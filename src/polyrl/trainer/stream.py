@@ -201,9 +201,14 @@ def _items(batch: list[Group], algo: AlgoConfig, out: StreamResult) -> list[SeqI
         if group.zero_advantage is not None:
             advantages = [0.0 if zero else a for a, zero in zip(advantages, group.zero_advantage, strict=True)]
         if algo.adv_estimator == "gigpo":
-            group = _with_step_advantages(group, advantages, algo)
+            prompt_ids, w = group.prompt.prompt_ids, algo.gigpo.step_advantage_w
+            per_token = step_advantages(
+                prompt_ids, group.samples, group.rewards or [], advantages, w, algo.norm_adv_by_std
+            )
+            group = _with_token_advantages(group, per_token)
         elif algo.adv_estimator == "turn_grpo":
-            group = _with_turn_advantages(group, algo)
+            per_token = turn_advantages(group.samples, group.rewards or [], algo.gamma, algo.norm_adv_by_std)
+            group = _with_token_advantages(group, per_token)
         if algo.overlong_filter:
             out.num_overlong_filtered += sum(
                 s.finish_reason == "length" and bool(s.completion_ids) for s in group.samples
@@ -212,25 +217,9 @@ def _items(batch: list[Group], algo: AlgoConfig, out: StreamResult) -> list[SeqI
     return items
 
 
-def _with_turn_advantages(group: Group, algo: AlgoConfig) -> Group:
-    """The group with turn-level GRPO's per-token advantages written into its samples."""
-    per_token = turn_advantages(group.samples, group.rewards or [], algo.gamma, algo.norm_adv_by_std)
-    if group.zero_advantage is not None:
-        per_token = [None if zero else a for a, zero in zip(per_token, group.zero_advantage, strict=True)]
-    samples = [s if a is None else replace(s, advantages=a) for s, a in zip(group.samples, per_token, strict=True)]
-    return replace(group, samples=samples)
-
-
-def _with_step_advantages(group: Group, advantages: list[float], algo: AlgoConfig) -> Group:
-    """The group with GiGPO's per-token advantages written into its samples."""
-    per_token = step_advantages(
-        group.prompt.prompt_ids,
-        group.samples,
-        group.rewards or [],
-        advantages,
-        algo.gigpo.step_advantage_w,
-        algo.norm_adv_by_std,
-    )
+def _with_token_advantages(group: Group, per_token: list[list[float] | None]) -> Group:
+    """The group with per-token advantages (gigpo's, turn_grpo's) written into its samples;
+    None, or a sample whose advantage is forced to 0, keeps the group advantage."""
     if group.zero_advantage is not None:
         per_token = [None if zero else a for a, zero in zip(per_token, group.zero_advantage, strict=True)]
     samples = [s if a is None else replace(s, advantages=a) for s, a in zip(group.samples, per_token, strict=True)]
