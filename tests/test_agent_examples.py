@@ -1,11 +1,9 @@
 """The two agent examples, run as a user runs them (`python examples/agent_*.py --run-dir
 DIR`): `polyrl train` with two workers and the manager on the tiny model, on CPU.
 
-The issue's bar (last-20% reward at least 0.8) is not reached yet (BENCHMARKS.md, "Agent
-episodes through the fleet on the CPU"); what is checked here is that the tool example
-learns its first skill, the call, in 80 steps, and that the game runs its three-move
-episodes fully asynchronously, both with no episode failed and no sample lost; and that
-a crashed agent run resumes to the same steps as an uninterrupted one."""
+Each learns to the main job's bar, with no episode failed and no sample lost; the game
+runs its three-move episodes fully asynchronously with LoRA; and a crashed agent run
+resumes to the same steps as an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -29,15 +27,18 @@ def run_example(example: str, run_dir: Path, *overrides: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_the_tool_example_learns_to_call_the_tool(tmp_path: Path) -> None:
-    # deterministic, so the bar is checked against a known run: 80 steps end at 0.339 on the
-    # 2-core box (a 60-step run ended at 0.23 in CI: the cosine schedule follows total_steps)
-    rows = run_example("agent_tool", tmp_path / "run", "trainer.total_steps=80", "rollout.deterministic=true")
+@pytest.mark.parametrize(("example", "steps"), [("agent_tool", 120), ("agent_game", 80)])
+def test_the_example_learns_to_the_main_jobs_bar(example: str, steps: int, tmp_path: Path) -> None:
+    """The issue's bar, as the main job's: the last 20% of the steps average at least 0.8
+    and at least 0.4 above step 1. The runs are deterministic (one sampling seed per call),
+    so the bar is checked against known runs on the 2-core box: the tool example's 120
+    steps (its default) go from 0.006 to 0.92, the game's 80 from 0.02 to 0.93 (0.99
+    with 120)."""
+    rows = run_example(example, tmp_path / "run", "rollout.deterministic=true", f"trainer.total_steps={steps}")
     rewards = [r["critic/score/mean"] for r in rows]
     tail = rewards[int(len(rewards) * 0.8) :]
-    # 0.3 is the call's share: a model that never calls the tool stays below it
     last = sum(tail) / len(tail)
-    assert last >= 0.25 and last >= rewards[0] + 0.2, rewards[::5]
+    assert last >= 0.8 and last >= rewards[0] + 0.4, rewards[::5]
 
 
 @pytest.mark.slow
@@ -53,6 +54,11 @@ def test_the_game_example_plays_three_moves_fully_async(tmp_path: Path) -> None:
         "rollout.fully_async=true",
         "rollout.max_staleness=1",
         "engine.max_num_seqs=4",  # the fleet is the bottleneck: publishes find episodes running
+        # the main job's model and longer replies, so that episodes last long enough to span
+        # versions (with the example's wider model and 4-token replies none did in one run)
+        "model.tiny.hidden_size=96",
+        "model.tiny.intermediate_size=192",
+        "rollout.max_new_tokens=6",
         "model.lora.enabled=true",
     )
     assert len(rows) == 4
