@@ -21,11 +21,15 @@ where A_step is (R_i - mean of its step group), divided by the step group's std 
 `algo.norm_adv_by_std`, and 0 when no other episode shares the context. The first call
 of every episode shares the group's prompt, so its step group is the whole group, as in
 GiGPO.
+
+`turn_advantages` (`algo.adv_estimator = "turn_grpo"`) groups calls by their turn instead,
+over a return per call, for episodes that reward each call.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -73,7 +77,7 @@ def step_advantages(
     """Per sample, its per-token advantages (`Sample.advantages` layout), or None where
     the sample keeps one advantage for all its tokens (it brings its own, or is empty).
     A step group's advantages are GRPO's own rule (`group_advantages`) over its returns."""
-    spans = [call_spans(s) if s.advantages is None else [] for s in samples]
+    spans = _trained_spans(samples)
     keys = [
         _context_keys(s.prompt_ids if s.prompt_ids is not None else prompt_ids, s, sp) if sp else []
         for s, sp in zip(samples, spans, strict=True)
@@ -82,21 +86,9 @@ def step_advantages(
     for i, sample_keys in enumerate(keys):
         for k, key in enumerate(sample_keys):
             members[key].append((i, k))
-    step: dict[tuple[int, int], float] = {}  # (sample, call) -> its step-level advantage
-    for group in members.values():
-        returns = torch.tensor([[rewards[i] for i, _ in group]], dtype=torch.float64)
-        # a group of one has no baseline: group_advantages gives it 0
-        step.update(zip(group, group_advantages(returns, norm_by_std)[0].tolist(), strict=True))
-    out: list[list[float] | None] = []
-    for i, s in enumerate(samples):
-        if not spans[i]:
-            out.append(None)
-            continue
-        per_token = [episode_advantages[i]] * len(s.completion_ids)
-        for k, (start, end) in enumerate(spans[i]):
-            per_token[start:end] = [episode_advantages[i] + weight * step[i, k]] * (end - start)
-        out.append(per_token)
-    return out
+    # a group of one has no baseline: group_advantages gives it 0
+    step = _grouped_advantages(members.values(), lambda i, k: rewards[i], norm_by_std)
+    return _spread(samples, spans, episode_advantages, lambda i, k: episode_advantages[i] + weight * step[i, k])
 
 
 def turn_returns(sample: Sample, num_calls: int, reward: float, gamma: float) -> list[float]:
@@ -124,23 +116,49 @@ def turn_advantages(
     other episodes of its item, so a move's own success is not averaged with the other
     moves' (which, under one episode advantage, every token of it would carry as noise).
     None where a sample brings its own advantages or has no call."""
-    spans = [call_spans(s) if s.advantages is None else [] for s in samples]
+    spans = _trained_spans(samples)
     returns = [turn_returns(s, len(sp), r, gamma) for s, sp, r in zip(samples, spans, rewards, strict=True)]
-    by_turn: dict[int, list[int]] = defaultdict(list)  # turn -> the samples that have it
+    by_turn: dict[int, list[tuple[int, int]]] = defaultdict(list)  # turn -> (sample, call)
     for i, sp in enumerate(spans):
         for k in range(len(sp)):
-            by_turn[k].append(i)
-    advantage: dict[tuple[int, int], float] = {}  # (sample, call) -> its advantage
-    for k, members in by_turn.items():
-        turn = torch.tensor([[returns[i][k] for i in members]], dtype=torch.float64)
-        advantage.update(zip(((i, k) for i in members), group_advantages(turn, norm_by_std)[0].tolist(), strict=True))
+            by_turn[k].append((i, k))
+    advantage = _grouped_advantages(by_turn.values(), lambda i, k: returns[i][k], norm_by_std)
+    # untrained tokens (the environment's) keep 0
+    return _spread(samples, spans, [0.0] * len(samples), lambda i, k: advantage[i, k])
+
+
+def _trained_spans(samples: list[Sample]) -> list[list[tuple[int, int]]]:
+    """Each sample's calls (`call_spans`); none for a sample that brings its own advantages."""
+    return [call_spans(s) if s.advantages is None else [] for s in samples]
+
+
+def _grouped_advantages(
+    groups: Iterable[list[tuple[int, int]]], value: Callable[[int, int], float], norm_by_std: bool
+) -> dict[tuple[int, int], float]:
+    """GRPO's rule (`group_advantages`) within each group of (sample, call) pairs, over
+    `value(sample, call)`."""
+    out: dict[tuple[int, int], float] = {}
+    for group in groups:
+        values = torch.tensor([[value(i, k) for i, k in group]], dtype=torch.float64)
+        out.update(zip(group, group_advantages(values, norm_by_std)[0].tolist(), strict=True))
+    return out
+
+
+def _spread(
+    samples: list[Sample],
+    spans: list[list[tuple[int, int]]],
+    fill: list[float],
+    per_call: Callable[[int, int], float],
+) -> list[list[float] | None]:
+    """Per sample, `fill[i]` on every completion token and `per_call(i, k)` on call k's;
+    None for a sample without calls."""
     out: list[list[float] | None] = []
     for i, s in enumerate(samples):
         if not spans[i]:
             out.append(None)
             continue
-        per_token = [0.0] * len(s.completion_ids)  # untrained tokens (the environment's) keep 0
+        per_token = [fill[i]] * len(s.completion_ids)
         for k, (start, end) in enumerate(spans[i]):
-            per_token[start:end] = [advantage[i, k]] * (end - start)
+            per_token[start:end] = [per_call(i, k)] * (end - start)
         out.append(per_token)
     return out
