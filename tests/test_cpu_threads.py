@@ -62,6 +62,29 @@ def test_threads_leave_the_cores_others_keep_busy() -> None:
         torch.set_num_threads(before)
 
 
+@needs_cores
+def test_each_micro_batch_is_measured_so_the_count_moves_within_a_mini_batch() -> None:
+    """The learner measures each micro-batch (`each_measured`), so a worker that starts
+    decoding beside it takes a thread within the mini-batch, not after it."""
+    from polyrl.cpu_threads import each_measured, process_threads
+
+    before = torch.get_num_threads()
+    governor = process_threads()
+    try:
+        governor.__init__(max_threads=2)
+        torch.set_num_threads(2)
+        governor.threads = 2
+        counts = []
+        with busy_cores(CORES - 1):
+            for _ in each_measured(range(40), torch.device("cpu")):
+                _work()
+                counts.append(torch.get_num_threads())
+        assert counts[0] == 2 and counts[-1] == 1, counts
+    finally:
+        governor.__init__()
+        torch.set_num_threads(before)
+
+
 def test_threads_come_back_when_cores_idle_and_go_when_they_wait() -> None:
     """The rule on given measurements (a real idle core can't be promised on a shared
     machine): idle cores add a thread up to the start's count, run-queue wait takes one."""

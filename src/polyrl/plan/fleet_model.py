@@ -110,7 +110,7 @@ class Prediction:
         return self.tokens_per_s * 3600 / self.usd_per_hour
 
 
-@dataclass
+@dataclass(eq=False)
 class _Group:
     length: int
     samples_left: int
@@ -119,7 +119,7 @@ class _Group:
     ready_at: float | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
     group: _Group
     left: int
@@ -130,7 +130,7 @@ class _Seq:
     """Its engine's decode-step count when it joined."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Actor:
     """One process that does work on a shared device."""
 
@@ -141,7 +141,7 @@ class _Actor:
     busy: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class _Engine(_Actor):
     name: str = ""
     slots: int = 256
