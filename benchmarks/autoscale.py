@@ -5,9 +5,11 @@ launched workers) with a length curriculum: every sample is `--long` tokens for 
 first half of the steps, then `--short` tokens (`rollout.max_new_tokens_schedule`,
 `rollout.ignore_eos`, so the lengths are known). Fixed fleets of each size in
 `--fixed` run it, then an autoscaled one (`fleet.autoscale`, starting at the smallest
-size). Per half: tokens per dollar (the run's own `cost/*` metrics: the trainer's and
-each worker's price), the mean step time and the mean number of workers. The last
-table compares the autoscaled run with the best fixed size of each half.
+size), once on the fleet model over a calibration made first (`polyrl plan calibrate
+--served`, `fleet.autoscale.calibration`) and once on Amdahl's law. Per half: tokens
+per dollar (the run's own `cost/*` metrics: the trainer's and each worker's price), the
+mean step time and the mean number of workers. The last lines compare each autoscaled
+run with the best fixed size of each half.
 
     python benchmarks/autoscale.py --steps 40 --fixed 1 2 3 --json autoscale.json
 """
@@ -53,6 +55,15 @@ def run(name: str, overrides: list[str], work: Path, steps: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def calibrate(work: Path, overrides: list[str]) -> Path:
+    """`polyrl plan calibrate --served` for the run `overrides` describe (kept in `work`)."""
+    path = work / "calibration.json"
+    if not path.exists():
+        cmd = [sys.executable, "-m", "polyrl.cli", "plan", "calibrate", "--served", "--out", str(path), *overrides]
+        subprocess.run(cmd, check=True)
+    return path
+
+
 def halves(rows: list[dict], half: int) -> list[dict]:
     out = []
     for part in (rows[:half], rows[half:]):
@@ -77,6 +88,13 @@ def main() -> None:
     p.add_argument("--short", type=int, default=4, help="tokens per sample in the second half")
     p.add_argument("--fixed", type=int, nargs="+", default=[1, 2, 3], help="fixed fleet sizes to compare")
     p.add_argument("--interval-steps", type=int, default=3, help="fleet.autoscale.interval_steps")
+    p.add_argument(
+        "--scalers",
+        nargs="+",
+        choices=["model", "amdahl"],
+        default=["model", "amdahl"],
+        help="model: the fleet model over a calibration made first (fleet.autoscale.calibration); amdahl: without",
+    )
     p.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -100,9 +118,13 @@ def main() -> None:
         f"fleet.autoscale.max_workers={max(args.fixed)}",
         f"fleet.autoscale.interval_steps={args.interval_steps}",
     ]
-    rows = run("autoscaled", auto, work, args.steps)
-    results["autoscaled"] = halves(rows, half)
-    trajectory = [r["training/num_workers"] for r in rows]
+    trajectories: dict[str, list[float]] = {}
+    for scaler in args.scalers:
+        name = f"autoscaled, {'fleet model' if scaler == 'model' else 'Amdahl'}"
+        extra = [f"fleet.autoscale.calibration={calibrate(work, common)}"] if scaler == "model" else []
+        rows = run(f"autoscaled_{scaler}", [*auto, *extra], work, args.steps)
+        results[name] = halves(rows, half)
+        trajectories[name] = [r["training/num_workers"] for r in rows]
 
     print(f"\n{args.steps} steps: {args.long}-token samples, then {args.short} from step {half + 1}; runs in {work}")
     print("| fleet | long half tokens/$ | step s | workers | short half tokens/$ | step s | workers |")
@@ -112,17 +134,20 @@ def main() -> None:
             f"| {name} | {a['tokens_per_usd']:,.0f} | {a['step_s']:.2f} | {a['workers']:.1f} | "
             f"{b['tokens_per_usd']:,.0f} | {b['step_s']:.2f} | {b['workers']:.1f} |"
         )
-    print(f"\nautoscaled workers per step: {' '.join(str(int(w)) for w in trajectory)}")
+    for name, trajectory in trajectories.items():
+        print(f"\n{name}: workers per step: {' '.join(str(int(w)) for w in trajectory)}")
     compare = []
+    fixed = [k for k in results if k.startswith("fixed")]
     for i, label in enumerate(("long", "short")):
-        best_name = max((k for k in results if k != "autoscaled"), key=lambda k: results[k][i]["tokens_per_usd"])
+        best_name = max(fixed, key=lambda k: results[k][i]["tokens_per_usd"])
         best = results[best_name][i]["tokens_per_usd"]
-        ratio = results["autoscaled"][i]["tokens_per_usd"] / best
-        compare.append({"half": label, "best_fixed": best_name, "autoscaled_vs_best": ratio})
-        print(f"{label} half: best fixed is {best_name}; autoscaled gets {ratio:.2f}x its tokens per dollar")
+        for name in trajectories:
+            ratio = results[name][i]["tokens_per_usd"] / best
+            compare.append({"half": label, "scaler": name, "best_fixed": best_name, "autoscaled_vs_best": ratio})
+            print(f"{label} half: best fixed is {best_name}; {name} gets {ratio:.2f}x its tokens per dollar")
     if args.json:
         out = {"steps": args.steps, "long": args.long, "short": args.short, "results": results}
-        args.json.write_text(json.dumps(out | {"trajectory": trajectory, "compare": compare}, indent=1))
+        args.json.write_text(json.dumps(out | {"trajectories": trajectories, "compare": compare}, indent=1))
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from autoscale import quiet_run, run  # noqa: E402  (benchmarks/autoscale.py: a `polyrl train` run, read back)
+from autoscale import calibrate, quiet_run, run  # noqa: E402  (benchmarks/autoscale.py: a `polyrl train` run, read back)
 
 from polyrl.config import load_config  # noqa: E402
 from polyrl.plan.calibration import Calibration  # noqa: E402
@@ -51,11 +50,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="polyrl-plan-"))
     work.mkdir(parents=True, exist_ok=True)
     overrides = quiet_run(args.steps, args.length)
-    cal_path = work / "calibration.json"
-    subprocess.run(
-        [sys.executable, "-m", "polyrl.cli", "plan", "calibrate", "--served", "--out", str(cal_path), *overrides],
-        check=True,
-    )
+    cal_path = calibrate(work, overrides)
     cal = Calibration.load(cal_path)
     rows = []
     for n in args.workers:

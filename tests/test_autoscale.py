@@ -125,3 +125,58 @@ def test_a_run_with_more_workers_than_its_target_needs_retires_the_oldest(tmp_pa
     assert rows[-1]["fleet/retired"] == 1 and rows[-1]["fleet/launched"] == 2, rows[-1]
     assert rows[-1]["fleet/autoscale_target"] == 1
     assert rows[-1]["training/num_workers"] == 1 and max(r["training/num_workers"] for r in rows) == 2
+
+
+def planned(decode: list[tuple[int, float]], **cfg: object) -> Autoscaler:
+    """A scaler on the fleet model: a run of 16 prompts x 4 samples, one mini-batch."""
+    from test_plan import cal
+
+    from polyrl.launch.autoscale import FleetPlanner
+    from polyrl.plan.calibration import DecodePoint
+
+    run = load_config(None, ["trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=16", "rollout.n=4"])
+    rates = cal(decode=[DecodePoint(batch=b, step_s=s) for b, s in decode], learner_tokens_per_s=1e5)
+    return Autoscaler(AutoscaleConfig(enabled=True, **cfg), 10.0, 2.5, planner=FleetPlanner(run, rates))
+
+
+def lengths(metrics: dict[str, float], response: float) -> dict[str, float]:
+    return metrics | {"prompt_length/mean": 5.0, "response_length/mean": response, "response_length/max": response}
+
+
+def test_the_fleet_model_sees_that_one_worker_holds_a_batch_at_no_extra_cost() -> None:
+    """A decode step as long at batch 64 as at 1 (a GPU well under its memory roofline):
+    one worker decodes the whole step's 64 samples as fast as four would, so the model
+    keeps one. Amdahl's law sees a busy worker and adds another."""
+    metrics = lengths(step(1.2, 0.05, 1), 100)
+    amdahl = scaler(min_workers=1, max_workers=4, interval_steps=1)
+    assert amdahl.observe(metrics).target == 2  # type: ignore[union-attr]
+    model = planned([(1, 0.01), (64, 0.01)], min_workers=1, max_workers=4, interval_steps=1)
+    assert model.observe(metrics) is None
+    assert model.step_s(StepCost(1.2, 0.06, 1e5, 1, 5, 100, 100), [1, 4]) == pytest.approx({1: 1.2, 4: 1.2})
+
+
+def test_the_fleet_model_grows_toward_its_best_size_one_worker_at_a_time() -> None:
+    """A decode step that grows with its batch (compute-bound, as on a CPU): four workers
+    split the batch and cut generation to a quarter, worth their price here."""
+    s = planned([(1, 0.001), (64, 0.064)], min_workers=1, max_workers=4, interval_steps=1)
+    # measured: the model's step (6.4 s of decoding, 0.07 s of learning) and 0.5 s it leaves out
+    first = s.observe(lengths(step(6.97, 0.0, 1, tokens=6720), 100))
+    assert first is not None and first.target == 2 and "fleet model for 4" in first.reason
+    steps = s.step_s(StepCost(6.97, 0.0, 6720, 1, 5, 100, 100), [1, 2, 4])
+    assert steps[1] == 6.97  # measured
+    assert steps[2] == pytest.approx(3.2 + 0.07 + 0.5, rel=0.02)  # the model's, plus what it leaves out
+    assert steps[4] == pytest.approx(1.6 + 0.07 + 0.5, rel=0.02)
+
+
+def test_the_run_reads_its_calibration_file_and_names_a_bad_one(tmp_path: Path) -> None:
+    from test_plan import cal
+
+    from polyrl.launch.autoscale import autoscaler_for
+
+    good = tmp_path / "cal.json"
+    cal().save(good)
+    on = ["fleet.autoscale.enabled=true", f"fleet.autoscale.calibration={good}"]
+    assert autoscaler_for(load_config(None, on), world_size=1).planner is not None  # type: ignore[union-attr]
+    assert autoscaler_for(load_config(None, on[:1]), world_size=1).planner is None  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="calibration file .*missing.json"):
+        autoscaler_for(load_config(None, [on[0], f"fleet.autoscale.calibration={tmp_path / 'missing.json'}"]), 1)

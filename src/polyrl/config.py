@@ -728,6 +728,11 @@ class AutoscaleConfig(_Section):
     """One worker fewer is tried when predicted to cost less than this fraction."""
     hold_steps: int = Field(16, ge=0)
     """Steps a size that a measurement refuted is not tried again."""
+    calibration: str | None = None
+    """A calibration file (`polyrl plan calibrate`): predict each size with the fleet model
+    (`polyrl plan`) over the steps' own workload, and move toward the best. None: Amdahl's
+    law over the fleet's measured busy time (it cannot see a batch's decode curve, the
+    long tail, or cores the workers share)."""
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscaleConfig:
