@@ -6,7 +6,8 @@ first half of the steps, then `--short` tokens (`rollout.max_new_tokens_schedule
 `rollout.ignore_eos`, so the lengths are known). Fixed fleets of each size in
 `--fixed` run it, then an autoscaled one (`fleet.autoscale`, starting at the smallest
 size), once on the fleet model over a calibration made first (`polyrl plan calibrate
---served`, `fleet.autoscale.calibration`) and once on Amdahl's law. Per half: tokens
+--served`, `fleet.autoscale.calibration`) and once on Amdahl's law (`--scalers`; `target`
+adds a run that keeps the step under `--target-step-s` instead). Per half: tokens
 per dollar (the run's own `cost/*` metrics: the trainer's and each worker's price), the
 mean step time and the mean number of workers. The last lines compare each autoscaled
 run with the best fixed size of each half.
@@ -91,10 +92,12 @@ def main() -> None:
     p.add_argument(
         "--scalers",
         nargs="+",
-        choices=["model", "amdahl"],
+        choices=["model", "amdahl", "target"],
         default=["model", "amdahl"],
-        help="model: the fleet model over a calibration made first (fleet.autoscale.calibration); amdahl: without",
+        help="model: the fleet model over a calibration made first (fleet.autoscale.calibration); amdahl: "
+        "without; target: the fleet model keeping the step under --target-step-s with the fewest workers",
     )
+    p.add_argument("--target-step-s", type=float, default=2.5, help="fleet.autoscale.target_step_s of `target`")
     p.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -120,8 +123,14 @@ def main() -> None:
     ]
     trajectories: dict[str, list[float]] = {}
     for scaler in args.scalers:
-        name = f"autoscaled, {'fleet model' if scaler == 'model' else 'Amdahl'}"
-        extra = [f"fleet.autoscale.calibration={calibrate(work, common)}"] if scaler == "model" else []
+        name = {
+            "model": "autoscaled, fleet model",
+            "amdahl": "autoscaled, Amdahl",
+            "target": f"autoscaled, fleet model, step <= {args.target_step_s:g} s",
+        }[scaler]
+        extra = [] if scaler == "amdahl" else [f"fleet.autoscale.calibration={calibrate(work, common)}"]
+        if scaler == "target":
+            extra.append(f"fleet.autoscale.target_step_s={args.target_step_s}")
         rows = run(f"autoscaled_{scaler}", [*auto, *extra], work, args.steps)
         results[name] = halves(rows, half)
         trajectories[name] = [r["training/num_workers"] for r in rows]

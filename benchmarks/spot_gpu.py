@@ -965,7 +965,26 @@ def main() -> None:
         help="the same for each spot worker, {part} and {worker} replaced",
     )
     p.add_argument("--capacity-levels", default="128,256,512", help="standin: sequences in flight to measure")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="first calibrate the fleet model (`polyrl plan calibrate`) under the rows' own split, then print "
+        "its prediction of each throughput row beside the measured one",
+    )
+    p.add_argument(
+        "--plan-pull-gbps",
+        type=float,
+        default=100.0,
+        help="--plan: the spot worker's pull rate over loopback (benchmarks/transfer.py: 12-17 GB/s on such hosts)",
+    )
+    p.add_argument(
+        "--plan-calibrations",
+        type=Path,
+        help="--plan: take calibration_half.json / calibration_whole.json from this directory where they are "
+        "(an earlier run's, on the same kind of machine) and make only the missing one",
+    )
     args = p.parse_args()
+    args.plan_rows = {}
     if args.one_gpu:
         args.split = "one"
     parts = args.only.split(",")
@@ -984,7 +1003,14 @@ def main() -> None:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         results = run_parts(parts, args, work)
-    report(results, args)
+        report(results, args)
+        if args.plan:
+            plan = plan_report(results, args)
+            if args.json:
+                out = json.loads(args.json.read_text())
+                out["plan"] = plan
+                out["calibrations"] = {k: json.loads(v.read_text()) for k, v in args.calibrations.items()}
+                args.json.write_text(json.dumps(out, indent=1, default=str))
 
 
 def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Result]:
@@ -1011,6 +1037,9 @@ def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Re
         shape = parse_shape(args.learn_shape)
         name = "learn_" + "_".join(f"{k}{v}" for k, v in sorted(shape.items()))
         learn_model = tiny_model(work / name, args.new_tokens + 128, **shape)
+    args.budgets = budgets
+    if args.plan:
+        args.calibrations = plan_calibrations(parts, args, work, model, data)
     print(
         f"long-tail budgets: median {np.median(budgets):.0f}, p90 {np.percentile(budgets, 90):.0f}, "
         f"p99 {np.percentile(budgets, 99):.0f}, max {max(budgets)}, mean {np.mean(budgets):.0f}",
@@ -1111,7 +1140,93 @@ def throughput_part(
         shutil.rmtree(work / part / saved, ignore_errors=True)
     res = summarise(part, rows, args.warmup, wall, notes, args.warmup + args.steps)
     res.workload = workload
+    prompts = [r["prompt_length/mean"] for r in rows if "prompt_length/mean" in r]
+    args.plan_rows[part] = (overrides, kill, float(np.mean(prompts)) if prompts else 8.0)
     return res
+
+
+# ------------------------------------------------------------------------------ the fleet model
+
+
+def plan_calibrations(
+    parts: list[str], args: argparse.Namespace, work: Path, model: Path, data: dict[str, Path]
+) -> dict[str, Path]:
+    """`polyrl plan calibrate` for the rows: `half` as the trainer's half and the spot
+    worker run (under this split's MPS, each at 50%: the worker served, its context cost,
+    and the two halves busy at once), `whole` as `colocated_whole` runs."""
+    base = [*throughput_overrides(args, model, "local", free_port(), data["longtail"], True), *args.set]
+    mean_len = int(np.mean(args.budgets))
+    common = ["--context", "512", "--batches", "1", "16", "64", "256", "512", "--learner-tokens", str(mean_len + 8)]
+    out = {}
+    for name, whole in (("half", False), ("whole", True)):
+        if whole and "colocated_whole" not in parts:
+            continue
+        path = work / f"calibration_{name}.json"
+        given = args.plan_calibrations / path.name if args.plan_calibrations else None
+        if given is not None and given.exists():
+            out[name] = given
+            print(f"== calibrate ({name}): {given}", flush=True)
+            continue
+        extra = [] if whole else ["--served", *(["--corun"] if args.device == "cuda" else [])]
+        cmd = [sys.executable, "-m", "polyrl.cli", "plan", "calibrate", "--out", str(path), *common, *extra]
+        cmd += ["--pull-gbps", str(args.plan_pull_gbps), *base]
+        print(f"== calibrate ({name})", flush=True)
+        with part_placement(args, work / f"calibrate_{name}"):
+            env = os.environ | args.placement.env("trainer", whole)
+            with open(work / f"calibrate_{name}.log", "wb") as log:
+                done = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
+        if done.returncode != 0:
+            print((work / f"calibrate_{name}.log").read_text(errors="replace")[-3000:], flush=True)
+            raise SystemExit(f"calibrate ({name}) failed")
+        out[name] = path
+    return out
+
+
+def plan_report(results: list[Result], args: argparse.Namespace) -> list[dict]:
+    """Each throughput row's s/step beside the fleet model's prediction of it: the row's
+    own config (`fleet_of`), the engines' KV caches, its kill, the budgets it drew."""
+    import dataclasses
+
+    from polyrl.config import load_config
+    from polyrl.plan.calibration import Calibration
+    from polyrl.plan.command import fleet_of
+    from polyrl.plan.fleet_model import Workload, predict
+
+    cals = {k: Calibration.load(v) for k, v in args.calibrations.items()}
+    out = []
+    for r in results:
+        if r.part not in args.plan_rows or not r.steps:
+            continue
+        overrides, kill, prompt = args.plan_rows[r.part]
+        cal = cals["whole" if r.part == "colocated_whole" else "half"]
+        cfg = load_config(None, overrides)
+        workers = 0 if cfg.rollout.mode == "local" else 1
+        spot = load_config(None, [*engine_overrides(args, args.worker_kv_blocks), *args.worker_set]).engine
+        fleet = dataclasses.replace(
+            fleet_of(cfg, workers, on_cpu=args.device == "cpu"),
+            max_num_seqs=min(spot.max_num_seqs, cfg.manager.max_inflight_per_worker),  # the spot's own engine
+            kv_tokens=args.worker_kv_blocks * cfg.engine.block_size if args.worker_kv_blocks else None,
+            trainer_kv_tokens=cfg.engine.num_kv_blocks * cfg.engine.block_size or None,
+            kill_in_step=kill,
+            restart_s=args.restart_after_s + cal.worker_start_s,
+        )
+        t = cfg.trainer
+        work = Workload(
+            t.train_batch_size,
+            cfg.rollout.n,
+            round(prompt),
+            tuple(args.budgets),
+            t.train_batch_size // t.ppo_mini_batch_size,
+        )
+        p = predict(cal, work, fleet, steps=args.steps, warmup=args.warmup)
+        out.append(
+            {"part": r.part, "measured_s": r.s_per_step, "predicted_s": p.step_s, "error": p.step_s / r.s_per_step - 1}
+        )
+    print("\nthe fleet model (polyrl plan) against the rows:")
+    print("| row | measured s/step | predicted s/step | error |\n|---|---|---|---|")
+    for row in out:
+        print(f"| {row['part']} | {row['measured_s']:.2f} | {row['predicted_s']:.2f} | {row['error']:+.0%} |")
+    return out
 
 
 def report(results: list[Result], args: argparse.Namespace) -> None:
@@ -1210,7 +1325,8 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
         for note in r.notes:
             print(f"    {r.part}: {note}")
     if args.json:
-        out = {k: v for k, v in vars(args).items() if k != "placement"}
+        skip = ("placement", "plan_rows", "budgets", "calibrations")
+        out = {k: v for k, v in vars(args).items() if k not in skip}
         args.json.write_text(json.dumps({"args": out, "results": [asdict(r) for r in results]}, indent=1, default=str))
 
 

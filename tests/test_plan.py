@@ -120,8 +120,9 @@ def test_calibrate_measures_this_machines_engine_and_learner() -> None:
     from polyrl.config import load_config
     from polyrl.plan.calibrate import calibrate
 
-    c = calibrate(load_config(None, ["rollout.max_new_tokens=8"]), batches=(1, 4), new_tokens=4, repeats=1)
+    c = calibrate(load_config(None, ["rollout.max_new_tokens=8"]), batches=(1, 4), new_tokens=4, repeats=1, context=32)
     assert [p.batch for p in c.decode] == [1, 4]
+    assert c.decode_context == 8 + 4 / 2 and c.decode_kv_s_per_token >= 0  # timed with 32 more tokens of prompt
     assert all(p.step_s > 0 for p in c.decode)
     assert c.learner_tokens_per_s > 0 and c.prefill_tokens_per_s > 0
     assert c.version_bytes > 0
@@ -153,3 +154,46 @@ def test_the_trainers_own_engine_decodes_at_its_own_rate() -> None:
     assert c.decode_step_s(8) == 0.01 and c.decode_step_s(8, trainer=True) == 0.005
     p = predict(c, Workload.fixed(4, 2, 5, 100), Fleet(0, "colocated"), steps=2)
     assert p.step_s == pytest.approx(100 * 0.005 + 840 / 10_000, rel=1e-6)
+
+
+def test_a_decode_step_reads_the_context_its_batch_holds() -> None:
+    # one sample of 10 tokens after a 105-token prompt: step i holds 105 + i tokens, 100 more
+    # than the calibration's own context, at 1 us a token
+    c = cal(decode_context=5, decode_kv_s_per_token=1e-6)
+    p = predict(c, Workload.fixed(1, 1, 105, 10), Fleet(1, "remote"), steps=1, warmup=0)
+    assert p.step_s == pytest.approx(10 * 0.01 + 1e-6 * (10 * 100 + 45) + 115 / 10_000, rel=1e-6)
+    assert c.decode_step_s(1, context=0) == pytest.approx(0.01 - 5e-6)
+
+
+def test_a_full_kv_cache_sends_sequences_back_and_loses_none() -> None:
+    work = Workload.fixed(8, 4, 5, 100)
+    roomy = FleetModel(cal(), work, Fleet(1, "remote"))
+    tight = FleetModel(cal(), work, Fleet(1, "remote", kv_tokens=1000))
+    a, b = roomy.run(2, warmup=0), tight.run(2, warmup=0)
+    assert roomy.kv_preemptions == 0 and tight.kv_preemptions > 0
+    assert b.tokens_per_step == a.tokens_per_step  # every sample finished
+    assert b.step_s > a.step_s  # fewer sequences at once, and the moved ones computed again
+
+
+def test_a_worker_killed_in_a_step_makes_that_step_longer_and_loses_nothing() -> None:
+    work = Workload.fixed(8, 4, 5, 100)
+    calm = FleetModel(cal(), work, Fleet(2, "remote")).run(4, warmup=0)
+    model = FleetModel(cal(), work, Fleet(2, "remote", kill_in_step=3, restart_s=0.5))
+    killed = model.run(4, warmup=0)
+    assert killed.steps[2] > calm.steps[2] and killed.steps[:2] == calm.steps[:2]
+    assert killed.tokens_per_step == calm.tokens_per_step
+    assert model.engines[0].up  # back after restart_s
+
+
+def test_clients_of_one_gpu_cost_each_other_what_was_measured() -> None:
+    # 2 mini-batches: the learner trains the short groups' while the worker decodes the long
+    work = Workload(4, 2, 5, (10, 10, 100, 100), mini_batches=2)
+    apart = predict(cal(learner_tokens_per_s=1_000), work, Fleet(1, "remote"), steps=2)
+    free = predict(cal(learner_tokens_per_s=1_000, shared_gpu=True), work, Fleet(1, "remote"), steps=2)
+    slowed = cal(learner_tokens_per_s=1_000, shared_gpu=True, engine_slowdown_beside_learner=1.0)
+    both = predict(slowed, work, Fleet(1, "remote"), steps=2)
+    assert free.step_s == pytest.approx(apart.step_s)  # nothing measured between them: side by side
+    assert both.step_s > apart.step_s
+    # colocated, the trainer's engine and its learner take turns: nothing to share
+    alone = predict(cal(learner_tokens_per_s=1_000), work, Fleet(0, "colocated"), steps=2)
+    assert predict(slowed, work, Fleet(0, "colocated"), steps=2).step_s == pytest.approx(alone.step_s)

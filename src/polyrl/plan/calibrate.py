@@ -76,6 +76,7 @@ class _ServedWorker:
         from polyrl.launch.fleet import worker_env
 
         self.cfg, self.vocab = cfg, vocab
+        started = time.perf_counter()
         self.worker_cores: list[float] = []
         self.reader_s_per_token: list[float] = []
         with socket.socket() as s:
@@ -83,6 +84,8 @@ class _ServedWorker:
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "polyrl.cli", "worker", "--model", str(model_dir), "--host", "127.0.0.1"]
         cmd += ["--port", str(port), f"engine.max_num_seqs={max_num_seqs}"]
+        if cfg.engine.num_kv_blocks:  # the run's KV cache, not a share of what the GPU has free
+            cmd.append(f"engine.num_kv_blocks={cfg.engine.num_kv_blocks}")
         env = worker_env(_TOKEN, cfg.fleet.worker_threads)
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{port}"
@@ -93,6 +96,8 @@ class _ServedWorker:
                     raise RuntimeError(f"the calibration's worker exited with {self.proc.returncode}")
                 with contextlib.suppress(httpx.HTTPError):
                     if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                        self.start_s = time.perf_counter() - started
+                        """From its start to serving: a replacement's time to come up."""
                         break
                 if time.monotonic() > deadline:
                     raise RuntimeError("the calibration's worker did not come up in 120 s")
@@ -165,12 +170,22 @@ def calibrate(
     learner_lengths: tuple[int, ...] = (),
     repeats: int = 3,
     served: bool = False,
+    context: int = 0,
+    corun: bool = False,
+    pull_gbps: float = 10.0,
 ) -> Calibration:
     """Rates of `cfg`'s model on `cfg.trainer.device`. `learner_lengths`: the sequences of
     one timed mini-batch (prompt and response tokens); by default the run's own, one
     mini-batch of `rollout.max_new_tokens` samples. `served`: time decoding through a real
     worker process and its HTTP stream, as the manager drives it (on a CPU host the
-    serving path costs about as much as the model: BENCHMARKS.md), not the bare engine."""
+    serving path costs about as much as the model: BENCHMARKS.md), not the bare engine.
+    `context`: also time a batch whose prompts are this much longer, for the decode
+    step's cost per token of context (`decode_kv_s_per_token`; on a GPU at RL lengths the
+    KV reads outweigh the weights), and the prefill rate of those prompts. `corun`
+    (with `served`, on a GPU): time the worker's decoding while the learner trains in
+    this process, for what clients of one GPU cost each other (`shared_gpu`: run it with
+    MPS, each process at its share of the SMs). `pull_gbps`: the workers' link, recorded
+    as given."""
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="polyrl-calibrate-") as tmp:
         init = Path(cfg.model.path) if cfg.model.path else Path(tmp) / "init"  # as `polyrl train` picks it
@@ -179,14 +194,48 @@ def calibrate(
         vocab = policy.model.config.vocab_size
         engine_threads = cfg.fleet.worker_threads if device.type == "cpu" else threads
         worker = None
+        kv_s = 0.0
+        room = getattr(policy.model.config, "max_position_embeddings", None)
+        if context and room:  # the longer prompts and their tokens must fit the model's positions
+            context = max(0, min(context, room - prompt_tokens - new_tokens))
+        ctx_batch = 64 if 64 in batches else min(batches, key=lambda b: abs(b - 64))
+
+        def kv_slope(timer: Callable[[int, int, int], float]) -> tuple[float, float]:
+            """Seconds per decode step per token of context, from `ctx_batch` sequences'
+            steps after prompts `context` tokens longer; and the prefill rate of those
+            prompts (the short ones measure a call's own cost more than prefill: on an
+            H200 they gave 13k tokens/s)."""
+            steps, ones = [], []
+            for p in (prompt_tokens, prompt_tokens + context):
+                timer(ctx_batch, p, 2)
+                ones.append(min(timer(ctx_batch, p, 1) for _ in range(repeats)))
+                full = min(timer(ctx_batch, p, new_tokens) for _ in range(repeats))
+                steps.append((full - ones[-1]) / (new_tokens - 1))
+            slope = max(0.0, (steps[1] - steps[0]) / (ctx_batch * context))
+            rate = ctx_batch * context / max(ones[1] - ones[0], 1e-6)
+            log.info(
+                "decode step per token of context: %.3g s (batch %d, +%d tokens); prefill %.0f tokens/s",
+                slope,
+                ctx_batch,
+                context,
+                rate,
+            )
+            return slope, rate
+
         if served:
             worker = _ServedWorker(cfg, init, max(batches), vocab)
             try:
                 points, prefill = _decode_points(
                     lambda b, t: worker.time(b, prompt_tokens, t), batches, new_tokens, prompt_tokens, repeats
                 )
+                # the largest batch's full-length timings: the decode steps the model plays
+                served_cores = statistics.median(worker.worker_cores[-repeats:])
+                served_reader = statistics.median(worker.reader_s_per_token[-repeats:])
+                if context:
+                    kv_s, prefill = kv_slope(worker.time)
             finally:
-                worker.close()
+                if not corun:
+                    worker.close()
         compute_dtype = DTYPES[cfg.model.dtype]
         # the trainer's own engine, built as the colocated rollout builds it (its dtype, its copy)
         engine_cfg = cfg.engine.model_copy(update={"max_num_seqs": max(batches)})
@@ -204,6 +253,9 @@ def calibrate(
             if not served:
                 same = engine_threads == threads
                 points, prefill = (trainer_points, trainer_prefill) if same else bare(engine_threads)
+                if context:
+                    torch.set_num_threads(engine_threads)
+                    kv_s, prefill = kv_slope(lambda b, p, t: _generate(engine, b, p, t, vocab))
         finally:
             torch.set_num_threads(threads)
         engine.sleep()  # frees its KV cache (and graphs): the learner below runs without them, as in a run
@@ -223,7 +275,11 @@ def calibrate(
             )
             for n in lengths
         ]
+        _sync(device)
+        t0 = time.perf_counter()
         learner.train_mini_batch(items, weights_as_sampled=True)  # warm-up (compiles on a GPU)
+        _sync(device)
+        first_s = time.perf_counter() - t0
         times = []
         for _ in range(repeats):
             _sync(device)
@@ -232,7 +288,15 @@ def calibrate(
             _sync(device)
             times.append(time.perf_counter() - t0)
         learner_tps = sum(lengths) / min(times)
-        log.info("learner: %.0f tokens/s", learner_tps)
+        compile_s = max(0.0, first_s - min(times))
+        log.info("learner: %.0f tokens/s (its first mini-batch %.1f s longer)", learner_tps, compile_s)
+        slowdowns = None
+        if worker is not None:
+            try:
+                if corun and device.type == "cuda":
+                    slowdowns = _corun(worker, learner, items, max(batches), prompt_tokens, new_tokens, learner_tps)
+            finally:
+                worker.close()
         published = engine_dtype(policy.model, compute_dtype)  # what the trainer publishes
         version_bytes = sum(
             p.numel() * (published.itemsize if p.is_floating_point() else p.element_size())
@@ -241,9 +305,8 @@ def calibrate(
     cpu = device.type == "cpu"
     engine_cores = float(engine_threads)
     reader = 0.0
-    if worker is not None and cpu:  # the largest batch's full-length timings: the decode steps the model plays
-        engine_cores = statistics.median(worker.worker_cores[-repeats:])
-        reader = statistics.median(worker.reader_s_per_token[-repeats:])
+    if worker is not None and cpu:
+        engine_cores, reader = served_cores, served_reader
         log.info("served: the worker used %.2f cores, the reader %.1f us a token", engine_cores, reader * 1e6)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{os.cpu_count()}-core CPU"
     return Calibration(
@@ -253,9 +316,50 @@ def calibrate(
         trainer_decode=trainer_points,
         prefill_tokens_per_s=prefill,
         learner_tokens_per_s=learner_tps,
+        learner_compile_s=compile_s,
         version_bytes=version_bytes,
         host_cores=float(os.cpu_count() or 1) if cpu else None,
         engine_cores=engine_cores if cpu else 1.0,
         learner_cores=float(threads) if cpu else 1.0,
         stream_cpu_s_per_token=reader,
+        decode_context=prompt_tokens + new_tokens / 2 if context else 0.0,
+        decode_kv_s_per_token=kv_s,
+        shared_gpu=slowdowns is not None,
+        learner_slowdown_per_engine=slowdowns[0] if slowdowns else 0.0,
+        engine_slowdown_beside_learner=slowdowns[1] if slowdowns else 0.0,
+        worker_start_s=worker.start_s if worker is not None else 0.0,
+        pull_gbps=pull_gbps,
     )
+
+
+def _corun(
+    worker: _ServedWorker, learner, items: list, batch: int, prompt_tokens: int, new_tokens: int, learner_tps: float
+) -> tuple[float, float]:
+    """Two clients of one GPU, both busy: the worker decoding `batch` sequences while the
+    learner trains in a thread of this process. Returns what each lost against its speed
+    alone (the learner's, the worker's: 0.05 is 5% slower)."""
+    import threading
+
+    alone = min(worker.time(batch, prompt_tokens, new_tokens) for _ in range(2))
+    stop, trained = threading.Event(), []
+
+    def train() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            learner.train_mini_batch(items, weights_as_sampled=True)
+            torch.cuda.synchronize()
+            trained.append(time.perf_counter() - t0)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        beside = min(worker.time(batch, prompt_tokens, new_tokens) for _ in range(2))
+    finally:
+        stop.set()
+        thread.join()
+    tokens = sum(len(it.token_ids) for it in items)
+    learner_beside = statistics.median(trained) if trained else tokens / learner_tps
+    learner_x, decode_x = learner_beside * learner_tps / tokens, beside / alone
+    log.info("both busy: the worker's decoding %.2fx as long, the learner's %.2fx", decode_x, learner_x)
+    return max(0.0, learner_x - 1), max(0.0, decode_x - 1)

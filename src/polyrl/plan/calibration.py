@@ -38,15 +38,27 @@ class Calibration(BaseModel):
     trainer_decode: list[DecodePoint] | None = None
     """The trainer's own engine's, when it differs (on a CPU host: in the trainer's process,
     with its threads and no HTTP stream); None: as `decode`."""
+    decode_context: float = Field(0.0, ge=0)
+    """Tokens of context per sequence, on average, while `decode` was timed."""
+    decode_kv_s_per_token: float = Field(0.0, ge=0)
+    """Decode-step seconds per token of context the batch holds beyond `decode_context`
+    per sequence: reading the KV cache, which on a GPU at RL lengths outweighs the weights
+    (`calibrate --context`). 0: the step does not depend on context."""
     prefill_tokens_per_s: float = Field(gt=0)
     learner_tokens_per_s: float = Field(gt=0)
     """Forward and backward (with the old log-probs' forward) of prompt and response tokens."""
+    learner_compile_s: float = Field(0.0, ge=0)
+    """The run's first mini-batch's extra time (compiling, on a GPU): the fleet runs
+    ahead meanwhile, and a fully asynchronous run starts with that backlog."""
     optimizer_step_s: float = Field(0.0, ge=0)
     """Fixed cost of each optimizer step (the mini-batch's), beyond the tokens."""
     version_bytes: int = Field(0, ge=0)
     """Bytes a worker pulls for a new version."""
     pull_gbps: float = Field(10.0, gt=0)
     """A worker's pull bandwidth (Gbit/s)."""
+    worker_start_s: float = Field(0.0, ge=0)
+    """A new worker's time from its start to serving (process, model, graphs): what a
+    replacement for a preempted one takes, beyond its launch."""
     swap_s: float = Field(0.0, ge=0)
     """A worker's pause to load a pulled version, between two decode steps."""
     step_overhead_s: float = Field(0.0, ge=0)
@@ -55,6 +67,17 @@ class Calibration(BaseModel):
     """Set when every process shares one host's cores (the CPU box): the engines and the
     learner then run slower as their demands add up past this. None: each worker has a
     device of its own and only the trainer's engine shares the learner's."""
+    shared_gpu: bool = False
+    """Every process (the learner, the trainer's engine, the workers) is a client of one
+    GPU, each capped at a share of its SMs (MPS): they run side by side, and cost each
+    other what the two factors below say (`calibrate --corun` measures them)."""
+    learner_slowdown_per_engine: float = Field(0.0, ge=0)
+    """With `shared_gpu`: the learner's work takes (1 + this x engines decoding) of its
+    time alone."""
+    engine_slowdown_beside_learner: float = Field(0.0, ge=0)
+    """With `shared_gpu`: an engine's decode step takes (1 + this) of its time alone
+    while the learner trains (decoding reads memory, training computes: on an H200 under
+    MPS at 50% each, 0 and 0.05)."""
     engine_cores: float = Field(1.0, gt=0)
     learner_cores: float = Field(1.0, gt=0)
     stream_cpu_s_per_token: float = Field(0.0, ge=0)
@@ -72,16 +95,23 @@ class Calibration(BaseModel):
                     raise ValueError(f"{name}: one point per batch size")
         return self
 
-    def decode_step_s(self, batch: int, trainer: bool = False) -> float:
+    def decode_step_s(self, batch: int, trainer: bool = False, context: float | None = None) -> float:
         """Interpolated linearly between measured batches, and beyond the largest along
-        the last two points' slope (at least flat). `trainer`: the trainer's own engine."""
+        the last two points' slope (at least flat). `trainer`: the trainer's own engine.
+        `context`: tokens the batch holds in all; its KV reads beyond the calibration's
+        own context add `decode_kv_s_per_token` each (fewer take it off, down to a
+        quarter of the step)."""
         pts = self.trainer_decode if trainer and self.trainer_decode else self.decode
         if batch <= pts[0].batch or len(pts) == 1:
-            return pts[0].step_s
-        i = bisect.bisect_left([p.batch for p in pts], batch)
-        a, b = (pts[i - 1], pts[i]) if i < len(pts) else (pts[-2], pts[-1])
-        slope = max(0.0, (b.step_s - a.step_s) / (b.batch - a.batch))
-        return a.step_s + slope * (batch - a.batch)
+            step = pts[0].step_s
+        else:
+            i = bisect.bisect_left([p.batch for p in pts], batch)
+            a, b = (pts[i - 1], pts[i]) if i < len(pts) else (pts[-2], pts[-1])
+            slope = max(0.0, (b.step_s - a.step_s) / (b.batch - a.batch))
+            step = a.step_s + slope * (batch - a.batch)
+        if context is None or not self.decode_kv_s_per_token:
+            return step
+        return max(0.25 * step, step + self.decode_kv_s_per_token * (context - batch * self.decode_context))
 
     def pull_s(self) -> float:
         return self.version_bytes * 8 / (self.pull_gbps * 1e9) + self.swap_s

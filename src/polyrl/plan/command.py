@@ -34,6 +34,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument(
         "--served", action="store_true", help="time decoding through a real worker process and its HTTP stream"
     )
+    c.add_argument(
+        "--context", type=int, default=0, help="also time prompts this much longer: the decode step's cost of context"
+    )
+    c.add_argument(
+        "--corun",
+        action="store_true",
+        help="with --served on a GPU: time the worker beside the learner (partitions of one GPU, e.g. MPS)",
+    )
+    c.add_argument("--pull-gbps", type=float, default=10.0, help="the workers' link to the trainer (Gbit/s)")
+    c.add_argument(
+        "--learner-tokens", type=int, help="time the learner on sequences this long (default: the run's longest)"
+    )
     c.add_argument("overrides", nargs="*", metavar="key=value")
 
     f = plan.add_parser("fleet", help="predict a run's steps for several fleet sizes")
@@ -115,7 +127,19 @@ def main(args: argparse.Namespace) -> int:
     if args.plan_command == "calibrate":
         from polyrl.plan.calibrate import calibrate  # torch: only here
 
-        cal = calibrate(cfg, batches=tuple(args.batches), served=args.served)
+        if args.corun and not args.served:
+            print("polyrl plan calibrate: --corun needs --served (the worker it times beside the learner)")
+            return 2
+        per_mini = cfg.trainer.ppo_mini_batch_size * cfg.rollout.n
+        cal = calibrate(
+            cfg,
+            batches=tuple(args.batches),
+            served=args.served,
+            context=args.context,
+            corun=args.corun,
+            pull_gbps=args.pull_gbps,
+            learner_lengths=tuple([args.learner_tokens] * per_mini) if args.learner_tokens else (),
+        )
         cal.save(args.out)
         print(f"calibration written to {args.out}")
         return 0

@@ -85,9 +85,15 @@ class Fleet:
     worker_usd_per_hour: float = 2.66
     preempt_per_hour: float = 0.0
     restart_s: float = 60.0
-    neighbour_slowdown: float = 1.0
-    """A worker's decode step beside a busy learner (one GPU split in two by MPS: the
-    halves share memory bandwidth; 1.0 for separate devices)."""
+    kill_in_step: int | None = None
+    """The first worker is killed halfway into this step (by the step before's length,
+    counted from 1 with the warm-up steps), and comes back `restart_s` later."""
+    kv_tokens: int | None = None
+    """A worker's KV cache, in tokens (None: no limit). Admission needs the running
+    sequences' context plus the new prompt to fit; a step that would overflow it sends
+    the latest-joined sequences back to the queue, tokens kept (recomputed where they
+    land), as the engine's preemption does."""
+    trainer_kv_tokens: int | None = None
 
 
 @dataclass
@@ -157,6 +163,9 @@ class _Engine(_Actor):
     """Takes work (a trainer's engine is closed from its hand-back to the next step)."""
     paused_until: float = 0.0
     idle_s: float = 0.0
+    context: float = 0.0
+    """Tokens of context its running and joined sequences hold (their KV cache)."""
+    kv_tokens: int | None = None
 
 
 class FleetModel:
@@ -173,19 +182,26 @@ class FleetModel:
         shared = cal.host_cores is not None
         self.capacity = {"host": cal.host_cores} if shared else {"trainer": float(fleet.trainer_engines)}
         trainer_dev = "host" if shared else "trainer"
+        mps = cal.shared_gpu and not shared
+        if mps:  # every process is a client of one GPU with its own share of the SMs
+            self.capacity = {"learner": 1.0}
+            trainer_dev = "learner"
         self.learner = _Actor(trainer_dev, cal.learner_cores if shared else float(fleet.trainer_engines))
         self.streams = _Actor("host", 1.0)
         """The manager's and the trainer's reading of the token streams (shared hosts)."""
         self.engines: list[_Engine] = []
         if fleet.mode == "colocated" or fleet.trainer_engine:
             for i in range(fleet.trainer_engines):
+                dev = f"trainer{i}" if mps else trainer_dev
+                self.capacity.setdefault(dev, 1.0)
                 self.engines.append(
                     _Engine(
-                        trainer_dev,
+                        dev,
                         cal.engine_cores if shared else 1.0,
                         name=f"trainer{i}",
                         slots=fleet.trainer_max_num_seqs,
                         remote=False,
+                        kv_tokens=fleet.trainer_kv_tokens,
                     )
                 )
         if fleet.mode != "colocated":
@@ -193,13 +209,21 @@ class FleetModel:
                 dev = "host" if shared else f"w{i}"
                 self.capacity.setdefault(dev, 1.0)
                 self.engines.append(
-                    _Engine(dev, cal.engine_cores if shared else 1.0, name=f"w{i}", slots=fleet.max_num_seqs)
+                    _Engine(
+                        dev,
+                        cal.engine_cores if shared else 1.0,
+                        name=f"w{i}",
+                        slots=fleet.max_num_seqs,
+                        kv_tokens=fleet.kv_tokens,
+                    )
                 )
                 self._schedule_preemption(self.engines[-1])
         self._budget = 0
         self.in_flight: list[_Group] = []
         self.ready: list[_Group] = []
         self.lags: list[int] = []
+        self.kv_preemptions = 0
+        self._trained = False
 
     # ------------------------------------------------------------------ the schedule
 
@@ -211,6 +235,9 @@ class FleetModel:
             if s == warmup:
                 idle0 = self._fleet_idle()
                 start = self.now
+            if self.f.kill_in_step == s + 1 and any(e.remote for e in self.engines):
+                half = times[-1] / 2 if times else 0.0
+                self._timer(self.now + half, "preempt", next(e for e in self.engines if e.remote))
             t0 = self.now
             trained, waited = self._step()
             times.append(self.now - t0)
@@ -309,6 +336,9 @@ class FleetModel:
     def _train(self, groups: list[_Group], mini_batches: int | None = None) -> None:
         steps = self.w.mini_batches if mini_batches is None else mini_batches
         work = self._tokens(groups) / self.cal.learner_tokens_per_s + steps * self.cal.optimizer_step_s
+        if not self._trained:
+            work += self.cal.learner_compile_s
+            self._trained = True
         self.learner.work_left, self.learner.busy = work, True
         self._until(lambda: not self.learner.busy)
 
@@ -346,8 +376,24 @@ class FleetModel:
             s.done += e.ticks - s.start
             s.left = end - e.ticks
         moved = [s for _, _, s in e.running] + e.joined
-        e.running, e.joined, e.busy, e.work_left = [], [], False, 0.0
+        e.running, e.joined, e.busy, e.work_left, e.context = [], [], False, 0.0, 0.0
         return moved
+
+    def _overflow(self, e: _Engine) -> None:
+        """Out of KV cache for the next step's tokens: the latest-joined running sequences
+        go back to the queue's front, tokens kept, until the rest fit."""
+        if e.kv_tokens is None:
+            return
+        while e.running and e.context + len(e.running) > e.kv_tokens:
+            latest = max(e.running, key=lambda r: (r[2].start, r[1]))
+            e.running.remove(latest)
+            heapq.heapify(e.running)
+            end, _, seq = latest
+            seq.done += e.ticks - seq.start
+            seq.left = end - e.ticks
+            e.context -= self.w.prompt_tokens + seq.done
+            self.queue.insert(0, seq)
+            self.kv_preemptions += 1
 
     def _schedule_preemption(self, e: _Engine) -> None:
         if self.f.preempt_per_hour > 0:
@@ -371,7 +417,13 @@ class FleetModel:
         free = [e for e in self.engines if self._can_take(e) and len(e.running) + len(e.joined) < e.slots]
         while self.queue and free:
             e = min(free, key=lambda x: len(x.running) + len(x.joined))
+            need = self.w.prompt_tokens + self.queue[0].done
+            growth = len(e.running) + len(e.joined) + 1  # room for the next step's tokens too
+            if e.kv_tokens is not None and e.context + need + growth > e.kv_tokens:
+                free.remove(e)  # its cache is full until sequences finish
+                continue
             seq = self.queue.pop(0)
+            e.context += need
             if seq.group.version is None or e.version < seq.group.version:
                 seq.group.version = e.version if seq.group.version is None else min(seq.group.version, e.version)
             e.joined.append(seq)
@@ -389,7 +441,10 @@ class FleetModel:
                     self._tick += 1
                     heapq.heappush(e.running, (e.ticks + s.left, self._tick, s))
                 e.joined = []
-                e.work_left = self.cal.decode_step_s(len(e.running), trainer=not e.remote) + prefill
+                self._overflow(e)
+                if not e.running:
+                    continue
+                e.work_left = self.cal.decode_step_s(len(e.running), not e.remote, e.context) + prefill
                 e.busy = True
 
     def _rates(self) -> dict[int, float]:
@@ -400,10 +455,14 @@ class FleetModel:
         rates = {}
         for a in self._actors():
             if a.busy:
-                r = min(1.0, self.capacity[a.device] / load[a.device])
-                if isinstance(a, _Engine) and a.remote and self.learner.busy:
-                    r /= self.f.neighbour_slowdown
-                rates[id(a)] = r
+                rates[id(a)] = min(1.0, self.capacity[a.device] / load[a.device])
+        if self.cal.shared_gpu and self.cal.host_cores is None:  # clients of one GPU (MPS)
+            decoding = sum(1 for e in self.engines if e.busy)
+            if self.learner.busy:
+                rates[id(self.learner)] /= 1 + self.cal.learner_slowdown_per_engine * decoding
+                for e in self.engines:
+                    if e.busy:
+                        rates[id(e)] /= 1 + self.cal.engine_slowdown_beside_learner
         return rates
 
     def _until(self, done, deadline: float | None = None) -> None:
@@ -447,11 +506,13 @@ class FleetModel:
 
     def _decoded(self, e: _Engine) -> None:
         e.ticks += 1
+        e.context += len(e.running)
         if self.cal.host_cores is not None and self.cal.stream_cpu_s_per_token:
             self.streams.work_left += 2 * self.cal.stream_cpu_s_per_token * len(e.running)
             self.streams.busy = True
         while e.running and e.running[0][0] <= e.ticks:
             s = heapq.heappop(e.running)[2]
+            e.context -= self.w.prompt_tokens + s.done + s.left
             s.group.samples_left -= 1
             if s.group.samples_left == 0:
                 s.group.ready_at = self.now
