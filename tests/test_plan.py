@@ -197,3 +197,13 @@ def test_clients_of_one_gpu_cost_each_other_what_was_measured() -> None:
     # colocated, the trainer's engine and its learner take turns: nothing to share
     alone = predict(cal(learner_tokens_per_s=1_000), work, Fleet(0, "colocated"), steps=2)
     assert predict(slowed, work, Fleet(0, "colocated"), steps=2).step_s == pytest.approx(alone.step_s)
+
+
+def test_a_learner_among_more_gpu_clients_than_the_gpu_holds_gets_its_part_of_the_sms() -> None:
+    # the learner trains the short groups' mini-batch while the trainer's engine and a
+    # worker decode the long ones: 3 clients where the GPU holds 2 shares of its SMs
+    work = Workload(4, 2, 5, (10, 10, 200, 200), mini_batches=2)
+    fleet = Fleet(1, "remote", trainer_engine=True)
+    roomy = predict(cal(shared_gpu=True, learner_tokens_per_s=20), work, fleet, steps=2)
+    crowded = predict(cal(shared_gpu=True, learner_tokens_per_s=20, gpu_clients=2.0), work, fleet, steps=2)
+    assert crowded.step_s > roomy.step_s

@@ -325,11 +325,22 @@ def calibrate(
         decode_context=prompt_tokens + new_tokens / 2 if context else 0.0,
         decode_kv_s_per_token=kv_s,
         shared_gpu=slowdowns is not None,
+        gpu_clients=_mps_clients() if slowdowns is not None else None,
         learner_slowdown_per_engine=slowdowns[0] if slowdowns else 0.0,
         engine_slowdown_beside_learner=slowdowns[1] if slowdowns else 0.0,
         worker_start_s=worker.start_s if worker is not None else 0.0,
         pull_gbps=pull_gbps,
     )
+
+
+def _mps_clients() -> float | None:
+    """How many clients' shares of the SMs one GPU holds under this process's MPS cap
+    (None without one)."""
+    pct = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    try:
+        return 100.0 / float(pct) if pct else None
+    except ValueError:
+        return None
 
 
 def _corun(

@@ -74,6 +74,10 @@ class Calibration(BaseModel):
     learner_slowdown_per_engine: float = Field(0.0, ge=0)
     """With `shared_gpu`: the learner's work takes (1 + this x engines decoding) of its
     time alone."""
+    gpu_clients: float | None = Field(None, gt=0)
+    """With `shared_gpu`: how many clients' SM shares the GPU holds (100 over
+    `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`: 2 at 50%). With more clients busy the learner,
+    which needs its SMs, gets its part of them: at most this over the busy clients."""
     engine_slowdown_beside_learner: float = Field(0.0, ge=0)
     """With `shared_gpu`: an engine's decode step takes (1 + this) of its time alone
     while the learner trains (decoding reads memory, training computes: on an H200 under

@@ -460,6 +460,8 @@ class FleetModel:
             decoding = sum(1 for e in self.engines if e.busy)
             if self.learner.busy:
                 rates[id(self.learner)] /= 1 + self.cal.learner_slowdown_per_engine * decoding
+                if self.cal.gpu_clients is not None:
+                    rates[id(self.learner)] = min(rates[id(self.learner)], self.cal.gpu_clients / (1 + decoding))
                 for e in self.engines:
                     if e.busy:
                         rates[id(e)] /= 1 + self.cal.engine_slowdown_beside_learner
