@@ -180,3 +180,11 @@ def test_the_run_reads_its_calibration_file_and_names_a_bad_one(tmp_path: Path) 
     assert autoscaler_for(load_config(None, on[:1]), world_size=1).planner is None  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="calibration file .*missing.json"):
         autoscaler_for(load_config(None, [on[0], f"fleet.autoscale.calibration={tmp_path / 'missing.json'}"]), 1)
+
+
+def test_the_fleet_model_never_picks_a_fleet_of_none_in_remote_mode() -> None:
+    s = planned([(1, 0.001), (64, 0.064)], min_workers=0, max_workers=2, interval_steps=1)
+    steps = s.step_s(StepCost(6.97, 0.0, 6720, 1, 5, 100, 100), [0, 1, 2])
+    assert steps[0] == float("inf") and steps[2] < steps[1]
+    decision = s.observe(lengths(step(6.97, 0.0, 1, tokens=6720), 100))
+    assert decision is not None and decision.target == 2

@@ -34,6 +34,7 @@ The scaler then moves one worker toward the best size and needs no probing.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,10 +98,14 @@ class FleetPlanner:
         current size has beyond the model's there."""
         work = self.workload(seen)
         on_cpu = self.cal.host_cores is not None
-        model = {
-            k: predict(self.cal, work, fleet_of(self.run, k, on_cpu=on_cpu), steps=4).step_s
-            for k in {*sizes, seen.workers}
-        }
+
+        def modelled(k: int) -> float:
+            try:
+                return predict(self.cal, work, fleet_of(self.run, k, on_cpu=on_cpu), steps=4).step_s
+            except ValueError:  # no engine at all (0 workers in remote mode): not a size to go to
+                return math.inf
+
+        model = {k: modelled(k) for k in {*sizes, seen.workers}}
         rest = seen.step_s - model[seen.workers]
         return {k: max(0.1 * seen.step_s, model[k] + rest) for k in sizes}
 

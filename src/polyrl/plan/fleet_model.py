@@ -14,8 +14,16 @@ time on each engine, so that what decides a step on real hardware decides it her
 * shared devices: processes on one device run at `capacity / demand` of their full speed
   while their busy demands add up past its capacity (processor sharing): the CPU box's
   cores, or the trainer's GPU shared by its learner and its own engine;
-* preemptions: a worker lost at random moves its running samples, tokens kept, to the
-  queue (they re-prefill where they land) and comes back after `restart_s`.
+* preemptions: a worker lost at random (or killed in a given step) moves its running
+  samples, tokens kept, to the queue (they re-prefill where they land) and comes back
+  after `restart_s`;
+* context: a decode step also pays for the context its batch holds (the KV reads, which
+  on a GPU at RL lengths outweigh the weights), and an engine's KV cache bounds what it
+  admits; a step that would overflow it sends its latest sequences back, tokens kept;
+* one GPU under MPS: the processes run side by side at the slowdowns the calibration
+  measured, and a learner among more busy clients than the GPU has SM shares for gets
+  its part of them;
+* the learner's first mini-batch takes its compile time too, and the fleet runs ahead.
 
 Deterministic for a seed; a step of the 8B seeds' setup takes well under a second.
 """
