@@ -54,6 +54,7 @@ def test_the_game_example_plays_three_moves_fully_async(tmp_path: Path) -> None:
         "rollout.fully_async=true",
         "rollout.max_staleness=1",
         "engine.max_num_seqs=4",  # the fleet is the bottleneck: publishes find episodes running
+        "fleet.num_workers=1",  # (with two, the fleet could finish a step's episodes before the publish)
         # the main job's model and longer replies, so that episodes last long enough to span
         # versions (with the example's wider model and 4-token replies none did in one run)
         "model.tiny.hidden_size=96",

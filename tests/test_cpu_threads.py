@@ -63,10 +63,10 @@ def test_threads_leave_the_cores_others_keep_busy() -> None:
 
 
 @needs_cores
-def test_each_micro_batch_is_measured_so_the_count_moves_within_a_mini_batch() -> None:
-    """The learner measures each micro-batch (`each_measured`), so a worker that starts
-    decoding beside it takes a thread within the mini-batch, not after it."""
-    from polyrl.cpu_threads import each_measured, process_threads
+def test_each_micro_batch_is_checked_so_the_count_moves_within_a_mini_batch() -> None:
+    """The learner checks its measurement after each micro-batch (`checked_each`), so a
+    worker that starts decoding beside it takes a thread within the mini-batch, not after."""
+    from polyrl.cpu_threads import checked_each, process_threads
 
     before = torch.get_num_threads()
     governor = process_threads()
@@ -75,8 +75,8 @@ def test_each_micro_batch_is_measured_so_the_count_moves_within_a_mini_batch() -
         torch.set_num_threads(2)
         governor.threads = 2
         counts = []
-        with busy_cores(CORES - 1):
-            for _ in each_measured(range(40), torch.device("cpu")):
+        with busy_cores(CORES - 1), governor.measure():  # one mini-batch
+            for _ in checked_each(range(150), torch.device("cpu")):
                 _work()
                 counts.append(torch.get_num_threads())
         assert counts[0] == 2 and counts[-1] == 1, counts

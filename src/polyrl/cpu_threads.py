@@ -39,6 +39,13 @@ ROOM = 0.8
 """Idle cores during the measurement from which a thread comes back."""
 MIN_MEASURE_S = 0.05
 """Shorter stretches of work add up to one measurement: /proc/stat counts in 10 ms."""
+CHECK_S = 0.2
+"""A `checkpoint` inside a stretch reads it once this long: /proc/stat counts idle time
+in 10 ms ticks, so a shorter window mistakes a pause between ops for an idle core."""
+RAISE_S = 0.3
+"""A `checkpoint` gives a thread back only after this long: a worker that pauses between
+two calls leaves a core idle for a moment, and the thread given back then would share it
+once the worker resumes, for as long as the learner's next read takes."""
 MAX_GAP_S = 0.005
 """Stretches further apart than this do not add up (an engine's steps do)."""
 
@@ -110,7 +117,17 @@ class CpuThreads:
             if self._start is not None and self._last_exit - self._start.wall_s >= MIN_MEASURE_S:
                 self._adjust(self._start, _sample(self._ticks))  # shorter: the next stretch adds to it
 
-    def _adjust(self, start: _Sample, end: _Sample | None) -> None:
+    def checkpoint(self) -> None:
+        """Inside `measure()`: once the stretch so far is long enough to read, adjust now
+        and measure on from here, so that long work (a mini-batch of many micro-batches)
+        follows a load that changes in its middle."""
+        if self._start is None or time.monotonic() - self._start.wall_s < CHECK_S:
+            return
+        end = _sample(self._ticks)
+        self._adjust(self._start, end, may_add=end is not None and end.wall_s - self._start.wall_s >= RAISE_S)
+        self._start = end
+
+    def _adjust(self, start: _Sample, end: _Sample | None, may_add: bool = True) -> None:
         self._start = None
         if end is None:
             return
@@ -120,7 +137,7 @@ class CpuThreads:
         before = self.threads
         if self.last_wait_ratio > OVERSUBSCRIBED and self.threads > 1:
             self.threads -= 1
-        elif self.last_idle_cores >= ROOM and self.threads < self.max_threads:
+        elif may_add and self.last_idle_cores >= ROOM and self.threads < self.max_threads:
             self.threads += 1
         if self.threads != before:
             torch.set_num_threads(self.threads)
@@ -153,11 +170,13 @@ def measured(device: torch.device) -> contextlib.AbstractContextManager:
 T = TypeVar("T")
 
 
-def each_measured(items: Iterable[T], device: torch.device) -> Iterator[T]:
-    """`items`, with the loop body that gets each one measured on its own: the learner's
-    micro-batches. Measured per mini-batch instead, the count was one mini-batch behind on
-    a shared host: two threads while a worker held one of the 2 cores, and one after the
-    worker had stopped (the one-worker main job's step, 3.2 s; BENCHMARKS.md)."""
+def checked_each(items: Iterable[T], device: torch.device) -> Iterator[T]:
+    """`items`, with a `checkpoint` of the process's measurement after the loop body that
+    gets each one: the learner's micro-batches, inside the mini-batch's `measured`. Read
+    once per mini-batch, the count was one mini-batch behind on a shared host: two
+    threads while a worker held one of the 2 cores, and one after the worker had stopped
+    (the one-worker main job's step, 3.2 s; BENCHMARKS.md)."""
     for item in items:
-        with measured(device):
-            yield item
+        yield item
+        if device.type == "cpu":
+            process_threads().checkpoint()

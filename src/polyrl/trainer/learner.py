@@ -21,7 +21,7 @@ from torch.profiler import record_function
 from transformers import PreTrainedModel
 
 from polyrl.config import AlgoConfig, TrainerConfig
-from polyrl.cpu_threads import each_measured, measured
+from polyrl.cpu_threads import checked_each, measured
 from polyrl.models.moe import has_moe
 from polyrl.models.precision import autocast
 from polyrl.trainer.batching import MicroBatch, SeqItem, collate
@@ -350,7 +350,7 @@ class Learner:
         mismatch alone.
         On several ranks, rank 0's call runs on all of them, each on its share of `items`.
         """
-        with self.dp.command("train", items, weights_as_sampled):
+        with self.dp.command("train", items, weights_as_sampled), measured(self.model.device):
             return self._train(items, weights_as_sampled)
 
     def _train(self, items: list[SeqItem], weights_as_sampled: bool) -> dict[str, float]:
@@ -360,7 +360,7 @@ class Learner:
         pack = pack_by_tokens if self.is_packed else None
         fill_behav = not all(it.behav_known for it in items)
         lag_counts = lag_token_counts(items)  # the whole mini-batch's, on every rank
-        with record_function("learner.prepare"), measured(self.model.device):
+        with record_function("learner.prepare"):
             batches = self.dp.micro_batches(items, self.cfg.micro_batch_max_tokens, self.pad_id, pack)
             mbs = self._prepare(batches, fill_behav)
         sums: dict[str, torch.Tensor | float] = defaultdict(float)  # this rank's part of each metric, on the device
@@ -369,7 +369,7 @@ class Learner:
         grad_norms, lr = [], 0.0
         for epoch in range(self.algo.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            for mb in each_measured(mbs, self.model.device):
+            for mb in checked_each(mbs, self.model.device):
                 with_entropy = True  # cheap next to the forward pass, and always logged
                 if self.router_replay is not None:  # kept through backward: recomputed layers replay too
                     self.router_replay.replay(mb.routes, mb.routes_known)
