@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_manager import TOKEN, FakeWorker, expected_sample, fast_cfg, wait_active
-from test_rollout_learner import _InstantScorer
+from test_rollout_learner import _Scorer
 from test_train import _metrics
 from test_worker import _wait_until
 from transformers import AutoModelForCausalLM
@@ -124,7 +124,7 @@ class _Rounds:
 def test_rounds_until_enough_groups_then_the_rest_is_cancelled() -> None:
     rounds = _Rounds([[[1, 1, 1], [1, 2, 3]], [[2, 2, 2], [1, 2, 2]], [[3, 2, 1], [5, 5, 5]]])
     cfg = FilterGroupsConfig(enable=True, max_num_gen_batches=5)
-    sampler = DynamicSampler(rounds, _InstantScorer(), cfg, 3, rounds)  # the fake is its own rollout
+    sampler = DynamicSampler(rounds, _Scorer(), cfg, 3, rounds)  # the fake is its own rollout
     kept = list(sampler)
     assert [g.rewards for g in kept] == [[1.0, 2.0, 3.0], [1.0, 2.0, 2.0], [3.0, 2.0, 1.0]]
     assert rounds.closed_at == [0]  # the third round stopped once it gave the third group
@@ -142,15 +142,13 @@ def test_rounds_until_enough_groups_then_the_rest_is_cancelled() -> None:
 
 def test_the_cap_trains_on_what_it_has_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
     rounds = _Rounds([[[1, 1], [1, 2]]] * 3)
-    sampler = DynamicSampler(
-        rounds, _InstantScorer(), FilterGroupsConfig(enable=True, max_num_gen_batches=2), 4, rounds
-    )
+    sampler = DynamicSampler(rounds, _Scorer(), FilterGroupsConfig(enable=True, max_num_gen_batches=2), 4, rounds)
     with caplog.at_level(logging.WARNING):
         assert len(list(sampler)) == 2
     assert sampler.stats.is_capped and sampler.stats.num_gen_batches == 2
     assert "max_num_gen_batches" in caplog.text and "2 of 4 groups" in caplog.text
     nothing = _Rounds([[[1, 1]]])
-    assert list(DynamicSampler(nothing, _InstantScorer(), FilterGroupsConfig(max_num_gen_batches=1), 4, nothing)) == []
+    assert list(DynamicSampler(nothing, _Scorer(), FilterGroupsConfig(max_num_gen_batches=1), 4, nothing)) == []
     assert rollout_metrics([], 8) == {}  # a step without a group still logs its other metrics
 
 
@@ -255,10 +253,10 @@ def test_a_worker_killed_during_an_extra_round_loses_nothing() -> None:
             finally:
                 link.open_batch = open_batch  # type: ignore[method-assign]
 
-        class OnePerRound(_InstantScorer):  # the round's first prompt has a reward spread
+        class OnePerRound(_Scorer):  # the round's first prompt has a reward spread
             def submit(self, group):
                 spread = group.prompt.index % size == 0
-                return self._Done([float(spread and i) for i in range(len(group.samples))])
+                return self._Future([float(spread and i) for i in range(len(group.samples))], True)
 
         sampler = DynamicSampler(
             new_round, OnePerRound(), FilterGroupsConfig(enable=True, max_num_gen_batches=0), 4, rollout

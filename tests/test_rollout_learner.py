@@ -111,21 +111,26 @@ def test_micro_batching_is_exact(model_tok, mode):
     assert any(not torch.equal(p, p0) for p, p0 in zip(whole.parameters(), model.parameters()))
 
 
-class _InstantScorer:
-    """Scores synchronously: reward = number of completion tokens (so groups differ)."""
+class _Scorer:
+    """Reward = number of completion tokens (so groups differ). `ready`: every reward is
+    done when asked; else none is until waited for (a reward model or a verifier still
+    working when the next group is polled)."""
 
-    class _Done:
-        def __init__(self, r):
-            self.r = r
+    class _Future:
+        def __init__(self, r, ready):
+            self.r, self.ready = r, ready
 
         def done(self):
-            return True
+            return self.ready
 
         def result(self):
             return self.r
 
+    def __init__(self, ready: bool = True):
+        self.ready = ready
+
     def submit(self, group):
-        return self._Done([float(len(s.completion_ids)) for s in group.samples])
+        return self._Future([float(len(s.completion_ids)) for s in group.samples], self.ready)
 
 
 def _group(tok, i, lengths):
@@ -138,29 +143,11 @@ def test_stream_trains_per_mini_batch_and_filters(model_tok):
     model, tok = model_tok
     learner = _learner(model, AlgoConfig(filter_zero_variance_groups=True))
     groups = [_group(tok, i, [1, 2, 3]) for i in range(5)] + [_group(tok, 9, [2, 2, 2])]
-    result = learn_from_stream(iter(groups), _InstantScorer(), learner, learner.algo, mini_batch_size=2)
+    result = learn_from_stream(iter(groups), _Scorer(), learner, learner.algo, mini_batch_size=2)
     assert len(result.groups) == 6 and all(g.rewards for g in result.groups)
     assert len(result.train_metrics) == 3  # 6 groups / mini-batches of 2
     assert result.num_filtered_groups == 1
     assert learner.scheduler.last_epoch == 3
-
-
-class _SlowScorer:
-    """Rewards that are never done when asked, only when waited for: a reward model or a
-    verifier still working when the next group is polled."""
-
-    class _Pending:
-        def __init__(self, r):
-            self.r = r
-
-        def done(self):
-            return False
-
-        def result(self):
-            return self.r
-
-    def submit(self, group):
-        return self._Pending([float(len(s.completion_ids)) for s in group.samples])
 
 
 def test_a_full_mini_batch_trains_before_the_next_group_is_awaited(model_tok):
@@ -183,7 +170,7 @@ def test_a_full_mini_batch_trains_before_the_next_group_is_awaited(model_tok):
             events.append(f"g{i}")
             yield _group(tok, i, [1, 2, 3])
 
-    result = learn_from_stream(arriving(), _SlowScorer(), learner, learner.algo, mini_batch_size=2)
+    result = learn_from_stream(arriving(), _Scorer(ready=False), learner, learner.algo, mini_batch_size=2)
     assert events == ["g0", "g1", "train", "g2", "g3", "train", "g4", "train"]
     assert all(g.rewards for g in result.groups)
 
