@@ -207,10 +207,9 @@ def calibrate(
             H200 they gave 13k tokens/s)."""
             steps, ones = [], []
             for p in (prompt_tokens, prompt_tokens + context):
-                timer(ctx_batch, p, 2)
-                ones.append(min(timer(ctx_batch, p, 1) for _ in range(repeats)))
-                full = min(timer(ctx_batch, p, new_tokens) for _ in range(repeats))
-                steps.append((full - ones[-1]) / (new_tokens - 1))
+                (point,), rate = _decode_points(lambda b, t, p=p: timer(b, p, t), (ctx_batch,), new_tokens, p, repeats)
+                steps.append(point.step_s)
+                ones.append(ctx_batch * p / rate)  # the one-token call's time, as `_decode_points` read it
             slope = max(0.0, (steps[1] - steps[0]) / (ctx_batch * context))
             rate = ctx_batch * context / max(ones[1] - ones[0], 1e-6)
             log.info(
