@@ -85,6 +85,27 @@ def test_processes_on_a_shared_host_share_its_cores() -> None:
     assert shared.step_s == pytest.approx(one.step_s, rel=0.05)  # the second worker's core is not there
 
 
+def test_the_learner_runs_on_the_threads_the_governor_leaves_it() -> None:
+    # 2 cores, one worker (1 core), the learner on 2 threads at 1000 tokens/s or 1 at 500.
+    # Group A (10 tokens) is ready at 0.1 s; its 205 tokens train in micro-batches of 41
+    # beside the worker: 3 cores wanted of 2, so each runs at 2/3 and the learner's
+    # threads wait a third of the time; the check after the 4th micro-batch (0.246 s in,
+    # past CHECK_S) drops a thread, and the 5th takes 41/500 s. The worker lost a third of
+    # 0.246 s, so group B (1000 tokens) is ready at 10.082 s. Its 1195 tokens then train
+    # on one thread: 30 micro-batches of 80 ms, each window closing at 0.24 s, short of the
+    # 0.3 s of idle cores a thread needs to come back (as `cpu_threads` does).
+    c = cal(host_cores=2.0, engine_cores=1.0, learner_cores=2.0, learner_tokens_per_s=1000)
+    work = Workload(2, 1, 195, (10, 1000), mini_batches=2, micro_batch_tokens=41)
+    governed = FleetModel(c.model_copy(update={"learner_one_thread_tokens_per_s": 500}), work, Fleet(1, "remote"))
+    p = governed.run(1, warmup=0)
+    assert p.step_s == pytest.approx(0.1 + 0.246 + 41 / 500 + 10.082 - 0.428 + 1195 / 500, rel=1e-3)
+    assert governed.governor.threads == 1
+    # a learner as fast on one thread as on two loses only the worker's contention
+    same = predict(c.model_copy(update={"learner_one_thread_tokens_per_s": 1000}), work, Fleet(1, "remote"), 1, 0)
+    assert same.step_s == pytest.approx(10.0 + 0.246 / 3 + 1195 / 1000, rel=1e-3)
+    assert c.learner_speed(1) == 0.5 and c.learner_speed(2) == 1.0  # no one-thread rate: in proportion
+
+
 def test_a_preempted_worker_loses_no_sample() -> None:
     work = Workload.fixed(16, 4, 5, 200)
     calm = predict(cal(), work, Fleet(3, "remote"), steps=6)
@@ -127,6 +148,8 @@ def test_calibrate_measures_this_machines_engine_and_learner() -> None:
     assert c.learner_tokens_per_s > 0 and c.prefill_tokens_per_s > 0
     assert c.version_bytes > 0
     assert c.host_cores is not None  # a CPU: every process shares the host
+    if c.learner_cores > 1:  # where the thread governor puts the learner beside a busy worker
+        assert c.learner_one_thread_tokens_per_s is not None and c.learner_one_thread_tokens_per_s > 0
 
 
 def test_the_trainers_engine_hands_its_samples_to_the_workers_when_the_learner_starts() -> None:

@@ -89,9 +89,10 @@ class FleetPlanner:
         mini = t.train_batch_size // t.ppo_mini_batch_size * self.run.algo.ppo_epochs
         prompt, mean = max(1, round(seen.prompt_tokens)), max(1, round(seen.response_mean))
         longest = max(mean, round(seen.response_max))
+        n, micro = self.run.rollout.n, t.micro_batch_max_tokens
         if longest <= 1.05 * mean:
-            return Workload.fixed(t.train_batch_size, self.run.rollout.n, prompt, mean, mini)
-        return Workload.long_tail(t.train_batch_size, self.run.rollout.n, prompt, mean, longest, longest, mini)
+            return Workload.fixed(t.train_batch_size, n, prompt, mean, mini, micro_batch_tokens=micro)
+        return Workload.long_tail(t.train_batch_size, n, prompt, mean, longest, longest, mini, micro_batch_tokens=micro)
 
     def step_s(self, seen: StepCost, sizes: list[int]) -> dict[int, float]:
         """Each size's predicted step: the model's, plus what the measured step at the

@@ -289,6 +289,19 @@ def calibrate(
         learner_tps = sum(lengths) / min(times)
         compile_s = max(0.0, first_s - min(times))
         log.info("learner: %.0f tokens/s (its first mini-batch %.1f s longer)", learner_tps, compile_s)
+        one_thread_tps = None
+        if device.type == "cpu" and threads > 1:  # where the thread governor puts it beside a busy worker
+            torch.set_num_threads(1)
+            try:
+                one = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    learner.train_mini_batch(items, weights_as_sampled=True)
+                    one.append(time.perf_counter() - t0)
+            finally:
+                torch.set_num_threads(threads)
+            one_thread_tps = sum(lengths) / min(one)
+            log.info("learner on one thread: %.0f tokens/s", one_thread_tps)
         slowdowns = None
         if worker is not None:
             try:
@@ -320,6 +333,7 @@ def calibrate(
         host_cores=float(os.cpu_count() or 1) if cpu else None,
         engine_cores=engine_cores if cpu else 1.0,
         learner_cores=float(threads) if cpu else 1.0,
+        learner_one_thread_tokens_per_s=one_thread_tps,
         stream_cpu_s_per_token=reader,
         decode_context=prompt_tokens + new_tokens / 2 if context else 0.0,
         decode_kv_s_per_token=kv_s,

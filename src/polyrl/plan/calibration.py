@@ -84,6 +84,11 @@ class Calibration(BaseModel):
     MPS at 50% each, 0 and 0.05)."""
     engine_cores: float = Field(1.0, gt=0)
     learner_cores: float = Field(1.0, gt=0)
+    """The learner's threads at full speed (shared hosts: torch's intra-op threads)."""
+    learner_one_thread_tokens_per_s: float | None = Field(None, gt=0)
+    """Shared hosts: the learner's rate on one thread, where the trainer's thread governor
+    (`polyrl.cpu_threads`) puts it while the workers hold cores; between one thread and
+    `learner_cores` the model interpolates. None: proportional to the threads."""
     stream_cpu_s_per_token: float = Field(0.0, ge=0)
     """Host CPU seconds to read one streamed token (shared hosts only). The model charges it
     twice per token, on one core: the manager reads each worker's stream, and the trainer
@@ -116,6 +121,17 @@ class Calibration(BaseModel):
         if context is None or not self.decode_kv_s_per_token:
             return step
         return max(0.25 * step, step + self.decode_kv_s_per_token * (context - batch * self.decode_context))
+
+    def learner_speed(self, threads: float) -> float:
+        """The learner's speed on `threads` threads, as a share of its speed on
+        `learner_cores`."""
+        full = self.learner_cores
+        if threads >= full:
+            return 1.0
+        one = (self.learner_one_thread_tokens_per_s or self.learner_tokens_per_s / full) / self.learner_tokens_per_s
+        if full <= 1:
+            return one
+        return one + (1.0 - one) * (threads - 1) / (full - 1)
 
     def pull_s(self) -> float:
         return self.version_bytes * 8 / (self.pull_gbps * 1e9) + self.swap_s

@@ -69,9 +69,18 @@ def workload_of(cfg: RunConfig, length: int | None, tail: tuple[int, int] | None
     mini = t.train_batch_size // t.ppo_mini_batch_size * cfg.algo.ppo_epochs
     if tail:
         return Workload.long_tail(
-            t.train_batch_size, cfg.rollout.n, prompt_tokens, *tail, cfg.rollout.max_new_tokens, mini
+            t.train_batch_size,
+            cfg.rollout.n,
+            prompt_tokens,
+            *tail,
+            cfg.rollout.max_new_tokens,
+            mini,
+            micro_batch_tokens=t.micro_batch_max_tokens,
         )
-    return Workload.fixed(t.train_batch_size, cfg.rollout.n, prompt_tokens, length or cfg.rollout.max_new_tokens, mini)
+    length = length or cfg.rollout.max_new_tokens
+    return Workload.fixed(
+        t.train_batch_size, cfg.rollout.n, prompt_tokens, length, mini, micro_batch_tokens=t.micro_batch_max_tokens
+    )
 
 
 def fleet_of(cfg: RunConfig, workers: int, preempt_per_hour: float = 0.0, on_cpu: bool = True) -> Fleet:

@@ -37,6 +37,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Literal
 
+from polyrl import cpu_threads
 from polyrl.plan.calibration import Calibration
 
 Mode = Literal["colocated", "remote", "fully_async"]
@@ -54,20 +55,38 @@ class Workload:
     long-tail workloads' budgets, and what the learner waits on is the group)."""
     mini_batches: int = 1
     """Optimizer steps per step (train_batch_size / ppo_mini_batch_size)."""
+    micro_batch_tokens: int | None = None
+    """The learner's micro-batches (`trainer.micro_batch_max_tokens`): on a shared host the
+    thread governor checks the load after each. None: one per mini-batch."""
 
     @staticmethod
-    def fixed(prompts: int, n: int, prompt_tokens: int, length: int, mini_batches: int = 1) -> Workload:
-        return Workload(prompts, n, prompt_tokens, (length,), mini_batches)
+    def fixed(
+        prompts: int,
+        n: int,
+        prompt_tokens: int,
+        length: int,
+        mini_batches: int = 1,
+        micro_batch_tokens: int | None = None,
+    ) -> Workload:
+        return Workload(prompts, n, prompt_tokens, (length,), mini_batches, micro_batch_tokens)
 
     @staticmethod
     def long_tail(
-        prompts: int, n: int, prompt_tokens: int, median: int, p99: int, cap: int, mini_batches: int = 1, seed: int = 0
+        prompts: int,
+        n: int,
+        prompt_tokens: int,
+        median: int,
+        p99: int,
+        cap: int,
+        mini_batches: int = 1,
+        seed: int = 0,
+        micro_batch_tokens: int | None = None,
     ) -> Workload:
         """Lognormal budgets with the given median and 99th percentile, capped."""
         sigma = math.log(p99 / median) / 2.326
         rng = random.Random(seed)
         budgets = tuple(max(1, min(cap, int(rng.lognormvariate(math.log(median), sigma)))) for _ in range(prompts * 64))
-        return Workload(prompts, n, prompt_tokens, budgets, mini_batches)
+        return Workload(prompts, n, prompt_tokens, budgets, mini_batches, micro_batch_tokens)
 
 
 @dataclass(frozen=True)
@@ -176,6 +195,59 @@ class _Engine(_Actor):
     kv_tokens: int | None = None
 
 
+@dataclass(eq=False)
+class _Governor:
+    """The trainer's CPU thread governor (`polyrl.cpu_threads.CpuThreads`), played on the
+    model's shared host with its own thresholds, read from the model's load instead of
+    /proc: a mini-batch is one measurement, checked after each micro-batch; a thread goes
+    when the learner's threads waited for a core, and comes back after `RAISE_S` of idle
+    cores. Beside a busy worker on 2 cores the learner runs on one thread, and after the
+    worker stops it stays there for a while (BENCHMARKS.md: the fleet model on this box)."""
+
+    threads: int
+    max_threads: int
+    start: float | None = None
+    """When the open measurement began (None: none open)."""
+    wait_s: float = 0.0
+    """The learner's threads' run-queue wait since `start`, thread-seconds."""
+    idle_s: float = 0.0
+    """Idle core-seconds on the host since `start`."""
+    last_exit: float = -math.inf
+
+    def account(self, dt: float, wait_share: float, idle_cores: float) -> None:
+        if self.start is not None:
+            self.wait_s += self.threads * wait_share * dt
+            self.idle_s += idle_cores * dt
+
+    def enter(self, now: float) -> None:
+        if self.start is None or now - self.last_exit > cpu_threads.MAX_GAP_S:
+            self._open(now)
+
+    def checkpoint(self, now: float) -> None:
+        if self.start is None or now - self.start < cpu_threads.CHECK_S:
+            return
+        self._adjust(now, may_add=now - self.start >= cpu_threads.RAISE_S)
+        self._open(now)
+
+    def exit(self, now: float) -> None:
+        self.last_exit = now
+        if self.start is not None and now - self.start >= cpu_threads.MIN_MEASURE_S:
+            self._adjust(now, may_add=True)
+            self.start = None
+
+    def _open(self, now: float) -> None:
+        self.start, self.wait_s, self.idle_s = now, 0.0, 0.0
+
+    def _adjust(self, now: float, may_add: bool) -> None:
+        wall = now - (self.start or now)
+        if wall <= 0:
+            return
+        if self.wait_s / (wall * self.threads) > cpu_threads.OVERSUBSCRIBED and self.threads > 1:
+            self.threads -= 1
+        elif may_add and self.idle_s / wall >= cpu_threads.ROOM and self.threads < self.max_threads:
+            self.threads += 1
+
+
 class FleetModel:
     def __init__(self, cal: Calibration, workload: Workload, fleet: Fleet, seed: int = 0) -> None:
         if fleet.mode != "colocated" and fleet.workers < 1 and not fleet.trainer_engine:
@@ -195,6 +267,8 @@ class FleetModel:
             self.capacity = {"learner": 1.0}
             trainer_dev = "learner"
         self.learner = _Actor(trainer_dev, cal.learner_cores if shared else float(fleet.trainer_engines))
+        threads = round(cal.learner_cores)
+        self.governor = _Governor(threads, threads) if shared and threads > 1 else None
         self.streams = _Actor("host", 1.0)
         """The manager's and the trainer's reading of the token streams (shared hosts)."""
         self.engines: list[_Engine] = []
@@ -342,13 +416,30 @@ class FleetModel:
         return sum((self.w.prompt_tokens + g.length) * self.w.n for g in groups)
 
     def _train(self, groups: list[_Group], mini_batches: int | None = None) -> None:
+        """`mini_batches` optimizer steps over `groups`, each in micro-batches (the governor,
+        where there is one, is checked after each)."""
         steps = self.w.mini_batches if mini_batches is None else mini_batches
-        work = self._tokens(groups) / self.cal.learner_tokens_per_s + steps * self.cal.optimizer_step_s
-        if not self._trained:
-            work += self.cal.learner_compile_s
-            self._trained = True
-        self.learner.work_left, self.learner.busy = work, True
-        self._until(lambda: not self.learner.busy)
+        tokens = self._tokens(groups) / steps
+        micro = max(1, math.ceil(tokens / self.w.micro_batch_tokens)) if self.w.micro_batch_tokens else 1
+        gov = self.governor
+        for _ in range(steps):
+            if gov:
+                gov.enter(self.now)
+            for i in range(micro):
+                work = tokens / micro / self.cal.learner_tokens_per_s
+                if i == micro - 1:
+                    work += self.cal.optimizer_step_s
+                if not self._trained:
+                    work += self.cal.learner_compile_s
+                    self._trained = True
+                self.learner.work_left, self.learner.busy = work, True
+                self._until(lambda: not self.learner.busy)
+                if gov:
+                    gov.checkpoint(self.now)
+                    self.learner.demand = gov.threads
+            if gov:
+                gov.exit(self.now)
+                self.learner.demand = gov.threads
 
     def _publish(self, wait_for_pull: bool) -> None:
         self._advance(self.cal.step_overhead_s)
@@ -455,15 +546,20 @@ class FleetModel:
                 e.work_left = self.cal.decode_step_s(len(e.running), not e.remote, e.context) + prefill
                 e.busy = True
 
-    def _rates(self) -> dict[int, float]:
+    def _loads(self) -> dict[str, float]:
         load: dict[str, float] = {}
         for a in self._actors():
             if a.busy:
                 load[a.device] = load.get(a.device, 0.0) + a.demand
+        return load
+
+    def _rates(self, load: dict[str, float]) -> dict[int, float]:
         rates = {}
         for a in self._actors():
             if a.busy:
                 rates[id(a)] = min(1.0, self.capacity[a.device] / load[a.device])
+        if self.governor and self.learner.busy:
+            rates[id(self.learner)] *= self.cal.learner_speed(self.governor.threads)
         if self.cal.shared_gpu and self.cal.host_cores is None:  # clients of one GPU (MPS)
             decoding = sum(1 for e in self.engines if e.busy)
             if self.learner.busy:
@@ -484,7 +580,8 @@ class FleetModel:
                 raise RuntimeError("the fleet model made no progress")
             self._fill()
             self._start_steps()
-            rates = self._rates()
+            load = self._loads()
+            rates = self._rates(load)
             actors = [a for a in self._actors() if a.busy]
             nxt = min((self.now + a.work_left / rates[id(a)] for a in actors), default=math.inf)
             if self.timers:
@@ -496,6 +593,10 @@ class FleetModel:
             if nxt == math.inf:
                 raise RuntimeError("the fleet model is stuck: no work, no timer, and the step is not done")
             dt = nxt - self.now
+            if self.governor:
+                host, cores = load.get("host", 0.0), self.capacity["host"]
+                waiting = max(0.0, 1 - cores / host) if self.learner.busy and host else 0.0
+                self.governor.account(dt, waiting, max(0.0, cores - host))
             for e in self.engines:
                 if not e.busy and (e.up or not e.remote):  # a preempted worker is not idle: it is gone
                     e.idle_s += dt
