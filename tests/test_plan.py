@@ -153,10 +153,11 @@ def test_calibrate_measures_this_machines_engine_and_learner() -> None:
 
 
 def test_the_trainers_engine_hands_its_samples_to_the_workers_when_the_learner_starts() -> None:
-    # two groups of one sample, 100 and 50 tokens, one slot on each engine: the trainer's
-    # engine takes the long one; the learner starts at 0.5 s on the short one, and with
-    # `learner` the long one's last 50 tokens are decoded by the worker, nothing lost
-    work = Workload(prompts=2, n=1, prompt_tokens=5, budgets=(100, 50), mini_batches=2)
+    # two groups of one sample, 50 and 100 tokens, one slot on each engine: the worker
+    # takes the first (the manager fills workers first), the trainer's engine the long
+    # one; the learner starts at 0.5 s on the short one, and with `learner` the long one's
+    # last 50 tokens are decoded by the worker, nothing lost
+    work = Workload(prompts=2, n=1, prompt_tokens=5, budgets=(50, 100), mini_batches=2)
     engines = {}
     for until in ("always", "learner"):
         fleet = Fleet(1, "remote", trainer_engine=True, trainer_until=until, max_num_seqs=1, trainer_max_num_seqs=1)
@@ -222,11 +223,25 @@ def test_clients_of_one_gpu_cost_each_other_what_was_measured() -> None:
     assert predict(slowed, work, Fleet(0, "colocated"), steps=2).step_s == pytest.approx(alone.step_s)
 
 
+def test_every_client_among_more_than_the_gpu_holds_gets_its_part_of_the_sms() -> None:
+    # one slot on each engine: group A (10 tokens) on the worker, B (100) on the trainer's
+    # engine, C (100) on the worker after A. A's 15 tokens train at 0.1 s beside both
+    # engines: 3 busy clients on 2 shares, each at 2/3, so the learner takes 2.25 ms and
+    # each engine loses 0.75 ms; B and C then train alone (10.5 ms each) as they end
+    work = Workload(3, 1, 5, (10, 100, 100), mini_batches=3)
+    fleet = Fleet(1, "remote", trainer_engine=True, max_num_seqs=1, trainer_max_num_seqs=1)
+    crowded = predict(cal(shared_gpu=True, gpu_clients=2.0), work, fleet, steps=1, warmup=0)
+    assert crowded.step_s == pytest.approx(1.1 + 0.00075 + 0.0105, rel=1e-6)
+    roomy = predict(cal(shared_gpu=True, gpu_clients=3.0), work, fleet, steps=1, warmup=0)
+    assert roomy.step_s == pytest.approx(1.1 + 0.0105, rel=1e-6)
+
+
 def test_a_learner_among_more_gpu_clients_than_the_gpu_holds_gets_its_part_of_the_sms() -> None:
     # the learner trains the short groups' mini-batch while the trainer's engine and a
-    # worker decode the long ones: 3 clients where the GPU holds 2 shares of its SMs
-    work = Workload(4, 2, 5, (10, 10, 200, 200), mini_batches=2)
-    fleet = Fleet(1, "remote", trainer_engine=True)
+    # worker decode the long ones: 3 clients where the GPU holds 2 shares of its SMs (the
+    # worker's 4 slots take a long group and a short one, the trainer's engine the others)
+    work = Workload(4, 2, 5, (200, 10, 10, 200), mini_batches=2)
+    fleet = Fleet(1, "remote", trainer_engine=True, max_num_seqs=4)
     roomy = predict(cal(shared_gpu=True, learner_tokens_per_s=20), work, fleet, steps=2)
     crowded = predict(cal(shared_gpu=True, learner_tokens_per_s=20, gpu_clients=2.0), work, fleet, steps=2)
     assert crowded.step_s > roomy.step_s

@@ -76,8 +76,8 @@ class Calibration(BaseModel):
     time alone."""
     gpu_clients: float | None = Field(None, gt=0)
     """With `shared_gpu`: how many clients' SM shares the GPU holds (100 over
-    `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`: 2 at 50%). With more clients busy the learner,
-    which needs its SMs, gets its part of them: at most this over the busy clients."""
+    `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`: 2 at 50%). With more clients busy while the learner
+    trains, each busy client gets its part of them: at most this over the busy clients."""
     engine_slowdown_beside_learner: float = Field(0.0, ge=0)
     """With `shared_gpu`: an engine's decode step takes (1 + this) of its time alone
     while the learner trains (decoding reads memory, training computes: on an H200 under

@@ -4,8 +4,9 @@ It plays the run's own schedule over measured rates (`Calibration`), one decode 
 time on each engine, so that what decides a step on real hardware decides it here too:
 * the long tail: a group is ready when its longest sample is, and an engine's step takes
   as long as its batch's decode step, however few sequences are left in it;
-* placement: samples go to engines with free slots (`max_num_seqs`); a fully
-  asynchronous run places new work only on engines that hold the latest version;
+* placement: samples go to the least-loaded worker with a free slot (`max_num_seqs`), and
+  to the trainer's own engines only when no worker has one, as the manager places them;
+  a fully asynchronous run places new work only on engines that hold the latest version;
 * the learner: a step-synchronous run trains each mini-batch as soon as its groups are
   in (the remote modes) or after the whole batch (colocated), then publishes, and the
   workers pull before the next step starts; a fully asynchronous run trains on the first
@@ -21,9 +22,12 @@ time on each engine, so that what decides a step on real hardware decides it her
   on a GPU at RL lengths outweigh the weights), and an engine's KV cache bounds what it
   admits; a step that would overflow it sends its latest sequences back, tokens kept;
 * one GPU under MPS: the processes run side by side at the slowdowns the calibration
-  measured, and a learner among more busy clients than the GPU has SM shares for gets
-  its part of them;
-* the learner's first mini-batch takes its compile time too, and the fleet runs ahead.
+  measured, and while the learner trains among more busy clients than the GPU has SM
+  shares for, each gets its part of them;
+* the learner's first mini-batch takes its compile time too, and the fleet runs ahead;
+* a shared CPU host's thread governor (`polyrl.cpu_threads`): the learner's threads, and
+  so its speed and its demand on the cores, follow the load as the trainer's governor
+  moves them, checked after each micro-batch.
 
 Deterministic for a seed; a step of the 8B seeds' setup takes well under a second.
 """
@@ -509,13 +513,22 @@ class FleetModel:
             return False
         return self.f.mode != "fully_async" or e.version == self.version
 
+    def _slots(self, e: _Engine) -> int:
+        """Samples `e` may hold: a trainer's engine that is a peer of the workers
+        (`hybrid_local_until = learner`) takes its share of a worker's, as the manager caps it."""
+        if e.remote or self.f.trainer_until != "learner":
+            return e.slots
+        peers = sum(1 for x in self.engines if x.remote and x.up)
+        return min(e.slots, max(1, self.f.max_num_seqs // (1 + peers))) if peers else e.slots
+
     def _fill(self) -> None:
-        """Placement: queued samples to the engines with free slots, the emptiest first."""
+        """Placement, as the manager places: queued samples to the least-loaded worker with
+        a free slot, and to the trainer's own engines only when no worker has one."""
         if not self.queue:
             return
-        free = [e for e in self.engines if self._can_take(e) and len(e.running) + len(e.joined) < e.slots]
+        free = [e for e in self.engines if self._can_take(e) and len(e.running) + len(e.joined) < self._slots(e)]
         while self.queue and free:
-            e = min(free, key=lambda x: len(x.running) + len(x.joined))
+            e = min([x for x in free if x.remote] or free, key=lambda x: len(x.running) + len(x.joined))
             need = self.w.prompt_tokens + self.queue[0].done
             growth = len(e.running) + len(e.joined) + 1  # room for the next step's tokens too
             if e.kv_tokens is not None and e.context + need + growth > e.kv_tokens:
@@ -526,7 +539,7 @@ class FleetModel:
             if seq.group.version is None or e.version < seq.group.version:
                 seq.group.version = e.version if seq.group.version is None else min(seq.group.version, e.version)
             e.joined.append(seq)
-            if len(e.running) + len(e.joined) >= e.slots:
+            if len(e.running) + len(e.joined) >= self._slots(e):
                 free.remove(e)
 
     def _start_steps(self) -> None:
@@ -563,12 +576,16 @@ class FleetModel:
         if self.cal.shared_gpu and self.cal.host_cores is None:  # clients of one GPU (MPS)
             decoding = sum(1 for e in self.engines if e.busy)
             if self.learner.busy:
+                # the pairwise slowdowns `calibrate --corun` measured; past the GPU's SM
+                # shares every busy client gets its part of them, the engines too (with
+                # the learner alone crowded, the fully asynchronous row's fleet outran the
+                # measured one and idled a quarter of the time: BENCHMARKS.md)
+                crowd = self.cal.gpu_clients / (1 + decoding) if self.cal.gpu_clients is not None else 1.0
                 rates[id(self.learner)] /= 1 + self.cal.learner_slowdown_per_engine * decoding
-                if self.cal.gpu_clients is not None:
-                    rates[id(self.learner)] = min(rates[id(self.learner)], self.cal.gpu_clients / (1 + decoding))
+                rates[id(self.learner)] = min(rates[id(self.learner)], crowd)
                 for e in self.engines:
                     if e.busy:
-                        rates[id(e)] /= 1 + self.cal.engine_slowdown_beside_learner
+                        rates[id(e)] = min(rates[id(e)] / (1 + self.cal.engine_slowdown_beside_learner), crowd)
         return rates
 
     def _until(self, done, deadline: float | None = None) -> None:
