@@ -236,6 +236,23 @@ def test_every_client_among_more_than_the_gpu_holds_gets_its_part_of_the_sms() -
     assert roomy.step_s == pytest.approx(1.1 + 0.0105, rel=1e-6)
 
 
+def test_workers_on_the_trainers_gpu_take_a_version_in_place_and_come_first() -> None:
+    # a fully asynchronous run, one worker and the trainer's engine on one GPU: with a
+    # 1 GB version over 1 Gbit/s the worker on a link of its own is 8 s behind each
+    # publish, so each step's new prompts go to the trainer's engine; on one GPU it reads
+    # the published copy in place, and the manager gives the work to it first
+    work = Workload.fixed(4, 2, 5, 100)
+    fleet = Fleet(1, "fully_async", trainer_engine=True)
+    slow_link = dict(version_bytes=1_000_000_000, pull_gbps=1.0)
+    shares = {}
+    for gpu in (False, True):
+        model = FleetModel(cal(shared_gpu=gpu, **slow_link), work, fleet)
+        model.run(4)
+        shares[gpu] = {e.name: e.ticks for e in model.engines}
+    assert shares[True]["w0"] > shares[True]["trainer0"]
+    assert shares[False]["w0"] < shares[False]["trainer0"]
+
+
 def test_a_learner_among_more_gpu_clients_than_the_gpu_holds_gets_its_part_of_the_sms() -> None:
     # the learner trains the short groups' mini-batch while the trainer's engine and a
     # worker decode the long ones: 3 clients where the GPU holds 2 shares of its SMs (the

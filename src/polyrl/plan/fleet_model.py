@@ -189,6 +189,9 @@ class _Engine(_Actor):
     ticks: int = 0
     """Decode steps done so far: a sample's progress is read from it, not kept per token."""
     joined: list[_Seq] = field(default_factory=list)
+    waiting: list[_Seq] = field(default_factory=list)
+    """Placed here, not yet admitted: its KV cache had no room (the manager counts them as
+    the worker's, and the engine admits them as sequences finish)."""
     up: bool = True
     open: bool = True
     """Takes work (a trainer's engine is closed from its hand-back to the next step)."""
@@ -450,7 +453,9 @@ class FleetModel:
         self.version += 1
         pull = self.cal.pull_s()
         for e in self.engines:
-            if not e.remote:
+            if not e.remote or (self.cal.shared_gpu and e.up):
+                # the trainer's own engines, and on one GPU the workers too, decode from the
+                # published device copy in place: no pull (BENCHMARKS.md, the MPS rows)
                 e.version = self.version
             elif e.up:
                 self._timer(self.now + pull, "version", (e, self.version))
@@ -478,13 +483,14 @@ class FleetModel:
         for end, _, s in e.running:
             s.done += e.ticks - s.start
             s.left = end - e.ticks
-        moved = [s for _, _, s in e.running] + e.joined
-        e.running, e.joined, e.busy, e.work_left, e.context = [], [], False, 0.0, 0.0
+        moved = [s for _, _, s in e.running] + e.joined + e.waiting
+        e.running, e.joined, e.waiting, e.busy, e.work_left, e.context = [], [], [], False, 0.0, 0.0
         return moved
 
     def _overflow(self, e: _Engine) -> None:
         """Out of KV cache for the next step's tokens: the latest-joined running sequences
-        go back to the queue's front, tokens kept, until the rest fit."""
+        go back to the front of the engine's own waiting list, tokens kept, until the rest
+        fit (the engine's preemption: they stay on that engine)."""
         if e.kv_tokens is None:
             return
         while e.running and e.context + len(e.running) > e.kv_tokens:
@@ -495,7 +501,7 @@ class FleetModel:
             seq.done += e.ticks - seq.start
             seq.left = end - e.ticks
             e.context -= self.w.prompt_tokens + seq.done
-            self.queue.insert(0, seq)
+            e.waiting.insert(0, seq)
             self.kv_preemptions += 1
 
     def _schedule_preemption(self, e: _Engine) -> None:
@@ -521,31 +527,42 @@ class FleetModel:
         peers = sum(1 for x in self.engines if x.remote and x.up)
         return min(e.slots, max(1, self.f.max_num_seqs // (1 + peers))) if peers else e.slots
 
+    @staticmethod
+    def _held(e: _Engine) -> int:
+        return len(e.running) + len(e.joined) + len(e.waiting)
+
     def _fill(self) -> None:
         """Placement, as the manager places: queued samples to the least-loaded worker with
-        a free slot, and to the trainer's own engines only when no worker has one."""
+        a free slot, and to the trainer's own engines only when no worker has one. The
+        manager counts slots, not KV: what an engine's cache cannot take yet waits there."""
         if not self.queue:
             return
-        free = [e for e in self.engines if self._can_take(e) and len(e.running) + len(e.joined) < self._slots(e)]
+        free = [e for e in self.engines if self._can_take(e) and self._held(e) < self._slots(e)]
         while self.queue and free:
-            e = min([x for x in free if x.remote] or free, key=lambda x: len(x.running) + len(x.joined))
-            need = self.w.prompt_tokens + self.queue[0].done
-            growth = len(e.running) + len(e.joined) + 1  # room for the next step's tokens too
-            if e.kv_tokens is not None and e.context + need + growth > e.kv_tokens:
-                free.remove(e)  # its cache is full until sequences finish
-                continue
+            e = min([x for x in free if x.remote] or free, key=self._held)
             seq = self.queue.pop(0)
-            e.context += need
             if seq.group.version is None or e.version < seq.group.version:
                 seq.group.version = e.version if seq.group.version is None else min(seq.group.version, e.version)
-            e.joined.append(seq)
-            if len(e.running) + len(e.joined) >= self._slots(e):
+            e.waiting.append(seq)
+            if self._held(e) >= self._slots(e):
                 free.remove(e)
+
+    def _admit(self, e: _Engine) -> None:
+        """An engine's waiting sequences join its batch, oldest first, while its KV cache
+        has room for their context and the next step's tokens."""
+        while e.waiting:
+            need = self.w.prompt_tokens + e.waiting[0].done
+            growth = len(e.running) + len(e.joined) + 1
+            if e.kv_tokens is not None and e.context + need + growth > e.kv_tokens and (e.running or e.joined):
+                return  # full until sequences finish
+            e.context += need
+            e.joined.append(e.waiting.pop(0))
 
     def _start_steps(self) -> None:
         for e in self.engines:
             if e.busy or not e.up or self.now < e.paused_until:
                 continue
+            self._admit(e)
             if e.joined or e.running:
                 prefill = sum(self.w.prompt_tokens + s.done for s in e.joined) / self.cal.prefill_tokens_per_s
                 for s in e.joined:
