@@ -5,6 +5,7 @@ bound holds, shared cores are shared, a preemption loses no sample)."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,19 @@ def test_the_learner_runs_on_the_threads_the_governor_leaves_it() -> None:
     assert c.learner_speed(1) == 0.5 and c.learner_speed(2) == 1.0  # no one-thread rate: in proportion
 
 
+def test_the_trainer_reads_each_finished_group_before_the_learner_has_it() -> None:
+    # a shared host: two groups of one 100-token sample end together at 1.0 s; the manager
+    # sends each whole, and the trainer's one reader takes 105 x 0.1 ms per group, so the
+    # learner has both at 1.021 s and trains their 210 tokens in 21 ms. Colocated, the
+    # engine runs in the trainer's process: nothing to read
+    c = cal(host_cores=2.0, engine_cores=1.0, learner_cores=1.0, stream_cpu_s_per_token=1e-4)
+    work = Workload.fixed(2, 1, 5, 100)
+    remote = predict(c, work, Fleet(1, "remote"), steps=1, warmup=0)
+    assert remote.step_s == pytest.approx(1.0 + 2 * 0.0105 + 0.021, rel=1e-6)
+    colocated = predict(c, work, Fleet(0, "colocated"), steps=1, warmup=0)
+    assert colocated.step_s == pytest.approx(1.0 + 0.021, rel=1e-6)
+
+
 def test_a_preempted_worker_loses_no_sample() -> None:
     work = Workload.fixed(16, 4, 5, 200)
     calm = predict(cal(), work, Fleet(3, "remote"), steps=6)
@@ -150,6 +164,22 @@ def test_calibrate_measures_this_machines_engine_and_learner() -> None:
     assert c.host_cores is not None  # a CPU: every process shares the host
     if c.learner_cores > 1:  # where the thread governor puts the learner beside a busy worker
         assert c.learner_one_thread_tokens_per_s is not None and c.learner_one_thread_tokens_per_s > 0
+
+
+def test_calibrate_served_times_several_worker_processes(caplog) -> None:
+    # a worker process's decode step varies from one start to the next (10.1-12.1 ms at
+    # batch 256 on the 2-core box): --served times several, one after another
+    from polyrl.config import load_config
+    from polyrl.plan.calibrate import calibrate
+
+    cfg = load_config(None, ["rollout.max_new_tokens=4"])
+    with caplog.at_level(logging.INFO, logger="polyrl.plan"):
+        c = calibrate(cfg, batches=(1, 4), new_tokens=3, repeats=1, served=True, served_workers=2)
+    assert [p.batch for p in c.decode] == [1, 4] and all(p.step_s > 0 for p in c.decode)
+    assert c.engine_cores > 0 and c.stream_cpu_s_per_token > 0 and c.worker_start_s > 0
+    assert "over 2 worker processes" in caplog.text
+    with pytest.raises(ValueError, match="at least 1"):
+        calibrate(cfg, batches=(1,), new_tokens=3, repeats=1, served=True, served_workers=0)
 
 
 def test_the_trainers_engine_hands_its_samples_to_the_workers_when_the_learner_starts() -> None:

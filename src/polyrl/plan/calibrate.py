@@ -56,6 +56,11 @@ def _generate(engine: Engine, batch: int, prompt_tokens: int, new_tokens: int, v
 
 
 _TOKEN = "calibrate"
+SERVED_WORKERS_ON_CPU = 3
+"""Worker processes `--served` times on a CPU host, the median step kept: one process's
+batch-256 step came out at 10.1-12.1 ms in six calibrations on the 2-core box, by the
+process (more repeats in one process did not narrow it), and a run's workers draw the
+same lottery (BENCHMARKS.md, the fleet model on this box)."""
 
 
 def _cpu_s(pid: int) -> float:
@@ -173,6 +178,7 @@ def calibrate(
     context: int = 0,
     corun: bool = False,
     pull_gbps: float = 10.0,
+    served_workers: int | None = None,
 ) -> Calibration:
     """Rates of `cfg`'s model on `cfg.trainer.device`. `learner_lengths`: the sequences of
     one timed mini-batch (prompt and response tokens); by default the run's own, one
@@ -185,7 +191,8 @@ def calibrate(
     (with `served`, on a GPU): time the worker's decoding while the learner trains in
     this process, for what clients of one GPU cost each other (`shared_gpu`: run it with
     MPS, each process at its share of the SMs). `pull_gbps`: the workers' link, recorded
-    as given."""
+    as given. `served_workers`: worker processes timed one after another, the median of
+    their decode steps kept (None: `SERVED_WORKERS_ON_CPU` on a CPU host, 1 on a GPU)."""
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="polyrl-calibrate-") as tmp:
         init = Path(cfg.model.path) if cfg.model.path else Path(tmp) / "init"  # as `polyrl train` picks it
@@ -222,19 +229,45 @@ def calibrate(
             return slope, rate
 
         if served:
-            worker = _ServedWorker(cfg, init, max(batches), vocab)
-            try:
-                points, prefill = _decode_points(
-                    lambda b, t: worker.time(b, prompt_tokens, t), batches, new_tokens, prompt_tokens, repeats
+            if served_workers is None:
+                served_workers = SERVED_WORKERS_ON_CPU if device.type == "cpu" else 1
+            if served_workers < 1:
+                raise ValueError(f"served_workers must be at least 1 (got {served_workers})")
+            runs, cores, readers = [], [], []
+            for i in range(served_workers):  # one process after another, each timed in full; the median kept
+                worker = _ServedWorker(cfg, init, max(batches), vocab)
+                last = i == served_workers - 1
+                try:
+                    runs.append(
+                        _decode_points(
+                            lambda b, t, w=worker: w.time(b, prompt_tokens, t),
+                            batches,
+                            new_tokens,
+                            prompt_tokens,
+                            repeats,
+                        )
+                    )
+                    # the largest batch's full-length timings: the decode steps the model plays
+                    cores.append(statistics.median(worker.worker_cores[-repeats:]))
+                    readers.append(statistics.median(worker.reader_s_per_token[-repeats:]))
+                    if context and last:
+                        kv_s, context_prefill = kv_slope(worker.time)
+                finally:
+                    if not (corun and last):
+                        worker.close()
+            points = [
+                DecodePoint(batch=b, step_s=statistics.median(run[0][j].step_s for run in runs))
+                for j, b in enumerate(batches)
+            ]
+            prefill = context_prefill if context else statistics.median(run[1] for run in runs)
+            served_cores, served_reader = statistics.median(cores), statistics.median(readers)
+            if served_workers > 1:
+                log.info(
+                    "served decode step at batch %d over %d worker processes: %s ms",
+                    max(batches),
+                    served_workers,
+                    ", ".join(f"{max(run[0], key=lambda q: q.batch).step_s * 1e3:.2f}" for run in runs),
                 )
-                # the largest batch's full-length timings: the decode steps the model plays
-                served_cores = statistics.median(worker.worker_cores[-repeats:])
-                served_reader = statistics.median(worker.reader_s_per_token[-repeats:])
-                if context:
-                    kv_s, prefill = kv_slope(worker.time)
-            finally:
-                if not corun:
-                    worker.close()
         compute_dtype = DTYPES[cfg.model.dtype]
         # the trainer's own engine, built as the colocated rollout builds it (its dtype, its copy)
         engine_cfg = cfg.engine.model_copy(update={"max_num_seqs": max(batches)})

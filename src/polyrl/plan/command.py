@@ -46,6 +46,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument(
         "--learner-tokens", type=int, help="time the learner on sequences this long (default: the run's longest)"
     )
+    c.add_argument(
+        "--repeats", type=int, default=3, help="timings of each point, the fastest kept (more: steadier on a busy host)"
+    )
+    c.add_argument(
+        "--served-workers",
+        type=int,
+        help="with --served: worker processes to time, one after another, the median kept (default 3 on a CPU, 1 on a GPU)",
+    )
     c.add_argument("overrides", nargs="*", metavar="key=value")
 
     f = plan.add_parser("fleet", help="predict a run's steps for several fleet sizes")
@@ -148,6 +156,8 @@ def main(args: argparse.Namespace) -> int:
             corun=args.corun,
             pull_gbps=args.pull_gbps,
             learner_lengths=tuple([args.learner_tokens] * per_mini) if args.learner_tokens else (),
+            repeats=args.repeats,
+            served_workers=args.served_workers,
         )
         cal.save(args.out)
         print(f"calibration written to {args.out}")

@@ -277,7 +277,11 @@ class FleetModel:
         threads = round(cal.learner_cores)
         self.governor = _Governor(threads, threads) if shared and threads > 1 else None
         self.streams = _Actor("host", 1.0)
-        """The manager's and the trainer's reading of the token streams (shared hosts)."""
+        """The manager's reading of the workers' token streams (shared hosts)."""
+        self.reader = _Actor("host", 1.0)
+        """The trainer's reading of finished groups from the manager (shared hosts): one
+        thread, a group at a time, and the learner has a group once it is read."""
+        self.unread: list[_Group] = []
         self.engines: list[_Engine] = []
         if fleet.mode == "colocated" or fleet.trainer_engine:
             for i in range(fleet.trainer_engines):
@@ -642,26 +646,46 @@ class FleetModel:
                     a.busy, a.work_left = False, 0.0
                     if isinstance(a, _Engine):
                         self._decoded(a)
+                    elif a is self.reader:
+                        self._group_ready(self.unread.pop(0))
+                        self._read_next()
             while self.timers and self.timers[0][0] <= self.now + 1e-12:
                 _, _, kind, payload = heapq.heappop(self.timers)
                 self._on_timer(kind, payload)
 
     def _actors(self) -> list[_Actor]:
-        return [self.learner, *self.engines, self.streams]
+        return [self.learner, *self.engines, self.streams, self.reader]
 
     def _decoded(self, e: _Engine) -> None:
         e.ticks += 1
         e.context += len(e.running)
-        if self.cal.host_cores is not None and self.cal.stream_cpu_s_per_token:
-            self.streams.work_left += 2 * self.cal.stream_cpu_s_per_token * len(e.running)
+        # through the manager (the colocated engine runs in the trainer's process: no stream)
+        reading = self.cal.host_cores is not None and self.cal.stream_cpu_s_per_token > 0 and self.f.mode != "colocated"
+        if reading:
+            self.streams.work_left += self.cal.stream_cpu_s_per_token * len(e.running)
             self.streams.busy = True
         while e.running and e.running[0][0] <= e.ticks:
             s = heapq.heappop(e.running)[2]
             e.context -= self.w.prompt_tokens + s.done + s.left
             s.group.samples_left -= 1
             if s.group.samples_left == 0:
-                s.group.ready_at = self.now
-                self.ready.append(s.group)
+                if reading:
+                    self.unread.append(s.group)
+                    self._read_next()
+                else:
+                    self._group_ready(s.group)
+
+    def _group_ready(self, g: _Group) -> None:
+        g.ready_at = self.now
+        self.ready.append(g)
+
+    def _read_next(self) -> None:
+        """The trainer's reader takes the next finished group: its tokens at the cost of
+        reading a streamed token (the manager sends each group whole, once it is done)."""
+        if not self.reader.busy and self.unread:
+            g = self.unread[0]
+            self.reader.work_left = self.cal.stream_cpu_s_per_token * self.w.n * (self.w.prompt_tokens + g.length)
+            self.reader.busy = True
 
     def _on_timer(self, kind: str, payload) -> None:
         if kind == "version":
