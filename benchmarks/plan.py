@@ -8,6 +8,9 @@ workers is the colocated run (`rollout.mode=local`). The first two steps of each
 left out (start-up, the first compile).
 
     python benchmarks/plan.py --workers 0 1 2 4 --steps 12 --json plan.json
+
+`--work DIR` keeps the runs and the calibration, and reads back what is there: with
+`--calibration FILE`, another run's calibration predicts DIR's runs.
 """
 
 from __future__ import annotations
@@ -46,11 +49,16 @@ def main() -> None:
     p.add_argument("--length", type=int, default=48)
     p.add_argument("--work", type=Path)
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--calibration",
+        type=Path,
+        help="predict with this calibration file instead of making one (another run's, to check one against another)",
+    )
     args = p.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="polyrl-plan-"))
     work.mkdir(parents=True, exist_ok=True)
     overrides = quiet_run(args.steps, args.length)
-    cal_path = calibrate(work, overrides)
+    cal_path = args.calibration or calibrate(work, overrides)
     cal = Calibration.load(cal_path)
     rows = []
     for n in args.workers:

@@ -168,6 +168,26 @@ def test_the_fleet_model_grows_toward_its_best_size_one_worker_at_a_time() -> No
     assert steps[4] == pytest.approx(1.6 + 0.07 + 0.5, rel=0.02)
 
 
+def test_a_target_no_size_meets_heads_for_the_fastest_size_not_the_most_workers() -> None:
+    """One shared core and a decode step as long at batch 64 as at 1: a second worker halves
+    each one's speed, so with a target no size can meet the scaler heads for one worker."""
+    from test_plan import cal
+
+    from polyrl.launch.autoscale import FleetPlanner
+    from polyrl.plan.calibration import DecodePoint
+
+    run = load_config(None, ["trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=16", "rollout.n=4"])
+    flat = [DecodePoint(batch=1, step_s=0.01), DecodePoint(batch=64, step_s=0.01)]
+    rates = cal(decode=flat, learner_tokens_per_s=1e5, host_cores=1.0, engine_cores=1.0, learner_cores=1.0)
+    cfg = AutoscaleConfig(enabled=True, min_workers=1, max_workers=4, interval_steps=1, target_step_s=0.5)
+    s = Autoscaler(cfg, 10.0, 2.5, planner=FleetPlanner(run, rates))
+    seen = StepCost(2.0, 0.0, 6720, 2, 5, 100, 100)
+    steps = s.step_s(seen, [1, 2, 3, 4])
+    assert steps[1] < steps[2] < steps[3] < steps[4] and steps[1] > 0.5
+    decision = s.observe(lengths(step(2.0, 0.0, 2, tokens=6720), 100))
+    assert decision is not None and decision.target == 1
+
+
 def test_the_run_reads_its_calibration_file_and_names_a_bad_one(tmp_path: Path) -> None:
     from test_plan import cal
 

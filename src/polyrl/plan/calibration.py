@@ -91,8 +91,9 @@ class Calibration(BaseModel):
     `learner_cores` the model interpolates. None: proportional to the threads."""
     stream_cpu_s_per_token: float = Field(0.0, ge=0)
     """Host CPU seconds to read one streamed token (shared hosts only). The model charges it
-    twice per token, on one core: the manager reads each worker's stream, and the trainer
-    reads the manager's."""
+    twice per token, each on a core of its own: the manager reads each worker's stream as it
+    decodes, and the trainer's reader takes each finished group whole, one at a time, before
+    the learner has it."""
 
     @model_validator(mode="after")
     def _sorted(self) -> Calibration:

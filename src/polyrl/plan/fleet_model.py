@@ -2,8 +2,9 @@
 
 It plays the run's own schedule over measured rates (`Calibration`), one decode step at a
 time on each engine, so that what decides a step on real hardware decides it here too:
-* the long tail: a group is ready when its longest sample is, and an engine's step takes
-  as long as its batch's decode step, however few sequences are left in it;
+* the long tail: a group is ready when its longest sample is (on a shared host, once the
+  trainer has read it), and an engine's step takes as long as its batch's decode step,
+  however few sequences are left in it;
 * placement: samples go to the least-loaded worker with a free slot (`max_num_seqs`), and
   to the trainer's own engines only when no worker has one, as the manager places them;
   a fully asynchronous run places new work only on engines that hold the latest version;
@@ -20,7 +21,7 @@ time on each engine, so that what decides a step on real hardware decides it her
   after `restart_s`;
 * context: a decode step also pays for the context its batch holds (the KV reads, which
   on a GPU at RL lengths outweigh the weights), and an engine's KV cache bounds what it
-  admits; a step that would overflow it sends its latest sequences back, tokens kept;
+  admits; a step that would overflow it sends its latest sequences back to wait on it, tokens kept;
 * one GPU under MPS: the processes run side by side at the slowdowns the calibration
   measured, and while the learner trains among more busy clients than the GPU has SM
   shares for, each gets its part of them;
