@@ -26,9 +26,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class CpuThreads:
     """torch's intra-op thread count for this process, kept to what the machine leaves it."""
 
     def __init__(self, max_threads: int | None = None) -> None:
+        import torch  # here, not at the top: the fleet model reads this module's thresholds without torch
+
         self.max_threads = max_threads or torch.get_num_threads()
         self.threads = torch.get_num_threads()
         self._ticks = _clock_ticks()
@@ -98,6 +101,8 @@ class CpuThreads:
 
     def fix(self, threads: int) -> None:
         """A count the user chose (`trainer.num_threads`): set, and left alone."""
+        import torch
+
         torch.set_num_threads(threads)
         self.threads = self.max_threads = threads
         self.is_adaptive = False
@@ -140,6 +145,8 @@ class CpuThreads:
         elif may_add and self.last_idle_cores >= ROOM and self.threads < self.max_threads:
             self.threads += 1
         if self.threads != before:
+            import torch
+
             torch.set_num_threads(self.threads)
             log.debug(
                 "cpu threads %d -> %d (run-queue wait %.0f%% of each thread's time, %.1f cores idle)",
