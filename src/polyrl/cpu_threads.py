@@ -140,10 +140,7 @@ class CpuThreads:
         self.last_wait_ratio = (end.wait_s - start.wait_s) / (wall * self.threads)
         self.last_idle_cores = max(0.0, (end.idle_s - start.idle_s) / wall)
         before = self.threads
-        if self.last_wait_ratio > OVERSUBSCRIBED and self.threads > 1:
-            self.threads -= 1
-        elif may_add and self.last_idle_cores >= ROOM and self.threads < self.max_threads:
-            self.threads += 1
+        self.threads = next_count(self.threads, self.max_threads, self.last_wait_ratio, self.last_idle_cores, may_add)
         if self.threads != before:
             import torch
 
@@ -155,6 +152,17 @@ class CpuThreads:
                 100 * self.last_wait_ratio,
                 self.last_idle_cores,
             )
+
+
+def next_count(threads: int, max_threads: int, wait_ratio: float, idle_cores: float, may_add: bool = True) -> int:
+    """The governor's rule, after a measurement: one thread fewer when each thread waited
+    for a core over `OVERSUBSCRIBED` of the time, one more (where `may_add`) when
+    `ROOM` cores sat idle. The fleet model plays the same rule on its modelled load."""
+    if wait_ratio > OVERSUBSCRIBED and threads > 1:
+        return threads - 1
+    if may_add and idle_cores >= ROOM and threads < max_threads:
+        return threads + 1
+    return threads
 
 
 _process: CpuThreads | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import socket
@@ -307,33 +308,30 @@ def calibrate(
             )
             for n in lengths
         ]
-        _sync(device)
-        t0 = time.perf_counter()
-        learner.train_mini_batch(items, weights_as_sampled=True)  # warm-up (compiles on a GPU)
-        _sync(device)
-        first_s = time.perf_counter() - t0
-        times = []
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            learner.train_mini_batch(items, weights_as_sampled=True)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        learner_tps = sum(lengths) / min(times)
-        compile_s = max(0.0, first_s - min(times))
+
+        def mini_batch_s(times: int) -> float:
+            """The fastest of `times` timed mini-batches."""
+            best = math.inf
+            for _ in range(times):
+                _sync(device)
+                t0 = time.perf_counter()
+                learner.train_mini_batch(items, weights_as_sampled=True)
+                _sync(device)
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        first_s = mini_batch_s(1)  # warm-up (compiles on a GPU)
+        best_s = mini_batch_s(repeats)
+        learner_tps = sum(lengths) / best_s
+        compile_s = max(0.0, first_s - best_s)
         log.info("learner: %.0f tokens/s (its first mini-batch %.1f s longer)", learner_tps, compile_s)
         one_thread_tps = None
         if device.type == "cpu" and threads > 1:  # where the thread governor puts it beside a busy worker
             torch.set_num_threads(1)
             try:
-                one = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    learner.train_mini_batch(items, weights_as_sampled=True)
-                    one.append(time.perf_counter() - t0)
+                one_thread_tps = sum(lengths) / mini_batch_s(repeats)
             finally:
                 torch.set_num_threads(threads)
-            one_thread_tps = sum(lengths) / min(one)
             log.info("learner on one thread: %.0f tokens/s", one_thread_tps)
         slowdowns = None
         if worker is not None:

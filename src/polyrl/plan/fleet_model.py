@@ -248,12 +248,9 @@ class _Governor:
 
     def _adjust(self, now: float, may_add: bool) -> None:
         wall = now - (self.start or now)
-        if wall <= 0:
-            return
-        if self.wait_s / (wall * self.threads) > cpu_threads.OVERSUBSCRIBED and self.threads > 1:
-            self.threads -= 1
-        elif may_add and self.idle_s / wall >= cpu_threads.ROOM and self.threads < self.max_threads:
-            self.threads += 1
+        if wall > 0:
+            wait_ratio, idle_cores = self.wait_s / (wall * self.threads), self.idle_s / wall
+            self.threads = cpu_threads.next_count(self.threads, self.max_threads, wait_ratio, idle_cores, may_add)
 
 
 class FleetModel:
@@ -283,6 +280,9 @@ class FleetModel:
         """The trainer's reading of finished groups from the manager (shared hosts): one
         thread, a group at a time, and the learner has a group once it is read."""
         self.unread: list[_Group] = []
+        self.reads_streams = shared and cal.stream_cpu_s_per_token > 0 and fleet.mode != "colocated"
+        """Finished tokens pass through the manager's and the trainer's readers (a colocated
+        engine runs in the trainer's process: no stream)."""
         self.engines: list[_Engine] = []
         if fleet.mode == "colocated" or fleet.trainer_engine:
             for i in range(fleet.trainer_engines):
@@ -660,9 +660,7 @@ class FleetModel:
     def _decoded(self, e: _Engine) -> None:
         e.ticks += 1
         e.context += len(e.running)
-        # through the manager (the colocated engine runs in the trainer's process: no stream)
-        reading = self.cal.host_cores is not None and self.cal.stream_cpu_s_per_token > 0 and self.f.mode != "colocated"
-        if reading:
+        if self.reads_streams:
             self.streams.work_left += self.cal.stream_cpu_s_per_token * len(e.running)
             self.streams.busy = True
         while e.running and e.running[0][0] <= e.ticks:
@@ -670,7 +668,7 @@ class FleetModel:
             e.context -= self.w.prompt_tokens + s.done + s.left
             s.group.samples_left -= 1
             if s.group.samples_left == 0:
-                if reading:
+                if self.reads_streams:
                     self.unread.append(s.group)
                     self._read_next()
                 else:
