@@ -3,7 +3,9 @@
 * engine: Qwen3-30B-A3B's shape (random bf16 weights, 30.5B parameters) at each
   `--batches` size, B prompts x `--new-tokens` at temperature 1, against HF `generate`
   in the same run and against the weight-read roofline (a decode step reads every weight
-  once: at batch 64 with 8 of 128 experts per token, 98% of the experts are hit);
+  once: at batch 64 with 8 of 128 experts per token, 98% of the experts are hit); one
+  engine row per `--moe-backends` value (`engine.moe_runner_backend`: `auto`, the
+  engine's Triton experts; `model`, the model's own blocks), HF once;
 * learner: that shape's first `--cut-layers` layers (the 8-layer cut: 5.6B parameters,
   the whole LM head), one optimizer step per mini-batch of `--learner-tokens` tokens.
   Rows: HF's own forward and backward (the model's `grouped_mm` experts, bf16 autocast
@@ -17,7 +19,7 @@
   for the experts, the attention and the rest, with the share of 16-bit words changed.
 
     python benchmarks/moe.py --device cuda --json "$OUT/moe.json" [--parts engine,learner,bytes]
-        [--batches 64,256] [--new-tokens 256] [--baselines grouped,dynamic]
+        [--batches 64,256] [--new-tokens 256] [--baselines grouped,dynamic] [--moe-backends auto,model]
     python benchmarks/moe.py --device cpu      # tiny shapes: proves the script
 
 HF baselines: `dynamic` is plain `generate`, which switches the experts to `batched_mm`
@@ -82,33 +84,41 @@ def engine_part(args: argparse.Namespace) -> list[dict]:
     model = build_model(preset, args.device, dtype)
     params = sum(p.numel() for p in model.parameters())
     print(f"engine: {preset}, {params / 1e9:.2f}B parameters, {dtype}", flush=True)
-    engine = Engine(
-        model,
-        EngineConfig(
-            max_num_seqs=max(args.batches),
-            max_num_batched_tokens=8192,
-            max_model_len=args.prompt_len + args.new_tokens,
-            kv_cache_memory_fraction=0.5,
-        ),
-    )
-    graphs = engine.runner.decode_graphs
     bandwidth = copy_bandwidth(args.device) if args.device.type == "cuda" else None
     vocab = model.config.vocab_size
     rows = []
-    for batch in args.batches:
-        g = torch.Generator().manual_seed(batch)
-        prompts = torch.randint(3, vocab, (batch, args.prompt_len), generator=g).tolist()
-        print(f"  batch {batch} x {args.new_tokens} new tokens ...", flush=True)
-        try:
-            row = measure(model, engine, prompts, args.new_tokens, 1, True, args.repeats, args.baselines, bandwidth)
-        except Exception:
-            traceback.print_exc()
-            row = {"sequences": batch, "error": traceback.format_exc(limit=2)[-300:]}
-        rows.append({"part": "engine", "preset": preset, "batch": batch, "cuda_graphs": bool(graphs), **row})
-        if args.profile:
-            rows[-1]["profile"] = profile_engine(engine, prompts, args.device, args.profile_tokens)
-    engine.sleep()  # frees the KV cache and the graphs
-    del engine, model
+    for i, backend in enumerate(args.moe_backends.split(",")):
+        engine = Engine(
+            model,
+            EngineConfig(
+                max_num_seqs=max(args.batches),
+                max_num_batched_tokens=8192,
+                max_model_len=args.prompt_len + args.new_tokens,
+                kv_cache_memory_fraction=0.5,
+                moe_runner_backend=backend,
+            ),
+        )
+        graphs = engine.runner.decode_graphs
+        for batch in args.batches:
+            g = torch.Generator().manual_seed(batch)
+            prompts = torch.randint(3, vocab, (batch, args.prompt_len), generator=g).tolist()
+            print(f"  batch {batch} x {args.new_tokens} new tokens, moe_runner_backend={backend} ...", flush=True)
+            baselines = args.baselines if i == 0 else []  # HF once: the same model and work for every backend
+            try:
+                row = measure(model, engine, prompts, args.new_tokens, 1, True, args.repeats, baselines, bandwidth)
+            except Exception:
+                traceback.print_exc()
+                row = {"sequences": batch, "error": traceback.format_exc(limit=2)[-300:]}
+            rows.append(
+                {"part": "engine", "preset": preset, "batch": batch, "moe_runner_backend": backend,
+                 "cuda_graphs": bool(graphs), **row}
+            )  # fmt: skip
+            if args.profile:
+                rows[-1]["profile"] = profile_engine(engine, prompts, args.device, args.profile_tokens)
+        engine.sleep()  # frees the KV cache and the graphs
+        del engine
+        free()
+    del model
     free()
     return rows
 
@@ -311,16 +321,26 @@ def learner_part(args: argparse.Namespace, want_bytes: bool) -> tuple[list[dict]
 
 def print_tables(engine_rows: list[dict], learner_rows: list[dict], delta: dict | None) -> None:
     if engine_rows:
-        cols = [c for c in ("engine", "grouped", "dynamic", "static") if any(f"{c}_tok_s" in r for r in engine_rows)]
+        cols = [c for c in ("grouped", "dynamic", "static") if any(f"{c}_tok_s" in r for r in engine_rows)]
+        hf_best = {  # HF ran once per batch (with the first backend); every engine row is held to it
+            r["batch"]: max(r[f"{c}_tok_s"] for c in cols if f"{c}_tok_s" in r)
+            for r in engine_rows
+            if any(f"{c}_tok_s" in r for c in cols)
+        }
         print(
-            "\n| batch | " + " | ".join(f"{c} tok/s" for c in cols) + " | vs best HF | roofline tok/s | of roofline |"
+            "\n| batch | experts | engine tok/s | "
+            + " | ".join(f"HF {c} tok/s" for c in cols)
+            + " | vs best HF | roofline tok/s | of roofline |"
         )
-        print("|---|" + "---|" * (len(cols) + 3))
+        print("|---|---|---|" + "---|" * (len(cols) + 3))
         for r in engine_rows:
             cells = [f"{r[f'{c}_tok_s']:.0f}" if f"{c}_tok_s" in r else "-" for c in cols]
-            speed = f"{r['speedup_vs_best_hf']:.2f}x" if "speedup_vs_best_hf" in r else "-"
+            engine = f"{r['engine_tok_s']:.0f}" if "engine_tok_s" in r else "failed"
+            best = hf_best.get(r["batch"])
+            speed = f"{r['engine_tok_s'] / best:.2f}x" if best and "engine_tok_s" in r else "-"
             roof = f"{r['roofline_tok_s']:.0f} | {r['fraction_of_roofline']:.0%}" if "roofline_tok_s" in r else "- | -"
-            print(f"| {r['batch']} | " + " | ".join(cells) + f" | {speed} | {roof} |")
+            experts = r.get("moe_runner_backend", "-")
+            print(f"| {r['batch']} | {experts} | {engine} | " + " | ".join(cells) + f" | {speed} | {roof} |")
     if learner_rows:
         base = next(
             (r["tokens_per_s"] for r in learner_rows if r["row"].startswith("hf") and "tokens_per_s" in r), None
@@ -352,6 +372,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=None, help="default: 256 on CUDA, 16 on CPU")
     p.add_argument("--baselines", default="grouped,dynamic", help="HF generate baselines: grouped,dynamic,static")
+    p.add_argument("--moe-backends", default="auto,model", help="engine.moe_runner_backend values, each an engine row")
     p.add_argument("--repeats", type=int, default=1, help="timed runs after the warm-up, best of")
     p.add_argument("--cut-layers", type=int, default=None, help="learner layers (default: 8 on CUDA, 2 on CPU)")
     p.add_argument(

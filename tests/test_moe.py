@@ -25,7 +25,7 @@ from test_worker import WorkerProcess, _wait_until
 from transformers import AutoModelForCausalLM
 
 from polyrl.config import AlgoConfig, ConfigError, LoraConfig, TinyModelConfig, load_config
-from polyrl.engine import triton_ops
+from polyrl.engine import fused_moe, triton_ops
 from polyrl.engine.engine import Engine
 from polyrl.engine.lora import expected_spec
 from polyrl.engine.types import EngineRequest, SampleDelta, SampleResult
@@ -77,21 +77,34 @@ def test_the_fused_layers_run_the_experts_as_transformers_does(
     moe_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The GPU's fused decoder (Triton kernels, in the interpreter here) runs the MoE
-    blocks too: the same greedy tokens as transformers. Transformers' default experts
-    (`grouped_mm`, no host sync) qualify for CUDA graphs; the `eager` loop does not."""
+    blocks as the engine's Triton experts: the same greedy tokens as transformers. With
+    them, any experts implementation qualifies for CUDA graphs; with the model's own
+    blocks (`moe_runner_backend = "model"`) only transformers' `grouped_mm` (no host
+    sync) does, not the `eager` loop."""
     if not triton_ops.available("cpu"):
         pytest.skip("Triton is not installed")
     engine = Engine(moe_model, SMALL)
-    assert moe_model.config._experts_implementation == "grouped_mm"
-    assert engine.runner.supports_fused_decode(moe_model)
+    assert engine.runner.fused_moe and engine.runner.supports_fused_decode(moe_model, 256)
     engine.runner.decode_graphs = SimpleNamespace(max_batch=0)  # the fused layers, no graph replays
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     results = run(engine, [EngineRequest(str(i), p, greedy) for i, p in enumerate(PROMPTS[:2])])
     for i, p in enumerate(PROMPTS[:2]):
         assert results[(str(i), 0)].token_ids == hf_greedy(moe_model, p, 8)
+    # The routes a sample asks for are the Triton experts' own, and transformers' ones.
+    asked = greedy.model_copy(update={"max_new_tokens": 4, "return_routed_experts": True})
+    ((completion, routes),) = _engine_routes(engine, [EngineRequest("r", PROMPTS[2], asked)]).values()
+    ids = PROMPTS[2] + completion
+    assert torch.equal(routes.long(), _hf_routes(moe_model, ids)[: len(ids) - 1].long())
+    model_blocks = Engine(moe_model, SMALL.model_copy(update={"moe_runner_backend": "model"}))
+    assert not model_blocks.runner.fused_moe
+    assert moe_model.config._experts_implementation == "grouped_mm"
+    assert model_blocks.runner.supports_fused_decode(moe_model, 256)
     monkeypatch.setattr(moe_model.config, "_experts_implementation_internal", "eager")
     assert moe_model.config._experts_implementation == "eager"
-    assert not engine.runner.supports_fused_decode(moe_model)
+    assert not model_blocks.runner.supports_fused_decode(moe_model, 256)
+    assert engine.runner.supports_fused_decode(moe_model, 256)
+    # Beyond the pairs the Triton experts take, a captured step would run the model's blocks.
+    assert not engine.runner.supports_fused_decode(moe_model, fused_moe.FUSED_MAX_PAIRS)
 
 
 def test_logprobs_equal_a_full_forward_to_1e5(moe_dir: Path) -> None:

@@ -433,6 +433,12 @@ class EngineConfig(_Section):
     from each version the engine receives; the trainer is unchanged, and the behaviour
     log-probs are the FP8 model's (`polyrl/engine/fp8.py`). Needs a CUDA GPU of compute
     capability 8.9+ (Ada, Hopper) and bfloat16 compute; anything else is refused."""
+    moe_runner_backend: Literal["auto", "model"] = "auto"
+    """SGLang's option, for a mixture of experts. auto: on CUDA (with Triton) the decode
+    step runs the experts as the engine's Triton kernels (routing, grouping by expert and
+    the expert GEMMs with SwiGLU fused; `polyrl/engine/fused_moe.py`), and prefill chunks
+    of more than 16384 token-expert pairs as the model's own blocks; model: always the
+    model's own blocks (transformers' experts implementation)."""
     cuda_graphs: bool = True
     """On CUDA (with Triton), replay decode steps as CUDA graphs with the Triton paged-attention
     kernel; off: every step runs eagerly on the PyTorch path (for debugging)."""

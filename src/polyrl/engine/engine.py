@@ -134,12 +134,17 @@ class Engine:
         self._ready: list[SampleDelta] = []  # read back outside `step` (by `sleep`), returned by the next
         freeze_gc_heap()
         graphs = "on" if self.runner.decode_graphs else "off"
+        experts = ""
+        if self.runner.is_moe:  # the Triton experts run in the fused layers, which come with the graphs
+            triton_experts = self.runner.fused_moe and self.runner.decode_graphs is not None
+            experts = ", experts: " + ("the engine's Triton kernels" if triton_experts else "the model's blocks")
         log.info(
-            "engine: %d KV blocks of %d tokens, context %d, CUDA graphs %s",
+            "engine: %d KV blocks of %d tokens, context %d, CUDA graphs %s%s",
             self.blocks.num_blocks,
             cfg.block_size,
             self.max_model_len,
             graphs,
+            experts,
         )
 
     @classmethod
@@ -201,6 +206,7 @@ class Engine:
             max_model_len=self.max_model_len,
             fp8_kv=cfg.kv_cache_dtype == "fp8",
             fp8_layers=self._fp8,
+            moe_runner_backend=cfg.moe_runner_backend,
         )
 
     @property

@@ -7,9 +7,10 @@ Linears between Triton kernels for the norms, RoPE with the cache write, and Swi
 the Triton paged-attention kernel for decode steps replayed as CUDA graphs and SDPA over
 the paged cache for prefill. That covers the Llama family (Llama, Mistral, Qwen2, Qwen3: pre-norm blocks, RoPE, GQA,
 optional q/k norms and projection biases), which is what RL post-training uses today.
-Qwen3-MoE runs its layers' own mixture-of-experts blocks (router and experts as
-transformers computes them) and decodes eagerly: their per-expert loop has
-data-dependent shapes, which a CUDA graph cannot hold.
+Qwen3-MoE's blocks run in the fused layers as the engine's Triton experts
+(`fused_moe.py`: routing, grouping by expert and the expert GEMMs with no host sync, so
+decode steps are captured too); elsewhere, and for large prefill chunks, they run as the
+model's own blocks (transformers' experts).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from polyrl.engine import triton_ops
+from polyrl.engine import fused_moe, triton_ops
 from polyrl.engine.attention import AttentionGroup, AttentionMetadata, paged_attention
 from polyrl.engine.block_manager import cdiv
 from polyrl.engine.cuda_graphs import DecodeGraphs, DecodeMetadata
@@ -43,6 +44,10 @@ def _norm(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, fp8: 
 def run_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """One layer's MLP on [T, hidden]; transformers' MoE blocks take [B, T, hidden]."""
     return mlp(x[None])[0] if is_moe_block(mlp) else mlp(x)
+
+
+def _moe_layers(model: PreTrainedModel) -> list[nn.Module]:
+    return [layer for layer in model.model.layers if is_moe_block(layer.mlp)]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -76,13 +81,16 @@ class ModelRunner:
         max_model_len: int = 0,
         fp8_kv: bool = False,
         fp8_layers: list[Fp8Layer] | None = None,
+        moe_runner_backend: str = "auto",
     ) -> None:
         """`cuda_graph_max_batch` > 0 replays decode steps of up to that many sequences as
         CUDA graphs (CUDA with Triton only; elsewhere it is ignored). `fp8_kv`: the cache
         holds e4m3 values with a float32 scale per (slot, KV head) (`engine.kv_cache_dtype`),
         which only the fused layers write and read. `fp8_layers`: the decoder layers' FP8
         matmuls (`engine.weight_dtype`), which the fused layers run instead of the
-        model's projections."""
+        model's projections. `moe_runner_backend` (`engine.moe_runner_backend`): "auto"
+        runs a mixture of experts' blocks in the fused layers as the engine's Triton experts
+        where they apply, "model" as the model's own blocks."""
         model_type = model.config.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -98,6 +106,14 @@ class ModelRunner:
         its sequences asked for them (`return_routed_experts`); else None."""
         routers = moe_routers(model)
         self.is_moe = bool(routers)
+        self.fused_moe = (
+            self.is_moe
+            and moe_runner_backend == "auto"
+            and triton_ops.available(model.device.type)
+            and all(fused_moe.supports(layer.mlp, model.config.hidden_act) for layer in _moe_layers(model))
+        )
+        """The fused layers run the MoE blocks with `fused_moe` (up to `FUSED_MAX_PAIRS`
+        token-expert pairs a forward; larger prefills take the model's blocks)."""
         for router in routers:
             router.register_forward_hook(self._record_routes)
         self.device = model.device
@@ -116,7 +132,7 @@ class ModelRunner:
             cuda_graph_max_batch > 0
             and self.device.type == "cuda"
             and triton_ops.available("cuda")
-            and self.supports_fused_decode(model)
+            and self.supports_fused_decode(model, cuda_graph_max_batch)
         ):
             self.decode_graphs = DecodeGraphs(
                 self._decode_logits,
@@ -129,17 +145,20 @@ class ModelRunner:
                 self.device,
             )
 
-    def supports_fused_decode(self, model: PreTrainedModel) -> bool:
+    def supports_fused_decode(self, model: PreTrainedModel, max_batch: int) -> bool:
         """The fused decode step covers the family's common shape: SwiGLU MLPs and a
-        power-of-two head size; anything else decodes eagerly. A mixture of experts runs
-        its blocks as they are, which a CUDA graph can hold only with transformers'
-        `grouped_mm` experts (its default: sort by expert, offsets by `histc`, no host
-        sync); the `eager` experts loop over `nonzero`, which reads back to the host."""
-        return (
-            getattr(model.config, "hidden_act", None) == "silu"
-            and triton_ops.supports(self.head_dim)
-            and (not self.is_moe or getattr(model.config, "_experts_implementation", None) == "grouped_mm")
-        )
+        power-of-two head size; anything else decodes eagerly. A CUDA graph holds a mixture
+        of experts when its decode steps of up to `max_batch` rows run the engine's Triton
+        experts, or else with transformers' `grouped_mm` experts (sort by expert, offsets by
+        `histc`, no host sync); the `eager` experts loop over `nonzero`, which reads back
+        to the host."""
+        if getattr(model.config, "hidden_act", None) != "silu" or not triton_ops.supports(self.head_dim):
+            return False
+        if not self.is_moe:
+            return True
+        if self.fused_moe and max_batch * model.config.num_experts_per_tok <= fused_moe.FUSED_MAX_PAIRS:
+            return True
+        return getattr(model.config, "_experts_implementation", None) == "grouped_mm"
 
     def _record_routes(self, module: nn.Module, args: tuple, output: tuple[torch.Tensor, ...]) -> None:
         """A router's forward hook: its expert indices ([rows, k], its third output)."""
@@ -266,12 +285,21 @@ class ModelRunner:
             fp8_mlp = fp8 is not None and fp8.gate_up is not None
             hidden = _norm(hidden, layer.post_attention_layernorm, residual, fp8_mlp)
             if is_moe_block(mlp):
-                hidden = run_mlp(mlp, hidden)
+                hidden = self._moe(mlp, hidden)
             elif fp8_mlp:
                 (hidden,) = fp8.down(triton_ops.silu_mul_fp8(*fp8.gate_up(hidden), FP8_MAX))
             else:
                 hidden = mlp.down_proj(triton_ops.silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
         return triton_ops.rmsnorm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
+
+    def _moe(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A fused layer's mixture of experts: the engine's Triton experts where they apply
+        (their routes go to `_routes` directly: the router's hook does not run), else the
+        model's block. The Triton experts leave their k outputs a token unsummed ([T, k,
+        hidden]): the next `_norm`'s residual add sums them."""
+        if self.fused_moe and x.shape[0] * mlp.gate.top_k <= fused_moe.FUSED_MAX_PAIRS:
+            return fused_moe.moe_forward(mlp, x, self._routes, summed=False)
+        return run_mlp(mlp, x)
 
     def _fused_attention(
         self,

@@ -195,14 +195,26 @@ if triton is not None:
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
         QUANT: tl.constexpr = False,
+        PARTS: tl.constexpr = 1,
+        stride_part=0,
     ):
         # HF's RMSNorm rounding: normalise in float32, round to the input dtype, then scale.
         # QUANT: the output, rounded to the input dtype, is quantized per row into FP8
         # (`out_ptr` e4m3, its scale at `scale_ptr`), as `_quantize_rows_kernel` would.
+        # PARTS > 1: x is [T, PARTS, N], summed over its parts in float32 and rounded once
+        # to the residual's dtype (as torch's sum and transformers' cast) before the
+        # residual add: a mixture of experts' per-expert outputs.
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < num_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if PARTS > 1:
+            total = x.to(tl.float32)
+            for part in tl.static_range(1, PARTS):
+                total += tl.load(x_ptr + row * stride_x + part * stride_part + cols, mask=mask, other=0.0).to(
+                    tl.float32
+                )
+            x = total.to(res_ptr.dtype.element_ty)  # the block's output, in the residual stream's dtype
         if HAS_RESIDUAL:  # residual += x (rounded like a plain add), then normalise the sum
             r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
@@ -340,8 +352,11 @@ def quantize_rows_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of a [T, N] tensor; with `residual`, first `residual += x`
-    (in place) and normalise the sum: the pre-norm block's add and norm in one pass."""
-    out = torch.empty_like(x)
+    (in place) and normalise the sum: the pre-norm block's add and norm in one pass. With
+    a residual, x may also be [T, P, N] parts (rows contiguous) that add up to the block's
+    output: they are summed first, in the same pass."""
+    dtype = residual.dtype if x.dim() == 3 else x.dtype  # parts may be the experts' wider dtype
+    out = torch.empty((x.shape[0], x.shape[-1]), dtype=dtype, device=x.device)
     _rmsnorm(x, weight, eps, residual, out, None)
     return out
 
@@ -352,7 +367,7 @@ def rmsnorm_fp8(
     """`rmsnorm` with its output quantized per row to FP8 in the same pass, for an FP8
     matmul: (e4m3 [T, N], float32 scales [T, 1]), equal to `quantize_rows_fp8` of
     `rmsnorm`'s output."""
-    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    out = torch.empty((x.shape[0], x.shape[-1]), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     _rmsnorm(x, weight, eps, residual, out, scale, fp8_max)
     return out, scale
@@ -360,6 +375,8 @@ def rmsnorm_fp8(
 
 def _rmsnorm(x, weight, eps, residual, out, scale, fp8_max: float = 448.0) -> None:
     res = residual if residual is not None else x
+    parts = x.shape[1] if x.dim() == 3 else 1
+    assert x.stride(-1) == 1 and (parts == 1 or residual is not None), "parts are summed into a residual"
     _rmsnorm_kernel[(x.shape[0],)](
         x,
         res,
@@ -368,13 +385,15 @@ def _rmsnorm(x, weight, eps, residual, out, scale, fp8_max: float = 448.0) -> No
         x.stride(0),
         res.stride(0),
         out.stride(0),
-        x.shape[1],
+        x.shape[-1],
         eps,
         scale if scale is not None else x,
         fp8_max,
         HAS_RESIDUAL=residual is not None,
-        BLOCK=_next_pow2(x.shape[1]),
+        BLOCK=_next_pow2(x.shape[-1]),
         QUANT=scale is not None,
+        PARTS=parts,
+        stride_part=x.stride(1) if parts > 1 else 0,
     )
 
 
