@@ -139,8 +139,11 @@ def test_a_chain_of_relays_moves_a_version_in_about_one_pull(publisher: WeightPu
         total = flatten(sent, 1)[0].numel()
         assert publisher.bytes_sent == total  # once, to A
         assert relays["A"].bytes_sent == relays["B"].bytes_sent == total and relays["C"].bytes_sent == 0
+        # Pipelined by chunk: C finishes a chunk or two after A. One pull per hop (each relay
+        # waiting for the whole version) would take three pulls; 1.5x failed once on a
+        # loaded 2-core box (C at 1.55x), so the bound sits between the two.
         one_pull = done["A"][0]
-        assert done["C"][0] < 1.5 * one_pull, done  # pipelined by chunk, not one pull per hop
+        assert done["C"][0] < 2.0 * one_pull, done
         assert relays["C"].holds(1) and not relays["C"].holds(2)
     finally:
         for r in relays.values():
