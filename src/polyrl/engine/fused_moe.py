@@ -60,6 +60,16 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 3
 
+    def launch(self) -> dict[str, int]:
+        """The GEMM kernels' tile constants and launch options, as keyword arguments."""
+        return {
+            "BLOCK_M": self.block_m,
+            "BLOCK_N": self.block_n,
+            "BLOCK_K": self.block_k,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
 
 def tiles_for(num_pairs: int, num_experts: int, itemsize: int = 2) -> tuple[Tiles, Tiles]:
     """(gate-up, down) tiles for a forward of `num_pairs` token-expert pairs of
@@ -218,12 +228,8 @@ def expert_gate_up(
         w_up.stride(0),
         w_up.stride(1),
         TOP_K=top_k,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
         IEEE=x.dtype == torch.float32,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **tiles.launch(),
     )
     return out
 
@@ -252,12 +258,8 @@ def expert_down(
         hidden,
         w_down.stride(0),
         w_down.stride(1),
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
         IEEE=inter.dtype == torch.float32,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **tiles.launch(),
     )
     return out
 

@@ -28,7 +28,7 @@ from polyrl.engine.block_manager import cdiv
 from polyrl.engine.cuda_graphs import DecodeGraphs, DecodeMetadata
 from polyrl.engine.fp8 import FP8_MAX, Fp8Layer, Rows
 from polyrl.engine.scheduler import ScheduledSeq
-from polyrl.models.moe import is_moe_block, moe_routers
+from polyrl.models.moe import is_moe_block, moe_blocks, moe_routers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
@@ -44,10 +44,6 @@ def _norm(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, fp8: 
 def run_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """One layer's MLP on [T, hidden]; transformers' MoE blocks take [B, T, hidden]."""
     return mlp(x[None])[0] if is_moe_block(mlp) else mlp(x)
-
-
-def _moe_layers(model: PreTrainedModel) -> list[nn.Module]:
-    return [layer for layer in model.model.layers if is_moe_block(layer.mlp)]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +106,7 @@ class ModelRunner:
             self.is_moe
             and moe_runner_backend == "auto"
             and triton_ops.available(model.device.type)
-            and all(fused_moe.supports(layer.mlp, model.config.hidden_act) for layer in _moe_layers(model))
+            and all(fused_moe.supports(mlp, model.config.hidden_act) for mlp in moe_blocks(model))
         )
         """The fused layers run the MoE blocks with `fused_moe` (up to `FUSED_MAX_PAIRS`
         token-expert pairs a forward; larger prefills take the model's blocks)."""

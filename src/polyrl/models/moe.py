@@ -12,11 +12,15 @@ def is_moe_block(mlp: nn.Module) -> bool:
     return hasattr(mlp, "experts")
 
 
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """`model`'s (an HF causal LM's) mixture-of-experts MLPs, in layer order."""
+    return [layer.mlp for layer in model.model.layers if is_moe_block(layer.mlp)]
+
+
 def moe_routers(model: nn.Module) -> list[nn.Module]:
-    """The routers of `model`'s (an HF causal LM's) mixture-of-experts layers, in layer
-    order: what the engine's route capture and the learner's replay and aux-loss hooks
-    attach to."""
-    return [layer.mlp.gate for layer in model.model.layers if is_moe_block(layer.mlp)]
+    """The routers of `model`'s mixture-of-experts layers, in layer order: what the
+    engine's route capture and the learner's replay and aux-loss hooks attach to."""
+    return [mlp.gate for mlp in moe_blocks(model)]
 
 
 def has_moe(model: nn.Module) -> bool:
