@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 from pathlib import Path
 
@@ -68,8 +67,12 @@ def test_churn_with_kill_minus_9_loses_no_sample(tmp_path: Path) -> None:
     """A worker joins every 5 s up to 2, then the oldest retires every 5 s down to 1, and
     so on; a random one is killed without notice every ~12 s. The run still gets every
     sample of every step. 30 steps (~45 s on 2 cores) span both seeded kills, two
-    retirements and several launches. Versions are relayed (a chain): the younger worker
-    pulls from the older one's relay, which churn and kills take away mid-pull."""
+    retirements and several launches. Versions are relayed (a chain), so a worker may be
+    told to pull from a relay that churn or a kill has just taken away. Whether two
+    launched workers ever overlap long enough to relay depends on how fast the box starts
+    them (a worker starts in 3-10 s; churn moves every 5), so the relays themselves are
+    asserted where they are timed by the test, not by the clock: the chain in
+    tests/test_manager.py, a relay lost mid-transfer in tests/test_relay.py."""
     overrides = [
         *QUICK,
         "trainer.total_steps=30",
@@ -88,9 +91,6 @@ def test_churn_with_kill_minus_9_loses_no_sample(tmp_path: Path) -> None:
     last = rows[-1]
     assert last["fleet/killed"] >= 1 and last["fleet/retired"] >= 1 and last["fleet/launched"] >= 3, last
     assert len({r["training/num_workers"] for r in rows}) > 1  # the fleet really changed
-    logs = "".join(f.read_text(errors="replace") for f in (tmp_path / "run" / "workers").glob("*.log"))
-    sources = set(re.findall(r"pulled v\d+ (?:as \S+ )?from \S+:(\d+):", logs))
-    assert len(sources) >= 2, sources  # the publisher, and at least one worker's relay
 
 
 @pytest.mark.slow
