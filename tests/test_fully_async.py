@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import httpx
@@ -36,6 +37,7 @@ from polyrl.config import ConfigError, EngineConfig, load_config
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest
 from polyrl.launch.supervisor import window_policy
+from polyrl.manager.batch import WorkUnit
 from polyrl.manager.main import ManagerThread
 from polyrl.manager.manager import RolloutManager
 from polyrl.manager.window import LocalWindow
@@ -323,6 +325,43 @@ def test_a_group_the_learner_waits_for_moves_to_the_trainers_engine() -> None:
     workers = {g.prompt_id: [[seg.worker for seg in s.segments] for s in g.samples] for g in groups}
     assert workers["p0"] == [["w1", "local"]] * 2 and workers["p1"] == [["w1"]] * 2, workers
     assert window_open  # until the learner trains again
+
+
+def test_queued_groups_the_learner_waits_for_take_the_trainers_engine_first() -> None:
+    """No remote worker is left (a kill took them), so the trainer's engine (2 slots)
+    takes the queue in order: p0 runs, p1-p3 wait. The learner waits for p3: p3 goes
+    next, ahead of p1 and p2, which the step does not need."""
+    with ManagerThread(fast_cfg(local_window="idle")) as mt:
+        with FakeWorker(mt.url, "local", local=True, max_num_seqs=2, token_delay_s=0.01) as local:
+            wait_active(mt, "local")
+            request = batch(4, 2, 60)
+            consumer = Consumer(mt, request)
+            _wait_until(lambda: local.running >= 2, 20, "p0 runs on the trainer's engine")
+            mt.call(mt.manager.learner_waiting, ["p3"])
+            groups = consumer.join_ok(60)
+    check_exact(request, groups)
+    order = [g.prompt_id for g in groups]
+    assert order[:2] == ["p0", "p3"], order
+
+
+def test_work_back_from_a_dead_worker_queues_behind_the_work_the_learner_waits_for() -> None:
+    manager = RolloutManager(fast_cfg())
+    b = manager.submit(batch(4, 2, 10))
+    p0, p1, p2, p3 = b.groups
+    state = manager.state
+    for sample in p2.samples:
+        sample.to_local = True
+    state.pending = deque([WorkUnit(p2, list(p2.samples)), WorkUnit(p1, list(p1.samples))])
+    state.requeue([WorkUnit(p0, [s]) for s in p0.samples])  # p0's samples, off a worker that died
+    assert [(u.group.prompt.id, len(u.samples)) for u in state.pending] == [("p2", 2), ("p0", 1), ("p0", 1), ("p1", 2)]
+    p3.samples[1].to_local = True  # of p3, the learner waits for this one
+    state.requeue([WorkUnit(p3, [s]) for s in p3.samples])
+    assert [(u.group.prompt.id, u.samples[0].index) for u in state.pending][:4] == [
+        ("p2", 0),
+        ("p3", 1),
+        ("p3", 0),
+        ("p0", 0),
+    ]
 
 
 def test_the_idle_window_opens_while_the_learner_waits() -> None:

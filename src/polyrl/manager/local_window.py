@@ -2,12 +2,14 @@
 closes. When it opens and closes is window.py's policy (pure, no I/O); this part acts on
 it: it closes the window when its time is up, when the remote fleet has synced, or when
 the learner starts, and takes the local worker's work off it (or moves the groups the
-learner waits for onto it) by cancelling their calls with a reason that settlement reads."""
+learner waits for onto it) by cancelling their calls with a reason that settlement reads;
+what of those groups is still queued goes to the front of the queue."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 
 from polyrl.manager.state import Cancel, ManagerState
 from polyrl.manager.window import SYNCED, Opening
@@ -77,7 +79,14 @@ class WindowControl:
         if not prompt_ids or not self.window.moves_waited_for or local is None or local.state != "active":
             return
         wanted = set(prompt_ids)
-        moved = 0
+        queued = [u for u in self.state.pending if u.group.prompt.id in wanted]
+        for unit in queued:  # not placed yet: to the front of the queue, for the trainer's engine
+            for sample in unit.samples:
+                sample.to_local = True
+        if queued:
+            self.state.pending = deque(u for u in self.state.pending if u.group.prompt.id not in wanted)
+            self.state.requeue(queued)
+        moved = sum(len(u.samples) for u in queued)
         cancels = self.state.cancels
         for task, unit in list(self.state.units.items()):
             if unit.group.prompt.id not in wanted or task in local.tasks or task in cancels:
@@ -89,3 +98,4 @@ class WindowControl:
             moved += len(unit.samples)
         if moved:
             log.debug("learner waits: %d samples move to the trainer's engine", moved)
+            self.state.wake()

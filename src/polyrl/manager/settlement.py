@@ -178,8 +178,7 @@ class Settlement:
                 return
         batch.num_migrated += len(unfinished)
         self.metrics.migrated("failure" if is_failure else "handback", len(unfinished))
-        for sample in reversed(unfinished):  # to the front: the oldest work goes first
-            self.state.pending.appendleft(WorkUnit(unit.group, [sample]))
+        self.state.requeue([WorkUnit(unit.group, [sample]) for sample in unfinished])
         self.state.wake()
 
     def _back_off(self, worker: WorkerRecord) -> None:

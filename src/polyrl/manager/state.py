@@ -70,6 +70,18 @@ class ManagerState:
         self.background: set[asyncio.Task[None]] = set()
         self._wake: asyncio.Event | None = None
 
+    def requeue(self, units: list[WorkUnit]) -> None:
+        """Work taken off a worker goes back to the front of the queue, oldest first, behind
+        only the work the learner waits for (`SampleState.to_local`), which goes first of
+        all: after a worker dies, its samples must not take the trainer's engine ahead of
+        the groups the step cannot do without."""
+        waited_for = [u for u in units if u.samples[0].to_local]
+        others = [u for u in units if not u.samples[0].to_local]
+        front: list[WorkUnit] = []
+        while self.pending and self.pending[0].samples[0].to_local:
+            front.append(self.pending.popleft())
+        self.pending.extendleft(reversed(front + waited_for + others))
+
     def start(self) -> asyncio.Event:
         """The dispatcher's event (made on the running loop)."""
         self._wake = asyncio.Event()
