@@ -62,6 +62,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def read_steps(path: Path) -> list[dict[str, float]]:
+    """A live run's metrics.jsonl, whole lines only: the trainer may be writing the last
+    one (a line of a few KB reaches the file in more than one write), or was killed -9 in
+    the middle of it and has not been resumed yet (the resume drops it)."""
+    if not path.exists():
+        return []
+    whole = path.read_text().split("\n")[:-1]  # after the last newline: a line still being written
+    return [json.loads(line) for line in whole if line.strip()]
+
+
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.02) -> float:
     """Seconds until `predicate()` held; TimeoutError naming `what` after `timeout_s`."""
     start = time.monotonic()

@@ -23,7 +23,17 @@ from pathlib import Path
 
 import httpx
 
-from chaos_harness.harness import AUTH, TOKEN, check_groups, child_env, free_port, make_batch, spawn_worker, wait_for
+from chaos_harness.harness import (
+    AUTH,
+    TOKEN,
+    check_groups,
+    child_env,
+    free_port,
+    make_batch,
+    read_steps,
+    spawn_worker,
+    wait_for,
+)
 from chaos_harness.scenarios import FaultRow, Scale
 from polyrl.manager.client import BatchClient
 from polyrl.trainer.checkpoint import latest_checkpoint
@@ -146,9 +156,7 @@ def trainer_restart(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
     metrics = run_dir / "metrics.jsonl"
 
     def steps() -> list[dict[str, float]]:
-        if not metrics.exists():
-            return []
-        return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        return read_steps(metrics)
 
     def served_by_workers_since(step: float) -> bool:
         return any(r["step"] > step and r["rollout/local_samples"] == 0 for r in steps())

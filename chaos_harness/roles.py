@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from chaos_harness.harness import AUTH, free_port, kill_while_holding, wait_for
+from chaos_harness.harness import AUTH, free_port, kill_while_holding, read_steps, wait_for
 from chaos_harness.restarts import CONTROL, _active_workers, _check_run, _cli, _serving, _start_workers, _stop
 from chaos_harness.scenarios import FaultRow, Scale
 
@@ -83,9 +83,7 @@ class TrainRun:
         self.trainer = _cli("train", "--run-dir", str(self.run_dir), *overrides, log_path=work / "trainer.log")
 
     def steps(self) -> list[dict[str, float]]:
-        if not self.metrics.exists():
-            return []
-        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+        return read_steps(self.metrics)
 
     def until(self, predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.02) -> float:
         """wait_for, failing at once (with the log's end) when the trainer has exited."""

@@ -9,7 +9,6 @@ run left; `--resume` continues, and the last one finishes."""
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import re
 import signal
@@ -26,6 +25,7 @@ import pytest
 from terminal import read_terminal
 from transformers import AutoModelForCausalLM
 
+from chaos_harness.harness import read_steps
 from polyrl.config import load_config
 from polyrl.lifetime import HURRY, wait_unless_hurried
 from polyrl.trainer.checkpoint import MODEL_DIR, STATE_FILE, latest_checkpoint, read_trainer_state
@@ -97,8 +97,7 @@ def _take_terminal() -> None:
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_steps(run_dir / "metrics.jsonl")  # whole lines only: the trainer may be writing one
 
 
 def _wait_for_step(trainer: Trainer, run_dir: Path, step: int, timeout_s: float = 120) -> None:

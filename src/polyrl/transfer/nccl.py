@@ -194,7 +194,6 @@ class NcclSender:
             if recv_exact(sock, 1, time.monotonic() + self.timeout_s) != READY:
                 raise TransferError("the worker did not get ready")
             pair.group.broadcast(buffer, self.timeout_s)
-            send_text(sock, STATUS_OK, b"")
         except (OSError, RuntimeError) as e:  # TransferError, TimeoutError, torch's DistError
             self._drop(req.worker_id, pair)
             log.warning(
@@ -206,8 +205,14 @@ class NcclSender:
             )
             with suppress(OSError):
                 send_text(sock, STATUS_REFUSED, f"nccl transfer failed: {e}".encode()[:4096])
+            return
         finally:
             pair.busy.release()
+        # The pair is free before the worker hears the version is in: its next pull may come
+        # at once (it did, on a loaded box, and found the pair still busy). A worker that
+        # does not hear this fails the pull and makes a new pair.
+        with suppress(OSError):
+            send_text(sock, STATUS_OK, b"")
 
     def _pair_for(self, worker_id: str, session: int, host: str) -> _Pair:
         with self._lock:
