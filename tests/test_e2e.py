@@ -70,7 +70,7 @@ def test_churn_with_kill_minus_9_loses_no_sample(tmp_path: Path) -> None:
     retirements and several launches. Versions are relayed (a chain), so a worker may be
     told to pull from a relay that churn or a kill has just taken away. Whether two
     launched workers ever overlap long enough to relay depends on how fast the box starts
-    them (a worker starts in 3-10 s; churn moves every 5), so the relays themselves are
+    them (9-10 s each on a loaded 2-core box, where churn moves every 5), so the relays are
     asserted where they are timed by the test, not by the clock: the chain in
     tests/test_manager.py, a relay lost mid-transfer in tests/test_relay.py."""
     overrides = [
