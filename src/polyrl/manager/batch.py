@@ -44,8 +44,9 @@ class SampleState:
     placed_at: float | None = None
     finished_at: float | None = None
     to_local: bool = False
-    """The trainer's learner waits for this sample's group: while the local window is
-    open it runs on the trainer's engine (`RolloutManager.learner_waiting`)."""
+    """The trainer's learner waits for this sample's group: it queues ahead of other work
+    (`ManagerState.requeue`), and while the local window is open it runs on the trainer's
+    engine (`RolloutManager.learner_waiting`)."""
     floor_version: int | None = None
     """The lowest weight version of a worker this sample was placed on: none of its tokens,
     those generated so far and those to come there, is older (an engine's version only
