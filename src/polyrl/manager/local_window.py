@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections import deque
 
+from polyrl.manager.batch import WorkUnit
 from polyrl.manager.state import Cancel, ManagerState
 from polyrl.manager.window import SYNCED, Opening
 
@@ -79,12 +80,15 @@ class WindowControl:
         if not prompt_ids or not self.window.moves_waited_for or local is None or local.state != "active":
             return
         wanted = set(prompt_ids)
-        queued = [u for u in self.state.pending if u.group.prompt.id in wanted]
-        for unit in queued:  # not placed yet: to the front of the queue, for the trainer's engine
-            for sample in unit.samples:
-                sample.to_local = True
+        queued: list[WorkUnit] = []  # not placed yet: to the front of the queue, for the trainer's engine
+        others: deque[WorkUnit] = deque()
+        for unit in self.state.pending:
+            (queued if unit.group.prompt.id in wanted else others).append(unit)
         if queued:
-            self.state.pending = deque(u for u in self.state.pending if u.group.prompt.id not in wanted)
+            for unit in queued:
+                for sample in unit.samples:
+                    sample.to_local = True
+            self.state.pending = others
             self.state.requeue(queued)
         moved = sum(len(u.samples) for u in queued)
         cancels = self.state.cancels

@@ -25,7 +25,7 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
 
 def has_moe(model: nn.Module) -> bool:
     """Any decoder layer of `model` (an HF causal LM) is a mixture of experts."""
-    return bool(moe_routers(model))
+    return bool(moe_blocks(model))
 
 
 def attention_linears(model: nn.Module) -> list[str]:
