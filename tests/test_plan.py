@@ -210,6 +210,17 @@ def test_the_trainers_own_engine_decodes_at_its_own_rate() -> None:
     assert p.step_s == pytest.approx(100 * 0.005 + 840 / 10_000, rel=1e-6)
 
 
+def test_beside_a_fleet_the_trainers_engine_decodes_at_a_workers_rate() -> None:
+    # hybrid and fully asynchronous runs serve the trainer's engine from a worker process
+    # (`launch/local_worker.py`): its 10 ms step, not the in-process engine's 5 ms
+    c = cal(trainer_decode=[DecodePoint(batch=1, step_s=0.005)])
+    for mode in ("remote", "fully_async"):
+        model = FleetModel(c, Workload.fixed(4, 2, 5, 100), Fleet(0, mode, trainer_engine=True))
+        model.run(1, warmup=0)
+        assert model.engines[0].name == "trainer0" and model.engines[0].ticks == 100
+        assert model.now == pytest.approx(100 * 0.01 + 840 / 10_000, rel=1e-6)
+
+
 def test_a_decode_step_reads_the_context_its_batch_holds() -> None:
     # one sample of 10 tokens after a 105-token prompt: step i holds 105 + i tokens, 100 more
     # than the calibration's own context, at 1 us a token

@@ -36,8 +36,9 @@ class Calibration(BaseModel):
     decode: list[DecodePoint] = Field(min_length=1)
     """A worker's decode step against its batch."""
     trainer_decode: list[DecodePoint] | None = None
-    """The trainer's own engine's, when it differs (on a CPU host: in the trainer's process,
-    with its threads and no HTTP stream); None: as `decode`."""
+    """The colocated engine's, when it differs: in the trainer's process, with its threads
+    and no HTTP stream (a hybrid or fully asynchronous run's trainer engine is a worker
+    process, timed as `decode`); None: as `decode`."""
     decode_context: float = Field(0.0, ge=0)
     """Tokens of context per sequence, on average, while `decode` was timed."""
     decode_kv_s_per_token: float = Field(0.0, ge=0)

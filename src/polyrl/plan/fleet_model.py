@@ -102,7 +102,8 @@ class Fleet:
     """fully_async's k."""
     trainer_engine: bool = False
     """The trainer's own engine takes work too; colocated mode always has it and nothing
-    else."""
+    else. Colocated, it decodes in the trainer's process (`Calibration.trainer_decode`);
+    beside a fleet it is a worker process on the trainer's device, at a worker's rate."""
     trainer_until: Literal["always", "learner"] = "always"
     """With `trainer_engine` in a step-synchronous run: `learner` (`hybrid_local_until =
     learner`, RLBoost's schedule) hands the trainer's running samples to the workers, tokens
@@ -578,7 +579,10 @@ class FleetModel:
                 self._overflow(e)
                 if not e.running:
                     continue
-                e.work_left = self.cal.decode_step_s(len(e.running), not e.remote, e.context) + prefill
+                # only a colocated run decodes in the trainer's process; beside a fleet the
+                # trainer's engine is a served `polyrl worker` (`launch/local_worker.py`)
+                in_process = not e.remote and self.f.mode == "colocated"
+                e.work_left = self.cal.decode_step_s(len(e.running), in_process, e.context) + prefill
                 e.busy = True
 
     def _loads(self) -> dict[str, float]:
