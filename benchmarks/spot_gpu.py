@@ -983,7 +983,17 @@ def main() -> None:
         help="--plan: take calibration_half.json / calibration_whole.json from this directory where they are "
         "(an earlier run's, on the same kind of machine) and make only the missing one",
     )
+    p.add_argument(
+        "--replay",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: print the fleet model's prediction of the rows an earlier `--plan --json` run "
+        "wrote (with its calibrations), step by step, with this checkout's model",
+    )
     args = p.parse_args()
+    if args.replay:
+        replay(args.replay)
+        return
     args.plan_rows = {}
     if args.one_gpu:
         args.split = "one"
@@ -1011,6 +1021,27 @@ def main() -> None:
                 out["plan"] = plan
                 out["calibrations"] = {k: json.loads(v.read_text()) for k, v in args.calibrations.items()}
                 args.json.write_text(json.dumps(out, indent=1, default=str))
+
+
+def replay(path: Path) -> None:
+    """The fleet model against the rows of an earlier `--plan --json` run, with no process
+    and no GPU: the model can be changed and checked against kept GPU rows on any machine
+    (`benchmarks/results/` keeps some)."""
+    from polyrl.plan.calibration import Calibration
+
+    data = json.loads(path.read_text())
+    missing = [k for k in ("plan_rows", "budgets", "calibrations") if not data.get(k)]
+    if missing:
+        sys.exit(
+            f"{path}: no {', '.join(missing)}: written by a run without --plan, or by an older version of this script"
+        )
+    args = argparse.Namespace(**data["args"])
+    args.plan_rows, args.budgets = data["plan_rows"], data["budgets"]
+    fields = set(Result.__dataclass_fields__)
+    results = [Result(**{k: v for k, v in r.items() if k in fields}) for r in data["results"]]
+    cals = {k: Calibration.model_validate(v) for k, v in data["calibrations"].items()}
+    print(f"{path}: {len(results)} rows, {args.warmup} warm-up + {args.steps} measured steps")
+    plan_report(results, args, cals, steps=True)
 
 
 def run_parts(parts: list[str], args: argparse.Namespace, work: Path) -> list[Result]:
@@ -1141,7 +1172,9 @@ def throughput_part(
     res = summarise(part, rows, args.warmup, wall, notes, args.warmup + args.steps)
     res.workload = workload
     prompts = [r["prompt_length/mean"] for r in rows if "prompt_length/mean" in r]
-    args.plan_rows[part] = (overrides, kill, float(np.mean(prompts)) if prompts else 8.0)
+    config = work / part / "config.toml"  # the trainer's resolved config: what a replay loads
+    if config.exists():
+        args.plan_rows[part] = (config.read_text(), kill, float(np.mean(prompts)) if prompts else 8.0)
     return res
 
 
@@ -1182,9 +1215,13 @@ def plan_calibrations(
     return out
 
 
-def plan_report(results: list[Result], args: argparse.Namespace) -> list[dict]:
+def plan_report(
+    results: list[Result], args: argparse.Namespace, cals: dict | None = None, steps: bool = False
+) -> list[dict]:
     """Each throughput row's s/step beside the fleet model's prediction of it: the row's
-    own config (`fleet_of`), the engines' KV caches, its kill, the budgets it drew."""
+    own config (`fleet_of`), the engines' KV caches, its kill, the budgets it drew.
+    `cals`: the calibrations by name (default: read from `args.calibrations`); `steps`:
+    also print each measured step beside the model's."""
     import dataclasses
 
     from polyrl.config import load_config
@@ -1192,14 +1229,16 @@ def plan_report(results: list[Result], args: argparse.Namespace) -> list[dict]:
     from polyrl.plan.command import fleet_of
     from polyrl.plan.fleet_model import Workload, predict
 
-    cals = {k: Calibration.load(v) for k, v in args.calibrations.items()}
+    cals = cals or {k: Calibration.load(v) for k, v in args.calibrations.items()}
     out = []
     for r in results:
         if r.part not in args.plan_rows or not r.steps:
             continue
-        overrides, kill, prompt = args.plan_rows[r.part]
+        config, kill, prompt = args.plan_rows[r.part]
         cal = cals["whole" if r.part == "colocated_whole" else "half"]
-        cfg = load_config(None, overrides)
+        with tempfile.TemporaryDirectory(prefix="spot_gpu_plan_") as tmp:
+            (Path(tmp) / "config.toml").write_text(config)
+            cfg = load_config(Path(tmp) / "config.toml", [])
         workers = 0 if cfg.rollout.mode == "local" else 1
         spot = load_config(None, [*engine_overrides(args, args.worker_kv_blocks), *args.worker_set]).engine
         fleet = dataclasses.replace(
@@ -1222,6 +1261,10 @@ def plan_report(results: list[Result], args: argparse.Namespace) -> list[dict]:
         out.append(
             {"part": r.part, "measured_s": r.s_per_step, "predicted_s": p.step_s, "error": p.step_s / r.s_per_step - 1}
         )
+        if steps:
+            measured = r.step_s[args.warmup : args.warmup + args.steps]
+            print(f"{r.part}, measured steps {args.warmup + 1}-{args.warmup + len(measured)}, s (model):")
+            print("  " + "  ".join(f"{m:.2f} ({q:.2f})" for m, q in zip(measured, p.steps, strict=False)))
     print("\nthe fleet model (polyrl plan) against the rows:")
     print("| row | measured s/step | predicted s/step | error |\n|---|---|---|---|")
     for row in out:
@@ -1327,7 +1370,9 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     if args.json:
         skip = ("placement", "plan_rows", "budgets", "calibrations")
         out = {k: v for k, v in vars(args).items() if k not in skip}
-        args.json.write_text(json.dumps({"args": out, "results": [asdict(r) for r in results]}, indent=1, default=str))
+        kept = {"plan_rows": args.plan_rows, "budgets": [int(b) for b in getattr(args, "budgets", [])]}
+        body = {"args": out, "results": [asdict(r) for r in results], **kept}
+        args.json.write_text(json.dumps(body, indent=1, default=str))
 
 
 if __name__ == "__main__":

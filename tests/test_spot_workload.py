@@ -13,7 +13,15 @@ import pytest
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from spot_gpu import decode_capacity, longtail_budgets, parse_shape, summarise, time_to, write_workload  # noqa: E402
+from spot_gpu import (  # noqa: E402
+    decode_capacity,
+    longtail_budgets,
+    parse_shape,
+    replay,
+    summarise,
+    time_to,
+    write_workload,
+)
 
 from polyrl.config import DataConfig  # noqa: E402
 from polyrl.data.source import PromptSource  # noqa: E402
@@ -112,3 +120,30 @@ def test_time_to_a_reward_counts_the_steps_until_five_in_a_row_average_it() -> N
     assert time_to(rows, 0.2) == (10.0, 5)  # the mean of steps 1-5 is 0.2
     assert time_to(rows, 0.4) == (14.0, 7)
     assert time_to(rows, 0.41) is None
+
+
+KEPT = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def test_a_kept_gpu_run_replays_through_the_fleet_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--replay`: the rows one H200 ran (BENCHMARKS.md, "The MPS kill row with the
+    due-first queue"), predicted again from their own configs and calibration, no GPU."""
+    replay(KEPT / "spot_gpu_mps_kill_2026-12-02a.json")
+    out = capsys.readouterr().out
+    table = {
+        line.split(" | ")[0][2:]: line for line in out.splitlines() if line.startswith("| ") and "s/step" not in line
+    }
+    assert set(table) == {"fully_async_k4", "best_kill"}
+    for row, line in table.items():
+        measured, predicted = (float(x) for x in line.split(" | ")[1:3])
+        assert measured == {"fully_async_k4": 3.54, "best_kill": 4.85}[row]  # the file's own measurements
+        assert 1.0 < predicted < 10.0
+    steps = [line for line in out.splitlines() if line.startswith("  ") and "(" in line]
+    assert len(steps) == 2 and all(len(line.split(")")) == 8 for line in steps)  # 7 measured steps a row
+
+
+def test_a_replay_refuses_a_run_written_without_the_plan(tmp_path: Path) -> None:
+    path = tmp_path / "old.json"
+    path.write_text('{"args": {}, "results": []}')
+    with pytest.raises(SystemExit, match="no plan_rows, budgets, calibrations"):
+        replay(path)
