@@ -1223,8 +1223,9 @@ def plan_report(
     `cals`: the calibrations by name (default: read from `args.calibrations`); `steps`:
     also print each measured step beside the model's."""
     import dataclasses
+    import tomllib
 
-    from polyrl.config import load_config
+    from polyrl.config import RunConfig, load_config
     from polyrl.plan.calibration import Calibration
     from polyrl.plan.command import fleet_of
     from polyrl.plan.fleet_model import Workload, predict
@@ -1236,9 +1237,7 @@ def plan_report(
             continue
         config, kill, prompt = args.plan_rows[r.part]
         cal = cals["whole" if r.part == "colocated_whole" else "half"]
-        with tempfile.TemporaryDirectory(prefix="spot_gpu_plan_") as tmp:
-            (Path(tmp) / "config.toml").write_text(config)
-            cfg = load_config(Path(tmp) / "config.toml", [])
+        cfg = RunConfig.model_validate(tomllib.loads(config))
         workers = 0 if cfg.rollout.mode == "local" else 1
         spot = load_config(None, [*engine_overrides(args, args.worker_kv_blocks), *args.worker_set]).engine
         fleet = dataclasses.replace(
