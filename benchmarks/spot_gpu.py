@@ -1190,6 +1190,9 @@ def plan_calibrations(
     base = [*throughput_overrides(args, model, "local", free_port(), data["longtail"], True), *args.set]
     mean_len = int(np.mean(args.budgets))
     common = ["--context", "512", "--batches", "1", "16", "64", "256", "512", "--learner-tokens", str(mean_len + 8)]
+    from polyrl.config import load_config
+
+    common += ["--context-batch", str(load_config(None, base).engine.max_num_seqs)]  # the rows' batch
     out = {}
     for name, whole in (("half", False), ("whole", True)):
         if whole and "colocated_whole" not in parts:
@@ -1243,6 +1246,7 @@ def plan_report(
         fleet = dataclasses.replace(
             fleet_of(cfg, workers, on_cpu=args.device == "cpu"),
             max_num_seqs=min(spot.max_num_seqs, cfg.manager.max_inflight_per_worker),  # the spot's own engine
+            batched_tokens=spot.max_num_batched_tokens,
             kv_tokens=args.worker_kv_blocks * cfg.engine.block_size if args.worker_kv_blocks else None,
             trainer_kv_tokens=cfg.engine.num_kv_blocks * cfg.engine.block_size or None,
             kill_in_step=kill,

@@ -177,6 +177,7 @@ def test_calibrate_served_times_several_worker_processes(caplog) -> None:
         c = calibrate(cfg, batches=(1, 4), new_tokens=3, repeats=1, served=True, served_workers=2)
     assert [p.batch for p in c.decode] == [1, 4] and all(p.step_s > 0 for p in c.decode)
     assert c.engine_cores > 0 and c.stream_cpu_s_per_token > 0 and c.worker_start_s > 0
+    assert c.publish_s > 0  # a real publisher took the weights each time
     assert "over 2 worker processes" in caplog.text
     with pytest.raises(ValueError, match="at least 1"):
         calibrate(cfg, batches=(1,), new_tokens=3, repeats=1, served=True, served_workers=0)
@@ -248,6 +249,29 @@ def test_a_worker_killed_in_a_step_makes_that_step_longer_and_loses_nothing() ->
     assert killed.steps[2] > calm.steps[2] and killed.steps[:2] == calm.steps[:2]
     assert killed.tokens_per_step == calm.tokens_per_step
     assert model.engines[0].up  # back after restart_s
+
+
+def test_moved_samples_re_prefill_in_chunks_of_the_step_budget() -> None:
+    # a killed worker's 2 samples move to the other with their tokens, about 1,000 to
+    # prefill: with a budget of 2048 tokens a step, in one step; with 68 (the 2 running
+    # samples' decodes first, then 66 prefill tokens), in 16 steps, and the moved samples
+    # start decoding 8 and 16 steps later (the prefill's own cost is the same)
+    work = Workload.fixed(2, 2, 0, 1000)
+    slow = cal(prefill_tokens_per_s=10_000)
+    steps = {}
+    for budget in (None, 2048, 68):
+        fleet = Fleet(2, "remote", kill_in_step=2, restart_s=100.0, batched_tokens=budget)
+        steps[budget] = predict(slow, work, fleet, steps=2, warmup=0).steps[1]
+    assert steps[None] == pytest.approx(steps[2048])  # the budget never binds: as before
+    assert steps[68] > steps[2048] + 0.1  # 15 more decode steps of 10 ms
+
+
+def test_a_run_with_workers_waits_for_each_publish_a_colocated_one_does_not() -> None:
+    work = Workload.fixed(4, 2, 5, 100)
+    for mode, workers in (("remote", 1), ("colocated", 0)):
+        bare = predict(cal(), work, Fleet(workers, mode), steps=3)
+        published = predict(cal(publish_s=0.25), work, Fleet(workers, mode), steps=3)
+        assert published.step_s == pytest.approx(bare.step_s + (0.25 if workers else 0.0), rel=1e-6)
 
 
 def test_clients_of_one_gpu_cost_each_other_what_was_measured() -> None:

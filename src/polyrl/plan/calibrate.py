@@ -11,6 +11,7 @@ trainer's, since that is how they run beside each other.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -32,7 +33,7 @@ from polyrl.engine.types import EngineRequest
 from polyrl.models.precision import DTYPES
 from polyrl.plan.calibration import Calibration, DecodePoint
 from polyrl.protocol.sampling import SamplingParams
-from polyrl.rollout.local import LocalRollout, engine_dtype
+from polyrl.rollout.local import LocalRollout, engine_dtype, learner_weights
 from polyrl.trainer.batching import SeqItem
 from polyrl.trainer.distributed import DataParallel
 from polyrl.trainer.policy import build_learner, load_policy
@@ -45,8 +46,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+_CALLS = itertools.count()
+"""Seeds each timed call's prompts: a prompt an earlier call sent would be read from the
+engine's prefix cache, and the call would time no prefill (the first calibrations of the
+MPS rows read 2-3M prefill tokens/s on half an H200 that way)."""
+
+
 def _generate(engine: Engine, batch: int, prompt_tokens: int, new_tokens: int, vocab: int) -> float:
-    rng = random.Random(batch)
+    rng = random.Random(next(_CALLS))
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, n=1, seed=0)
     t0 = time.perf_counter()
     for i in range(batch):
@@ -124,7 +131,7 @@ class _ServedWorker:
         from polyrl.manager.backends import GenerationCall, generate_body
 
         n = min(batch, self.cfg.rollout.n)
-        rng = random.Random(batch)
+        rng = random.Random(next(_CALLS))
         sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, n=n, seed=0)
         calls = [
             GenerationCall(f"c{i}", [rng.randrange(3, self.vocab) for _ in range(prompt_tokens)], sampling)
@@ -156,7 +163,8 @@ def _decode_points(
     timer: Callable[[int, int], float], batches: tuple[int, ...], new_tokens: int, prompt_tokens: int, repeats: int
 ) -> tuple[list[DecodePoint], float]:
     """Decode steps from the time of `new_tokens` tokens less that of one, and the
-    largest batch's prefill rate."""
+    largest batch's prefill rate (as the model charges it: every sample's prompt, though
+    a group's samples share theirs; on a CPU host the call's own cost, not prefill)."""
     points, prefill = [], 0.0
     for b in batches:
         timer(b, 2)  # warm-up (graphs, allocator)
@@ -180,6 +188,7 @@ def calibrate(
     corun: bool = False,
     pull_gbps: float = 10.0,
     served_workers: int | None = None,
+    context_batch: int = 64,
 ) -> Calibration:
     """Rates of `cfg`'s model on `cfg.trainer.device`. `learner_lengths`: the sequences of
     one timed mini-batch (prompt and response tokens); by default the run's own, one
@@ -188,12 +197,16 @@ def calibrate(
     serving path costs about as much as the model: BENCHMARKS.md), not the bare engine.
     `context`: also time a batch whose prompts are this much longer, for the decode
     step's cost per token of context (`decode_kv_s_per_token`; on a GPU at RL lengths the
-    KV reads outweigh the weights), and the prefill rate of those prompts. `corun`
-    (with `served`, on a GPU): time the worker's decoding while the learner trains in
-    this process, for what clients of one GPU cost each other (`shared_gpu`: run it with
-    MPS, each process at its share of the SMs). `pull_gbps`: the workers' link, recorded
-    as given. `served_workers`: worker processes timed one after another, the median of
-    their decode steps kept (None: `SERVED_WORKERS_ON_CPU` on a CPU host, 1 on a GPU)."""
+    KV reads outweigh the weights), and the prefill rate of those prompts; at
+    `context_batch` sequences (the batch of `batches` nearest it). `corun` (with
+    `served`, on a GPU): time the worker's decoding while the learner trains in this
+    process, for what clients of one GPU cost each other (`shared_gpu`: run it with MPS,
+    each process at its share of the SMs); with `context`, at that batch and context,
+    where a fleet's engines spend a long-tailed step. `served` also times the trainer's
+    publish of a version for pulls (`publish_s`). `pull_gbps`: the workers' link,
+    recorded as given. `served_workers`: worker processes timed one after another, the
+    median of their decode steps kept (None: `SERVED_WORKERS_ON_CPU` on a CPU host, 1 on
+    a GPU)."""
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="polyrl-calibrate-") as tmp:
         init = Path(cfg.model.path) if cfg.model.path else Path(tmp) / "init"  # as `polyrl train` picks it
@@ -206,20 +219,33 @@ def calibrate(
         room = getattr(policy.model.config, "max_position_embeddings", None)
         if context and room:  # the longer prompts and their tokens must fit the model's positions
             context = max(0, min(context, room - prompt_tokens - new_tokens))
-        ctx_batch = 64 if 64 in batches else min(batches, key=lambda b: abs(b - 64))
+        ctx_batch = min(batches, key=lambda b: (abs(b - context_batch), b))
+        group = cfg.rollout.n
+        served_prompts = lambda b: max(1, b // min(b, group))  # noqa: E731  (`_ServedWorker.time`'s calls)
 
-        def kv_slope(timer: Callable[[int, int, int], float]) -> tuple[float, float]:
+        def kv_slope(
+            timer: Callable[[int, int, int], float], prompts: Callable[[int], int] = lambda b: b
+        ) -> tuple[float, float]:
             """Seconds per decode step per token of context, from `ctx_batch` sequences'
             steps after prompts `context` tokens longer; and the prefill rate of those
             prompts (the short ones measure a call's own cost more than prefill: on an
-            H200 they gave 13k tokens/s)."""
+            H200 they gave 13k tokens/s). `prompts`: the distinct ones of a batch (a
+            served call's samples share theirs): the rate is of the tokens the engine
+            computes, as a moved sample re-prefills them (counted per sample, the first
+            MPS calibrations read 2-3M tokens/s on half an H200)."""
             steps, ones = [], []
             for p in (prompt_tokens, prompt_tokens + context):
-                (point,), rate = _decode_points(lambda b, t, p=p: timer(b, p, t), (ctx_batch,), new_tokens, p, repeats)
-                steps.append(point.step_s)
-                ones.append(ctx_batch * p / rate)  # the one-token call's time, as `_decode_points` read it
+                timer(ctx_batch, p, 2)  # warm-up
+                one = min(timer(ctx_batch, p, 1) for _ in range(repeats))
+                full = min(timer(ctx_batch, p, new_tokens) for _ in range(repeats))
+                steps.append(max(1e-6, (full - one) / (new_tokens - 1)))
+                ones.append(one)
+                log.info("decode step at batch %d after %d-token prompts: %.2f ms", ctx_batch, p, steps[-1] * 1e3)
             slope = max(0.0, (steps[1] - steps[0]) / (ctx_batch * context))
-            rate = ctx_batch * context / max(ones[1] - ones[0], 1e-6)
+            if ones[1] > ones[0]:
+                rate = prompts(ctx_batch) * context / (ones[1] - ones[0])
+            else:  # lost in the noise (a tiny model): the long call's whole time as its prefill's
+                rate = prompts(ctx_batch) * (prompt_tokens + context) / ones[1]
             log.info(
                 "decode step per token of context: %.3g s (batch %d, +%d tokens); prefill %.0f tokens/s",
                 slope,
@@ -252,7 +278,7 @@ def calibrate(
                     cores.append(statistics.median(worker.worker_cores[-repeats:]))
                     readers.append(statistics.median(worker.reader_s_per_token[-repeats:]))
                     if context and last:
-                        kv_s, context_prefill = kv_slope(worker.time)
+                        kv_s, context_prefill = kv_slope(worker.time, served_prompts)
                 finally:
                     if not (corun and last):
                         worker.close()
@@ -337,10 +363,12 @@ def calibrate(
         if worker is not None:
             try:
                 if corun and device.type == "cuda":
-                    slowdowns = _corun(worker, learner, items, max(batches), prompt_tokens, new_tokens, learner_tps)
+                    batch, prompt = (ctx_batch, prompt_tokens + context) if context else (max(batches), prompt_tokens)
+                    slowdowns = _corun(worker, learner, items, batch, prompt, new_tokens, learner_tps, repeats)
             finally:
                 worker.close()
         published = engine_dtype(policy.model, compute_dtype)  # what the trainer publishes
+        publish_s = _publish_s(policy.model, published, repeats) if served else 0.0
         version_bytes = sum(
             p.numel() * (published.itemsize if p.is_floating_point() else p.element_size())
             for p in policy.model.parameters()
@@ -374,7 +402,31 @@ def calibrate(
         engine_slowdown_beside_learner=slowdowns[1] if slowdowns else 0.0,
         worker_start_s=worker.start_s if worker is not None else 0.0,
         pull_gbps=pull_gbps,
+        publish_s=publish_s,
     )
+
+
+def _publish_s(model: torch.nn.Module, dtype: torch.dtype, repeats: int) -> float:
+    """Seconds the trainer's loop spends publishing a version for the workers to pull: its
+    weights in the engines' dtype handed to a real publisher (`RemoteRollout.publish`'s
+    host snapshot: the copy out of the device, the checksums), the fastest of `repeats`."""
+    from polyrl.transfer.publisher import WeightPublisher
+
+    weights = {k: t.to(dtype) if t.is_floating_point() else t for k, t in learner_weights(model).items()}
+    publisher = WeightPublisher().start()
+    try:
+        best = math.inf
+        for version in range(1, repeats + 2):  # the first: warm-up (the shared memory is new)
+            t0 = time.perf_counter()
+            publisher.publish(weights, version)
+            if version > 1:
+                best = min(best, time.perf_counter() - t0)
+    finally:
+        publisher.stop()
+    log.info(
+        "publish: %.3f s a version (%.0f MB)", best, sum(t.numel() * t.element_size() for t in weights.values()) / 1e6
+    )
+    return best
 
 
 def _mps_clients() -> float | None:
@@ -388,33 +440,54 @@ def _mps_clients() -> float | None:
 
 
 def _corun(
-    worker: _ServedWorker, learner, items: list, batch: int, prompt_tokens: int, new_tokens: int, learner_tps: float
+    worker: _ServedWorker,
+    learner,
+    items: list,
+    batch: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    learner_tps: float,
+    repeats: int = 3,
 ) -> tuple[float, float]:
-    """Two clients of one GPU, both busy: the worker decoding `batch` sequences while the
-    learner trains in a thread of this process. Returns what each lost against its speed
-    alone (the learner's, the worker's: 0.05 is 5% slower)."""
+    """Two clients of one GPU, both busy: the worker decoding `batch` sequences of
+    `prompt_tokens`-token prompts, call after call (an I/O thread drives its HTTP
+    stream), while the learner trains `repeats` mini-batches or more in this thread,
+    until two of the worker's calls have run wholly beside it. Only those calls and those
+    mini-batches count (an earlier version timed the worker over the learner's first
+    mini-batch only and read the learner 7% slower, where the MPS rows' learner ran
+    20-30% slower: BENCHMARKS.md). Returns what each lost against its speed alone (the
+    learner's, the worker's: 0.05 is 5% slower)."""
     import threading
 
     alone = min(worker.time(batch, prompt_tokens, new_tokens) for _ in range(2))
-    stop, trained = threading.Event(), []
+    stop, calls, trained = threading.Event(), [], []
 
-    def train() -> None:
+    def decode() -> None:
         while not stop.is_set():
+            t0 = time.perf_counter()
+            worker.time(batch, prompt_tokens, new_tokens)
+            calls.append((t0, time.perf_counter()))
+
+    thread = threading.Thread(target=decode, name="polyrl-calibrate-corun", daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)  # the worker's first call is under way
+        start = time.perf_counter()
+        while len(trained) < repeats or sum(1 for t0, _ in calls if t0 >= start) < 2:
             t0 = time.perf_counter()
             learner.train_mini_batch(items, weights_as_sampled=True)
             torch.cuda.synchronize()
             trained.append(time.perf_counter() - t0)
-
-    thread = threading.Thread(target=train, daemon=True)
-    thread.start()
-    try:
-        time.sleep(0.5)
-        beside = min(worker.time(batch, prompt_tokens, new_tokens) for _ in range(2))
+            if time.perf_counter() - start > 300 or not thread.is_alive():
+                break
     finally:
         stop.set()
         thread.join()
+    inside = [t1 - t0 for t0, t1 in calls if t0 >= start]
+    if not inside:
+        raise RuntimeError("calibrate --corun: no worker call ran beside the learner")
     tokens = sum(len(it.token_ids) for it in items)
-    learner_beside = statistics.median(trained) if trained else tokens / learner_tps
-    learner_x, decode_x = learner_beside * learner_tps / tokens, beside / alone
+    learner_beside = statistics.median(trained)
+    learner_x, decode_x = learner_beside * learner_tps / tokens, min(inside) / alone
     log.info("both busy: the worker's decoding %.2fx as long, the learner's %.2fx", decode_x, learner_x)
     return max(0.0, learner_x - 1), max(0.0, decode_x - 1)

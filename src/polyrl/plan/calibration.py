@@ -64,6 +64,11 @@ class Calibration(BaseModel):
     """A worker's pause to load a pulled version, between two decode steps."""
     step_overhead_s: float = Field(0.0, ge=0)
     """Per step, outside generation and training: scoring, publishing, bookkeeping."""
+    publish_s: float = Field(0.0, ge=0)
+    """The trainer's publish of a version for the workers to pull, each step of a run
+    with workers (the learner waits for it): the host snapshot, its copy out of the
+    device and its checksums. 0.2 s a step at 0.6B on an H200, 6% of an MPS row's step
+    (BENCHMARKS.md); `calibrate --served` times it."""
     host_cores: float | None = Field(None, gt=0)
     """Set when every process shares one host's cores (the CPU box): the engines and the
     learner then run slower as their demands add up past this. None: each worker has a

@@ -38,6 +38,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--context", type=int, default=0, help="also time prompts this much longer: the decode step's cost of context"
     )
     c.add_argument(
+        "--context-batch",
+        type=int,
+        default=64,
+        help="with --context: the batch (of --batches, the nearest) whose context cost is timed, and --corun's",
+    )
+    c.add_argument(
         "--corun",
         action="store_true",
         help="with --served on a GPU: time the worker beside the learner (partitions of one GPU, e.g. MPS)",
@@ -105,6 +111,8 @@ def fleet_of(cfg: RunConfig, workers: int, preempt_per_hour: float = 0.0, on_cpu
         trainer_until="learner" if until == "learner" else "always",
         max_num_seqs=min(cfg.engine.max_num_seqs, cfg.manager.max_inflight_per_worker),
         trainer_max_num_seqs=cfg.engine.max_num_seqs,
+        batched_tokens=cfg.engine.max_num_batched_tokens,
+        trainer_batched_tokens=cfg.engine.max_num_batched_tokens,
         trainer_usd_per_hour=cfg.cost.trainer_usd_per_hour,
         worker_usd_per_hour=cfg.cost.worker_usd_per_hour,
         preempt_per_hour=preempt_per_hour,
@@ -153,6 +161,7 @@ def main(args: argparse.Namespace) -> int:
             batches=tuple(args.batches),
             served=args.served,
             context=args.context,
+            context_batch=args.context_batch,
             corun=args.corun,
             pull_gbps=args.pull_gbps,
             learner_lengths=tuple([args.learner_tokens] * per_mini) if args.learner_tokens else (),

@@ -127,6 +127,11 @@ class Fleet:
     the latest-joined sequences back to the queue, tokens kept (recomputed where they
     land), as the engine's preemption does."""
     trainer_kv_tokens: int | None = None
+    batched_tokens: int | None = None
+    """A worker engine's token budget a step (`engine.max_num_batched_tokens`; None: no
+    limit): decodes first, then prefill chunks, so a batch of moved samples re-prefills
+    over many steps, each slower by its chunk, and joins as its chunks finish."""
+    trainer_batched_tokens: int | None = None
 
 
 @dataclass
@@ -165,6 +170,8 @@ class _Seq:
     """Tokens still to decode when it joined its engine."""
     done: int = 0
     """Tokens decoded before it joined (re-prefilled with the prompt after a move)."""
+    prefill_left: int = 0
+    """Tokens of its prefill not yet computed on its engine."""
     start: int = 0
     """Its engine's decode-step count when it joined."""
 
@@ -202,6 +209,7 @@ class _Engine(_Actor):
     context: float = 0.0
     """Tokens of context its running and joined sequences hold (their KV cache)."""
     kv_tokens: int | None = None
+    batched_tokens: int | None = None
 
 
 @dataclass(eq=False)
@@ -297,6 +305,7 @@ class FleetModel:
                         slots=fleet.trainer_max_num_seqs,
                         remote=False,
                         kv_tokens=fleet.trainer_kv_tokens,
+                        batched_tokens=fleet.trainer_batched_tokens,
                     )
                 )
         if fleet.mode != "colocated":
@@ -310,6 +319,7 @@ class FleetModel:
                         name=f"w{i}",
                         slots=fleet.max_num_seqs,
                         kv_tokens=fleet.kv_tokens,
+                        batched_tokens=fleet.batched_tokens,
                     )
                 )
                 self._schedule_preemption(self.engines[-1])
@@ -455,7 +465,8 @@ class FleetModel:
                 self.learner.demand = gov.threads
 
     def _publish(self, wait_for_pull: bool) -> None:
-        self._advance(self.cal.step_overhead_s)
+        # a colocated engine decodes from the trainer's own weights: a version bump, no snapshot
+        self._advance(self.cal.step_overhead_s + (self.cal.publish_s if self.f.mode != "colocated" else 0.0))
         self.version += 1
         pull = self.cal.pull_s()
         for e in self.engines:
@@ -562,6 +573,7 @@ class FleetModel:
             if e.kv_tokens is not None and e.context + need + growth > e.kv_tokens and (e.running or e.joined):
                 return  # full until sequences finish
             e.context += need
+            e.waiting[0].prefill_left = need
             e.joined.append(e.waiting.pop(0))
 
     def _start_steps(self) -> None:
@@ -570,20 +582,36 @@ class FleetModel:
                 continue
             self._admit(e)
             if e.joined or e.running:
-                prefill = sum(self.w.prompt_tokens + s.done for s in e.joined) / self.cal.prefill_tokens_per_s
-                for s in e.joined:
-                    s.start = e.ticks
-                    self._tick += 1
-                    heapq.heappush(e.running, (e.ticks + s.left, self._tick, s))
-                e.joined = []
+                chunk = self._prefill_chunk(e)
                 self._overflow(e)
-                if not e.running:
+                if not e.running and not chunk:
                     continue
                 # only a colocated run decodes in the trainer's process; beside a fleet the
                 # trainer's engine is a served `polyrl worker` (`launch/local_worker.py`)
                 in_process = not e.remote and self.f.mode == "colocated"
-                e.work_left = self.cal.decode_step_s(len(e.running), in_process, e.context) + prefill
+                decode = self.cal.decode_step_s(len(e.running), in_process, e.context) if e.running else 0.0
+                e.work_left = decode + chunk / self.cal.prefill_tokens_per_s
                 e.busy = True
+
+    def _prefill_chunk(self, e: _Engine) -> int:
+        """This step's prefill tokens, as the engine's scheduler takes them: what the step's
+        token budget leaves after the running sequences' decodes, oldest joined first;
+        a sequence whose prefill is done decodes from this step on."""
+        budget = math.inf if e.batched_tokens is None else max(0, e.batched_tokens - len(e.running))
+        chunk = 0
+        while e.joined and budget > 0:
+            s = e.joined[0]
+            take = min(s.prefill_left, budget)
+            s.prefill_left -= take
+            chunk += take
+            budget -= take
+            if s.prefill_left > 0:
+                break
+            e.joined.pop(0)
+            s.start = e.ticks
+            self._tick += 1
+            heapq.heappush(e.running, (e.ticks + s.left, self._tick, s))
+        return int(chunk)
 
     def _loads(self) -> dict[str, float]:
         load: dict[str, float] = {}
