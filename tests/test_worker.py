@@ -519,6 +519,7 @@ def test_client_disconnect_aborts(worker: InProcessWorker) -> None:
     before = worker.info()["num_generated_tokens"]
     with worker.client.stream("POST", "/generate", json=long_request("gone-stream", stream=True)) as r:
         next(read_sse(r))  # running; now hang up
+        assert 0 < worker.info()["kv_cache_usage"] <= 1  # its blocks are held
     with httpx.Client(base_url=worker.http.url, timeout=httpx.Timeout(5.0, read=1.0)) as impatient:
         with pytest.raises(httpx.ReadTimeout):
             impatient.post("/generate", json=long_request("gone-plain"))
@@ -534,6 +535,7 @@ def test_info_health_and_model_info(worker: InProcessWorker, model_dir: Path) ->
     assert info["worker_id"] == "w-test" and info["state"] == "active" and info["max_model_len"] == CONTEXT
     assert info["model_path"] == str(model_dir) and info["weight_version"] == 0
     assert info["max_total_num_tokens"] > 0 and info["gen_throughput"] >= 0
+    assert 0 <= info["kv_cache_usage"] <= 1
     assert {"num_running_reqs", "num_queued_reqs"} <= info.keys()
     assert worker.client.get("/no_such_endpoint").json()["error"]["type"] == "http_error"
 

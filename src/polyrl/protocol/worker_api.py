@@ -305,6 +305,10 @@ class ServerInfo(_Reply):
     prefix_cache_hits: int = 0
     """Of those, the tokens whose KV the cache held."""
     max_total_num_tokens: int
+    kv_cache_usage: float = 0.0
+    """The share of the KV cache's blocks in use now, 0-1 (vLLM's `kv_cache_usage_perc`
+    metric): with `num_running_reqs`, the context the batch holds, which sets a decode
+    step's cost at RL lengths."""
     max_model_len: int
     max_num_seqs: int
 

@@ -112,6 +112,7 @@ class WorkerState:
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
             max_total_num_tokens=stats.num_total_blocks * self.block_size,
+            kv_cache_usage=1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0,
             max_model_len=self.engine.engine.max_model_len,
             max_num_seqs=self.max_num_seqs,
         )
