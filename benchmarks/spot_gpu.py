@@ -92,7 +92,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # the checkout's polyrl, and its test-only chaos_harness/
 
 from chaos_harness.harness import free_port  # noqa: E402
-from polyrl.config import TinyModelConfig  # noqa: E402
+from polyrl.config import TinyModelConfig, load_config  # noqa: E402
 from polyrl.data.tasks import get_task, task_record  # noqa: E402
 from polyrl.models.tiny import build_tokenizer, save_tiny_model  # noqa: E402
 
@@ -1190,8 +1190,6 @@ def plan_calibrations(
     base = [*throughput_overrides(args, model, "local", free_port(), data["longtail"], True), *args.set]
     mean_len = int(np.mean(args.budgets))
     common = ["--context", "512", "--batches", "1", "16", "64", "256", "512", "--learner-tokens", str(mean_len + 8)]
-    from polyrl.config import load_config
-
     common += ["--context-batch", str(load_config(None, base).engine.max_num_seqs)]  # the rows' batch
     out = {}
     for name, whole in (("half", False), ("whole", True)):
@@ -1228,7 +1226,7 @@ def plan_report(
     import dataclasses
     import tomllib
 
-    from polyrl.config import RunConfig, load_config
+    from polyrl.config import RunConfig
     from polyrl.plan.calibration import Calibration
     from polyrl.plan.command import fleet_of
     from polyrl.plan.fleet_model import Workload, predict

@@ -159,6 +159,15 @@ class _ServedWorker:
         return wall
 
 
+def _decode_step(timer: Callable[[int], float], new_tokens: int, repeats: int) -> tuple[float, float]:
+    """One batch's decode step, from the time of `new_tokens` tokens less that of one (the
+    prefill drops out), and that one-token call's time; `timer(tokens)` times a call."""
+    timer(2)  # warm-up (graphs, allocator)
+    one = min(timer(1) for _ in range(repeats))
+    full = min(timer(new_tokens) for _ in range(repeats))
+    return max(1e-6, (full - one) / (new_tokens - 1)), one
+
+
 def _decode_points(
     timer: Callable[[int, int], float], batches: tuple[int, ...], new_tokens: int, prompt_tokens: int, repeats: int
 ) -> tuple[list[DecodePoint], float]:
@@ -167,10 +176,8 @@ def _decode_points(
     a group's samples share theirs; on a CPU host the call's own cost, not prefill)."""
     points, prefill = [], 0.0
     for b in batches:
-        timer(b, 2)  # warm-up (graphs, allocator)
-        one = min(timer(b, 1) for _ in range(repeats))
-        full = min(timer(b, new_tokens) for _ in range(repeats))
-        points.append(DecodePoint(batch=b, step_s=max(1e-6, (full - one) / (new_tokens - 1))))
+        step_s, one = _decode_step(lambda t, b=b: timer(b, t), new_tokens, repeats)
+        points.append(DecodePoint(batch=b, step_s=step_s))
         prefill = b * prompt_tokens / one  # the largest batch's: at batch 1 the call's own cost dominates
         log.info("decode step at batch %d: %.2f ms", b, points[-1].step_s * 1e3)
     return points, prefill
@@ -235,10 +242,8 @@ def calibrate(
             MPS calibrations read 2-3M tokens/s on half an H200)."""
             steps, ones = [], []
             for p in (prompt_tokens, prompt_tokens + context):
-                timer(ctx_batch, p, 2)  # warm-up
-                one = min(timer(ctx_batch, p, 1) for _ in range(repeats))
-                full = min(timer(ctx_batch, p, new_tokens) for _ in range(repeats))
-                steps.append(max(1e-6, (full - one) / (new_tokens - 1)))
+                step_s, one = _decode_step(lambda t, p=p: timer(ctx_batch, p, t), new_tokens, repeats)
+                steps.append(step_s)
                 ones.append(one)
                 log.info("decode step at batch %d after %d-token prompts: %.2f ms", ctx_batch, p, steps[-1] * 1e3)
             slope = max(0.0, (steps[1] - steps[0]) / (ctx_batch * context))

@@ -611,7 +611,7 @@ class FleetModel:
             s.start = e.ticks
             self._tick += 1
             heapq.heappush(e.running, (e.ticks + s.left, self._tick, s))
-        return int(chunk)
+        return chunk
 
     def _loads(self) -> dict[str, float]:
         load: dict[str, float] = {}
