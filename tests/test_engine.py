@@ -213,6 +213,15 @@ def test_preemption_under_a_small_kv_cache_changes_nothing(model, caplog):
     assert tight_engine.blocks.num_free == 14
 
 
+def test_stats_count_steps_prefill_steps_and_prompt_tokens(model):
+    engine = Engine(model, SMALL)  # a 16-token budget: the 47 prompt tokens take several steps
+    run(engine, [EngineRequest(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)])
+    stats = engine.stats()
+    assert stats.num_prompt_tokens == sum(map(len, PROMPTS)) - stats.prefix_cache_hits
+    assert 3 <= stats.num_prefill_steps < stats.num_steps
+    assert stats.num_steps >= GREEDY.max_new_tokens + stats.num_prefill_steps - 1
+
+
 def test_stop_tokens_and_eos(model):
     ref = hf_greedy(model, PROMPTS[1], 12)
     stop = ref[3]

@@ -174,13 +174,32 @@ def test_calibrate_served_times_several_worker_processes(caplog) -> None:
 
     cfg = load_config(None, ["rollout.max_new_tokens=4"])
     with caplog.at_level(logging.INFO, logger="polyrl.plan"):
-        c = calibrate(cfg, batches=(1, 4), new_tokens=3, repeats=1, served=True, served_workers=2)
+        c = calibrate(cfg, batches=(1, 4), new_tokens=3, repeats=1, served=True, served_workers=2, context=16)
     assert [p.batch for p in c.decode] == [1, 4] and all(p.step_s > 0 for p in c.decode)
+    assert c.decode_kv_s_per_token >= 0 and c.prefill_tokens_per_s > 0  # the last worker's context timings
+    assert c.prefill_step_s == 0  # a CPU engine runs every step alike
     assert c.engine_cores > 0 and c.stream_cpu_s_per_token > 0 and c.worker_start_s > 0
     assert c.publish_s > 0  # a real publisher took the weights each time
     assert "over 2 worker processes" in caplog.text
     with pytest.raises(ValueError, match="at least 1"):
         calibrate(cfg, batches=(1,), new_tokens=3, repeats=1, served=True, served_workers=0)
+
+
+def test_calibrate_times_the_steps_that_arrivals_make_eager(tiny_model_dir: Path) -> None:
+    # a served worker decoding a call while small groups arrive one after another: its own
+    # counters say how many steps also prefilled, and the cost of each is what the call lost
+    from polyrl.config import load_config
+    from polyrl.plan.calibrate import _prefill_step_s, _ServedWorker
+
+    cfg = load_config(None, ["rollout.n=2", "engine.admit_batch=2"])
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    worker = _ServedWorker(cfg, tiny_model_dir, 8, vocab)
+    try:
+        cost, added = _prefill_step_s(worker, 4, 8, 48, repeats=2)
+    finally:
+        worker.close()
+    assert cost >= 0 and len(added) == 2
+    assert max(added) >= 1  # the arrivals were admitted mid-call, each in a step of its own
 
 
 def test_the_trainers_engine_hands_its_samples_to_the_workers_when_the_learner_starts() -> None:
@@ -327,3 +346,20 @@ def test_a_learner_among_more_gpu_clients_than_the_gpu_holds_gets_its_part_of_th
     roomy = predict(cal(shared_gpu=True, learner_tokens_per_s=20), work, fleet, steps=2)
     crowded = predict(cal(shared_gpu=True, learner_tokens_per_s=20, gpu_clients=2.0), work, fleet, steps=2)
     assert crowded.step_s > roomy.step_s
+
+
+def test_each_admission_into_an_overlapped_batch_costs_a_prefill_step_and_arrivals_are_gathered() -> None:
+    # groups of one sample, of 20 lengths, on one worker of 8 slots in a fully asynchronous
+    # run: they finish and are replaced one at a time; with CUDA's overlapped decode each
+    # admission costs an eager step (`prefill_step_s`), unless the busy batch gathers
+    # arrivals first (here up to 4, or 16 steps)
+    work = Workload(prompts=16, n=1, prompt_tokens=4, budgets=tuple(range(40, 240, 10)))
+
+    def run(prefill_step_s: float, wait_steps: int) -> tuple[float, float]:
+        fleet = Fleet(1, "fully_async", staleness=2, max_num_seqs=8, admit_wait_steps=wait_steps, admit_batch=4)
+        model = FleetModel(cal(prefill_step_s=prefill_step_s), work, fleet)
+        step_s = model.run(4, warmup=1).step_s
+        return step_s, model.engines[0].prefill_steps / model.engines[0].steps
+
+    assert run(0.02, 0)[0] > run(0.0, 0)[0] * 1.05  # about one admission a sample, each 20 ms more
+    assert run(0.02, 16)[1] < run(0.02, 0)[1] * 0.75  # arrivals share fewer admission steps

@@ -525,6 +525,7 @@ def test_client_disconnect_aborts(worker: InProcessWorker) -> None:
             impatient.post("/generate", json=long_request("gone-plain"))
     info = worker.wait_for(lambda i: i["num_running_reqs"] == 0 and i["num_queued_reqs"] == 0)
     assert info["num_generated_tokens"] - before < 2 * LONG  # both stopped early
+    assert info["num_prompt_tokens"] > 0 and 0 < info["num_prefill_steps"] < info["num_steps"]
 
 
 def test_info_health_and_model_info(worker: InProcessWorker, model_dir: Path) -> None:
@@ -536,6 +537,7 @@ def test_info_health_and_model_info(worker: InProcessWorker, model_dir: Path) ->
     assert info["model_path"] == str(model_dir) and info["weight_version"] == 0
     assert info["max_total_num_tokens"] > 0 and info["gen_throughput"] >= 0
     assert 0 <= info["kv_cache_usage"] <= 1
+    assert 0 <= info["num_prefill_steps"] <= info["num_steps"] and info["num_prompt_tokens"] >= 0
     assert {"num_running_reqs", "num_queued_reqs"} <= info.keys()
     assert worker.client.get("/no_such_endpoint").json()["error"]["type"] == "http_error"
 

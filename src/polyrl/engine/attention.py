@@ -66,16 +66,19 @@ class AttentionGroup:
         batch_index = torch.tensor([b for b, q in enumerate(query_lens) for _ in range(q)])
         query_index = torch.tensor([i for q in query_lens for i in range(q)])
         tables = padded_tables(block_tables, max_blocks).long()
-        pos = torch.arange(max_blocks * block_size)  # [C]
-        ctx = torch.tensor(context_lens)[:, None, None]  # [B, 1, 1]
-        last_query_pos = ctx - torch.tensor(query_lens)[:, None, None] + torch.arange(max_q)[None, :, None]
+        # the mask is made where it is used: made on the host, an 800-token chunk's was a
+        # quarter of its step's host time in a profile on an H200 (BENCHMARKS.md, the MPS kill row)
+        pos = torch.arange(max_blocks * block_size, device=device)  # [C]
+        ctx = torch.tensor(context_lens).to(device)[:, None, None]  # [B, 1, 1]
+        first = ctx - torch.tensor(query_lens).to(device)[:, None, None]  # [B, 1, 1] the first query's position
+        last_query_pos = first + torch.arange(max_q, device=device)[None, :, None]
         mask = (pos[None, None, :] <= last_query_pos) & (pos[None, None, :] < ctx)  # [B, Q, C]
         return cls(
             token_index=token_index.to(device),
             batch_index=batch_index.to(device),
             query_index=query_index.to(device),
             block_tables=tables.to(device),
-            mask=mask[:, None].to(device),
+            mask=mask[:, None],
             num_seqs=num_seqs,
             max_query_len=max_q,
         )

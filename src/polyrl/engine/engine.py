@@ -127,6 +127,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._rng = random.Random()
         self.num_generated_tokens = 0
+        self.num_steps = self.num_prefill_steps = self.num_prompt_tokens = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         self.overlap = cfg.overlap_decode == "on" or (cfg.overlap_decode == "auto" and self.device.type == "cuda")
         self._in_flight: InFlightStep | None = None
@@ -286,10 +287,17 @@ class Engine:
         deltas += self._settle()  # while the chained step runs
         if chained is not None:
             self._in_flight = chained
+            self.num_steps += 1
             return deltas
         batch = self.scheduler.schedule()
         if not batch:
             return deltas
+        self.num_steps += 1
+        # a prefill chunk is any item but a one-token decode (what `is_graph_decode` captures)
+        prompt = sum(it.num_new_tokens for it in batch if not (it.num_new_tokens == 1 and it.seq.num_uncomputed == 1))
+        if prompt:
+            self.num_prefill_steps += 1
+            self.num_prompt_tokens += prompt
         logits, sample_idx = self.runner.forward(batch)
         self._store_routes(batch)
         for item in batch:
@@ -662,4 +670,7 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.blocks.num_queried_tokens,
             prefix_cache_hits=self.blocks.num_hit_tokens,
+            num_steps=self.num_steps,
+            num_prefill_steps=self.num_prefill_steps,
+            num_prompt_tokens=self.num_prompt_tokens,
         )

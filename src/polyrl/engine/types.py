@@ -120,3 +120,12 @@ class EngineStats:
     prefix_cache_hits: int = 0
     """Of those, the tokens whose KV the cache held (vLLM's prefix cache hit rate is
     hits / queries)."""
+    num_steps: int = 0
+    """Forward steps since start."""
+    num_prefill_steps: int = 0
+    """Of those, the steps that computed prompt tokens (a prefill chunk, a moved sample's
+    re-prefill): on CUDA they run eagerly, outside the captured decode graphs and the
+    overlap, so a worker fed one arrival at a time pays them on many steps."""
+    num_prompt_tokens: int = 0
+    """Prompt tokens computed since start (prefix-cache hits excluded; vLLM's
+    `prompt_tokens_total` counts the hits too)."""

@@ -123,18 +123,26 @@ class _ServedWorker:
         self.proc.kill()
         self.proc.wait()
 
-    def time(self, batch: int, prompt_tokens: int, new_tokens: int) -> float:
+    def info(self) -> dict:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {_TOKEN}"}
+        return httpx.get(f"{self.url}/get_server_info", headers=headers, timeout=10).json()
+
+    def time(self, batch: int, prompt_tokens: int, new_tokens: int, n: int | None = None) -> float:
+        """One call of `batch` samples in groups of `n` (default: the run's `rollout.n`)."""
         import asyncio
 
         import httpx
 
         from polyrl.manager.backends import GenerationCall, generate_body
 
-        n = min(batch, self.cfg.rollout.n)
-        rng = random.Random(next(_CALLS))
+        n = min(batch, n or self.cfg.rollout.n)
+        seed = next(_CALLS)
+        rng = random.Random(seed)
         sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, n=n, seed=0)
-        calls = [
-            GenerationCall(f"c{i}", [rng.randrange(3, self.vocab) for _ in range(prompt_tokens)], sampling)
+        calls = [  # ids of their own: calls from two threads run at once (`_prefill_step_s`)
+            GenerationCall(f"c{i}s{seed}", [rng.randrange(3, self.vocab) for _ in range(prompt_tokens)], sampling)
             for i in range(max(1, batch // n))
         ]
         headers = {"Authorization": f"Bearer {_TOKEN}", "Content-Type": "application/json"}
@@ -222,35 +230,48 @@ def calibrate(
         vocab = policy.model.config.vocab_size
         engine_threads = cfg.fleet.worker_threads if device.type == "cpu" else threads
         worker = None
-        kv_s = 0.0
+        kv_s = prefill_step = 0.0
         room = getattr(policy.model.config, "max_position_embeddings", None)
         if context and room:  # the longer prompts and their tokens must fit the model's positions
             context = max(0, min(context, room - prompt_tokens - new_tokens))
         ctx_batch = min(batches, key=lambda b: (abs(b - context_batch), b))
+
         group = cfg.rollout.n
         served_prompts = lambda b: max(1, b // min(b, group))  # noqa: E731  (`_ServedWorker.time`'s calls)
 
         def kv_slope(
             timer: Callable[[int, int, int], float], prompts: Callable[[int], int] = lambda b: b
         ) -> tuple[float, float]:
-            """Seconds per decode step per token of context, from `ctx_batch` sequences'
-            steps after prompts `context` tokens longer; and the prefill rate of those
-            prompts (the short ones measure a call's own cost more than prefill: on an
-            H200 they gave 13k tokens/s). `prompts`: the distinct ones of a batch (a
-            served call's samples share theirs): the rate is of the tokens the engine
-            computes, as a moved sample re-prefills them (counted per sample, the first
-            MPS calibrations read 2-3M tokens/s on half an H200)."""
-            steps, ones = [], []
-            for p in (prompt_tokens, prompt_tokens + context):
-                step_s, one = _decode_step(lambda t, p=p: timer(ctx_batch, p, t), new_tokens, repeats)
-                steps.append(step_s)
-                ones.append(one)
-                log.info("decode step at batch %d after %d-token prompts: %.2f ms", ctx_batch, p, steps[-1] * 1e3)
-            slope = max(0.0, (steps[1] - steps[0]) / (ctx_batch * context))
-            if ones[1] > ones[0]:
-                rate = prompts(ctx_batch) * context / (ones[1] - ones[0])
+            """Seconds per decode step per token of context, at `ctx_batch` sequences: the
+            steps of `context` more generated tokens, against the first `new_tokens`'.
+            Generated tokens are each sample's own, as the context a long tail holds is,
+            and the calls stay a group each, as the manager sends them (calls of one
+            sample each made the worker stream 8x the requests and timed its host: on an
+            H200 the slope came out 2.7x the generated tokens' one; BENCHMARKS.md, the MPS
+            kill row). Also the prefill rate of prompts `context` tokens longer (the short
+            ones measure a call's own cost more than prefill: on an H200 they gave 13k
+            tokens/s), of the tokens the engine computes, as a moved sample re-prefills
+            them; `prompts`: the distinct ones of a batch (a served call's samples share
+            theirs; counted per sample, the first MPS calibrations read 2-3M tokens/s)."""
+            first, one = _decode_step(lambda t: timer(ctx_batch, prompt_tokens, t), new_tokens, repeats)
+            longer = min(timer(ctx_batch, prompt_tokens, new_tokens + context) for _ in range(repeats))
+            base = min(timer(ctx_batch, prompt_tokens, new_tokens) for _ in range(repeats))
+            later = max(1e-6, (longer - base) / context)  # its steps' mean context: prompt + new_tokens + context / 2
+            # the first steps' mean context is prompt + new_tokens / 2
+            slope = max(0.0, (later - first) / (ctx_batch * (new_tokens + context) / 2))
+            log.info(
+                "decode step at batch %d: %.2f ms over the first %d tokens, %.2f ms over the next %d",
+                ctx_batch,
+                first * 1e3,
+                new_tokens,
+                later * 1e3,
+                context,
+            )
+            one_long = min(timer(ctx_batch, prompt_tokens + context, 1) for _ in range(repeats))
+            if one_long > one:
+                rate = prompts(ctx_batch) * context / (one_long - one)
             else:  # lost in the noise (a tiny model): the long call's whole time as its prefill's
-                rate = prompts(ctx_batch) * (prompt_tokens + context) / ones[1]
+                rate = prompts(ctx_batch) * (prompt_tokens + context) / one_long
             log.info(
                 "decode step per token of context: %.3g s (batch %d, +%d tokens); prefill %.0f tokens/s",
                 slope,
@@ -283,7 +304,19 @@ def calibrate(
                     cores.append(statistics.median(worker.worker_cores[-repeats:]))
                     readers.append(statistics.median(worker.reader_s_per_token[-repeats:]))
                     if context and last:
+                        # every sequence's context its own: what the worker's KV cache holds
+                        # for a batch, with a block to spare (a preempted sequence recomputes)
+                        room = worker.info()["max_total_num_tokens"] // ctx_batch - cfg.engine.block_size
+                        context = max(1, min(context, room - prompt_tokens - new_tokens))
                         kv_s, context_prefill = kv_slope(worker.time, served_prompts)
+                        if device.type == "cuda":  # a CPU engine captures no decode graphs
+                            prefill_step, _ = _prefill_step_s(  # calls 4x as long: room for arrivals
+                                worker,
+                                ctx_batch,
+                                max(prompt_tokens, min(prompt_tokens + context, room - 4 * new_tokens)),
+                                4 * new_tokens,
+                                repeats,
+                            )
                 finally:
                     if not (corun and last):
                         worker.close()
@@ -369,7 +402,16 @@ def calibrate(
             try:
                 if corun and device.type == "cuda":
                     batch, prompt = (ctx_batch, prompt_tokens + context) if context else (max(batches), prompt_tokens)
-                    slowdowns = _corun(worker, learner, items, batch, prompt, new_tokens, learner_tps, repeats)
+                    slowdowns = _corun(
+                        worker,
+                        learner,
+                        items,
+                        batch,
+                        prompt,
+                        new_tokens,
+                        learner_tps,
+                        repeats,
+                    )
             finally:
                 worker.close()
         published = engine_dtype(policy.model, compute_dtype)  # what the trainer publishes
@@ -408,7 +450,58 @@ def calibrate(
         worker_start_s=worker.start_s if worker is not None else 0.0,
         pull_gbps=pull_gbps,
         publish_s=publish_s,
+        prefill_step_s=prefill_step,
     )
+
+
+def _prefill_step_s(
+    worker: _ServedWorker, batch: int, prompt_tokens: int, new_tokens: int, repeats: int
+) -> tuple[float, list[float]]:
+    """What a step that also computes prompt tokens costs beyond a decode step, at
+    `batch` sequences: on CUDA such a step runs eagerly, outside the captured decode graphs
+    and the overlap of one step's launch with the last one's read-back. Times the worker's
+    call of `batch` samples alone, then again while an I/O thread sends one small group
+    after another (`engine.admit_batch` samples of a 16-token prompt, one token each, so
+    each is admitted at once); the worker's own counters (`num_prefill_steps`) say how
+    many steps the arrivals made eager. After a preemption the trainer's engine re-prefills
+    the moved samples one or a few at a time, on step after step: this is what each
+    costs, beyond its tokens (BENCHMARKS.md, the MPS kill row). Returns it, and the eager
+    steps the arrivals added to each fed call."""
+    import threading
+
+    def counted(fn: Callable[[], float]) -> tuple[float, int]:
+        before = worker.info()["num_prefill_steps"]
+        wall = fn()
+        return wall, worker.info()["num_prefill_steps"] - before
+
+    call = lambda: worker.time(batch, prompt_tokens, new_tokens)  # noqa: E731
+    alone = [counted(call) for _ in range(repeats)]
+    arrivals = worker.cfg.engine.admit_batch
+    stop = threading.Event()
+
+    def arrive() -> None:
+        while not stop.is_set():
+            worker.time(arrivals, 16, 1, n=arrivals)
+
+    thread = threading.Thread(target=arrive, name="polyrl-calibrate-arrivals", daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        fed = [counted(call) for _ in range(repeats)]
+    finally:
+        stop.set()
+        thread.join()
+    base_s, base_steps = min(t for t, _ in alone), statistics.median(k for _, k in alone)
+    added = [k - base_steps for _, k in fed]
+    each = [(t - base_s) / extra for (t, _), extra in zip(fed, added, strict=True) if extra >= 1]
+    cost = max(0.0, statistics.median(each)) if each else 0.0
+    log.info(
+        "a step with a prefill chunk: +%.2f ms over a decode step at batch %d (%s eager steps a call fed)",
+        cost * 1e3,
+        batch,
+        ", ".join(f"{x:.0f}" for x in added),
+    )
+    return cost, added
 
 
 def _publish_s(model: torch.nn.Module, dtype: torch.dtype, repeats: int) -> float:

@@ -69,6 +69,11 @@ class Calibration(BaseModel):
     with workers (the learner waits for it): the host snapshot, its copy out of the
     device and its checksums. 0.2 s a step at 0.6B on an H200, 6% of an MPS row's step
     (BENCHMARKS.md); `calibrate --served` times it."""
+    prefill_step_s: float = Field(0.0, ge=0)
+    """What a decode step costs more when it also computes prompt tokens (a new group's
+    prefill, a moved sample's re-prefill), beyond those tokens at `prefill_tokens_per_s`:
+    on CUDA such a step runs eagerly, outside the captured graphs and the overlap
+    (`calibrate --served --context` on a GPU). 0: every step runs alike (a CPU engine)."""
     host_cores: float | None = Field(None, gt=0)
     """Set when every process shares one host's cores (the CPU box): the engines and the
     learner then run slower as their demands add up past this. None: each worker has a

@@ -102,6 +102,8 @@ def fleet_of(cfg: RunConfig, workers: int, preempt_per_hour: float = 0.0, on_cpu
     r = cfg.rollout
     mode = "colocated" if r.mode == "local" else ("fully_async" if r.fully_async else "remote")
     until = r.local_window(on_cuda=not on_cpu)
+    e = cfg.engine
+    overlaps = e.overlap_decode == "on" or (e.overlap_decode == "auto" and not on_cpu)
     # not played: `synced` (the trainer's engine only while the workers sync) and `idle`
     return Fleet(
         workers=workers,
@@ -113,6 +115,8 @@ def fleet_of(cfg: RunConfig, workers: int, preempt_per_hour: float = 0.0, on_cpu
         trainer_max_num_seqs=cfg.engine.max_num_seqs,
         batched_tokens=cfg.engine.max_num_batched_tokens,
         trainer_batched_tokens=cfg.engine.max_num_batched_tokens,
+        admit_wait_steps=e.admit_wait_steps if overlaps else 0,
+        admit_batch=e.admit_batch,
         trainer_usd_per_hour=cfg.cost.trainer_usd_per_hour,
         worker_usd_per_hour=cfg.cost.worker_usd_per_hour,
         preempt_per_hour=preempt_per_hour,

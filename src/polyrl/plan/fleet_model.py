@@ -132,6 +132,12 @@ class Fleet:
     limit): decodes first, then prefill chunks, so a batch of moved samples re-prefills
     over many steps, each slower by its chunk, and joins as its chunks finish."""
     trainer_batched_tokens: int | None = None
+    admit_wait_steps: int = 0
+    """Engines whose decode steps overlap (CUDA): decode steps a busy batch of at least
+    `admit_batch` sequences runs before it admits fewer than `admit_batch` waiting samples
+    (`engine.admit_wait_steps`), so that arrivals share one step that also prefills
+    (`Calibration.prefill_step_s`). 0: admitted at the next step (a CPU engine)."""
+    admit_batch: int = 8
 
 
 @dataclass
@@ -210,6 +216,11 @@ class _Engine(_Actor):
     """Tokens of context its running and joined sequences hold (their KV cache)."""
     kv_tokens: int | None = None
     batched_tokens: int | None = None
+    waited: int = 0
+    """Decode steps a waiting sample has waited to be admitted (`Fleet.admit_wait_steps`)."""
+    steps: int = 0
+    prefill_steps: int = 0
+    """Of its `steps`, those that also prefilled (a worker's `num_prefill_steps`)."""
 
 
 @dataclass(eq=False)
@@ -580,7 +591,8 @@ class FleetModel:
         for e in self.engines:
             if e.busy or not e.up or self.now < e.paused_until:
                 continue
-            self._admit(e)
+            if self._admits_now(e):
+                self._admit(e)
             if e.joined or e.running:
                 chunk = self._prefill_chunk(e)
                 self._overflow(e)
@@ -590,8 +602,25 @@ class FleetModel:
                 # trainer's engine is a served `polyrl worker` (`launch/local_worker.py`)
                 in_process = not e.remote and self.f.mode == "colocated"
                 decode = self.cal.decode_step_s(len(e.running), in_process, e.context) if e.running else 0.0
-                e.work_left = decode + chunk / self.cal.prefill_tokens_per_s
+                prefill = self.cal.prefill_step_s + chunk / self.cal.prefill_tokens_per_s if chunk else 0.0
+                e.work_left = decode + prefill
                 e.busy = True
+                e.steps += 1
+                e.prefill_steps += chunk > 0
+
+    def _admits_now(self, e: _Engine) -> bool:
+        """Whether the engine's scheduler takes its waiting samples this step: at once
+        unless its decode steps overlap and a busy batch gathers arrivals, as the engine's
+        `_admit_now` does (each admission costs one step that also prefills)."""
+        f = self.f
+        if not e.waiting or not f.admit_wait_steps or e.joined:
+            e.waited = 0
+            return True
+        if e.waited >= f.admit_wait_steps or len(e.running) < f.admit_batch or len(e.waiting) >= f.admit_batch:
+            e.waited = 0
+            return True
+        e.waited += 1
+        return False
 
     def _prefill_chunk(self, e: _Engine) -> int:
         """This step's prefill tokens, as the engine's scheduler takes them: what the step's

@@ -304,6 +304,14 @@ class ServerInfo(_Reply):
     """Prompt tokens looked up in the engine's prefix cache since start."""
     prefix_cache_hits: int = 0
     """Of those, the tokens whose KV the cache held."""
+    num_steps: int = 0
+    """The engine's forward steps since start."""
+    num_prefill_steps: int = 0
+    """Of those, the steps that computed prompt tokens; on CUDA they run eagerly, outside
+    the captured decode graphs, and cost a batch more than a decode step does."""
+    num_prompt_tokens: int = 0
+    """Prompt tokens the engine computed since start (prefix-cache hits excluded; a moved
+    sample's re-prefill included)."""
     max_total_num_tokens: int
     kv_cache_usage: float = 0.0
     """The share of the KV cache's blocks in use now, 0-1 (vLLM's `kv_cache_usage_perc`
