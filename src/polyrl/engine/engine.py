@@ -293,8 +293,7 @@ class Engine:
         if not batch:
             return deltas
         self.num_steps += 1
-        # a prefill chunk is any item but a one-token decode (what `is_graph_decode` captures)
-        prompt = sum(it.num_new_tokens for it in batch if not (it.num_new_tokens == 1 and it.seq.num_uncomputed == 1))
+        prompt = sum(item.num_new_tokens for item in batch if not item.is_decode)
         if prompt:
             self.num_prefill_steps += 1
             self.num_prompt_tokens += prompt

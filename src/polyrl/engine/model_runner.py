@@ -184,9 +184,7 @@ class ModelRunner:
         return (
             graphs is not None
             and len(batch) <= graphs.max_batch
-            and (
-                fed_ids is not None or all(item.num_new_tokens == 1 and item.seq.num_uncomputed == 1 for item in batch)
-            )
+            and (fed_ids is not None or all(item.is_decode for item in batch))
         )
 
     @torch.inference_mode()

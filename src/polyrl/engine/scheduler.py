@@ -33,6 +33,12 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One token, the sequence's last: what a captured decode step feeds. Anything
+        else computes prompt tokens (a prefill chunk, a moved sample's re-prefill)."""
+        return self.num_new_tokens == 1 and self.seq.num_uncomputed == 1
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:

@@ -235,7 +235,6 @@ def calibrate(
         if context and room:  # the longer prompts and their tokens must fit the model's positions
             context = max(0, min(context, room - prompt_tokens - new_tokens))
         ctx_batch = min(batches, key=lambda b: (abs(b - context_batch), b))
-
         group = cfg.rollout.n
         served_prompts = lambda b: max(1, b // min(b, group))  # noqa: E731  (`_ServedWorker.time`'s calls)
 
@@ -254,8 +253,8 @@ def calibrate(
             them; `prompts`: the distinct ones of a batch (a served call's samples share
             theirs; counted per sample, the first MPS calibrations read 2-3M tokens/s)."""
             first, one = _decode_step(lambda t: timer(ctx_batch, prompt_tokens, t), new_tokens, repeats)
+            base = one + first * (new_tokens - 1)  # the new_tokens call `_decode_step` timed
             longer = min(timer(ctx_batch, prompt_tokens, new_tokens + context) for _ in range(repeats))
-            base = min(timer(ctx_batch, prompt_tokens, new_tokens) for _ in range(repeats))
             later = max(1e-6, (longer - base) / context)  # its steps' mean context: prompt + new_tokens + context / 2
             # the first steps' mean context is prompt + new_tokens / 2
             slope = max(0.0, (later - first) / (ctx_batch * (new_tokens + context) / 2))
@@ -306,14 +305,14 @@ def calibrate(
                     if context and last:
                         # every sequence's context its own: what the worker's KV cache holds
                         # for a batch, with a block to spare (a preempted sequence recomputes)
-                        room = worker.info()["max_total_num_tokens"] // ctx_batch - cfg.engine.block_size
-                        context = max(1, min(context, room - prompt_tokens - new_tokens))
+                        kv_room = worker.info()["max_total_num_tokens"] // ctx_batch - cfg.engine.block_size
+                        context = max(1, min(context, kv_room - prompt_tokens - new_tokens))
                         kv_s, context_prefill = kv_slope(worker.time, served_prompts)
                         if device.type == "cuda":  # a CPU engine captures no decode graphs
                             prefill_step, _ = _prefill_step_s(  # calls 4x as long: room for arrivals
                                 worker,
                                 ctx_batch,
-                                max(prompt_tokens, min(prompt_tokens + context, room - 4 * new_tokens)),
+                                max(prompt_tokens, min(prompt_tokens + context, kv_room - 4 * new_tokens)),
                                 4 * new_tokens,
                                 repeats,
                             )
@@ -402,16 +401,7 @@ def calibrate(
             try:
                 if corun and device.type == "cuda":
                     batch, prompt = (ctx_batch, prompt_tokens + context) if context else (max(batches), prompt_tokens)
-                    slowdowns = _corun(
-                        worker,
-                        learner,
-                        items,
-                        batch,
-                        prompt,
-                        new_tokens,
-                        learner_tps,
-                        repeats,
-                    )
+                    slowdowns = _corun(worker, learner, items, batch, prompt, new_tokens, learner_tps, repeats)
             finally:
                 worker.close()
         published = engine_dtype(policy.model, compute_dtype)  # what the trainer publishes
