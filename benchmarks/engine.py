@@ -92,8 +92,8 @@ def build_model(preset: str, device: torch.device, dtype: torch.dtype) -> torch.
     """Random weights in the preset's shape, made on `device` (30B parameters would not
     be initialised on the host in reasonable time)."""
     torch.manual_seed(0)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(preset_config(preset), dtype=dtype).eval()
+    with torch.device(device):  # inference only, as a worker's engine loads it (its projections packed)
+        return AutoModelForCausalLM.from_config(preset_config(preset), dtype=dtype).eval().requires_grad_(False)
 
 
 def sync(device: torch.device) -> None:

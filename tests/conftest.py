@@ -32,6 +32,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     freeze_gc_heap()
 
 
+@pytest.fixture
+def fixed_threads(monkeypatch: pytest.MonkeyPatch):
+    """For runs compared bit for bit: torch's intra-op thread count held where it is. The
+    process's governor (`polyrl.cpu_threads`) moves it with the machine's load, and a
+    matmul split over another number of threads rounds differently (a resumed LoRA run's
+    loss differed from the straight run's in the ninth digit after an engine test had
+    left the governor at work)."""
+    from polyrl import cpu_threads
+
+    before = torch.get_num_threads()
+    governor = cpu_threads.CpuThreads()
+    governor.fix(before)
+    monkeypatch.setattr(cpu_threads, "_process", governor)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from polyrl.config import TinyModelConfig

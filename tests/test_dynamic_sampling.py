@@ -174,7 +174,9 @@ RUN = [
 ]
 
 
-def test_every_step_trains_a_full_batch_of_informative_groups_and_resumes_exactly(tmp_path: Path) -> None:
+def test_every_step_trains_a_full_batch_of_informative_groups_and_resumes_exactly(
+    tmp_path: Path, fixed_threads: None
+) -> None:
     """Colocated, the default task: each step trains exactly train_batch_size groups with a
     reward spread; the cursor counts every prompt of every round; a run resumed from step 1's
     checkpoint gives step 2 and the final weights bit for bit."""

@@ -159,7 +159,7 @@ def test_engine_logprobs_equal_the_learners_after_every_sync(tiny_model_dir: Pat
 # --------------------------------------------------------------------------- trainer side
 
 
-def test_lora_run_checkpoints_adapters_and_resumes_exactly(tmp_path: Path) -> None:
+def test_lora_run_checkpoints_adapters_and_resumes_exactly(tmp_path: Path, fixed_threads: None) -> None:
     """Checkpoints hold the adapter (PEFT's format) and its optimizer state only; a run that
     crashes after step 3 and resumes from step 2 ends where the uninterrupted one does."""
     cfg = load_config(None, SMALL)

@@ -87,7 +87,7 @@ def crash_after(last_step: int) -> Callable[[int, dict[str, float]], None]:
     return on_step_end
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, fixed_threads):
     cfg = load_config(None, SMALL)
     train(cfg, tmp_path / "straight")
 

@@ -120,7 +120,6 @@ def test_fused_sample_draws_what_the_torch_sampler_draws():
     temperature = torch.tensor([0, 1, 0.7, 1, 2, 0, 1, 1, 0.5, 1, 1, 1.3], device=DEVICE)
     seeds = torch.tensor([1, 2, 3, 2**62 + 5, 7, 9, 2**63 - 1, 0, 11, 12, 13, 14], device=DEVICE)
     positions = torch.tensor([0, 5, 9, 100, 3, 4, 2**33 + 1, 7, 8, 9, 10, 11], device=DEVICE)
-    tokens, logprobs = triton_ops.fused_sample(logits, temperature, seeds, positions)
     params = SamplingBatch(
         temperature.cpu(),
         torch.ones(rows),
@@ -132,8 +131,12 @@ def test_fused_sample_draws_what_the_torch_sampler_draws():
         all_greedy=False,
     )
     ref_tokens, ref_logprobs = sample(logits.cpu(), params)  # the PyTorch path on CPU
-    assert tokens.cpu().tolist() == ref_tokens.tolist()
-    assert torch.allclose(logprobs.cpu(), ref_logprobs, atol=1e-5)
+    # One program a row, the default split (two slices of the 5000), and four slices of
+    # which two are past the vocabulary's end.
+    for splits in (1, None, 4):
+        tokens, logprobs = triton_ops.fused_sample(logits, temperature, seeds, positions, splits=splits)
+        assert tokens.cpu().tolist() == ref_tokens.tolist()
+        assert torch.allclose(logprobs.cpu(), ref_logprobs, atol=1e-5)
     # A tie goes to the lowest index, as with torch.argmax.
     flat = torch.zeros(1, vocab, device=DEVICE)
     tok, lp = triton_ops.fused_sample(flat, torch.zeros(1, device=DEVICE), seeds[:1], positions[:1])
@@ -149,6 +152,7 @@ def test_batch_buckets_cover_every_size():
 def tiny_engine(tmp_path, **cfg) -> Engine:
     path = save_tiny_model(tmp_path / "m", TinyModelConfig(hidden_size=64, intermediate_size=128))  # head_dim 16
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
+    model.requires_grad_(False)  # the engine's own: q/k/v and gate/up packed for the fused matmuls
     return Engine(model, EngineConfig(block_size=4, max_num_batched_tokens=64, **cfg))
 
 
@@ -164,6 +168,7 @@ def test_the_decode_step_on_the_triton_kernel_matches_the_eager_step(tmp_path):
     batch = engine.scheduler.schedule()
     assert all(item.num_new_tokens == 1 and item.seq.num_uncomputed == 1 for item in batch)
     runner = engine.runner
+    assert all(p.qkv is not None and p.gate_up is not None for p in runner.projections)
     eager, _ = runner.forward(batch)
     scratch = engine.blocks.num_blocks * engine.cfg.block_size
     inputs, tables = decode_inputs(batch, 4, engine.cfg.block_size, scratch)  # one padding row
@@ -190,7 +195,7 @@ def qwen3_model(device, dtype, layers=4, vocab=4096):
         initializer_range=0.05,
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval().requires_grad_(False)
     return model.to(device)
 
 

@@ -71,7 +71,7 @@ def decode_inputs(
 class DecodeGraphs:
     def __init__(
         self,
-        forward: Callable[[torch.Tensor, torch.Tensor, DecodeMetadata], torch.Tensor],
+        forward: Callable[..., torch.Tensor],
         max_batch: int,
         max_blocks_per_seq: int,
         block_size: int,
@@ -80,7 +80,7 @@ class DecodeGraphs:
         logits_dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        """`forward(ids [B], positions [B], meta) -> logits [B, V]` is the step to capture,
+        """`forward(ids [B], positions [B], meta, out=logits [B, V])` is the step to capture,
         a method of the runner that owns these graphs: held weakly, so that dropping the
         runner frees its KV cache at once rather than at the next garbage collection."""
         self.forward = weakref.WeakMethod(forward)
@@ -119,7 +119,7 @@ class DecodeGraphs:
 
     def _step(self, size: int) -> None:
         meta = DecodeMetadata(self.inputs[2, :size], self.block_tables[:size], self.inputs[3, :size])
-        self.logits[:size].copy_(self.forward()(self.inputs[0, :size], self.inputs[1, :size], meta))
+        self.forward()(self.inputs[0, :size], self.inputs[1, :size], meta, out=self.logits[:size])
 
     def _capture(self, size: int) -> torch.cuda.CUDAGraph:
         start = time.perf_counter()

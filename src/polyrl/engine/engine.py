@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from polyrl.config import EngineConfig, SwapPolicy
 from polyrl.cpu_threads import measured
-from polyrl.engine import fp8
+from polyrl.engine import fp8, projections
 from polyrl.engine.block_manager import BlockManager, cdiv
 from polyrl.engine.fp8 import Fp8Layer
 from polyrl.engine.lora import AdapterMerger, base_fingerprint, is_adapter_version, unpack
@@ -105,6 +105,7 @@ class Engine:
         fp8_keys = [key for key in ("weight_dtype", "kv_cache_dtype") if getattr(cfg, key) == "fp8"]
         for key in fp8_keys:
             fp8.check_supported(self.device, self.compute_dtype, cfg.cuda_graphs, key)
+        projections.pack(model)  # q/k/v and gate/up side by side: one matmul each in the fused layers
         self._fp8: list[Fp8Layer] = fp8.quantize_model(model) if cfg.weight_dtype == "fp8" else []
         self.blocks = BlockManager(0, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -154,6 +155,7 @@ class Engine:
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("engine.device: cuda requested but CUDA is not available")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=weights_dtype(cfg, device)).to(device).eval()
+        model.requires_grad_(False)  # inference only: the engine may lay its parameters out (`projections.pack`)
         return cls(model, cfg)
 
     @property
@@ -631,8 +633,12 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
     def _weights_moved(self) -> None:
-        if self.runner is not None and self.runner.decode_graphs is not None:
-            self.runner.decode_graphs.reset()
+        if self.weights_owner is None:  # our own copy again: side by side for the fused matmuls
+            projections.pack(self.model)
+        if self.runner is not None:
+            self.runner.refresh_projections()
+            if self.runner.decode_graphs is not None:
+                self.runner.decode_graphs.reset()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # the copy we no longer use goes back to the device

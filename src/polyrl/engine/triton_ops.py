@@ -137,14 +137,19 @@ if triton is not None:
         temp_ptr,
         seed_ptr,
         pos_ptr,
-        token_ptr,
-        logprob_ptr,
+        part_ptr,
         vocab_size,
+        chunk,
+        SPLITS: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        # One program per row, one pass over the vocabulary: the Gumbel-max draw (or the
-        # argmax for greedy rows) and the log-sum-exp for the chosen token's log-prob.
+        # One program per (row, slice of the vocabulary), one pass over the slice: its
+        # Gumbel-max draw (or argmax for greedy rows) and its part of the log-sum-exp,
+        # written as five float32 partials that `_sample_combine_kernel` reduces. Splitting
+        # the row keeps every SM busy at RL batch sizes: one program a row ran 256 long
+        # loops on 132 SMs.
         row = tl.program_id(0)
+        split = tl.program_id(1)
         t = tl.load(temp_ptr + row)
         greedy = t == 0.0
         t = tl.where(greedy, 1.0, t)
@@ -153,14 +158,18 @@ if triton is not None:
         key = _mix32((seed >> 32).to(tl.uint32) ^ 0x9E3779B9)
         key = _mix32(key ^ (seed & 0xFFFFFFFF).to(tl.uint32))
         key = _mix32(key ^ (pos & 0xFFFFFFFF).to(tl.uint32))
+        # The draw is kept per lane (each lane's best score, its index and scaled logit) and
+        # reduced once after the loop: the loop's only cross-lane work is the log-sum-exp's.
         m = tl.full([], float("-inf"), tl.float32)
         denom = tl.zeros([], tl.float32)
-        best = tl.full([], float("-inf"), tl.float32)
-        best_idx = tl.zeros([], tl.int32)
-        best_scaled = tl.zeros([], tl.float32)
-        for start in range(0, vocab_size, BLOCK_V):
+        lane_best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        lane_idx = tl.zeros([BLOCK_V], tl.int32)
+        lane_scaled = tl.zeros([BLOCK_V], tl.float32)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, vocab_size)
+        for start in range(lo, hi, BLOCK_V):
             v = start + tl.arange(0, BLOCK_V)
-            vmask = v < vocab_size
+            vmask = v < hi
             x = tl.load(logits_ptr + row * stride_l + v, mask=vmask, other=float("-inf")).to(tl.float32)
             scaled = x / t
             m_new = tl.maximum(m, tl.max(scaled, axis=0))
@@ -170,14 +179,40 @@ if triton is not None:
             uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             score = tl.where(greedy, x, scaled - tl.log(-tl.log(uniform)))
             score = tl.where(vmask, score, float("-inf"))
-            chunk_best = tl.max(score, axis=0)
-            chunk_idx = tl.argmax(score, axis=0)
-            if chunk_best > best:  # strict: the earliest index wins a tie, like torch.argmax
-                best = chunk_best
-                best_idx = (start + chunk_idx).to(tl.int32)
-                best_scaled = tl.sum(tl.where(v == start + chunk_idx, scaled, 0.0), axis=0)
-        tl.store(token_ptr + row, best_idx.to(tl.int64))
-        tl.store(logprob_ptr + row, best_scaled - m - tl.log(denom))
+            better = score > lane_best  # strict: a lane keeps its earliest index on a tie
+            lane_best = tl.where(better, score, lane_best)
+            lane_idx = tl.where(better, v, lane_idx)
+            lane_scaled = tl.where(better, scaled, lane_scaled)
+        best = tl.max(lane_best, axis=0)
+        # the earliest index among the lanes that reach it, like torch.argmax (a slice with no
+        # finite score keeps index 0 and -inf, which the combine never picks over a real one)
+        best_idx = tl.min(tl.where(lane_best == best, lane_idx, 2147483647), axis=0)
+        best_scaled = tl.sum(tl.where((lane_idx == best_idx) & (lane_best == best), lane_scaled, 0.0), axis=0)
+        out = part_ptr + (row * SPLITS + split) * 5
+        tl.store(out, m)
+        tl.store(out + 1, denom)
+        tl.store(out + 2, best)
+        tl.store(out + 3, best_idx.to(tl.float32))  # exact: vocabularies are far below 2**24
+        tl.store(out + 4, best_scaled)
+
+    @triton.jit
+    def _sample_combine_kernel(part_ptr, token_ptr, logprob_ptr, SPLITS: tl.constexpr):
+        # A row's slices in vocabulary order: the largest score wins, the earliest slice a
+        # tie (so the earliest index, as in one pass); the log-sum-exp of the slices' parts.
+        row = tl.program_id(0)
+        base = part_ptr + row * SPLITS * 5 + tl.arange(0, SPLITS) * 5
+        m = tl.load(base)
+        denom = tl.load(base + 1)
+        best = tl.load(base + 2)
+        idx = tl.load(base + 3)
+        scaled = tl.load(base + 4)
+        m_all = tl.max(m, axis=0)
+        total = tl.sum(tl.where(denom > 0, denom * tl.exp(m - m_all), 0.0), axis=0)
+        top = tl.max(best, axis=0)
+        first = tl.min(tl.where(best == top, tl.arange(0, SPLITS), SPLITS), axis=0)
+        pick = tl.arange(0, SPLITS) == first
+        tl.store(token_ptr + row, tl.sum(tl.where(pick, idx, 0.0), axis=0).to(tl.int64))
+        tl.store(logprob_ptr + row, tl.sum(tl.where(pick, scaled, 0.0), axis=0) - m_all - tl.log(total))
 
     @triton.jit
     def _rmsnorm_kernel(
@@ -234,17 +269,21 @@ if triton is not None:
 
     @triton.jit
     def _rope_cache_kernel(
-        x_ptr,
+        q_ptr,
+        k_ptr,
         v_ptr,
-        w_ptr,
+        qw_ptr,
+        kw_ptr,
         cos_ptr,
         sin_ptr,
         slot_ptr,
         out_ptr,
         k_cache_ptr,
         v_cache_ptr,
-        stride_xt,
-        stride_xh,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
         stride_vt,
         stride_vh,
         stride_cos,
@@ -257,52 +296,66 @@ if triton is not None:
         vs_ptr,
         stride_sslot,
         fp8_max,
+        num_q_heads,
+        num_kv_heads,
+        HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         HAS_NORM: tl.constexpr,
-        TO_CACHE: tl.constexpr,
         FP8_KV: tl.constexpr = False,
     ):
-        # One head of one token: optional per-head RMSNorm (Qwen3's q/k norms), rotate-half
+        # One token's query heads (program (t, 0)) or its key heads (t, 1), all at once in
+        # a [HEADS, D] tile: optional per-head RMSNorm (Qwen3's q/k norms), rotate-half
         # RoPE; queries go to `out`, keys (and the token's values) into their cache slot.
+        # A program per head was a 128-element program, and 14 us a layer at batch 512.
         t = tl.program_id(0)
-        h = tl.program_id(1)
+        is_key = tl.program_id(1) == 1
+        h = tl.arange(0, HEADS)
+        if is_key:
+            rows = k_ptr + t * stride_kt + h * stride_kh
+            w_ptr = kw_ptr
+            hmask = h < num_kv_heads
+        else:
+            rows = q_ptr + t * stride_qt + h * stride_qh
+            w_ptr = qw_ptr
+            hmask = h < num_q_heads
         d = tl.arange(0, HEAD_DIM)
         half: tl.constexpr = HEAD_DIM // 2
         partner = (d + half) % HEAD_DIM
-        x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d)
-        x2 = tl.load(x_ptr + t * stride_xt + h * stride_xh + partner)
+        x = tl.load(rows[:, None] + d[None, :], mask=hmask[:, None], other=0.0)
+        x2 = tl.load(rows[:, None] + partner[None, :], mask=hmask[:, None], other=0.0)
         xf = x.to(tl.float32)
         x2f = x2.to(tl.float32)
         if HAS_NORM:
-            rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / HEAD_DIM + eps)
-            w = tl.load(w_ptr + d).to(tl.float32)
-            w2 = tl.load(w_ptr + partner).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)[:, None]
+            w = tl.load(w_ptr + d).to(tl.float32)[None, :]
+            w2 = tl.load(w_ptr + partner).to(tl.float32)[None, :]
             xf = ((xf * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
             x2f = ((x2f * rstd).to(x.dtype).to(tl.float32) * w2).to(x.dtype).to(tl.float32)
-        cos = tl.load(cos_ptr + t * stride_cos + d).to(tl.float32)
-        sin = tl.load(sin_ptr + t * stride_cos + d).to(tl.float32)
-        rotated = tl.where(d < half, -x2f, x2f)
+        cos = tl.load(cos_ptr + t * stride_cos + d).to(tl.float32)[None, :]
+        sin = tl.load(sin_ptr + t * stride_cos + d).to(tl.float32)[None, :]
+        rotated = tl.where(d[None, :] < half, -x2f, x2f)
         y = xf * cos + rotated * sin
-        if TO_CACHE:
+        if is_key:
             slot = tl.load(slot_ptr + t).to(tl.int64)
-            dst = slot * stride_cslot + h * stride_ch + d
-            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
+            dst = slot * stride_cslot + h[:, None] * stride_ch + d[None, :]
+            v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=hmask[:, None], other=0.0)
             if FP8_KV:  # e4m3 with one scale per (slot, head): the head's largest value maps to fp8_max
                 y = y.to(x.dtype).to(tl.float32)  # the key as a 16-bit cache would hold it
                 vf = v.to(tl.float32)
-                ks = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / fp8_max
-                vs = tl.maximum(tl.max(tl.abs(vf), axis=0), 1e-12) / fp8_max
-                y = tl.minimum(tl.maximum(y / ks, -fp8_max), fp8_max)
-                vf = tl.minimum(tl.maximum(vf / vs, -fp8_max), fp8_max)
-                tl.store(k_cache_ptr + dst, y.to(k_cache_ptr.dtype.element_ty))
-                tl.store(v_cache_ptr + dst, vf.to(v_cache_ptr.dtype.element_ty))
-                tl.store(ks_ptr + slot * stride_sslot + h, ks)
-                tl.store(vs_ptr + slot * stride_sslot + h, vs)
+                ks = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) / fp8_max
+                vs = tl.maximum(tl.max(tl.abs(vf), axis=1), 1e-12) / fp8_max
+                y = tl.minimum(tl.maximum(y / ks[:, None], -fp8_max), fp8_max)
+                vf = tl.minimum(tl.maximum(vf / vs[:, None], -fp8_max), fp8_max)
+                tl.store(k_cache_ptr + dst, y.to(k_cache_ptr.dtype.element_ty), mask=hmask[:, None])
+                tl.store(v_cache_ptr + dst, vf.to(v_cache_ptr.dtype.element_ty), mask=hmask[:, None])
+                tl.store(ks_ptr + slot * stride_sslot + h, ks, mask=hmask)
+                tl.store(vs_ptr + slot * stride_sslot + h, vs, mask=hmask)
             else:
-                tl.store(k_cache_ptr + dst, y.to(k_cache_ptr.dtype.element_ty))
-                tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty))
+                tl.store(k_cache_ptr + dst, y.to(k_cache_ptr.dtype.element_ty), mask=hmask[:, None])
+                tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=hmask[:, None])
         else:
-            tl.store(out_ptr + t * stride_ot + h * stride_oh + d, y.to(out_ptr.dtype.element_ty))
+            out = out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :]
+            tl.store(out, y.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
     @triton.jit
     def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, num, cols, stride_in, BLOCK: tl.constexpr):
@@ -418,36 +471,43 @@ def rope_and_cache(
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     has_norm = q_norm is not None
-    for x, w, heads, to_cache in ((q, q_norm, num_heads, False), (k, k_norm, k.shape[1], True)):
-        _rope_cache_kernel[(num_tokens, heads)](
-            x,
-            v,
-            w if has_norm else x,
-            cos,
-            sin,
-            slot_mapping,
-            out,
-            k_cache,
-            v_cache,
-            x.stride(0),
-            x.stride(1),
-            v.stride(0),
-            v.stride(1),
-            cos.stride(0),
-            out.stride(0),
-            out.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            eps,
-            k_scales if k_scales is not None else x,
-            v_scales if v_scales is not None else x,
-            k_scales.stride(0) if k_scales is not None else 0,
-            FP8_MAX,
-            HEAD_DIM=head_dim,
-            HAS_NORM=has_norm,
-            TO_CACHE=to_cache,
-            FP8_KV=k_scales is not None,
-        )
+    if not num_tokens:
+        return out
+    _rope_cache_kernel[(num_tokens, 2)](
+        q,
+        k,
+        v,
+        q_norm if has_norm else q,
+        k_norm if has_norm else k,
+        cos,
+        sin,
+        slot_mapping,
+        out,
+        k_cache,
+        v_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        eps,
+        k_scales if k_scales is not None else q,
+        v_scales if v_scales is not None else q,
+        k_scales.stride(0) if k_scales is not None else 0,
+        FP8_MAX,
+        num_heads,
+        k.shape[1],
+        HEADS=_next_pow2(max(num_heads, k.shape[1])),
+        HEAD_DIM=head_dim,
+        HAS_NORM=has_norm,
+        FP8_KV=k_scales is not None,
+    )
     return out
 
 
@@ -546,21 +606,31 @@ def fused_sample(
     temperature: torch.Tensor,  # [S] float32, 0 = greedy
     seeds: torch.Tensor,  # [S] int64
     positions: torch.Tensor,  # [S] int64
+    splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sampler.sample` without top-k/top-p: token ids [S] int64, log-probs [S] float32."""
+    """`sampler.sample` without top-k/top-p: token ids [S] int64, log-probs [S] float32.
+    Each row's vocabulary is read by `splits` programs (a power of two; by default enough
+    for about 2,048 programs in all, each at least one 4,096-wide tile)."""
     num_rows, vocab_size = logits.shape
     tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if num_rows:
-        _sample_kernel[(num_rows,)](
+        block_v = 4096
+        tiles = triton.cdiv(vocab_size, block_v)
+        splits = splits or min(_next_pow2(tiles), _next_pow2(triton.cdiv(2048, num_rows)))
+        chunk = triton.cdiv(tiles, splits) * block_v
+        parts = torch.empty(num_rows, splits, 5, dtype=torch.float32, device=logits.device)
+        _sample_kernel[(num_rows, splits)](
             logits,
             logits.stride(0),
             temperature,
             seeds,
             positions,
-            tokens,
-            logprobs,
+            parts,
             vocab_size,
-            BLOCK_V=4096,
+            chunk,
+            SPLITS=splits,
+            BLOCK_V=block_v,
         )
+        _sample_combine_kernel[(num_rows,)](parts, tokens, logprobs, SPLITS=splits)
     return tokens, logprobs
