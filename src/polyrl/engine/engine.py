@@ -105,7 +105,10 @@ class Engine:
         fp8_keys = [key for key in ("weight_dtype", "kv_cache_dtype") if getattr(cfg, key) == "fp8"]
         for key in fp8_keys:
             fp8.check_supported(self.device, self.compute_dtype, cfg.cuda_graphs, key)
-        projections.pack(model)  # q/k/v and gate/up side by side: one matmul each in the fused layers
+        # q/k/v and gate/up side by side: one matmul each in the fused layers. The memory they
+        # leave goes back to the device before the KV cache is sized from what is free.
+        if projections.pack(model) and self.device.type == "cuda":
+            torch.cuda.empty_cache()
         self._fp8: list[Fp8Layer] = fp8.quantize_model(model) if cfg.weight_dtype == "fp8" else []
         self.blocks = BlockManager(0, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
