@@ -87,9 +87,9 @@ def _fuse(linears: list[nn.Linear] | None) -> FusedLinear | None:
         return None
     weight = adjacent([m.weight for m in linears])
     biases = [m.bias for m in linears]
-    if weight is None or (any(b is not None for b in biases) and adjacent(biases) is None):
+    bias = adjacent(biases)  # None as well where none has a bias
+    if weight is None or (bias is None and any(b is not None for b in biases)):
         return None
-    bias = adjacent(biases) if biases[0] is not None else None
     return FusedLinear(weight, bias, [m.weight.shape[0] for m in linears])
 
 
