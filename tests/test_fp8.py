@@ -90,6 +90,39 @@ def test_the_fused_kernels_quantize_as_the_separate_kernel_does() -> None:
 
 
 @gpu
+def test_an_fp8_matmul_leaves_its_scales_to_the_kernel_that_reads_it() -> None:
+    """The matmul runs with unit scales; its products, scaled, are the e4m3 values' product
+    with both scales (in float32 here: the tensor cores' fast accumulation and two bf16
+    roundings apart), and SwiGLU reading the unscaled products gives what it gives on the
+    scaled ones, bit for bit. With a bias the scales are applied in the matmul (the bias
+    comes after them)."""
+    from torch import nn
+
+    from polyrl.engine import triton_ops
+    from polyrl.engine.fp8 import FP8_MAX, Fp8Matmul, quantize_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(19, 256, device="cuda", dtype=torch.bfloat16)
+    for bias in (False, True):
+        linears = [nn.Linear(256, 384, bias=bias, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        matmul = Fp8Matmul(linears)
+        gate, up = matmul(x)
+        xq, xs = quantize_rows(x)
+        want = (xq.float() @ matmul.qweight.float().t()) * xs * matmul.wscale  # outputs of about 0.6
+        if bias:
+            assert gate.row is None and up.row is None
+            want = want + matmul.bias.float()
+        else:
+            assert gate.row is not None and not torch.equal(gate.out, gate.scaled())
+        got = torch.cat([gate.scaled(), up.scaled()], dim=1).float()
+        torch.testing.assert_close(got, want, rtol=2**-6, atol=1e-2)
+    gate, up = Fp8Matmul([nn.Linear(256, 384, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(2)])(x)
+    q, scale = triton_ops.silu_mul_fp8(gate.out, up.out, FP8_MAX, (gate.row, gate.col, up.col))
+    q_ref, scale_ref = triton_ops.silu_mul_fp8(gate.scaled(), up.scaled(), FP8_MAX)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@gpu
 def test_an_fp8_cache_serves_forks_and_prefix_hits(model_dir: Path) -> None:
     """n = 4 samples of one prompt share its blocks (a partial last block is copied, its
     scales too), and a second turn reads the first turn's blocks from the prefix cache;

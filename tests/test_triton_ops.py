@@ -296,3 +296,49 @@ def test_silu_mul_reads_the_two_halves_of_one_output() -> None:
     out = triton_ops.silu_mul(gate, up)
     assert out.is_contiguous()
     torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up)
+
+
+def test_kernels_that_read_an_fp8_product_apply_its_scales_as_the_scaled_matmul_would() -> None:
+    """The FP8 engine's matmuls run with unit scales and leave the activations' row scales
+    and the weights' column scales to the kernel that reads their output next (the norms,
+    RoPE with the cache write, SwiGLU). Each such kernel gives what it gives on the product
+    scaled first (`fp8.Product.scaled`), bit for bit."""
+    from polyrl.engine.fp8 import Product
+
+    if not triton_ops.available(DEVICE.type):
+        pytest.skip("Triton kernels run on CPU only under TRITON_INTERPRET=1")
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32  # the interpreter computes in float32
+    g = torch.Generator().manual_seed(0)
+
+    def product(t: int, n: int) -> Product:  # values as an e4m3 x e4m3 product would have
+        out = (torch.randn(t, n, generator=g) * 3000).to(DEVICE, dtype)
+        return Product(
+            out, torch.rand(t, 1, generator=g).to(DEVICE) / 100, torch.rand(1, n, generator=g).to(DEVICE) / 100
+        )
+
+    t, heads, kv_heads, d = 6, 4, 2, 16
+    # the norm after o and down, with the residual add
+    p = product(t, 64)
+    weight = (torch.rand(64, generator=g) + 0.5).to(DEVICE, dtype)
+    res = torch.randn(t, 64, generator=g).to(DEVICE, dtype)
+    res_a, res_b = res.clone(), res.clone()
+    got = triton_ops.rmsnorm(p.out, weight, 1e-6, res_a, dequant=(p.row, p.col))
+    want = triton_ops.rmsnorm(p.scaled(), weight, 1e-6, res_b)
+    assert torch.equal(got, want) and torch.equal(res_a, res_b)
+    assert not torch.equal(triton_ops.rmsnorm(p.out, weight, 1e-6, res.clone()), want)  # the scales do matter
+
+    # q, k and v of one matmul: RoPE with Qwen3's q/k norms, keys and values into the cache
+    qkv = product(t, (heads + 2 * kv_heads) * d)
+    cols = qkv.col.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    q, k, v = (x.view(t, -1, d) for x in qkv.out.split([heads * d, kv_heads * d, kv_heads * d], dim=1))
+    sq, sk, sv = (x.view(t, -1, d) for x in qkv.scaled().split([heads * d, kv_heads * d, kv_heads * d], dim=1))
+    pos = torch.arange(t, device=DEVICE, dtype=torch.float32)[:, None] * torch.rand(d, generator=g).to(DEVICE)
+    cos, sin = pos.cos().to(dtype), pos.sin().to(dtype)
+    slots = torch.tensor([3, 0, 7, 1, 5, 2], device=DEVICE)
+    q_norm, k_norm = ((torch.rand(d, generator=g) + 0.5).to(DEVICE, dtype) for _ in range(2))
+    caches = [torch.zeros(8, kv_heads, d, device=DEVICE, dtype=dtype) for _ in range(4)]
+    got = triton_ops.rope_and_cache(q, k, v, cos, sin, slots, *caches[:2], q_norm, k_norm, dequant=(qkv.row, *cols))
+    want = triton_ops.rope_and_cache(sq, sk, sv, cos, sin, slots, *caches[2:], q_norm, k_norm)
+    assert torch.equal(got, want)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[1].abs().sum() > 0

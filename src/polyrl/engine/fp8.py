@@ -11,14 +11,19 @@ trains through its own 16/32-bit Linears.
 
 Scheme: e4m3 weights with one scale per output channel; activations quantized per token
 (row) at run time, their scale the row's absolute maximum over 448 (e4m3's largest
-value); `torch._scaled_mm` multiplies with both scale vectors and writes bf16. A
-decoder layer's seven projections become four matmuls (q, k and v one; o; gate and up
-one; down), and the kernels before three of them write FP8 rows themselves (the
-RMSNorms, SwiGLU's product: `Rows`); only the attention output is quantized by a kernel
-of its own. The embedding, the LM head and the norms stay 16-bit (as vLLM's and SGLang's
-FP8 checkpoints keep them), and so do a mixture of experts' expert weights (not Linears).
-The FP8 copies keep their storage across versions, so CUDA graphs captured against them
-stay valid.
+value). A decoder layer's seven projections become four matmuls (q, k and v one; o;
+gate and up one; down), and the kernels before three of them write FP8 rows themselves
+(the RMSNorms, SwiGLU's product: `Rows`); only the attention output is quantized by a
+kernel of its own. `torch._scaled_mm` multiplies the e4m3 values with unit scales, and
+the two scale vectors are applied by the kernel that reads the product next (the norms,
+RoPE, SwiGLU: `Product`): at decode batch sizes cuBLAS's kernels for one scale per
+tensor were up to 1.4x faster than its row- and channel-scaled ones on an H200. The
+matmuls accumulate in the tensor cores' fast mode (`use_fast_accum`, the default of
+torchao's dynamic FP8 inference config), another few percent (BENCHMARKS.md, "FP8
+matmuls with their scales applied by the next kernel"). The embedding, the LM head and
+the norms stay 16-bit (as vLLM's and SGLang's FP8 checkpoints keep them), and so do a
+mixture of experts' expert weights (not Linears). The FP8 copies keep their storage
+across versions, so CUDA graphs captured against them stay valid.
 
 The behaviour log-probs the engine reports are the FP8 model's own, so the learner's
 rollout correction (`algo.rollout_correction`) sees the gap to its own policy, which
@@ -28,6 +33,7 @@ rollout correction (`algo.rollout_correction`) sees the gap to its own policy, w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -40,6 +46,24 @@ Rows = tuple[torch.Tensor, torch.Tensor]
 """Activations quantized per row: (e4m3 [T, K], float32 scales [T, 1]). The engine's
 fused layers make them in the kernel before the matmul (the RMSNorm, SwiGLU's product),
 so that only the attention output is quantized by a kernel of its own."""
+
+
+class Product(NamedTuple):
+    """One source Linear's share of an FP8 matmul with its scales not yet applied: the
+    output is `out * row * col`, rounded to bf16. The next kernel (`triton_ops`' norms,
+    RoPE and SwiGLU take `row`/`col`) applies them as it loads `out`, so no pass of its
+    own is spent on them. `row` and `col` are None where `out` is already scaled (a
+    matmul with a bias)."""
+
+    out: torch.Tensor  # [T, N] bf16: the e4m3 rows times the e4m3 weights, unscaled
+    row: torch.Tensor | None  # [T, 1] float32: the activations' scales
+    col: torch.Tensor | None  # [1, N] float32: the weights' scales (a view of the matmul's)
+
+    def scaled(self) -> torch.Tensor:
+        """The true output [T, N] bf16, in PyTorch: what the fused readers are tested against."""
+        if self.row is None:
+            return self.out
+        return (self.out.float() * self.row * self.col).to(self.out.dtype)
 
 
 def check_supported(device: torch.device, compute_dtype: torch.dtype, cuda_graphs: bool, key: str) -> None:
@@ -78,6 +102,7 @@ class Fp8Matmul:
         if any(has_bias) and not all(has_bias):
             raise ValueError("a fused FP8 matmul needs all or none of its Linears with a bias")
         self.bias = torch.empty(rows, dtype=torch.bfloat16, device=device) if all(has_bias) else None
+        self.unit = torch.ones((), dtype=torch.float32, device=device)  # the matmul's own scales
         self.requantize()
 
     def requantize(self) -> None:
@@ -94,13 +119,22 @@ class Fp8Matmul:
                     self.bias[start : start + size].copy_(m.bias)
                 start += size
 
-    def __call__(self, x: torch.Tensor | Rows) -> list[torch.Tensor]:
-        """x [T, in] (or rows already quantized: `Rows`) -> one [T, out_i] view per source."""
+    def __call__(self, x: torch.Tensor | Rows) -> list[Product]:
+        """x [T, in] (or rows already quantized: `Rows`) -> one [T, out_i] product per
+        source, its scales left to the reader (see `Product`; with a bias they are applied
+        here, by the row/channel-scaled matmul, since the bias must come after them)."""
         xq, xscale = x if isinstance(x, tuple) else quantize_rows(x)
-        out = torch._scaled_mm(xq, self.qweight.t(), scale_a=xscale, scale_b=self.wscale, out_dtype=torch.bfloat16)
+        w = self.qweight.t()
         if self.bias is not None:
-            out = out + self.bias
-        return list(out.split(self.sizes, dim=1))
+            out = torch._scaled_mm(
+                xq, w, scale_a=xscale, scale_b=self.wscale, out_dtype=torch.bfloat16, use_fast_accum=True
+            )
+            return [Product(part, None, None) for part in (out + self.bias).split(self.sizes, dim=1)]
+        out = torch._scaled_mm(
+            xq, w, scale_a=self.unit, scale_b=self.unit, out_dtype=torch.bfloat16, use_fast_accum=True
+        )
+        cols = self.wscale.split(self.sizes, dim=1)
+        return [Product(part, xscale, col) for part, col in zip(out.split(self.sizes, dim=1), cols, strict=True)]
 
 
 @dataclass

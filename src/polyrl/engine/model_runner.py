@@ -26,19 +26,23 @@ from polyrl.engine import fused_moe, projections, triton_ops
 from polyrl.engine.attention import AttentionGroup, AttentionMetadata, paged_attention
 from polyrl.engine.block_manager import cdiv
 from polyrl.engine.cuda_graphs import DecodeGraphs, DecodeMetadata
-from polyrl.engine.fp8 import FP8_MAX, Fp8Layer, Rows
+from polyrl.engine.fp8 import FP8_MAX, Fp8Layer, Product, Rows
 from polyrl.engine.scheduler import ScheduledSeq
 from polyrl.models.moe import is_moe_block, moe_blocks, moe_routers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
-def _norm(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, fp8: bool) -> torch.Tensor | Rows:
+def _norm(x: torch.Tensor | Product, norm: nn.Module, residual: torch.Tensor | None, fp8: bool) -> torch.Tensor | Rows:
     """A fused layer's RMSNorm (with the residual add when given); `fp8`: its output
-    quantized per row in the same kernel, for the FP8 matmul that reads it."""
+    quantized per row in the same kernel, for the FP8 matmul that reads it. x may be an
+    FP8 matmul's product, its scales applied by the same kernel."""
+    dequant = None
+    if isinstance(x, Product):
+        x, dequant = x.out, (None if x.row is None else (x.row, x.col))
     if fp8:
-        return triton_ops.rmsnorm_fp8(x, norm.weight, norm.variance_epsilon, residual, FP8_MAX)
-    return triton_ops.rmsnorm(x, norm.weight, norm.variance_epsilon, residual)
+        return triton_ops.rmsnorm_fp8(x, norm.weight, norm.variance_epsilon, residual, FP8_MAX, dequant)
+    return triton_ops.rmsnorm(x, norm.weight, norm.variance_epsilon, residual, dequant)
 
 
 def run_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -300,12 +304,14 @@ class ModelRunner:
             if is_moe_block(mlp):
                 hidden = self._moe(mlp, hidden)
             elif fp8_mlp:
-                (hidden,) = fp8.down(triton_ops.silu_mul_fp8(*fp8.gate_up(hidden), FP8_MAX))
+                gate, up = fp8.gate_up(hidden)
+                dequant = None if gate.row is None else (gate.row, gate.col, up.col)
+                (hidden,) = fp8.down(triton_ops.silu_mul_fp8(gate.out, up.out, FP8_MAX, dequant))
             else:
                 gate_up = self.projections[layer_idx].gate_up
                 gate, up = gate_up(hidden) if gate_up is not None else (mlp.gate_proj(hidden), mlp.up_proj(hidden))
                 hidden = mlp.down_proj(triton_ops.silu_mul(gate, up))
-        return triton_ops.rmsnorm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
+        return _norm(hidden, inner.norm, residual, False)
 
     def _moe(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A fused layer's mixture of experts: the engine's Triton experts where they apply
@@ -326,11 +332,15 @@ class ModelRunner:
         layer_idx: int,
         attend: Callable[[int, torch.Tensor], torch.Tensor],
         fp8: Fp8Layer | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | Product:
         num_tokens = x[0].shape[0] if isinstance(x, tuple) else x.shape[0]
         fused = self.projections[layer_idx].qkv
-        if fp8 is not None:
+        dequant = None
+        if fp8 is not None:  # products whose scales the RoPE kernel applies
             qkv = fp8.qkv(x)
+            if qkv[0].row is not None:
+                dequant = (qkv[0].row, *(p.col for p in qkv))
+            qkv = [p.out for p in qkv]
         elif fused is not None:
             qkv = fused(x)
         else:
@@ -350,10 +360,11 @@ class ModelRunner:
             attn.q_norm.weight if has_norm else None,
             attn.k_norm.weight if has_norm else None,
             attn.q_norm.variance_epsilon if has_norm else 1e-6,
-            *(self.kv_scales[layer_idx] if self.kv_scales is not None else ()),
+            *(self.kv_scales[layer_idx] if self.kv_scales is not None else (None, None)),
+            dequant=dequant,
         )
         out = attend(layer_idx, q).reshape(num_tokens, -1)
-        return fp8.o(out)[0] if fp8 is not None else attn.o_proj(out)
+        return fp8.o(out)[0] if fp8 is not None else attn.o_proj(out)  # o's product: the next norm scales it
 
     def _prepare(self, batch: list[ScheduledSeq]):
         bs = self.block_size
