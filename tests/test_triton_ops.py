@@ -300,9 +300,9 @@ def test_silu_mul_reads_the_two_halves_of_one_output() -> None:
 
 def test_kernels_that_read_an_fp8_product_apply_its_scales_as_the_scaled_matmul_would() -> None:
     """The FP8 engine's matmuls run with unit scales and leave the activations' row scales
-    and the weights' column scales to the kernel that reads their output next (the norms,
-    RoPE with the cache write, SwiGLU). Each such kernel gives what it gives on the product
-    scaled first (`fp8.Product.scaled`), bit for bit."""
+    and the weights' column scales to the kernel that reads their output next. The norm and
+    RoPE with the cache write give what they give on the product scaled first
+    (`fp8.Product.scaled`), bit for bit (SwiGLU's FP8 kernel: tests/test_fp8.py, GPU)."""
     from polyrl.engine.fp8 import Product
 
     if not triton_ops.available(DEVICE.type):
