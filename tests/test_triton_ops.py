@@ -131,10 +131,10 @@ def test_fused_sample_draws_what_the_torch_sampler_draws():
         all_greedy=False,
     )
     ref_tokens, ref_logprobs = sample(logits.cpu(), params)  # the PyTorch path on CPU
-    # One program a row, the default split (two slices of the 5000), and four slices of
-    # which two are past the vocabulary's end.
-    for splits in (1, None, 4):
-        tokens, logprobs = triton_ops.fused_sample(logits, temperature, seeds, positions, splits=splits)
+    # One program a row; the default split (eight slices of 1,024, three past the end of the
+    # 5,000); four slices of 4,096-wide tiles, of which two are past the end.
+    for splits, block_v in ((1, 1024), (None, 1024), (4, 4096)):
+        tokens, logprobs = triton_ops.fused_sample(logits, temperature, seeds, positions, splits, block_v)
         assert tokens.cpu().tolist() == ref_tokens.tolist()
         assert torch.allclose(logprobs.cpu(), ref_logprobs, atol=1e-5)
     # A tie goes to the lowest index, as with torch.argmax.

@@ -143,11 +143,17 @@ class Engine:
         if self.runner.is_moe:  # the Triton experts run in the fused layers, which come with the graphs
             triton_experts = self.runner.fused_moe and self.runner.decode_graphs is not None
             experts = ", experts: " + ("the engine's Triton kernels" if triton_experts else "the model's blocks")
+        # how many sequences the cache holds at full length, against the batch asked for: a
+        # cache that holds fewer preempts and recomputes at long lengths (vLLM logs the same)
+        full = self.blocks.num_blocks / cdiv(self.max_model_len, cfg.block_size)
         log.info(
-            "engine: %d KV blocks of %d tokens, context %d, CUDA graphs %s%s",
+            "engine: %d KV blocks of %d tokens, context %d (%.1f sequences at full length, max_num_seqs %d), "
+            "CUDA graphs %s%s",
             self.blocks.num_blocks,
             cfg.block_size,
             self.max_model_len,
+            full,
+            cfg.max_num_seqs,
             graphs,
             experts,
         )
