@@ -164,3 +164,21 @@ def test_episodes_that_arrive_together_compute_their_shared_opening_once(model) 
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
     # the opening's 5 full blocks were computed once: each later episode read them
     assert engine.blocks.num_hit_tokens == 3 * 20
+
+
+def test_requests_with_one_prompt_are_admitted_together_after_the_first(model) -> None:
+    """Separate requests with the same prompt (an OpenAI client's group, n=1 each): the
+    first computes it, and the next step admits all the others, which read its blocks
+    and compute only the block with their last token. With a prompt a whole number of
+    blocks long they were admitted one a step, each waiting for a block it computes
+    itself anyway."""
+    for length in (24, 23):  # 6 full blocks of 4; 5 full blocks and 3 tokens
+        engine = Engine(model, cfg())
+        for i in range(4):
+            engine.add_request(EngineRequest(f"r{i}", [1, *range(5, 4 + length)], GREEDY))
+        engine.step()
+        assert engine.stats().num_running == 1
+        engine.step()
+        assert engine.stats().num_running == 4, length
+        assert engine.blocks.num_hit_tokens == 3 * ((length - 1) // 4 * 4)
+        engine.abort_all()

@@ -151,9 +151,13 @@ class BlockManager:
             self._remember(seq)
 
     def next_key(self, seq: Sequence) -> int | None:
-        """The key of the first full block of `seq`'s tokens it has not computed, if any."""
+        """The key of the first full block of `seq`'s tokens it has not computed and could
+        match, if any. A block holding the last token is computed by `seq` itself, as
+        `match_prefix` leaves it: waiting for another sequence to compute it would gain
+        nothing (requests with the same prompt, its length a multiple of the block size,
+        were admitted one a step)."""
         index = seq.num_computed_tokens // self.block_size
-        if index >= seq.num_tokens // self.block_size:
+        if index >= (seq.num_tokens - 1) // self.block_size:
             return None
         return self._key_list(seq, index + 1)[index]
 
