@@ -44,8 +44,9 @@ def reference_attention(q, k_cache, v_cache, table, ctx, scale):
     return torch.einsum("hc,chd->hd", weights, v)
 
 
+@pytest.mark.parametrize("tile", [{}, {"block_n": 64, "num_warps": 4, "num_stages": 2}], ids=["default", "64/4/2"])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
-def test_paged_decode_attention_matches_the_reference(dtype):
+def test_paged_decode_attention_matches_the_reference(dtype, tile):
     if dtype == torch.bfloat16 and DEVICE.type == "cpu":
         pytest.skip("bf16 tl.dot needs a GPU")
     g = torch.Generator().manual_seed(0)
@@ -53,10 +54,10 @@ def test_paged_decode_attention_matches_the_reference(dtype):
     q = torch.randn(num_seqs, heads, head_dim, generator=g).to(DEVICE, dtype)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
-    ctx = [1, 4, 5, 0, 70, 33]  # one exact block, one past it, a padding row, several 64-token tiles
+    ctx = [1, 4, 5, 0, 70, 33]  # one exact block, one past it, a padding row, several tiles of either width
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:20] for _ in range(num_seqs)]).int()
     out = triton_ops.paged_decode_attention(
-        q, k_cache, v_cache, tables.to(DEVICE), torch.tensor(ctx, device=DEVICE), 0.2
+        q, k_cache, v_cache, tables.to(DEVICE), torch.tensor(ctx, device=DEVICE), 0.2, **tile
     )
     assert out.shape == q.shape and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 3e-2

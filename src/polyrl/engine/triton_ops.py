@@ -643,6 +643,12 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
+# The paged decode kernel's tile by cache kind: tokens a loop iteration reads, warps,
+# pipeline stages. Read when the kernel is launched or captured in a CUDA graph, so that
+# `benchmarks/decode_tiles.py` can compare tiles inside the whole engine.
+DECODE_TILES: dict[str, tuple[int, int, int]] = {"16-bit": (16, 2, 4), "fp8": (32, 1, 3)}
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [NBLK, BS, KVH, D]
@@ -651,19 +657,25 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [B] int32; 0 = a padding row (output zeros)
     scale: float,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     k_scales: torch.Tensor | None = None,  # [NBLK, BS, KVH] float32: an FP8 cache's scales
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, H, D] in q's dtype
-    """One query token per sequence attending to its whole cached context. `block_n`
-    (tokens a loop iteration reads) defaults to 64 for a 16-bit cache and 128 for an FP8
-    one (on an H200, 512 sequences of 600 tokens: 0.32 ms against 0.45 at 64)."""
+    """One query token per sequence attending to its whole cached context. The tile
+    (`block_n` tokens a loop iteration reads, warps, pipeline stages) defaults to
+    `DECODE_TILES`: 16/2/4 for a 16-bit cache and 32/1/3 for an FP8 one, chosen from runs
+    of the whole engine on an H200 (BENCHMARKS.md; kernel-only probes had picked tiles the
+    engine did not gain from). Against the earlier 64/4/2 and 128/4/2 the engine made 2-4%
+    more tokens/s at 256 x 256 and 6% more at 256 x 2048 with a bf16 cache (a short tile
+    keeps more programs resident on an SM), and 18-27% more at 512 x 1024 with an FP8 cache
+    (one warp does the dots of the query heads, padded to 16 rows, without splitting them)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     fp8 = k_scales is not None
-    block_n = block_n or (128 if fp8 else 64)
+    tiles = DECODE_TILES["fp8" if fp8 else "16-bit"]
+    block_n, num_warps, num_stages = block_n or tiles[0], num_warps or tiles[1], num_stages or tiles[2]
     q = q.to(torch.bfloat16 if fp8 else k_cache.dtype)
     out = torch.empty_like(q)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
