@@ -15,9 +15,10 @@ round, its median against the first tile's, and the share of the decode roofline
 bytes a step reads, weights and the KV cache at the mean context, over the copy bandwidth
 measured in the same run, as `benchmarks/fp8.py` computes it).
 
-Why in the engine and not the kernel alone: tiles that a kernel-only probe found 4-22%
-faster were no faster in the engine's step, and the tile the engine took was not the
-probe's best (BENCHMARKS.md, "The paged kernel's tiles chosen in the engine").
+Why in the engine and not the kernel alone: bf16 tiles that a kernel-only probe found
+4-15% faster at 512 x 1024 were no faster in the engine's step there, while the engine
+gained 3-6% from a tile at 256 x 256 and 256 x 2048 (BENCHMARKS.md, "The paged kernel's
+tiles chosen in the engine").
 """
 
 from __future__ import annotations

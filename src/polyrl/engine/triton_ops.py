@@ -666,10 +666,11 @@ def paged_decode_attention(
     (`block_n` tokens a loop iteration reads, warps, pipeline stages) defaults to
     `DECODE_TILES`: 16/2/4 for a 16-bit cache and 32/1/3 for an FP8 one, chosen from runs
     of the whole engine on an H200 (BENCHMARKS.md; kernel-only probes had picked tiles the
-    engine did not gain from). Against the earlier 64/4/2 and 128/4/2 the engine made 2-4%
-    more tokens/s at 256 x 256 and 6% more at 256 x 2048 with a bf16 cache (a short tile
-    keeps more programs resident on an SM), and 18-27% more at 512 x 1024 with an FP8 cache
-    (one warp does the dots of the query heads, padded to 16 rows, without splitting them)."""
+    engine did not gain from). Against the earlier 64/4/2 and 128/4/2 the engine made up to
+    4% more tokens/s at 256 x 256 and 6% more at 256 x 2048 with a bf16 cache (a short tile
+    keeps more programs resident on an SM), and about 22% more at 512 x 1024 with an FP8
+    cache (one warp does the dots of the query heads, padded to 16 rows, without splitting
+    them)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
