@@ -36,9 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine import build_model, copy_bandwidth  # noqa: E402  (benchmarks/engine.py)
-from fp8 import generate, roofline, stored_bytes  # noqa: E402  (benchmarks/fp8.py)
+from fp8 import engine_config, generate, roofline, stored_bytes  # noqa: E402  (benchmarks/fp8.py)
 
-from polyrl.config import EngineConfig  # noqa: E402
 from polyrl.engine import triton_ops  # noqa: E402
 from polyrl.engine.engine import Engine  # noqa: E402
 from polyrl.protocol.sampling import SamplingParams  # noqa: E402
@@ -61,15 +60,7 @@ def parse_tiles(text: str) -> list[tuple[int, int, int]]:
 def decode_once(model, prompts: list[list[int]], args, kind: str, tile: tuple[int, int, int]) -> dict:
     """One engine captured with `tile`, one timed decode of the batch."""
     triton_ops.DECODE_TILES[kind] = tile
-    max_len = args.prompt_len + args.new_tokens
-    cfg = EngineConfig(
-        max_num_seqs=args.batch,
-        max_num_batched_tokens=4096,
-        max_model_len=max_len,
-        kv_cache_memory_fraction=args.kv_fraction,
-        kv_cache_dtype="fp8" if args.kv == "fp8" else "auto",
-    )
-    engine = Engine(model, cfg)
+    engine = Engine(model, engine_config(args, kv_dtype="fp8" if args.kv == "fp8" else "auto"))
     try:
         # graphs for the batch's sizes are captured here, outside the timing
         generate(engine, prompts, SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True, seed=1))
@@ -168,15 +159,14 @@ def main() -> int:
             "batch": args.batch,
             "new_tokens": args.new_tokens,
             "prompt_len": args.prompt_len,
-        }
-        meta |= {
             "kv": args.kv,
             "rounds": args.rounds,
             "device": name,
             "bandwidth": bandwidth,
             "roofline_tok_s": ceiling,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
         }
-        meta |= {"torch": torch.__version__, "python": platform.python_version()}
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 

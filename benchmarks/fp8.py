@@ -60,6 +60,19 @@ def generate(
     return [[out[i, j] for j in range(sampling.n)] for i in range(len(prompts))]
 
 
+def engine_config(args: argparse.Namespace, weight_dtype: str = "auto", kv_dtype: str = "auto") -> EngineConfig:
+    """The engine these benchmarks run: room for the whole batch at full length, the KV
+    cache at `--kv-fraction` of the free memory."""
+    return EngineConfig(
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=4096,
+        max_model_len=args.prompt_len + args.new_tokens,
+        kv_cache_memory_fraction=args.kv_fraction,
+        weight_dtype=weight_dtype,
+        kv_cache_dtype=kv_dtype,
+    )
+
+
 def roofline(model: nn.Module, weight_bytes: int, batch: int, context: float, bandwidth: float, fp8_kv: bool) -> float:
     kv_bytes = kv_bytes_per_token(model, torch.bfloat16, fp8_kv)  # as the engine sizes its cache
     return batch / ((weight_bytes + batch * context * kv_bytes) / bandwidth)
@@ -117,12 +130,10 @@ def main() -> int:
     bandwidth = copy_bandwidth(device)
     context = args.prompt_len + args.new_tokens / 2
     max_len = args.prompt_len + args.new_tokens
-    cfg = dict(max_num_seqs=args.batch, max_num_batched_tokens=4096, max_model_len=max_len)
-    cfg |= dict(kv_cache_memory_fraction=args.kv_fraction)
     rows = []
     for name in names:
         weight_dtype, kv_dtype = CONFIGS[name]
-        engine = Engine(model, EngineConfig(**cfg, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype))
+        engine = Engine(model, engine_config(args, weight_dtype, kv_dtype))
         sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=0)
         seconds, out = best_time(lambda e=engine: generate(e, prompts, sampling), device, args.repeats)
         tok_s = args.batch * args.new_tokens / seconds
