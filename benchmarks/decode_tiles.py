@@ -5,7 +5,7 @@
 
 A tile is `block_n/warps/stages`: the tokens one loop iteration of the attention kernel
 reads, its warps and its pipeline stages (`triton_ops.DECODE_TILES`, whose entry for the
-cache kind each run sets). One model in the preset's shape (random weights) decodes the
+loop that reads this model's cache, `triton_ops.decode_loop`, each run sets). One model in the preset's shape (random weights) decodes the
 same batch (`--batch` random prompts of `--prompt-len` tokens, `--new-tokens` sampled at
 temperature 1, EOS ignored) with a fresh engine per tile, so that its CUDA graphs are
 captured with that tile. The tiles take turns for `--rounds` rounds, after one untimed run
@@ -102,13 +102,19 @@ def main() -> int:
         print("the paged decode kernel's tiles matter on a CUDA GPU only; nothing to measure here")
         return 0
     device = torch.device("cuda")
-    kind = "fp8" if args.kv == "fp8" else "16-bit"
     model = build_model(args.preset, device, torch.bfloat16)
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    kind = triton_ops.decode_loop(args.kv == "fp8", group)  # the loop this model's cache is read by
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
     bandwidth = copy_bandwidth(device)
     ceiling = roofline(
-        model, stored_bytes(model, False), args.batch, args.prompt_len + args.new_tokens / 2, bandwidth, kind == "fp8"
+        model,
+        stored_bytes(model, False),
+        args.batch,
+        args.prompt_len + args.new_tokens / 2,
+        bandwidth,
+        args.kv == "fp8",
     )
     default = triton_ops.DECODE_TILES[kind]
     print(f"warm-up: {tiles[0]}", flush=True)

@@ -69,6 +69,35 @@ def test_paged_decode_attention_matches_the_reference(dtype, tile):
         assert (out[b].float().cpu() - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize(("kv_heads", "loop"), [(8, "fp8 few heads"), (4, "fp8 few heads"), (2, "fp8")])
+def test_an_fp8_cache_is_read_as_its_dequantized_values(kv_heads: int, loop: str) -> None:
+    """Both FP8 loops (CUDA cores for one or two query heads a KV head, tensor cores for
+    more) against float32 attention over the cache's e4m3 values times their scales."""
+    assert triton_ops.decode_loop(True, 8 // kv_heads) == loop
+    g = torch.Generator().manual_seed(0)
+    num_seqs, heads, head_dim, block_size, num_blocks = 5, 8, 32, 4, 64
+    q = torch.randn(num_seqs, heads, head_dim, generator=g).to(DEVICE, torch.bfloat16)
+    caches, scales = [], []
+    for _ in range(2):  # keys, values: one scale per (slot, KV head), as the engine writes them
+        x = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+        scale = x.abs().amax(-1) / 448.0
+        caches.append((x / scale[..., None]).to(torch.float8_e4m3fn).to(DEVICE))
+        scales.append(scale.to(DEVICE))
+    ctx = [1, 5, 0, 70, 33]
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:20] for _ in range(num_seqs)]).int()
+    out = triton_ops.paged_decode_attention(
+        q, *caches, tables.to(DEVICE), torch.tensor(ctx, device=DEVICE), 0.2, k_scales=scales[0], v_scales=scales[1]
+    )
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    k, v = ((c.float() * s[..., None]).cpu() for c, s in zip(caches, scales, strict=True))
+    for b, c in enumerate(ctx):
+        if c == 0:
+            assert out[b].abs().max().item() == 0
+            continue
+        ref = reference_attention(q[b].float().cpu(), k, v, tables[b].tolist(), c, 0.2)
+        assert (out[b].float().cpu() - ref).abs().max().item() < 3e-2, b
+
+
 def test_a_mixed_step_attends_the_same_with_its_decodes_on_the_paged_kernel():
     """A step with prefill chunks and decodes (every step that admits a request on a busy
     worker): the decode group on the paged kernel gives what the gather-and-SDPA path

@@ -123,6 +123,81 @@ if triton is not None:
         )
 
     @triton.jit
+    def _paged_decode_fp8_few_heads_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        tables_ptr,
+        ctx_ptr,
+        scale,
+        stride_qb,
+        stride_qh,
+        stride_kblk,
+        stride_kslot,
+        stride_kh,
+        stride_ob,
+        stride_oh,
+        stride_tb,
+        ks_ptr,
+        vs_ptr,
+        stride_sblk,
+        stride_sslot,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        # The FP8 cache's loop for one or two query heads a KV head, on CUDA cores: each
+        # head's scores are a [N, D] product summed along D, its values a [N, D] product
+        # summed along N, so no work is spent on the padded rows of a tensor-core tile (the
+        # loop above pads the heads to 16). The heads are unrolled; their running max, sum
+        # and output live in [GROUP_PAD] and [GROUP_PAD, D] tensors that each head updates
+        # through its mask. Written as one [heads, N, D] product instead, Triton's code was
+        # 2.5x slower (BENCHMARKS.md, "The FP8 cache's decode loop on CUDA cores").
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        ctx = tl.load(ctx_ptr + b)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        denom = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for start in range(0, ctx, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            nmask = n < ctx
+            block = tl.load(tables_ptr + b * stride_tb + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+            offs = block * stride_kblk + (n % BLOCK_SIZE) * stride_kslot + kvh * stride_kh
+            k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+            v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+            k = k.to(tl.float16).to(tl.float32)  # e4m3 to fp16 is one instruction, as above
+            v = v.to(tl.float16).to(tl.float32)
+            soffs = block * stride_sblk + (n % BLOCK_SIZE) * stride_sslot + kvh
+            ks = tl.load(ks_ptr + soffs, mask=nmask, other=0.0) * scale
+            vs = tl.load(vs_ptr + soffs, mask=nmask, other=0.0)
+            for i in tl.static_range(GROUP):
+                qi = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + i) * stride_qh + d).to(tl.float32)
+                s = tl.sum(k * qi[None, :], axis=1) * ks  # [N]
+                s = tl.where(nmask, s, float("-inf"))
+                mine = g == i
+                m_i = tl.max(tl.where(mine, m, float("-inf")), axis=0)
+                m_new = tl.maximum(m_i, tl.max(s, axis=0))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new)
+                denom = tl.where(mine, denom * alpha + tl.sum(p, axis=0), denom)
+                m = tl.where(mine, m_new, m)
+                pv = tl.sum((p * vs)[:, None] * v, axis=0)  # [D]
+                acc = tl.where(mine[:, None], acc * alpha + pv[None, :], acc)
+        out = acc / tl.maximum(denom, 1e-30)[:, None]  # a padding row (ctx 0) writes zeros
+        heads = kvh * GROUP + g
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=(g < GROUP)[:, None],
+        )
+
+    @triton.jit
     def _mix32(x):
         x = x ^ (x >> 16)
         x = x * 0x85EBCA6B
@@ -643,10 +718,24 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-# The paged decode kernel's tile by cache kind: tokens a loop iteration reads, warps,
-# pipeline stages. Read when the kernel is launched or captured in a CUDA graph, so that
-# `benchmarks/decode_tiles.py` can compare tiles inside the whole engine.
-DECODE_TILES: dict[str, tuple[int, int, int]] = {"16-bit": (16, 2, 4), "fp8": (32, 1, 3)}
+# The paged decode kernel's tile by loop (`decode_loop`): tokens a loop iteration reads,
+# warps, pipeline stages. Read when the kernel is launched or captured in a CUDA graph, so
+# that `benchmarks/decode_tiles.py` can compare tiles inside the whole engine.
+DECODE_TILES: dict[str, tuple[int, int, int]] = {"16-bit": (16, 2, 4), "fp8": (32, 1, 3), "fp8 few heads": (32, 1, 3)}
+
+FP8_FEW_HEADS = 2
+"""The most query heads a KV head for which an FP8 cache is read by the CUDA-core loop
+(`_paged_decode_fp8_few_heads_kernel`). Alone on an H200 it was 12-13% faster than the
+tensor-core loop with two heads a KV head, and 1.65x slower with four (BENCHMARKS.md)."""
+
+
+def decode_loop(fp8: bool, group: int) -> str:
+    """Which loop reads the cache, as its key in `DECODE_TILES`: the tensor-core loop for a
+    16-bit cache ("16-bit") or an FP8 one ("fp8"), or the CUDA-core loop for an FP8 cache
+    with at most `FP8_FEW_HEADS` query heads a KV head ("fp8 few heads")."""
+    if not fp8:
+        return "16-bit"
+    return "fp8 few heads" if group <= FP8_FEW_HEADS else "fp8"
 
 
 def paged_decode_attention(
@@ -670,15 +759,47 @@ def paged_decode_attention(
     4% more tokens/s at 256 x 256 and 6% more at 256 x 2048 with a bf16 cache (a short tile
     keeps more programs resident on an SM), and about 22% more at 512 x 1024 with an FP8
     cache (one warp does the dots of the query heads, padded to 16 rows, without splitting
-    them)."""
+    them). An FP8 cache with one or two query heads a KV head is read by a loop on CUDA
+    cores instead (`decode_loop`)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     fp8 = k_scales is not None
-    tiles = DECODE_TILES["fp8" if fp8 else "16-bit"]
+    loop = decode_loop(fp8, group)
+    tiles = DECODE_TILES[loop]
     block_n, num_warps, num_stages = block_n or tiles[0], num_warps or tiles[1], num_stages or tiles[2]
     q = q.to(torch.bfloat16 if fp8 else k_cache.dtype)
     out = torch.empty_like(q)
+    if loop == "fp8 few heads":
+        _paged_decode_fp8_few_heads_kernel[(num_seqs, num_kv_heads)](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            block_tables,
+            context_lens,
+            scale,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            out.stride(0),
+            out.stride(1),
+            block_tables.stride(0),
+            k_scales,
+            v_scales,
+            k_scales.stride(0),
+            k_scales.stride(1),
+            GROUP=group,
+            GROUP_PAD=max(2, _next_pow2(group)),
+            HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        return out
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
         q,
