@@ -760,7 +760,8 @@ def paged_decode_attention(
     keeps more programs resident on an SM), and about 22% more at 512 x 1024 with an FP8
     cache (one warp does the dots of the query heads, padded to 16 rows, without splitting
     them). An FP8 cache with one or two query heads a KV head is read by a loop on CUDA
-    cores instead (`decode_loop`)."""
+    cores instead (`decode_loop`): at 512 x 1024 on Qwen3-0.6B's shape the FP8 engine made
+    9-10% more tokens/s with it (1.29-1.33x the bf16-cache engine, from 1.20x)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
