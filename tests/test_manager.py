@@ -56,6 +56,21 @@ def manager() -> Iterator[ManagerThread]:
         yield mt
 
 
+def test_start_waits_for_a_thread_the_machine_has_not_scheduled_yet() -> None:
+    """On a busy machine the loop's thread may start running well after `start` returns
+    from `Thread.start`; CI once failed with 'the manager thread is not running'."""
+    mt = ManagerThread(fast_cfg())
+
+    def late() -> None:
+        time.sleep(0.5)
+        mt.loop.run_forever()
+
+    mt.thread = threading.Thread(target=late, daemon=True)
+    with mt:
+        assert httpx.get(f"{mt.url}/health", timeout=5).status_code == 200
+    assert not mt.thread.is_alive()
+
+
 def batch(num_prompts: int, n: int, max_new_tokens: int, **extra: Any) -> BatchRequest:
     prompts = [BatchPrompt(id=f"p{i}", input_ids=[5 + i, 6, 7], seed=1000 * i) for i in range(num_prompts)]
     return BatchRequest(prompts=prompts, sampling=SamplingParams(n=n, max_new_tokens=max_new_tokens), **extra)

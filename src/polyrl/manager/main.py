@@ -40,6 +40,8 @@ log = logging.getLogger("polyrl.manager")
 
 T = TypeVar("T")
 GRACEFUL_S = 5
+STARTUP_S = 60.0
+"""How long `ManagerThread.start` waits for its thread to run the loop (seconds)."""
 EXIT_CONFIG = 2
 
 
@@ -134,7 +136,13 @@ class ManagerThread:
         return self.service.manager
 
     def start(self) -> ManagerThread:
+        # `run` refuses a loop that is not running (a dead thread would hang it), and a
+        # busy machine may not have scheduled the new thread yet: wait for the loop itself.
+        running = threading.Event()
+        self.loop.call_soon(running.set)
         self.thread.start()
+        if not running.wait(timeout=STARTUP_S):
+            raise RuntimeError(f"the manager thread did not start its loop within {STARTUP_S:.0f} s")
         self.url = self.run(self.service.start())
         log.info("rollout manager serving on %s", self.url)
         return self
