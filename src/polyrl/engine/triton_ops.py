@@ -71,10 +71,20 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
         FP8_KV: tl.constexpr = False,
+        CUDA_CORES: tl.constexpr = False,
     ):
         # FP8_KV: the cache holds e4m3 values with one float32 scale per (slot, KV head) in
         # `ks_ptr`/`vs_ptr`; the key scales multiply the scores, the value scales the
-        # probabilities, and the values themselves enter the dots as fp16.
+        # probabilities, and the values themselves enter the products as fp16 (e4m3 converts
+        # to fp16 in one instruction, to bf16 in several).
+        # CUDA_CORES (an FP8 cache with one or two query heads a KV head, `decode_loop`): each
+        # head's scores are a [N, D] product summed along D and its values a [N, D] product
+        # summed along N, so no work goes to the rows a tensor-core tile pads the heads to
+        # (16). The heads are unrolled; their running max, sum and output live in the same
+        # [GROUP_PAD] and [GROUP_PAD, D] tensors as the tensor-core loop's, each head
+        # updating its row through a mask. Written as one [heads, N, D] product instead,
+        # Triton's code was 2.5x slower (BENCHMARKS.md, "The FP8 cache's decode loop on
+        # CUDA cores").
         # One program per (sequence, KV head): its GROUP query heads share every K/V load.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -83,7 +93,8 @@ if triton is not None:
         heads = kvh * GROUP + g
         hmask = g < GROUP
         d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+        if not CUDA_CORES:
+            q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         denom = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -94,107 +105,50 @@ if triton is not None:
             offs = block * stride_kblk + (n % BLOCK_SIZE) * stride_kslot + kvh * stride_kh
             k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=nmask[:, None], other=0.0)  # [N, D]
             v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+            if CUDA_CORES:
+                k = k.to(tl.float16).to(tl.float32)
+                v = v.to(tl.float16).to(tl.float32)
             if FP8_KV:  # the scales multiply the [G, N] scores and probabilities, not the [N, D] values
                 soffs = block * stride_sblk + (n % BLOCK_SIZE) * stride_sslot + kvh
                 ks = tl.load(ks_ptr + soffs, mask=nmask, other=0.0)
                 vs = tl.load(vs_ptr + soffs, mask=nmask, other=0.0)
-                # e4m3 converts to fp16 in one instruction (to bf16 it takes several), so these
-                # two products run in fp16 with float32 accumulation
-                s = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)), input_precision=PRECISION)
-                s = s * (ks * scale)[None, :]
+            if CUDA_CORES:
+                ks = ks * scale
+                for i in tl.static_range(GROUP):
+                    qi = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + i) * stride_qh + d).to(tl.float32)
+                    s = tl.sum(k * qi[None, :], axis=1) * ks  # [N]
+                    s = tl.where(nmask, s, float("-inf"))
+                    mine = g == i
+                    m_i = tl.max(tl.where(mine, m, float("-inf")), axis=0)
+                    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+                    alpha = tl.exp(m_i - m_new)
+                    p = tl.exp(s - m_new)
+                    denom = tl.where(mine, denom * alpha + tl.sum(p, axis=0), denom)
+                    m = tl.where(mine, m_new, m)
+                    pv = tl.sum((p * vs)[:, None] * v, axis=0)  # [D]
+                    acc = tl.where(mine[:, None], acc * alpha + pv[None, :], acc)
             else:
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
-            s = tl.where(nmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            denom = denom * alpha + tl.sum(p, axis=1)
-            if FP8_KV:
-                pv = tl.dot((p * vs[None, :]).to(tl.float16), v.to(tl.float16), input_precision=PRECISION)
-            else:
-                pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
+                if FP8_KV:
+                    s = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)), input_precision=PRECISION)
+                    s = s * (ks * scale)[None, :]
+                else:
+                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
+                s = tl.where(nmask[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(s - m_new[:, None])
+                denom = denom * alpha + tl.sum(p, axis=1)
+                if FP8_KV:
+                    pv = tl.dot((p * vs[None, :]).to(tl.float16), v.to(tl.float16), input_precision=PRECISION)
+                else:
+                    pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                acc = acc * alpha[:, None] + pv
+                m = m_new
         out = acc / tl.maximum(denom, 1e-30)[:, None]  # a padding row (ctx 0) writes zeros
         tl.store(
             out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=hmask[:, None],
-        )
-
-    @triton.jit
-    def _paged_decode_fp8_few_heads_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        out_ptr,
-        tables_ptr,
-        ctx_ptr,
-        scale,
-        stride_qb,
-        stride_qh,
-        stride_kblk,
-        stride_kslot,
-        stride_kh,
-        stride_ob,
-        stride_oh,
-        stride_tb,
-        ks_ptr,
-        vs_ptr,
-        stride_sblk,
-        stride_sslot,
-        GROUP: tl.constexpr,
-        GROUP_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        # The FP8 cache's loop for one or two query heads a KV head, on CUDA cores: each
-        # head's scores are a [N, D] product summed along D, its values a [N, D] product
-        # summed along N, so no work is spent on the padded rows of a tensor-core tile (the
-        # loop above pads the heads to 16). The heads are unrolled; their running max, sum
-        # and output live in [GROUP_PAD] and [GROUP_PAD, D] tensors that each head updates
-        # through its mask. Written as one [heads, N, D] product instead, Triton's code was
-        # 2.5x slower (BENCHMARKS.md, "The FP8 cache's decode loop on CUDA cores").
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        ctx = tl.load(ctx_ptr + b)
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, HEAD_DIM)
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        denom = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for start in range(0, ctx, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            nmask = n < ctx
-            block = tl.load(tables_ptr + b * stride_tb + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-            offs = block * stride_kblk + (n % BLOCK_SIZE) * stride_kslot + kvh * stride_kh
-            k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-            v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-            k = k.to(tl.float16).to(tl.float32)  # e4m3 to fp16 is one instruction, as above
-            v = v.to(tl.float16).to(tl.float32)
-            soffs = block * stride_sblk + (n % BLOCK_SIZE) * stride_sslot + kvh
-            ks = tl.load(ks_ptr + soffs, mask=nmask, other=0.0) * scale
-            vs = tl.load(vs_ptr + soffs, mask=nmask, other=0.0)
-            for i in tl.static_range(GROUP):
-                qi = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + i) * stride_qh + d).to(tl.float32)
-                s = tl.sum(k * qi[None, :], axis=1) * ks  # [N]
-                s = tl.where(nmask, s, float("-inf"))
-                mine = g == i
-                m_i = tl.max(tl.where(mine, m, float("-inf")), axis=0)
-                m_new = tl.maximum(m_i, tl.max(s, axis=0))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new)
-                denom = tl.where(mine, denom * alpha + tl.sum(p, axis=0), denom)
-                m = tl.where(mine, m_new, m)
-                pv = tl.sum((p * vs)[:, None] * v, axis=0)  # [D]
-                acc = tl.where(mine[:, None], acc * alpha + pv[None, :], acc)
-        out = acc / tl.maximum(denom, 1e-30)[:, None]  # a padding row (ctx 0) writes zeros
-        heads = kvh * GROUP + g
-        tl.store(
-            out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=(g < GROUP)[:, None],
         )
 
     @triton.jit
@@ -725,7 +679,7 @@ DECODE_TILES: dict[str, tuple[int, int, int]] = {"16-bit": (16, 2, 4), "fp8": (3
 
 FP8_FEW_HEADS = 2
 """The most query heads a KV head for which an FP8 cache is read by the CUDA-core loop
-(`_paged_decode_fp8_few_heads_kernel`). Alone on an H200 it was 12-13% faster than the
+(`_paged_decode_kernel`'s CUDA_CORES loop). Alone on an H200 it was 12-13% faster than the
 tensor-core loop with two heads a KV head, and 1.65x slower with four (BENCHMARKS.md)."""
 
 
@@ -771,37 +725,8 @@ def paged_decode_attention(
     block_n, num_warps, num_stages = block_n or tiles[0], num_warps or tiles[1], num_stages or tiles[2]
     q = q.to(torch.bfloat16 if fp8 else k_cache.dtype)
     out = torch.empty_like(q)
-    if loop == "fp8 few heads":
-        _paged_decode_fp8_few_heads_kernel[(num_seqs, num_kv_heads)](
-            q,
-            k_cache,
-            v_cache,
-            out,
-            block_tables,
-            context_lens,
-            scale,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            out.stride(0),
-            out.stride(1),
-            block_tables.stride(0),
-            k_scales,
-            v_scales,
-            k_scales.stride(0),
-            k_scales.stride(1),
-            GROUP=group,
-            GROUP_PAD=max(2, _next_pow2(group)),
-            HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size,
-            BLOCK_N=block_n,
-            num_warps=num_warps,
-            num_stages=num_stages,
-        )
-        return out
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    cuda_cores = loop == "fp8 few heads"
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
         q,
         k_cache,
@@ -823,12 +748,14 @@ def paged_decode_attention(
         k_scales.stride(0) if fp8 else 0,
         k_scales.stride(1) if fp8 else 0,
         GROUP=group,
-        GROUP_PAD=max(16, _next_pow2(group)),
+        # a tensor-core tile has at least 16 rows; the CUDA-core loop's tensors need only 2
+        GROUP_PAD=max(2 if cuda_cores else 16, _next_pow2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         PRECISION=precision,
         FP8_KV=fp8,
+        CUDA_CORES=cuda_cores,
         num_warps=num_warps,
         num_stages=num_stages,
     )
