@@ -21,7 +21,7 @@ from polyrl.agent.transcript import Transcript
 from polyrl.config import DataConfig, TinyModelConfig
 from polyrl.manager.client import AsyncBatchClient
 from polyrl.models.tiny import CHAT_TEMPLATE, build_tokenizer, save_tiny_model
-from polyrl.protocol.samples import Prompt, Sample
+from polyrl.protocol.samples import Group, Prompt, Sample
 from polyrl.protocol.sampling import SamplingParams
 from polyrl.rollout.agent import EpisodeRunner
 from polyrl.trainer.batching import group_items
@@ -34,6 +34,28 @@ def tokenizer():
     tok = build_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+def test_an_agent_run_starts_no_reward_functions(tokenizer, tmp_path: Path) -> None:
+    """Episodes come scored: the run starts no reward pool (its process imported the math
+    reward's libraries for nothing), and a group that came unscored all the same fails
+    with its prompt named instead of being scored by a function the run never chose."""
+    from types import SimpleNamespace
+
+    from polyrl.config import load_config
+    from polyrl.trainer.stream import GroupScorer
+    from polyrl.trainer.task import prompts_and_rewards
+
+    items = tmp_path / "items.jsonl"
+    items.write_text('{"key": "a"}\n')
+    cfg = load_config(None, ["data.source=agent", "data.agent=m:play", f"data.path={items}"])
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=512))
+    source, pool = prompts_and_rewards(cfg, tokenizer, model)  # type: ignore[arg-type]
+    assert pool is None and source.default_reward is None
+    sample = Sample(completion_ids=[2], logprobs=[-1.0], finish_reason="stop", weight_versions=[0])
+    unscored = Group(prompt=Prompt(index=3, text="a", prompt_ids=[1]), samples=[sample])
+    with pytest.raises(RuntimeError, match="prompt 3 came without rewards"):
+        GroupScorer(pool, tokenizer).submit(unscored)
 
 
 def chatml(tokenizer):

@@ -113,6 +113,10 @@ CLI_ERRORS = {
     ),
     "reward module": (["train", "reward.functions=['no_such_module:score']"], "cannot import module 'no_such_module'"),
     "reward attribute": (["train", "reward.functions=['polyrl.data.tasks:no_such_fn']"], "has no 'no_such_fn'"),
+    "reward functions for scored groups": (
+        ["train", "data.source=agent", "data.agent=a:b", "data.path={tmp}/qa.jsonl", "reward.functions=['a.b:c']"],
+        "reward.functions: data.source = 'agent' brings its groups scored",
+    ),
     "taken port": (["train", "manager.port={port}"], "manager.port: 127.0.0.1:{port} is in use"),
     "model path": (["train", "model.path=/no/such/dir"], "model.path: /no/such/dir does not exist"),
     "model file": (["train", "model.path={tmp}/qa.jsonl"], "is not a directory"),

@@ -34,7 +34,7 @@ class PromptSource:
 
             self._dataset = read_rows(cfg.path)
             self._task = None
-            self.default_reward = MATH_REWARD  # (unused: episodes return their rewards)
+            self.default_reward: str | None = None  # episodes return their rewards
         elif cfg.task == "dataset":
             if not cfg.path:
                 raise ValueError("data.path: required when data.task = 'dataset'")

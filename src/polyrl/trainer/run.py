@@ -106,7 +106,8 @@ class Run:
                 source, pool = prompts_and_rewards(cfg, policy.tokenizer, policy.model)
             except (ValueError, OSError) as e:
                 raise ConfigError(f"config error: {e}") from None
-            cleanup.callback(pool.close)
+            if pool is not None:
+                cleanup.callback(pool.close)
             blob = read_trainer_state(ckpt) if ckpt else None
             state = TrainState(**blob["state"]) if blob else TrainState()
             source.cursor = state.cursor

@@ -32,11 +32,12 @@ from polyrl.trainer.step_groups import step_advantages, turn_advantages
 
 class GroupScorer:
     """Decodes a group's completions and sends them to the reward pool; with
-    `overlong.enable`, adds DAPO's overlong penalty to what comes back (trainer/overlong.py)."""
+    `overlong.enable`, adds DAPO's overlong penalty to what comes back (trainer/overlong.py).
+    Without a pool (a source whose groups arrive scored), an unscored group is an error."""
 
     def __init__(
         self,
-        pool: RewardPool,
+        pool: RewardPool | None,
         tokenizer: PreTrainedTokenizerBase,
         overlong: OverlongBufferConfig | None = None,
         max_new_tokens: int = 0,
@@ -59,6 +60,10 @@ class GroupScorer:
             done: Future = Future()
             done.set_result(group.rewards)
             return done
+        if self.pool is None:
+            raise RuntimeError(
+                f"the group of prompt {group.prompt.index} came without rewards, and this run scores none"
+            )
         n = len(group.samples)
         completions = [self.decode(s) for s in group.samples]
         columns = {k: [v] * n for k, v in group.prompt.columns.items()}

@@ -7,7 +7,7 @@ import logging
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from polyrl.config import RunConfig
+from polyrl.config import SCORED_SOURCES, RunConfig
 from polyrl.data.rewards import RewardPool
 from polyrl.data.source import PromptSource
 
@@ -16,11 +16,14 @@ log = logging.getLogger(__name__)
 
 def prompts_and_rewards(
     cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel
-) -> tuple[PromptSource, RewardPool]:
+) -> tuple[PromptSource, RewardPool | None]:
     """The prompt source (at its first prompt) and the reward pool: `reward.functions`, or
-    the data source's own. The caller closes the pool."""
+    the data source's own; none for a source in `SCORED_SOURCES` (its pool would start a
+    process, and import the math reward's libraries, for nothing). The caller closes the pool."""
     source = PromptSource(cfg.data, tokenizer, cfg.trainer.seed)
     fit_prompts_to_context(source, model, cfg.rollout.max_new_tokens)
+    if cfg.data.source in SCORED_SOURCES:
+        return source, None
     functions = cfg.reward.functions or [source.default_reward]
     pool = RewardPool(functions, cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s)
     return source, pool
