@@ -36,11 +36,11 @@ def tokenizer():
     return tok
 
 
-def test_an_agent_run_starts_no_reward_functions(tokenizer, tmp_path: Path) -> None:
+def test_an_agent_run_starts_no_reward_functions(tokenizer, agent_model: Path, tmp_path: Path) -> None:
     """Episodes come scored: the run starts no reward pool (its process imported the math
     reward's libraries for nothing), and a group that came unscored all the same fails
     with its prompt named instead of being scored by a function the run never chose."""
-    from types import SimpleNamespace
+    from transformers import AutoModelForCausalLM
 
     from polyrl.config import load_config
     from polyrl.trainer.stream import GroupScorer
@@ -49,8 +49,7 @@ def test_an_agent_run_starts_no_reward_functions(tokenizer, tmp_path: Path) -> N
     items = tmp_path / "items.jsonl"
     items.write_text('{"key": "a"}\n')
     cfg = load_config(None, ["data.source=agent", "data.agent=m:play", f"data.path={items}"])
-    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=512))
-    source, pool = prompts_and_rewards(cfg, tokenizer, model)  # type: ignore[arg-type]
+    source, pool = prompts_and_rewards(cfg, tokenizer, AutoModelForCausalLM.from_pretrained(agent_model))
     assert pool is None and source.default_reward is None
     sample = Sample(completion_ids=[2], logprobs=[-1.0], finish_reason="stop", weight_versions=[0])
     unscored = Group(prompt=Prompt(index=3, text="a", prompt_ids=[1]), samples=[sample])
