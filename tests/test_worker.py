@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,30 @@ def read_sse(response: httpx.Response) -> Iterator[dict[str, Any] | str]:
             assert checksum(payload.encode()) == expected
             expected = None
         yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+@contextmanager
+def engine_waits_once_running(
+    worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch, rid: str
+) -> Iterator[threading.Event]:
+    """The engine stops before each step it would take with `rid` running, until the
+    event yielded is set (on leaving at the latest). A test then acts on a request that
+    is certain to be still running: on a starved machine (CI, once) a request of `LONG`
+    tokens had run to its end before the test looked at it."""
+    engine, step = worker.engine.engine, worker.engine.engine.step
+    go_on = threading.Event()
+
+    def step_when_told() -> list[SampleDelta]:
+        if any(s.rid == rid for s in engine.scheduler.running):
+            go_on.wait(timeout=60)
+        return step()
+
+    monkeypatch.setattr(engine, "step", step_when_told)
+    try:
+        yield go_on
+    finally:
+        go_on.set()
+        monkeypatch.setattr(engine, "step", step)
 
 
 # ------------------------------------------------------------------ builders, no server
@@ -411,14 +436,16 @@ def test_bad_request_is_refused_and_the_next_one_served(
     assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] >= 1
 
 
-def test_abort_request_returns_partial_stream(worker: InProcessWorker) -> None:
-    with worker.client.stream("POST", "/generate", json=long_request("to-abort", stream=True)) as r:
-        events = read_sse(r)
-        first = next(events)
-        assert isinstance(first, dict) and first["meta_info"]["finish_reason"] is None
-        aborted = worker.client.post("/abort_request", json={"rid": "to-abort"})
-        assert aborted.status_code == 200 and aborted.json() == {"num_aborted": 1}
-        rest = list(events)
+def test_abort_request_returns_partial_stream(worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    with engine_waits_once_running(worker, monkeypatch, "to-abort") as go_on:
+        with worker.client.stream("POST", "/generate", json=long_request("to-abort", stream=True)) as r:
+            events = read_sse(r)
+            first = next(events)
+            assert isinstance(first, dict) and first["meta_info"]["finish_reason"] is None
+            aborted = worker.client.post("/abort_request", json={"rid": "to-abort"})
+            go_on.set()
+            assert aborted.status_code == 200 and aborted.json() == {"num_aborted": 1}
+            rest = list(events)
     assert rest[-1] == "[DONE]"
     final = rest[-2] if len(rest) > 1 else first
     assert final["meta_info"]["finish_reason"] == {"type": "abort", "matched": None}
@@ -491,7 +518,7 @@ def test_a_refused_prompt_of_a_batched_stream_is_an_error_event_and_the_others_r
     worker.wait_for(lambda i: i["num_running_reqs"] == 0 and i["num_queued_reqs"] == 0)
 
 
-def test_abort_stops_one_prompt_of_a_batched_request(worker: InProcessWorker) -> None:
+def test_abort_stops_one_prompt_of_a_batched_request(worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch) -> None:
     body = _batch(([1, 5, 6], 1), ([1, 9], 1))
     body["sampling_params"] = [
         {"max_new_tokens": LONG, "ignore_eos": True, "temperature": 0.0},
@@ -499,27 +526,32 @@ def test_abort_stops_one_prompt_of_a_batched_request(worker: InProcessWorker) ->
     ]
     finish: dict[int, str] = {}
     tokens: dict[int, int] = {}
-    with worker.client.stream("POST", "/generate", json=body) as r:
-        for e in read_sse(r):
-            if e == "[DONE]":
-                break
-            assert isinstance(e, dict)
-            tokens[e["index"]] = tokens.get(e["index"], 0) + len(e["output_ids"])
-            if e["index"] == 0 and "aborted" not in finish:
-                finish["aborted"] = "asked"
-                assert worker.client.post("/abort_request", json={"rid": "b0"}).json() == {"num_aborted": 1}
-            if e["meta_info"]["finish_reason"]:
-                finish[e["index"]] = e["meta_info"]["finish_reason"]["type"]
+    with engine_waits_once_running(worker, monkeypatch, "b0") as go_on:
+        with worker.client.stream("POST", "/generate", json=body) as r:
+            for e in read_sse(r):
+                if e == "[DONE]":
+                    break
+                assert isinstance(e, dict)
+                tokens[e["index"]] = tokens.get(e["index"], 0) + len(e["output_ids"])
+                if e["index"] == 0 and "aborted" not in finish:
+                    finish["aborted"] = "asked"
+                    assert worker.client.post("/abort_request", json={"rid": "b0"}).json() == {"num_aborted": 1}
+                    go_on.set()
+                if e["meta_info"]["finish_reason"]:
+                    finish[e["index"]] = e["meta_info"]["finish_reason"]["type"]
     assert finish[0] == "abort" and tokens[0] < LONG
     assert finish[1] == "length" and tokens[1] == 40  # the other prompt ran to its end
 
 
-def test_client_disconnect_aborts(worker: InProcessWorker) -> None:
+def test_client_disconnect_aborts(worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch) -> None:
     worker.wait_for(lambda i: i["num_running_reqs"] == 0 and i["num_queued_reqs"] == 0)
     before = worker.info()["num_generated_tokens"]
-    with worker.client.stream("POST", "/generate", json=long_request("gone-stream", stream=True)) as r:
-        next(read_sse(r))  # running; now hang up
-        assert 0 < worker.info()["kv_cache_usage"] <= 1  # its blocks are held
+    with engine_waits_once_running(worker, monkeypatch, "gone-stream") as go_on:
+        with worker.client.stream("POST", "/generate", json=long_request("gone-stream", stream=True)) as r:
+            next(read_sse(r))  # running; now hang up
+            held = worker.info()
+            go_on.set()
+    assert held["num_running_reqs"] == 1 and 0 < held["kv_cache_usage"] <= 1  # its blocks were held
     with httpx.Client(base_url=worker.http.url, timeout=httpx.Timeout(5.0, read=1.0)) as impatient:
         with pytest.raises(httpx.ReadTimeout):
             impatient.post("/generate", json=long_request("gone-plain"))
