@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from chaos_harness.harness import ChaosFleet, chaos_manager_config, wait_for
+from chaos_harness.harness import ChaosFleet, chaos_manager_config, kill_while_holding, wait_for
 from polyrl.agent.client import AgentClient, EpisodeLimit
 from polyrl.agent.render import Renderer, TemplateError
 from polyrl.agent.tool_calls import parse_tool_calls
@@ -384,9 +384,13 @@ def test_a_worker_killed_in_turn_2_loses_no_episode_and_no_token(agent_model: Pa
                 def second_turn_on_victim() -> bool:
                     return stop.is_set() or fleet.mt.call(on_victim)
 
-                wait_for(second_turn_on_victim, 120, "a second call generating on w0")
-                if not stop.is_set():
-                    victim.kill()  # mid-reply: it has streamed tokens, and has more to make
+                # mid-reply: it has streamed tokens, and has more to make. A reply seen on w0 can
+                # end before the signal lands (a slow machine makes that likely): w0 is frozen
+                # first and killed only if such a reply is still unfinished, else it goes on.
+                while not stop.is_set():
+                    wait_for(second_turn_on_victim, 120, "a second call generating on w0")
+                    if not stop.is_set() and kill_while_holding([victim.proc.pid], lambda: fleet.mt.call(on_victim)):
+                        return
 
             thread = threading.Thread(target=killer, daemon=True)
             thread.start()

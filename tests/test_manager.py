@@ -102,7 +102,8 @@ class FakeWorker:
     `mode` injects a fault after `fault_after` tokens of every stream: "die" (connection
     cut, heartbeats stop), "freeze" (stream and heartbeats stop), "handback" (finish
     "abort", as a draining worker does), "error" (HTTP 500), "busy" (HTTP 429), "refuse"
-    (HTTP 400)."""
+    (HTTP 400). With `hold_after`, its calls after that many wait for `go_on` before
+    their first token."""
 
     def __init__(
         self,
@@ -116,9 +117,11 @@ class FakeWorker:
         fault_after: int = 3,
         token: str = TOKEN,
         local: bool = False,
+        hold_after: int | None = None,
     ) -> None:
         self.manager_url, self.worker_id, self.token = manager_url, worker_id, token
         self.local = local
+        self.hold_after, self.go_on = hold_after, threading.Event()
         self.token_delay_s, self.max_num_seqs, self.version = token_delay_s, max_num_seqs, version
         self.mode, self.fault_after = mode, fault_after
         self.calls: list[dict[str, Any]] = []
@@ -139,6 +142,7 @@ class FakeWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.beating = False
+        self.go_on.set()
         self.http.__exit__(*exc)
 
     def _membership(self) -> None:
@@ -178,10 +182,13 @@ class FakeWorker:
             return JSONResponse({"error": {"message": "token id out of range", "type": "invalid_request"}}, 400)
         sp = body["sampling_params"]
         n, seed, budget, start = sp["n"], sp["sampling_seed"], sp["max_new_tokens"], len(body["input_ids"])
+        held = self.hold_after is not None and len(self.calls) > self.hold_after
 
         async def events() -> Iterator[bytes]:  # type: ignore[misc]
             self.running += n
             try:
+                if held:
+                    await asyncio.to_thread(self.go_on.wait, 60)
                 for t in range(1, budget + 1):
                     if t > self.fault_after and self.mode in ("die", "freeze"):
                         self.beating = False
@@ -408,12 +415,17 @@ def test_zero_workers_then_one_joins(manager: ManagerThread) -> None:
 
 
 def test_worker_joining_mid_batch_gets_work(manager: ManagerThread) -> None:
-    with FakeWorker(manager.url, "first", max_num_seqs=2, token_delay_s=0.02):
+    """`first` holds the calls after its first wave until the joiner has work: on a busy
+    machine the rest of the batch (0.6 s of `first`'s token delays) could end before the
+    joiner was active (a delay of 0.3 s there made it fail)."""
+    with FakeWorker(manager.url, "first", max_num_seqs=2, token_delay_s=0.02, hold_after=2) as first:
         wait_active(manager, "first")
         request = batch(8, 1, 10)
         consumer = Consumer(manager, request)
         _wait_until(lambda: len(consumer.groups) >= 1, 20, "first group")
-        with FakeWorker(manager.url, "joiner", max_num_seqs=2, token_delay_s=0.02):
+        with FakeWorker(manager.url, "joiner", max_num_seqs=2, token_delay_s=0.02) as joiner:
+            _wait_until(lambda: joiner.calls, 20, "the joiner gets the waiting work")
+            first.go_on.set()
             groups = consumer.join_ok(30)
     check_exact(request, groups)
     assert any(seg.worker == "joiner" for g in groups for s in g.samples for seg in s.segments)
@@ -680,12 +692,24 @@ def _start_worker(model_dir: Path, manager_url: str, worker_id: str) -> WorkerPr
     return WorkerProcess(model_dir, "--manager", manager_url, "--token", TOKEN, "--worker-id", worker_id)
 
 
-def test_calls_placed_together_share_a_request_and_each_fails_or_stops_alone(long_context_model: Path) -> None:
+def _start_held_worker(model_dir: Path, manager_url: str, worker_id: str, hold: Path) -> WorkerProcess:
+    """A worker whose samples stop at their first token while the file `hold` exists
+    (`WorkerProcess`'s `hold_at`): on a busy machine a worker process runs on while the
+    test process waits for a core, and 300 to 1,000 tokens (1 to 3 s) could end between
+    "tokens stream" and the test's act."""
+    args = ("--manager", manager_url, "--token", TOKEN, "--worker-id", worker_id)
+    return WorkerProcess(model_dir, *args, hold_at=1, hold_while=hold)
+
+
+def test_calls_placed_together_share_a_request_and_each_fails_or_stops_alone(
+    long_context_model: Path, tmp_path: Path
+) -> None:
     """Calls placed on a worker in one pass go as one batched /generate. A call the worker
     refuses fails its own batch only, and a cancelled batch's calls are aborted on the
     worker by rid while the others in the same request run to their end."""
-    with ManagerThread(fast_cfg()) as mt:
-        proc = _start_worker(long_context_model, mt.url, "w1")
+    hold = tmp_path / "hold"
+    with ManagerThread(fast_cfg(stall_timeout_s=60)) as mt:  # a held engine streams nothing
+        proc = _start_held_worker(long_context_model, mt.url, "w1", hold)
         try:
             url = proc.wait_ready()
             wait_active(mt, "w1")
@@ -713,12 +737,14 @@ def test_calls_placed_together_share_a_request_and_each_fails_or_stops_alone(lon
                 return httpx.get(f"{url}/get_server_info", timeout=10).json()
 
             before = sent()
+            hold.touch()  # the calls get their first token, then the engine waits until the test has acted
             kept, dropped = submit_together(keep, drop)
             _wait_until(lambda: _streamed_from(mt, "w1"), 30, "w1 streaming tokens")
             assert sent()[0] - before[0] == 1 and sent()[1] - before[1] == 4  # one request, four calls
             mt.call(mt.manager.close_batch, dropped)
             _wait_until(lambda: info()["num_running_reqs"] == 2, 20, "the cancelled calls aborted")
             assert mt.call(lambda: kept.num_groups_done) == 0, "the cancelled calls ran on until the others ended"
+            hold.unlink()
             groups = list(mt.results(kept))
         finally:
             proc.kill()
@@ -783,17 +809,20 @@ def _streamed_from(mt: ManagerThread, worker_id: str) -> bool:
 
 
 @pytest.mark.slow
-def test_real_worker_frozen_with_sigstop_is_detected(long_context_model: Path) -> None:
+def test_real_worker_frozen_with_sigstop_is_detected(long_context_model: Path, tmp_path: Path) -> None:
     budget = 300
     request = batch(4, 2, budget)
     request.sampling = request.sampling.model_copy(update={"ignore_eos": True})
     procs = []
+    hold = tmp_path / "hold"
     with ManagerThread(fast_cfg(heartbeat_timeout_s=2.0, stall_timeout_s=60)) as mt:
         try:
-            procs = [_start_worker(long_context_model, mt.url, f"w{i}") for i in (1, 2)]
+            procs = [_start_held_worker(long_context_model, mt.url, "w1", hold)]
+            procs.append(_start_worker(long_context_model, mt.url, "w2"))
             for p in procs:
                 p.wait_ready()
             wait_active(mt, "w1", "w2")
+            hold.touch()  # w1's samples get their first token, then wait: they are certain to migrate
             consumer = Consumer(mt, request)
             _wait_until(lambda: _streamed_from(mt, "w1"), 30, "w1 streaming tokens")  # so they migrate
             os.kill(procs[0].proc.pid, signal.SIGSTOP)
@@ -1051,12 +1080,22 @@ def test_requests_open_at_shutdown_get_503_and_the_manager_exits_at_once(tmp_pat
         _wait_until(ready.exists, 30, "the manager serves")
         url = ready.read_text()
 
+        sent: list[str] = []  # requests written whole to the manager's socket
+
+        def note(event: str, info: dict[str, Any]) -> None:
+            if event == "http11.send_request_body.complete":
+                sent.append(event)
+
         def ask() -> httpx.Response:  # vLLM's /generate, as atroposlib's VLLMServer sends it
             body = {"prompt": {"prompt_token_ids": [5, 6, 7]}, "max_tokens": 4, "logprobs": 0}
-            return httpx.post(f"{url}/generate", json=body, headers=AUTH, timeout=30)
+            with httpx.Client(headers=AUTH, timeout=30) as client:
+                return client.post(f"{url}/generate", json=body, extensions={"trace": note})
 
         with ThreadPoolExecutor(8) as pool:
             answers = [pool.submit(ask) for _ in range(8)]
+            # sent, not only asked for: the 8 clients take ~0.5 s of CPU before they send on
+            # a busy 2-core machine, and one still connecting at SIGTERM is refused
+            _wait_until(lambda: len(sent) == 8 or any(a.done() for a in answers), 30, "the 8 requests sent")
             time.sleep(2.0)  # all 8 wait for a worker (manager.inference_wait_s: 30 s)
             assert not any(a.done() for a in answers)
             stopped_at = time.monotonic()

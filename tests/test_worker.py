@@ -176,16 +176,17 @@ def read_sse(response: httpx.Response) -> Iterator[dict[str, Any] | str]:
 def engine_waits_once_running(
     worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch, rid: str
 ) -> Iterator[threading.Event]:
-    """The engine stops before each step it would take with `rid` running, until the
-    event yielded is set (on leaving at the latest). A test then acts on a request that
-    is certain to be still running: on a starved machine (CI, once) a request of `LONG`
-    tokens had run to its end before the test looked at it."""
+    """The engine takes no step with `rid` running until the event yielded is set (on
+    leaving at the latest); commands (adds, aborts) still run meanwhile, as between a slow
+    engine's steps. A test then acts on a request that is certain to be still running: on
+    a starved machine (CI, once) a request of `LONG` tokens had run to its end before the
+    test looked at it."""
     engine, step = worker.engine.engine, worker.engine.engine.step
     go_on = threading.Event()
 
     def step_when_told() -> list[SampleDelta]:
-        if any(s.rid == rid for s in engine.scheduler.running):
-            go_on.wait(timeout=60)
+        if any(s.rid == rid for s in engine.scheduler.running) and not go_on.wait(timeout=0.01):
+            return []  # no step this time: the engine thread goes back to its commands
         return step()
 
     monkeypatch.setattr(engine, "step", step_when_told)
@@ -574,8 +575,11 @@ def test_info_health_and_model_info(worker: InProcessWorker, model_dir: Path) ->
     assert worker.client.get("/no_such_endpoint").json()["error"]["type"] == "http_error"
 
 
-def test_engine_full_gives_429(model_dir: Path) -> None:
-    with InProcessWorker(model_dir, max_num_seqs=1, max_queued_requests=1) as w:
+def test_engine_full_gives_429(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with (
+        InProcessWorker(model_dir, max_num_seqs=1, max_queued_requests=1) as w,
+        engine_waits_once_running(w, monkeypatch, "a"),  # "a" runs and "b" waits until both are aborted
+    ):
         results: dict[str, httpx.Response] = {}
 
         def post(rid: str) -> None:
@@ -793,15 +797,41 @@ class FakeManager:
         return [body for k, _, body in self.calls if k == kind]
 
 
-class WorkerProcess:
-    """`polyrl worker` in a subprocess; stdout+stderr lines are collected by a thread."""
+HELD_ENGINE = """
+import os, runpy, time
+from polyrl.engine.engine import Engine
 
-    def __init__(self, model_dir: Path, *args: str) -> None:
+step, hold_at, hold_while = Engine.step, int(os.environ["POLYRL_TEST_HOLD_AT"]), os.environ["POLYRL_TEST_HOLD_WHILE"]
+
+
+def step_unless_held(self):
+    s = self.scheduler
+    held = s.running and not s.can_admit() and min(seq.num_generated for seq in s.running) >= hold_at
+    if held and (not hold_while or os.path.exists(hold_while)):
+        time.sleep(0.01)
+        return []  # no step: the engine thread goes back to its commands (an abort ends the hold)
+    return step(self)
+
+
+Engine.step = step_unless_held
+runpy.run_module("polyrl.cli", run_name="__main__")
+"""
+"""`python -c HELD_ENGINE worker ...`: `polyrl worker`, its engine held (`WorkerProcess`'s `hold_at`)."""
+
+
+class WorkerProcess:
+    """`polyrl worker` in a subprocess; stdout+stderr lines are collected by a thread.
+    With `hold_at`, its engine takes no step once every running sample has that many
+    tokens and no waiting one can join them (it still admits requests and runs aborts),
+    and with `hold_while` only while that file exists: a test then acts on samples
+    certain to be unfinished, however slow the machine (a worker process runs on while a
+    starved test process waits for a core)."""
+
+    def __init__(self, model_dir: Path, *args: str, hold_at: int | None = None, hold_while: Path | None = None) -> None:
         # argparse wants the dotted overrides after every flag: callers pass them last.
         cmd = [
             sys.executable,
-            "-m",
-            "polyrl.cli",
+            *(["-m", "polyrl.cli"] if hold_at is None else ["-c", HELD_ENGINE]),
             "worker",
             "--model",
             str(model_dir),
@@ -811,6 +841,8 @@ class WorkerProcess:
             "engine.max_num_seqs=4",
         ]
         env = os.environ | {"POLYRL_TOKEN": ""}
+        if hold_at is not None:
+            env |= {"POLYRL_TEST_HOLD_AT": str(hold_at), "POLYRL_TEST_HOLD_WHILE": str(hold_while or "")}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
@@ -898,6 +930,7 @@ def test_sigterm_drains_hands_back_partial_results_and_leaves(model_dir: Path) -
             "--worker-id",
             "spot-1",
             "worker.drain_timeout_s=2.0",
+            hold_at=1,  # both requests are still running when the drain ends, however late the signal
         )
         try:
             url = worker.wait_ready()
