@@ -82,18 +82,28 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s:
     return time.monotonic() - start
 
 
-def kill_while_holding(pids: Sequence[int], holding: Callable[[], bool], settle_s: float = 0.3) -> bool:
+def kill_while_holding(
+    pids: Sequence[int], holding: Callable[[], bool], settle_s: float = 0.3, victims: Sequence[int] | None = None
+) -> bool:
     """kill -9 `pids` only if they still hold work once frozen: short samples can finish
     between a look at the manager and the signal (a slow machine makes that likely), and a
     kill that lands on finished work tests nothing. The processes are stopped (SIGSTOP),
     the manager is given `settle_s` to read the chunks already sent, and `holding()` is
-    asked again: True, they are killed; False, they go on (SIGCONT) and nothing happened."""
+    asked again: True, they are killed; False, they go on (SIGCONT) and nothing happened.
+    With `victims`, those are killed instead (the manager, say, while the frozen workers
+    hold its samples), and `pids` go on either way."""
     for pid in pids:
         _signal(pid, signal.SIGSTOP)
-    time.sleep(settle_s)
-    hit = holding()
-    for pid in pids:
-        _signal(pid, signal.SIGKILL if hit else signal.SIGCONT)
+    hit = False
+    try:
+        time.sleep(settle_s)
+        hit = holding()
+        if hit:
+            for pid in victims or ():
+                _signal(pid, signal.SIGKILL)
+    finally:
+        for pid in pids:
+            _signal(pid, signal.SIGKILL if hit and victims is None else signal.SIGCONT)
     return hit
 
 

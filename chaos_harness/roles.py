@@ -18,8 +18,6 @@ role back, and finish every step with every sample it asked for, each step logge
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,13 +105,6 @@ class TrainRun:
         _stop([self.trainer, *self.workers])
 
 
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def manager_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
     row = FaultRow("trainer's manager process kill -9")
     run = TrainRun(model_dir, work, scale, total_steps=8 + 6 * scale.injections, extra=[])
@@ -122,12 +113,17 @@ def manager_killed(model_dir: Path, work: Path, scale: Scale) -> FaultRow:
         for i in range(scale.injections):
             done = len(run.steps())
             run.until(lambda: len(run.steps()) > done + 2, 300, "steps served")
-            run.until(lambda: _generating(run.url), 120, "samples in flight", poll_s=0.005)  # unfinished groups
             pids = pids_with("polyrl.cli", " manager ", str(run.run_dir / "manager.toml"))
             if not pids:
                 raise RuntimeError("no manager process found")
-            for pid in pids:
-                _kill(pid)
+            # killed only while groups are unfinished: 24-token samples finish within a fraction
+            # of a second, and on a loaded machine a kill after one look at the manager found them
+            # done (nothing to resubmit); the workers are frozen, the manager asked again
+            while True:
+                run.until(lambda: _generating(run.url), 120, "samples in flight", poll_s=0.005)
+                workers = pids_with("polyrl.cli", " worker ", f"--manager {run.url} ")  # the trainer's local one too
+                if kill_while_holding(workers, lambda: _generating(run.url), settle_s=0.5, victims=pids):
+                    break
             row.injected += 1
             killed = time.monotonic()
             run.until(lambda: _serving(run.url) and _active_workers(run.url) >= scale.num_workers, 120, "manager back")

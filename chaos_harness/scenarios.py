@@ -17,17 +17,27 @@ import os
 import signal
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from chaos_harness.harness import BatchCheck, ChaosFleet, RunningBatch, WorkerHandle, make_batch, wait_for
+from chaos_harness.harness import (
+    BatchCheck,
+    ChaosFleet,
+    RunningBatch,
+    WorkerHandle,
+    kill_while_holding,
+    make_batch,
+    wait_for,
+)
 
 log = logging.getLogger("chaos_harness")
 
 BATCH_TIMEOUT_S = 300.0
+KILL_TRIES = 5
+"""Batches a kill meant to land on samples in flight is tried on (a freeze finding them done is no kill)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,52 @@ class Context:
         wait_for(any_busy, timeout_s, "a worker with samples in flight", poll_s=0.05)
         return found[0]
 
+    def streaming(self, worker_ids: Collection[str]) -> bool:
+        """One of `worker_ids` holds an unfinished sample whose tokens have reached the
+        manager: killed now, it migrates with them (before its first tokens it would only
+        start again elsewhere)."""
+        state = self.fleet.mt.manager.state
+
+        def check() -> bool:
+            running = (s for unit in state.units.values() for s in unit.samples)
+            return any(s._seg_worker in worker_ids and s._seg_tokens and not s.done for s in running)
+
+        return bool(self.fleet.mt.call(check))
+
+    def streaming_worker(self, running: RunningBatch, timeout_s: float = 60) -> WorkerHandle | None:
+        """A worker streaming some of `running`'s samples (`streaming`); None if the batch
+        ended before one was seen (a starved test process can miss a whole batch)."""
+        found: list[WorkerHandle] = []
+
+        def seen() -> bool:
+            found[:] = [h for w, h in self.fleet.workers.items() if self.streaming([w])]
+            return bool(found) or not running.is_alive()
+
+        wait_for(seen, timeout_s, "a worker streaming samples", poll_s=0.02)
+        return found[0] if found else None
+
+    def kill_streaming(
+        self, row: FaultRow, tag: str, victims: Callable[[WorkerHandle], list[WorkerHandle]]
+    ) -> tuple[RunningBatch, list[WorkerHandle]]:
+        """Run batches until a kill -9 of `victims(the streaming worker)` lands while they hold
+        samples with tokens (frozen first and asked again: `kill_while_holding`): samples of
+        a few hundred tokens finish within a second or two, and a kill after a look and a
+        fixed pause found them done on a loaded machine. Returns the batch it hit and the
+        killed workers (reaped)."""
+        for attempt in range(KILL_TRIES):
+            self.healthy_fleet()
+            running = self.batch(f"{tag}{attempt}-")
+            streaming = self.streaming_worker(running)
+            if streaming is not None:
+                handles = victims(streaming)
+                ids = {h.worker_id for h in handles}
+                if kill_while_holding([h.proc.pid for h in handles], lambda: self.streaming(ids)):
+                    for h in handles:
+                        h.proc.wait(timeout=10)
+                    return running, handles
+            row.add(running.result(BATCH_TIMEOUT_S))  # missed: a batch without a fault
+        raise RuntimeError(f"no kill landed on samples in flight in {KILL_TRIES} batches")
+
     def recover(self, worker_id: str, back: bool = False, timeout_s: float = 120) -> float:
         what = f"recovery from {worker_id}'s fault"
         return wait_for(lambda: self.fleet.settled(worker_id, back), timeout_s, what)
@@ -136,11 +192,7 @@ class Context:
 def kill_generating(ctx: Context, row: FaultRow) -> None:
     """SIGKILL a worker while it streams samples; a replacement joins."""
     for i in range(ctx.scale.injections):
-        ctx.healthy_fleet()
-        running = ctx.batch(f"kg{i}-")
-        victim = ctx.busy_worker()
-        time.sleep(0.3)  # let it make some tokens worth migrating
-        victim.kill()
+        running, [victim] = ctx.kill_streaming(row, f"kg{i}-", lambda streaming: [streaming])
         row.injected += 1
         ctx.fleet.launch()
         row.recovery_s.append(ctx.recover(victim.worker_id))
@@ -210,12 +262,7 @@ def freeze_and_resume(ctx: Context, row: FaultRow) -> None:
 def all_workers_gone(ctx: Context, row: FaultRow) -> None:
     """Every worker killed mid-batch; new ones arrive a moment later."""
     for i in range(ctx.scale.injections):
-        workers = ctx.healthy_fleet()
-        running = ctx.batch(f"ag{i}-")
-        ctx.busy_worker()
-        time.sleep(0.3)
-        for handle in workers:
-            handle.kill()
+        running, workers = ctx.kill_streaming(row, f"ag{i}-", lambda _: list(ctx.fleet.workers.values()))
         row.injected += 1
         started = time.monotonic()
         for _ in workers:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -243,9 +244,18 @@ def test_hybrid_window_hands_local_samples_to_a_worker_token_exact(long_context_
     with ManagerThread(fast_cfg()) as mt, WeightPublisher(chunk_bytes=64 * 1024) as pub:
         sync = PublisherSync(mt.manager, pub, codec="raw")
 
-        async def slow_sync(record, version):  # the window needs the worker to lag a little
+        def local_streamed_every_sample() -> bool:  # on the manager's loop
+            running = [s for unit in mt.manager.state.units.values() for s in unit.samples]
+            return sum(s._seg_worker == "local" and bool(s._seg_tokens) for s in running) == 4
+
+        async def slow_sync(record, version):
+            # the window needs the worker to lag until the local worker holds every sample
+            # with tokens streamed: a fixed 1 s lag was gone on a loaded machine before the
+            # test had submitted the batch and the local worker had synced and started
             if not record.is_local:
-                await asyncio.sleep(1.0)
+                deadline = time.monotonic() + 40  # then the segments below say what went wrong
+                while not local_streamed_every_sample() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
             return await sync(record, version)
 
         mt.add_sync_hook(slow_sync)

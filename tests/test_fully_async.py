@@ -225,6 +225,13 @@ def test_a_due_group_is_waited_for_and_the_bound_holds() -> None:
     rollout.finish(1, [2])
     rollout.finish(2, [2])
     taken, thread = _take_in_thread(feed, version=2)
+    # held 0.3 s from when the step waits for prompt 0 with prompt 2 in hand, not from the
+    # thread's start: on a loaded machine it started late, and due_wait_s came out short
+    _wait_until(
+        lambda: (taken == [1] and len(feed.arrived) == 1 and rollout.num_waits > 0) or not thread.is_alive(),
+        10,
+        "the step to wait",
+    )
     time.sleep(0.3)
     assert taken == [1] and thread.is_alive()  # the second place is prompt 0's
     rollout.finish(0, [1, 1, 2])  # a sample that spans two versions
@@ -252,6 +259,7 @@ def test_a_due_group_its_producer_drops_is_not_waited_for_and_leaves_the_flight(
     rollout.due = {"0"}
     rollout.finish(1, [2])
     taken, thread = _take_in_thread(feed, version=2)
+    _wait_until(lambda: taken == [1] and rollout.num_waits > 0 or not thread.is_alive(), 10, "the step to wait")
     time.sleep(0.2)
     assert taken == [1] and thread.is_alive()  # waiting for prompt 0
     rollout.finish(0, None)
