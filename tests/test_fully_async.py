@@ -22,6 +22,7 @@ from test_e2e import QUICK
 from test_manager import (  # noqa: F401 - long_context_model is a fixture
     Consumer,
     FakeWorker,
+    _start_held_worker,
     _start_worker,
     batch,
     check_exact,
@@ -423,17 +424,24 @@ def test_a_sample_spans_two_versions_without_a_restart(long_context_model: Path,
     reference = Engine.from_pretrained(str(long_context_model), EngineConfig(max_num_seqs=4))
     other = Engine.from_pretrained(str(_tiny(tmp_path / "other", seed=3)), EngineConfig(max_num_seqs=4))
     v1 = {k: p.detach().clone() for k, p in other.model.named_parameters()}
-    with ManagerThread(fast_cfg(swap_policy="continue")) as mt, WeightPublisher(chunk_bytes=64 * 1024) as pub:
+    # a held engine streams nothing: no stall is called while it waits for v1
+    with (
+        ManagerThread(fast_cfg(swap_policy="continue", stall_timeout_s=60)) as mt,
+        WeightPublisher(chunk_bytes=64 * 1024) as pub,
+    ):
         mt.add_sync_hook(PublisherSync(mt.manager, pub, codec="raw"))
-        proc = _start_worker(long_context_model, mt.url, "w1")
+        hold = tmp_path / "hold"
+        hold.touch()  # the samples stop at their first token until v1 is in: v1 comes mid-sample however slow the machine
+        proc = _start_held_worker(long_context_model, mt.url, "w1", hold)
         try:
             proc.wait_ready()
             wait_active(mt, "w1")
             consumer = Consumer(mt, request)
             _wait_until(lambda: workers_of(mt)["w1"]["num_running"] > 0, 30, "the samples run")
-            time.sleep(0.2)
             pub.publish(v1, 1)
             mt.publish_version(1)
+            _wait_until(lambda: workers_of(mt)["w1"]["weight_version"] == 1, 60, "w1 serving v1")
+            hold.unlink()
             [group] = consumer.join_ok(120)
         finally:
             proc.kill()
