@@ -176,10 +176,12 @@ def test_a_new_layout_or_a_transfer_in_flight_is_handled() -> None:
             if held.paused():
                 held.serving()
 
+    # t0 before the reader's 0.3 s begins: taken after the threads started, a loaded box let
+    # the reader sleep through up to 24 ms of starting the worker before t0 (0.276 s waited)
+    t0 = time.monotonic()
     threading.Thread(target=reader_done).start()
     thread = threading.Thread(target=worker)
     thread.start()
-    t0 = time.monotonic()
     versions.publish({"w": torch.ones(10)}, 2)
     assert time.monotonic() - t0 >= 0.3 and buffer_of(versions).data_ptr() == entry.buffer.data_ptr()
     versions.publish({"w": torch.ones(12)}, 3)  # another shape: a new buffer, and the lease retires

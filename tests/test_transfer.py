@@ -10,6 +10,7 @@ import contextlib
 import os
 import socket
 import socketserver
+import struct
 import subprocess
 import sys
 import threading
@@ -297,7 +298,10 @@ def test_the_publisher_deals_a_pulls_chunks_to_whichever_stream_reads() -> None:
             try:
                 for i, (sock, num) in enumerate(zip(opened, counts)):
                     sock.sendall(encode_request(OP_CHUNKS, 1, "w1", token, min(i, num - 1), num, base=len(counts)))
-                    time.sleep(0.2)
+                    # its OK comes once it has joined: only then does the next ask, so the last one is
+                    # the one refused (a sleep here let a starved publisher take them out of order)
+                    if sock is not opened[-1]:
+                        assert recv_exact(sock, 1) == bytes([STATUS_OK])
                 status, text = read_reply_text(opened[-1])
                 assert status != STATUS_OK and b"does not fit" in text
             finally:
@@ -313,6 +317,23 @@ def test_a_request_in_another_wire_version_is_refused_saying_so(publisher: Weigh
     assert status != STATUS_OK and b"PRLW2" in text and b"upgrade" in text
 
 
+def _peer_tcp_state(sock: socket.socket) -> str | None:
+    """The TCP state (/proc/net/tcp's hex code: 01 established, 04 FIN_WAIT1 once closed)
+    of the other end of `sock`'s loopback connection, read off the kernel's table: the
+    other end's close shows there while the data before its FIN still waits for us."""
+
+    def hex_address(address: tuple[str, int]) -> str:
+        return "%08X:%04X" % (struct.unpack("=I", socket.inet_aton(address[0]))[0], address[1])
+
+    theirs, ours = hex_address(sock.getpeername()), hex_address(sock.getsockname())
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:  # sl local_address rem_address st ...
+            fields = line.split()
+            if fields[1] == theirs and fields[2] == ours:
+                return fields[3]
+    return None
+
+
 def test_publisher_gives_up_on_a_receiver_that_stops_reading() -> None:
     """A receiver that asks for chunks and never reads them costs the publisher one thread
     for about its io timeout (the kernel's send timeout), not forever: it hangs up."""
@@ -320,8 +341,13 @@ def test_publisher_gives_up_on_a_receiver_that_stops_reading() -> None:
     with WeightPublisher(chunk_bytes=2**20, io_timeout_s=0.5) as pub:
         pub.publish(sent, 1)
         with small_window(pub.address) as sock:
+            assert _peer_tcp_state(sock) == "01"  # the publisher's end, established
             sock.sendall(encode_request(OP_CHUNKS, 1, "w1", pub.grant("w1", 1), 0, 1))
-            time.sleep(3)  # read nothing for six times the publisher's io timeout
+            # read nothing until the publisher hangs up, which takes about 2 s on an idle box
+            # (the kernel lets a little more in now and then, and each send's timeout starts
+            # over): a fixed 3 s sleep left 1 s for a starved publisher to begin, and past it
+            # we read the whole version. 20 s: still short of the default io timeout (30 s).
+            _wait_for(lambda: _peer_tcp_state(sock) != "01", 20, "the publisher to hang up")
             sock.settimeout(10)
             received = 0
             while data := sock.recv(2**20):  # what was in flight, then the publisher's hang-up
