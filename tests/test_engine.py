@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import threading
 
 import pytest
 import torch
+from test_worker import engine_waits_once_running
 from transformers import AutoModelForCausalLM
 
 from polyrl.config import EngineConfig, RolloutConfig, TinyModelConfig
@@ -340,32 +342,37 @@ async def _collect(engine: AsyncEngine, rid: str, prompt: list[int], sampling: S
     return r
 
 
-def test_async_engine_streams_aborts_and_refuses_when_full(model):
-    async def main():
-        engine = AsyncEngine(Engine(model, SMALL.model_copy(update={"max_num_seqs": 1, "max_queued_requests": 1})))
+def test_async_engine_streams_aborts_and_refuses_when_full(model, monkeypatch):
+    async def main(engine: AsyncEngine, go_on: threading.Event) -> None:
+        collect = functools.partial(_collect, engine)
+        long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+        first = asyncio.create_task(collect("a", [1, 5], long))
+        second = asyncio.create_task(collect("b", PROMPTS[0], GREEDY))
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineFullError):
+            await collect("c", PROMPTS[0], GREEDY)
+        while engine.stats().num_generated_tokens < 3:
+            await asyncio.sleep(0.01)
+        assert engine.abort("a") and not engine.abort("unknown")
+        go_on.set()
+        a, b = await asyncio.wait_for(asyncio.gather(first, second), 30)
+        assert a.finish_reason == "abort" and 0 < len(a.token_ids) < 200
+        assert b.token_ids == hf_greedy(model, PROMPTS[0], 12)
+        assert await engine.wait_idle(1.0)
+        await engine.update_weights(None, 5)
+        c = await collect("c", PROMPTS[0], GREEDY)
+        assert c.weight_versions == [5] * 12
+
+    inner = Engine(model, SMALL.model_copy(update={"max_num_seqs": 1, "max_queued_requests": 1}))
+    engine = AsyncEngine(inner)
+    # "a" stops at 3 tokens until aborted: a test starved for its 200 tokens' time would
+    # find it done, the queue free for "c", and nothing to abort
+    with engine_waits_once_running(inner, monkeypatch, "a", at=3) as go_on:
         engine.start()
         try:
-            collect = functools.partial(_collect, engine)
-            long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
-            first = asyncio.create_task(collect("a", [1, 5], long))
-            second = asyncio.create_task(collect("b", PROMPTS[0], GREEDY))
-            await asyncio.sleep(0.05)
-            with pytest.raises(EngineFullError):
-                await collect("c", PROMPTS[0], GREEDY)
-            while engine.stats().num_generated_tokens < 3:
-                await asyncio.sleep(0.01)
-            assert engine.abort("a") and not engine.abort("unknown")
-            a, b = await asyncio.wait_for(asyncio.gather(first, second), 30)
-            assert a.finish_reason == "abort" and 0 < len(a.token_ids) < 200
-            assert b.token_ids == hf_greedy(model, PROMPTS[0], 12)
-            assert await engine.wait_idle(1.0)
-            await engine.update_weights(None, 5)
-            c = await collect("c", PROMPTS[0], GREEDY)
-            assert c.weight_versions == [5] * 12
+            asyncio.run(main(engine, go_on))
         finally:
             engine.shutdown()
-
-    asyncio.run(main())
 
 
 def test_async_engine_survives_callers_that_stop_waiting(model):

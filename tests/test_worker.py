@@ -174,18 +174,19 @@ def read_sse(response: httpx.Response) -> Iterator[dict[str, Any] | str]:
 
 @contextmanager
 def engine_waits_once_running(
-    worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch, rid: str
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, rid: str, at: int = 1
 ) -> Iterator[threading.Event]:
-    """The engine takes no step with `rid` running until the event yielded is set (on
-    leaving at the latest); commands (adds, aborts) still run meanwhile, as between a slow
-    engine's steps. A test then acts on a request that is certain to be still running: on
-    a starved machine (CI, once) a request of `LONG` tokens had run to its end before the
-    test looked at it."""
-    engine, step = worker.engine.engine, worker.engine.engine.step
+    """`engine` takes no step once `rid` runs with `at` tokens, until the event yielded is
+    set (on leaving at the latest); commands (adds, aborts) still run meanwhile, as between
+    a slow engine's steps. A test then acts on a request that is certain to be still
+    running: on a starved machine (CI, once) a request of `LONG` tokens had run to its end
+    before the test looked at it."""
+    step = engine.step
     go_on = threading.Event()
 
     def step_when_told() -> list[SampleDelta]:
-        if any(s.rid == rid for s in engine.scheduler.running) and not go_on.wait(timeout=0.01):
+        held = any(s.rid == rid and s.num_generated >= at for s in engine.scheduler.running)
+        if held and not go_on.wait(timeout=0.01):
             return []  # no step this time: the engine thread goes back to its commands
         return step()
 
@@ -438,7 +439,7 @@ def test_bad_request_is_refused_and_the_next_one_served(
 
 
 def test_abort_request_returns_partial_stream(worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch) -> None:
-    with engine_waits_once_running(worker, monkeypatch, "to-abort") as go_on:
+    with engine_waits_once_running(worker.engine.engine, monkeypatch, "to-abort") as go_on:
         with worker.client.stream("POST", "/generate", json=long_request("to-abort", stream=True)) as r:
             events = read_sse(r)
             first = next(events)
@@ -527,7 +528,7 @@ def test_abort_stops_one_prompt_of_a_batched_request(worker: InProcessWorker, mo
     ]
     finish: dict[int, str] = {}
     tokens: dict[int, int] = {}
-    with engine_waits_once_running(worker, monkeypatch, "b0") as go_on:
+    with engine_waits_once_running(worker.engine.engine, monkeypatch, "b0") as go_on:
         with worker.client.stream("POST", "/generate", json=body) as r:
             for e in read_sse(r):
                 if e == "[DONE]":
@@ -547,7 +548,7 @@ def test_abort_stops_one_prompt_of_a_batched_request(worker: InProcessWorker, mo
 def test_client_disconnect_aborts(worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch) -> None:
     worker.wait_for(lambda i: i["num_running_reqs"] == 0 and i["num_queued_reqs"] == 0)
     before = worker.info()["num_generated_tokens"]
-    with engine_waits_once_running(worker, monkeypatch, "gone-stream") as go_on:
+    with engine_waits_once_running(worker.engine.engine, monkeypatch, "gone-stream") as go_on:
         with worker.client.stream("POST", "/generate", json=long_request("gone-stream", stream=True)) as r:
             next(read_sse(r))  # running; now hang up
             held = worker.info()
@@ -578,7 +579,7 @@ def test_info_health_and_model_info(worker: InProcessWorker, model_dir: Path) ->
 def test_engine_full_gives_429(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with (
         InProcessWorker(model_dir, max_num_seqs=1, max_queued_requests=1) as w,
-        engine_waits_once_running(w, monkeypatch, "a"),  # "a" runs and "b" waits until both are aborted
+        engine_waits_once_running(w.engine.engine, monkeypatch, "a"),  # "a" runs and "b" waits until both are aborted
     ):
         results: dict[str, httpx.Response] = {}
 
