@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ pytest.importorskip("atroposlib")
 from atropos_api import AtroposAPI, free_port  # noqa: E402
 from test_train import _metrics  # noqa: E402
 
+from chaos_harness.harness import kill_while_holding  # noqa: E402
 from polyrl.config import TinyModelConfig, load_config  # noqa: E402
 from polyrl.data.atropos import Registration  # noqa: E402
 from polyrl.models.tiny import save_tiny_model  # noqa: E402
@@ -271,19 +271,26 @@ def test_a_worker_killed_mid_request_shows_in_the_trainers_log_and_metrics(
     )
     killed: list[dict] = []
 
+    def workers() -> list[dict]:
+        try:
+            reply = httpx.get(f"{manager_url}/v1/workers", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+            return reply.json()["workers"]
+        except (httpx.HTTPError, ValueError):
+            return []  # not serving yet
+
+    def still_busy(pid: int) -> bool:
+        return any(w["pid"] == pid and w["num_inflight"] >= GROUP_SIZE for w in workers())
+
     def kill_a_busy_worker() -> None:
-        headers = {"Authorization": f"Bearer {TOKEN}"}
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not killed:
-            try:
-                workers = httpx.get(f"{manager_url}/v1/workers", headers=headers, timeout=5).json()["workers"]
-            except (httpx.HTTPError, ValueError):
-                workers = []  # not serving yet
-            remote = [w for w in workers if w["worker_id"] != "local" and w["state"] == "active"]
+            remote = [w for w in workers() if w["worker_id"] != "local" and w["state"] == "active"]
             busy = [w for w in remote if w["num_inflight"] >= GROUP_SIZE]
             if len(remote) == 2 and busy:
-                os.kill(busy[0]["pid"], signal.SIGKILL)
-                killed.append(busy[0])
+                # 16-token samples can end between this look and a signal: frozen, then asked again
+                victim = busy[0]
+                if kill_while_holding([victim["pid"]], lambda v=victim: still_busy(v["pid"])):
+                    killed.append(victim)
             time.sleep(0.02)
 
     killer = threading.Thread(target=kill_a_busy_worker, daemon=True)
