@@ -126,6 +126,7 @@ class FakeWorker:
         self.mode, self.fault_after = mode, fault_after
         self.calls: list[dict[str, Any]] = []
         self.running = 0
+        self.num_done = 0  # calls streamed to their [DONE]
         self.beating = True
         self.frozen = asyncio.Event()  # never set: awaiting it is freezing
         app = FastAPI()
@@ -222,6 +223,7 @@ class FakeWorker:
                     if finish is not None:
                         break
                 yield b"data: [DONE]\n\n"
+                self.num_done += 1
             finally:
                 self.running -= n
 
@@ -324,10 +326,18 @@ def test_batch_streams_exact_groups_over_http_and_in_process(manager: ManagerThr
 
 
 def test_groups_come_in_completion_order(manager: ManagerThread) -> None:
-    with FakeWorker(manager.url, "slow", token_delay_s=0.05):
+    """p0 goes to `slow`, p1 to `fast`; `slow` starts only once `fast` has finished (a
+    token delay alone left 0.5 s between them, which a busy machine can eat)."""
+    with FakeWorker(manager.url, "slow", token_delay_s=0.05, hold_after=0) as slow:
         wait_active(manager, "slow")  # registered first: equal loads go to it first
-        with FakeWorker(manager.url, "fast", token_delay_s=0.001):
+        with FakeWorker(manager.url, "fast", token_delay_s=0.001) as fast:
             wait_active(manager, "fast")
+
+            def release_slow() -> None:
+                _wait_until(lambda: fast.num_done == 1, 30, "fast's call to end")
+                slow.go_on.set()
+
+            threading.Thread(target=release_slow, daemon=True).start()
             order = [(g.prompt_id, g.samples[0].segments[0].worker) for g in manager.generate(batch(2, 1, 10))]
     assert order == [("p1", "fast"), ("p0", "slow")]
 

@@ -1040,7 +1040,8 @@ def test_worker_survives_the_manager_going_away(model_dir: Path) -> None:
         url = worker.wait_ready()
         _wait_until(lambda: bool(manager.seen("heartbeat")), 30, "a heartbeat")
         manager.http.__exit__()  # the manager process dies
-        time.sleep(1.5)  # several heartbeat intervals (0.2 s) without a manager
+        _wait_until(lambda: "cannot reach the manager" in worker.text, 30, "the worker to notice")
+        time.sleep(1.5)  # then several heartbeat intervals (0.2 s) without a manager
         assert worker.proc.poll() is None, worker.text
         auth = {"Authorization": "Bearer t"}
         assert httpx.post(f"{url}/generate", json=greedy(3), headers=auth, timeout=HTTP_TIMEOUT_S).status_code == 200
