@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -30,6 +30,7 @@ import torch
 from chaos_harness.proxy import FaultProxy
 from polyrl.config import ManagerConfig
 from polyrl.manager.main import ManagerThread
+from polyrl.manager.manager import RolloutManager
 from polyrl.manager.weight_sync import PublisherSync
 from polyrl.protocol.manager_api import BatchError, BatchPrompt, BatchRequest, GroupResult, WorkerInfo
 from polyrl.protocol.sampling import SamplingParams
@@ -80,6 +81,15 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s:
             raise TimeoutError(f"timed out after {timeout_s:g}s waiting for {what}")
         time.sleep(poll_s)
     return time.monotonic() - start
+
+
+def samples_streaming(manager: RolloutManager, worker_ids: Collection[str]) -> int:
+    """How many samples run on `worker_ids` with tokens of their running segment already
+    at the manager: killed now, such a worker leaves them tokens to carry elsewhere, not
+    samples to start again. Reads the manager's state: call it on its loop
+    (`ManagerThread.call`, or from a hook that runs there)."""
+    running = (s for unit in manager.state.units.values() for s in unit.samples)
+    return sum(s._seg_worker in worker_ids and bool(s._seg_tokens) for s in running)
 
 
 def kill_while_holding(

@@ -30,6 +30,7 @@ from chaos_harness.harness import (
     WorkerHandle,
     kill_while_holding,
     make_batch,
+    samples_streaming,
     wait_for,
 )
 
@@ -134,13 +135,8 @@ class Context:
         """One of `worker_ids` holds an unfinished sample whose tokens have reached the
         manager: killed now, it migrates with them (before its first tokens it would only
         start again elsewhere)."""
-        state = self.fleet.mt.manager.state
-
-        def check() -> bool:
-            running = (s for unit in state.units.values() for s in unit.samples)
-            return any(s._seg_worker in worker_ids and s._seg_tokens and not s.done for s in running)
-
-        return bool(self.fleet.mt.call(check))
+        mt = self.fleet.mt
+        return mt.call(lambda: samples_streaming(mt.manager, worker_ids)) > 0
 
     def streaming_worker(self, running: RunningBatch, timeout_s: float = 60) -> WorkerHandle | None:
         """A worker streaming some of `running`'s samples (`streaming`); None if the batch

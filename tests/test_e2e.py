@@ -16,6 +16,7 @@ from test_manager import TOKEN, _start_worker, fast_cfg, long_context_model  # n
 from test_train import Crash, _metrics, crash_after
 from test_worker import WorkerProcess, _wait_until
 
+from chaos_harness.harness import samples_streaming
 from polyrl.config import EngineConfig, load_config
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest
@@ -244,17 +245,13 @@ def test_hybrid_window_hands_local_samples_to_a_worker_token_exact(long_context_
     with ManagerThread(fast_cfg()) as mt, WeightPublisher(chunk_bytes=64 * 1024) as pub:
         sync = PublisherSync(mt.manager, pub, codec="raw")
 
-        def local_streamed_every_sample() -> bool:  # on the manager's loop
-            running = [s for unit in mt.manager.state.units.values() for s in unit.samples]
-            return sum(s._seg_worker == "local" and bool(s._seg_tokens) for s in running) == 4
-
         async def slow_sync(record, version):
             # the window needs the worker to lag until the local worker holds every sample
             # with tokens streamed: a fixed 1 s lag was gone on a loaded machine before the
             # test had submitted the batch and the local worker had synced and started
             if not record.is_local:
                 deadline = time.monotonic() + 40  # then the segments below say what went wrong
-                while not local_streamed_every_sample() and time.monotonic() < deadline:
+                while samples_streaming(mt.manager, {"local"}) < 4 and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
             return await sync(record, version)
 

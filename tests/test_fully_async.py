@@ -22,7 +22,6 @@ from test_e2e import QUICK
 from test_manager import (  # noqa: F401 - long_context_model is a fixture
     Consumer,
     FakeWorker,
-    _start_held_worker,
     _start_worker,
     batch,
     check_exact,
@@ -432,7 +431,7 @@ def test_a_sample_spans_two_versions_without_a_restart(long_context_model: Path,
         mt.add_sync_hook(PublisherSync(mt.manager, pub, codec="raw"))
         hold = tmp_path / "hold"
         hold.touch()  # the samples stop at their first token until v1 is in: v1 comes mid-sample however slow the machine
-        proc = _start_held_worker(long_context_model, mt.url, "w1", hold)
+        proc = _start_worker(long_context_model, mt.url, "w1", hold_at=1, hold_while=hold)
         try:
             proc.wait_ready()
             wait_active(mt, "w1")

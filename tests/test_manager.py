@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from test_worker import ThreadedServer, WorkerProcess, _tiny, _wait_until
 
+from chaos_harness.harness import samples_streaming
 from polyrl.config import EngineConfig, ManagerConfig
 from polyrl.engine.engine import Engine
 from polyrl.engine.types import EngineRequest
@@ -698,17 +699,13 @@ def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny(tmp_path_factory.mktemp("manager_model"))
 
 
-def _start_worker(model_dir: Path, manager_url: str, worker_id: str) -> WorkerProcess:
-    return WorkerProcess(model_dir, "--manager", manager_url, "--token", TOKEN, "--worker-id", worker_id)
-
-
-def _start_held_worker(model_dir: Path, manager_url: str, worker_id: str, hold: Path) -> WorkerProcess:
-    """A worker whose samples stop at their first token while the file `hold` exists
-    (`WorkerProcess`'s `hold_at`): on a busy machine a worker process runs on while the
-    test process waits for a core, and 300 to 1,000 tokens (1 to 3 s) could end between
-    "tokens stream" and the test's act."""
+def _start_worker(model_dir: Path, manager_url: str, worker_id: str, **hold: Any) -> WorkerProcess:
+    """`hold`: `WorkerProcess`'s `hold_at` / `hold_while`, for a worker whose samples must
+    still run when the test acts (on a busy machine a worker process runs on while the
+    test process waits for a core: 300 to 1,000 tokens, 1 to 3 s, could end between
+    "tokens stream" and the act)."""
     args = ("--manager", manager_url, "--token", TOKEN, "--worker-id", worker_id)
-    return WorkerProcess(model_dir, *args, hold_at=1, hold_while=hold)
+    return WorkerProcess(model_dir, *args, **hold)
 
 
 def test_calls_placed_together_share_a_request_and_each_fails_or_stops_alone(
@@ -719,7 +716,7 @@ def test_calls_placed_together_share_a_request_and_each_fails_or_stops_alone(
     worker by rid while the others in the same request run to their end."""
     hold = tmp_path / "hold"
     with ManagerThread(fast_cfg(stall_timeout_s=60)) as mt:  # a held engine streams nothing
-        proc = _start_held_worker(long_context_model, mt.url, "w1", hold)
+        proc = _start_worker(long_context_model, mt.url, "w1", hold_at=1, hold_while=hold)
         try:
             url = proc.wait_ready()
             wait_active(mt, "w1")
@@ -811,11 +808,7 @@ def test_real_workers_join_and_die_mid_batch(long_context_model: Path) -> None:
 def _streamed_from(mt: ManagerThread, worker_id: str) -> bool:
     """The manager holds tokens of a sample running on `worker_id` (a kill now leaves a
     sample to continue elsewhere, not one to start again)."""
-    try:
-        batches = list(mt.service.manager.batches.values())
-        return any(s._seg_worker == worker_id and s._seg_tokens for b in batches for g in b.groups for s in g.samples)
-    except RuntimeError:  # changed under us by the manager's thread: look again
-        return False
+    return mt.call(lambda: samples_streaming(mt.manager, {worker_id})) > 0
 
 
 @pytest.mark.slow
@@ -827,7 +820,7 @@ def test_real_worker_frozen_with_sigstop_is_detected(long_context_model: Path, t
     hold = tmp_path / "hold"
     with ManagerThread(fast_cfg(heartbeat_timeout_s=2.0, stall_timeout_s=60)) as mt:
         try:
-            procs = [_start_held_worker(long_context_model, mt.url, "w1", hold)]
+            procs = [_start_worker(long_context_model, mt.url, "w1", hold_at=1, hold_while=hold)]
             procs.append(_start_worker(long_context_model, mt.url, "w2"))
             for p in procs:
                 p.wait_ready()

@@ -18,7 +18,7 @@ import torch
 from test_e2e import QUICK
 from test_engine import PROMPTS, SMALL, hf_greedy, run, spicy_model
 from test_lora import _generate, _perturb
-from test_manager import TOKEN, Consumer, _start_worker, _streamed_from, batch, fast_cfg, wait_active
+from test_manager import Consumer, _start_worker, _streamed_from, batch, fast_cfg, wait_active
 from test_rollout_learner import _learner
 from test_train import _metrics
 from test_worker import WorkerProcess, _wait_until
@@ -305,8 +305,7 @@ def test_routes_reach_the_batch_through_workers_and_a_kill(spicy_moe_dir: Path, 
         try:
             # w1 stops generating at 40 of the 120 tokens: however late the kill, it lands
             # mid-sample (a sample finished before it would not move)
-            w1 = WorkerProcess(spicy_moe_dir, "--manager", mt.url, "--token", TOKEN, "--worker-id", "w1", hold_at=40)
-            procs.append(w1)
+            procs.append(_start_worker(spicy_moe_dir, mt.url, "w1", hold_at=40))
             procs[0].wait_ready()
             wait_active(mt, "w1")
             consumer = Consumer(mt, request)

@@ -120,52 +120,48 @@ def test_a_chain_of_relays_moves_a_version_in_about_one_pull() -> None:
     """A -> B -> C: each relay serves the chunks as they check out, so C holds the version
     soon after A; the publisher sends it once; every copy is bit-exact."""
     with WeightPublisher(chunk_bytes=CHUNK, keep_versions=2, max_send_gbps=CHAIN_GBPS) as publisher:
-        _chain_of_relays(publisher)
+        sent = version(2)
+        info = publisher.publish(sent, 1)
+        keys = {w: relay_key(publisher.key, w) for w in "ABC"}
+        relays = {w: Relay(key=keys[w], max_send_gbps=CHAIN_GBPS) for w in "ABC"}
+        done: dict[str, tuple[float, int]] = {}
+        t0 = time.monotonic()
 
+        def worker(name: str, sources: list[PullSource]) -> None:
+            got = pull(sources[0], 1, 3, 30, fallbacks=sources[1:], watcher=relays[name].watch(1))
+            done[name] = (time.monotonic() - t0, exact(got, info))
 
-def _chain_of_relays(publisher: WeightPublisher) -> None:
-    sent = version(2)
-    info = publisher.publish(sent, 1)
-    keys = {w: relay_key(publisher.key, w) for w in "ABC"}
-    relays = {w: Relay(key=keys[w], max_send_gbps=CHAIN_GBPS) for w in "ABC"}
-    done: dict[str, tuple[float, int]] = {}
-    t0 = time.monotonic()
-
-    def worker(name: str, sources: list[PullSource]) -> None:
-        got = pull(sources[0], 1, 3, 30, fallbacks=sources[1:], watcher=relays[name].watch(1))
-        done[name] = (time.monotonic() - t0, exact(got, info))
-
-    plan = {"A": [], "B": ["A"], "C": ["B", "A"]}
-    threads = [
-        threading.Thread(
-            target=worker,
-            args=(w, [at_relay(relays[r], keys[r], w) for r in plan[w]] + [at_publisher(publisher, w)]),
-        )
-        for w in "CBA"  # the children ask first: a relay's DESCRIBE waits for the version
-    ]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert {w: ok for w, (_, ok) in done.items()} == dict.fromkeys("ABC", True)
-        total = flatten(sent, 1)[0].numel()
-        # each sender counts a chunk once its send returns, which may come after the pull
-        # that read it ended: wait for the counts, then require them exact
-        wait_for_count(lambda: publisher.bytes_sent, total, timeout_s=30)  # once, to A
-        for r in "AB":
-            wait_for_count(lambda r=r: relays[r].bytes_sent, total, timeout_s=30)
-        assert relays["C"].bytes_sent == 0
-        # Pipelined by chunk: C finishes a chunk or two after A. One pull per hop (each relay
-        # waiting for the whole version) would take three pulls; the bound sits between the
-        # two. A pull lasts long enough (CHAIN_GBPS) that a stall on a loaded box is a
-        # small part of it.
-        one_pull = done["A"][0]
-        assert done["C"][0] < 2.0 * one_pull, done
-        assert relays["C"].holds(1) and not relays["C"].holds(2)
-    finally:
-        for r in relays.values():
-            r.close()
+        plan = {"A": [], "B": ["A"], "C": ["B", "A"]}
+        threads = [
+            threading.Thread(
+                target=worker,
+                args=(w, [at_relay(relays[r], keys[r], w) for r in plan[w]] + [at_publisher(publisher, w)]),
+            )
+            for w in "CBA"  # the children ask first: a relay's DESCRIBE waits for the version
+        ]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert {w: ok for w, (_, ok) in done.items()} == dict.fromkeys("ABC", True)
+            total = flatten(sent, 1)[0].numel()
+            # each sender counts a chunk once its send returns, which may come after the pull
+            # that read it ended: wait for the counts, then require them exact
+            wait_for_count(lambda: publisher.bytes_sent, total, timeout_s=30)  # once, to A
+            for r in "AB":
+                wait_for_count(lambda r=r: relays[r].bytes_sent, total, timeout_s=30)
+            assert relays["C"].bytes_sent == 0
+            # Pipelined by chunk: C finishes a chunk or two after A. One pull per hop (each relay
+            # waiting for the whole version) would take three pulls; the bound sits between the
+            # two. A pull lasts long enough (CHAIN_GBPS) that a stall on a loaded box is a
+            # small part of it.
+            one_pull = done["A"][0]
+            assert done["C"][0] < 2.0 * one_pull, done
+            assert relays["C"].holds(1) and not relays["C"].holds(2)
+        finally:
+            for r in relays.values():
+                r.close()
 
 
 def test_a_relay_checks_tokens_and_serves_deltas_and_zstd_of_whole_versions(publisher: WeightPublisher) -> None:
