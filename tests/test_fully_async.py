@@ -520,10 +520,12 @@ def test_fully_async_survives_a_kill_and_resumes_within_the_bound(
     """Long responses in flight across steps, k = 1, two workers; one is killed -9 with
     samples in flight after step 3, and the trainer dies after step 6 (checkpoint at 4,
     with prompts in flight) and resumes. Every step trains on a full batch, no token lags
-    more than one version, samples span versions, and the killed worker's samples
-    continue elsewhere (with their tokens when it had streamed some: whether it had at the
-    signal is timing, so the count of moved samples is not asserted; the migration
-    itself is checked token for token by `test_manager.py::test_killed_worker_mid_stream_migrates_token_exact`)."""
+    more than one version, and the killed worker's samples continue elsewhere (with their
+    tokens when it had streamed some: whether it had at the signal is timing, so the count
+    of moved samples is not asserted; the migration itself is checked token for token by
+    `test_manager.py::test_killed_worker_mid_stream_migrates_token_exact`). Whether a
+    publish finds samples half done is timing too (on a loaded machine none did in one run):
+    `test_a_sample_spans_two_versions_without_a_restart` holds one there."""
     run_dir = tmp_path / "run"
     overrides = [
         *QUICK,
@@ -562,4 +564,3 @@ def test_fully_async_survives_a_kill_and_resumes_within_the_bound(
     for r in rows:
         assert r["rollout/samples_received"] == r["rollout/samples_requested"] >= 8 * 4
         assert r["rollout/version_lag/max"] <= 1 and r["async/regenerated_groups"] == 0
-    assert sum(r["rollout/multi_version_ratio"] for r in rows) > 0  # samples that span versions

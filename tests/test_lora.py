@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_train import SMALL as TRAIN_SMALL
 from test_train import Crash, _metrics, crash_after
-from test_worker import WorkerProcess
+from test_worker import WorkerProcess, hold_launched_worker
 from transformers import AutoModelForCausalLM
 
 from polyrl.config import ConfigError, EngineConfig, LoraConfig, load_config
@@ -338,13 +338,14 @@ def _wait_for_tokens(worker_url: str, at_least: int, timeout_s: float) -> None:
         time.sleep(0.01)
 
 
-def _kill_when_busy(run_dir: Path, worker_id: str, killed: list[int]) -> None:
+def _kill_when_busy(run_dir: Path, worker_id: str, killed: list[int], hold: Path) -> None:
     """kill -9 the launched `worker_id` while the manager has samples in flight on it that
     streamed tokens (`manager.stream_interval_s=0`): samples with tokens to carry, so that
-    they migrate (one killed before its first chunk restarts whole). Samples of 24 tokens
-    finish within a fraction of a second, so the worker is first frozen (SIGSTOP) and the
-    manager asked what it still has there; if nothing, the worker goes on and the next
-    batch is tried."""
+    they migrate (one killed before its first chunk restarts whole). The worker runs held
+    (`hold_launched_worker`) while `hold` exists, so its samples wait unfinished however
+    slow the machine; it is still frozen (SIGSTOP) and the manager asked what it has there
+    before the signal, and if nothing, it goes on and the next batch is tried. `hold` is
+    removed on the way out, killed or not."""
     info = json.loads((run_dir / "manager.json").read_text())
     headers, deadline = {"Authorization": f"Bearer {info['token']}"}, time.monotonic() + 60
 
@@ -354,20 +355,23 @@ def _kill_when_busy(run_dir: Path, worker_id: str, killed: list[int]) -> None:
             (w for w in WorkerList.model_validate_json(reply.content).workers if w.worker_id == worker_id), None
         )
 
-    while time.monotonic() < deadline:
-        busy = on_worker()
-        if busy is not None and busy.num_inflight >= 8:
-            _wait_for_tokens(busy.url, at_least=16, timeout_s=10)
-            pid = _child_pid(worker_id)
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.3)  # the manager reads the chunks already sent
-            frozen = on_worker()
-            if frozen is not None and frozen.num_inflight > 0:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-                return
-            os.kill(pid, signal.SIGCONT)
-        time.sleep(0.01)
+    try:
+        while time.monotonic() < deadline:
+            busy = on_worker()
+            if busy is not None and busy.num_inflight > 0:
+                _wait_for_tokens(busy.url, at_least=8, timeout_s=10)
+                pid = _child_pid(worker_id)
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.3)  # the manager reads the chunks already sent
+                frozen = on_worker()
+                if frozen is not None and frozen.num_inflight > 0:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    return
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
+    finally:
+        hold.unlink(missing_ok=True)
 
 
 def _record_shipped(monkeypatch: pytest.MonkeyPatch) -> dict[int, Manifest]:
@@ -415,11 +419,14 @@ def test_adapter_versions_reach_two_workers_and_survive_a_kill(tmp_path: Path, m
     ]
     run_dir = tmp_path / "run"
     killed: list[int] = []
-    killer = threading.Thread(target=_kill_when_busy, args=(run_dir, "w0", killed), daemon=True)
+    hold = tmp_path / "hold"  # from step 4 on, w0's samples stop at 8 tokens until it is killed
+    hold_launched_worker(monkeypatch, "w0", hold_at=8, hold_while=hold)
+    killer = threading.Thread(target=_kill_when_busy, args=(run_dir, "w0", killed, hold), daemon=True)
     shipped = _record_shipped(monkeypatch)
 
     def kill_w0_once_busy(step: int, metrics: dict) -> None:
         if step == 3:
+            hold.touch()
             killer.start()
 
     train(load_config(None, overrides), run_dir, on_step_end=kill_w0_once_busy)

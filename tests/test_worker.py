@@ -820,6 +820,26 @@ runpy.run_module("polyrl.cli", run_name="__main__")
 """`python -c HELD_ENGINE worker ...`: `polyrl worker`, its engine held (`WorkerProcess`'s `hold_at`)."""
 
 
+def hold_launched_worker(monkeypatch: pytest.MonkeyPatch, worker_id: str, hold_at: int, hold_while: Path) -> None:
+    """The run's launched worker `worker_id` (the fleet's `polyrl worker`, started by a
+    `train` in this process) runs HELD_ENGINE: while `hold_while` exists, its engine takes
+    no step once every running sample has `hold_at` tokens, as `WorkerProcess`'s hold."""
+    from polyrl.launch import fleet
+
+    command = fleet.worker_command
+
+    def held(model_dir, manager_url, launched_id, engine, overrides):
+        cmd = command(model_dir, manager_url, launched_id, engine, overrides)
+        if launched_id == worker_id:
+            at = cmd.index("-m")
+            cmd[at : at + 2] = ["-c", HELD_ENGINE]
+        return cmd
+
+    monkeypatch.setattr(fleet, "worker_command", held)
+    monkeypatch.setenv("POLYRL_TEST_HOLD_AT", str(hold_at))
+    monkeypatch.setenv("POLYRL_TEST_HOLD_WHILE", str(hold_while))
+
+
 class WorkerProcess:
     """`polyrl worker` in a subprocess; stdout+stderr lines are collected by a thread.
     With `hold_at`, its engine takes no step once every running sample has that many
