@@ -820,6 +820,11 @@ runpy.run_module("polyrl.cli", run_name="__main__")
 """`python -c HELD_ENGINE worker ...`: `polyrl worker`, its engine held (`WorkerProcess`'s `hold_at`)."""
 
 
+def held_env(hold_at: int, hold_while: Path | None) -> dict[str, str]:
+    """The environment HELD_ENGINE reads its hold from (no `hold_while`: held for good)."""
+    return {"POLYRL_TEST_HOLD_AT": str(hold_at), "POLYRL_TEST_HOLD_WHILE": str(hold_while or "")}
+
+
 def hold_launched_worker(monkeypatch: pytest.MonkeyPatch, worker_id: str, hold_at: int, hold_while: Path) -> None:
     """The run's launched worker `worker_id` (the fleet's `polyrl worker`, started by a
     `train` in this process) runs HELD_ENGINE: while `hold_while` exists, its engine takes
@@ -836,8 +841,8 @@ def hold_launched_worker(monkeypatch: pytest.MonkeyPatch, worker_id: str, hold_a
         return cmd
 
     monkeypatch.setattr(fleet, "worker_command", held)
-    monkeypatch.setenv("POLYRL_TEST_HOLD_AT", str(hold_at))
-    monkeypatch.setenv("POLYRL_TEST_HOLD_WHILE", str(hold_while))
+    for name, value in held_env(hold_at, hold_while).items():
+        monkeypatch.setenv(name, value)  # the fleet's workers inherit this process's environment
 
 
 class WorkerProcess:
@@ -863,7 +868,7 @@ class WorkerProcess:
         ]
         env = os.environ | {"POLYRL_TOKEN": ""}
         if hold_at is not None:
-            env |= {"POLYRL_TEST_HOLD_AT": str(hold_at), "POLYRL_TEST_HOLD_WHILE": str(hold_while or "")}
+            env |= held_env(hold_at, hold_while)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
