@@ -10,7 +10,7 @@ scripts/setup.sh
 .venv/bin/python -m compileall -q src tests chaos_harness >/dev/null 2>&1 || true
 # One pytest worker per core (pytest-xdist), each test file's tests on one worker so that
 # its module fixtures are built once. On one worker the suite kept 1.2 of 2 cores busy (most
-# tests wait on the processes they start); on two it took 889-1,115 s against 1,254 s on
+# tests wait on the processes they start); on two it took 889-1,296 s against 1,254 s on
 # 2026-12-04. Files are handed out most tests first (xdist's default): in collection order
 # instead, the end-to-end files ran side by side and the suite took 1,170 s. A later `-n`
 # overrides (`-n 0`: no workers).
