@@ -12,6 +12,14 @@ from pathlib import Path
 # collector walked the growing heap again and again). As `polyrl.gc_heap.start_up_imports`.
 gc.disable()
 
+# OpenMP threads that find no work sleep at once instead of spinning for it first. The tests
+# run two pytest workers on 2 cores, and an end-to-end test starts a trainer, a manager and
+# workers of its own: a thread spinning for the next op held a core that another process was
+# waiting for. The two agent examples side by side on this box took 155 and 182 s, and 59
+# and 95 s with this (alone, one of them was 5-9% slower with it). Read by libgomp when torch
+# loads it, so set before torch is imported; every process the tests start inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
