@@ -69,17 +69,20 @@ def test_paged_decode_attention_matches_the_reference(dtype, tile):
         assert (out[b].float().cpu() - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("value_size", [1.0, 1e-5])
 @pytest.mark.parametrize(("kv_heads", "loop"), [(8, "fp8 few heads"), (4, "fp8 few heads"), (2, "fp8")])
-def test_an_fp8_cache_is_read_as_its_dequantized_values(kv_heads: int, loop: str) -> None:
+def test_an_fp8_cache_is_read_as_its_dequantized_values(kv_heads: int, loop: str, value_size: float) -> None:
     """Both FP8 loops (CUDA cores for one or two query heads a KV head, tensor cores for
-    more) against float32 attention over the cache's e4m3 values times their scales."""
+    more) against float32 attention over the cache's e4m3 values times their scales, with
+    values of unit size and of 1e-5 (the tensor cores take the values' weights in fp16,
+    whose normal range ends at 6e-5)."""
     assert triton_ops.decode_loop(True, 8 // kv_heads) == loop
     g = torch.Generator().manual_seed(0)
     num_seqs, heads, head_dim, block_size, num_blocks = 5, 8, 32, 4, 64
     q = torch.randn(num_seqs, heads, head_dim, generator=g).to(DEVICE, torch.bfloat16)
     caches, scales = [], []
-    for _ in range(2):  # keys, values: one scale per (slot, KV head), as the engine writes them
-        x = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    for size in (1.0, value_size):  # keys, values: one scale per (slot, KV head), as the engine writes them
+        x = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * size
         scale = x.abs().amax(-1) / 448.0
         caches.append((x / scale[..., None]).to(torch.float8_e4m3fn).to(DEVICE))
         scales.append(scale.to(DEVICE))
@@ -95,7 +98,7 @@ def test_an_fp8_cache_is_read_as_its_dequantized_values(kv_heads: int, loop: str
             assert out[b].abs().max().item() == 0
             continue
         ref = reference_attention(q[b].float().cpu(), k, v, tables[b].tolist(), c, 0.2)
-        assert (out[b].float().cpu() - ref).abs().max().item() < 3e-2, b
+        assert (out[b].float().cpu() - ref).abs().max().item() < 2e-2 * ref.abs().max().item(), b
 
 
 def test_a_mixed_step_attends_the_same_with_its_decodes_on_the_paged_kernel():

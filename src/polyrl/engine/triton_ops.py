@@ -139,7 +139,12 @@ if triton is not None:
                 p = tl.exp(s - m_new[:, None])
                 denom = denom * alpha + tl.sum(p, axis=1)
                 if FP8_KV:
-                    pv = tl.dot((p * vs[None, :]).to(tl.float16), v.to(tl.float16), input_precision=PRECISION)
+                    # the values' weights over the tile's largest scale, so that they stay in fp16's
+                    # normal range (from 6e-5) however small the model's values are: taken as they
+                    # are, values of size 1e-5 came out a third off (tests/test_triton_ops.py)
+                    vref = tl.maximum(tl.max(vs, axis=0), 1e-30)
+                    w = (p * (vs / vref)[None, :]).to(tl.float16)
+                    pv = tl.dot(w, v.to(tl.float16), input_precision=PRECISION) * vref
                 else:
                     pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 acc = acc * alpha[:, None] + pv
