@@ -5,7 +5,9 @@
 
 A tile is `block_n/warps/stages`: the tokens one loop iteration of the attention kernel
 reads, its warps and its pipeline stages (`triton_ops.DECODE_TILES`, whose entry for the
-loop that reads this model's cache, `triton_ops.decode_loop`, each run sets). One model in the preset's shape (random weights) decodes the
+loop that reads this model's cache, `triton_ops.decode_loop`, each run sets); with an "h"
+after it (`16/2/4h`), the kernel's programs are launched each sequence's KV heads side by
+side (`triton_ops.DECODE_HEADS_FIRST`). One model in the preset's shape (random weights) decodes the
 same batch (`--batch` random prompts of `--prompt-len` tokens, `--new-tokens` sampled at
 temperature 1, EOS ignored) with a fresh engine per tile, so that its CUDA graphs are
 captured with that tile. The tiles take turns for `--rounds` rounds, after one untimed run
@@ -24,6 +26,7 @@ tiles chosen in the engine").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import platform
@@ -43,23 +46,36 @@ from polyrl.engine.engine import Engine  # noqa: E402
 from polyrl.protocol.sampling import SamplingParams  # noqa: E402
 
 
-def parse_tiles(text: str) -> list[tuple[int, int, int]]:
-    """'64/4/2,16/2/4' -> [(64, 4, 2), (16, 2, 4)]: powers of two, block_n at least 16."""
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    sizes: tuple[int, int, int]  # block_n, warps, stages
+    heads_first: bool = False
+
+    def __str__(self) -> str:
+        return "/".join(map(str, self.sizes)) + ("h" if self.heads_first else "")
+
+
+def parse_tiles(text: str) -> list[Tile]:
+    """'64/4/2,16/2/4h' -> [Tile((64, 4, 2)), Tile((16, 2, 4), heads_first=True)]: powers
+    of two, block_n at least 16."""
     tiles = []
     for item in text.split(","):
-        parts = item.strip().split("/")
+        item = item.strip()
+        heads_first = item.endswith("h")
+        parts = item.removesuffix("h").split("/")
         if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"a tile is block_n/warps/stages, like 16/2/4: got {item!r}")
+            raise ValueError(f"a tile is block_n/warps/stages, like 16/2/4, or 16/2/4h: got {item!r}")
         block_n, warps, stages = (int(p) for p in parts)
         if block_n < 16 or block_n & (block_n - 1) or warps & (warps - 1):
             raise ValueError(f"block_n (at least 16) and warps are powers of two: got {item!r}")
-        tiles.append((block_n, warps, stages))
+        tiles.append(Tile((block_n, warps, stages), heads_first))
     return tiles
 
 
-def decode_once(model, prompts: list[list[int]], args, kind: str, tile: tuple[int, int, int]) -> dict:
+def decode_once(model, prompts: list[list[int]], args, kind: str, tile: Tile) -> dict:
     """One engine captured with `tile`, one timed decode of the batch."""
-    triton_ops.DECODE_TILES[kind] = tile
+    triton_ops.DECODE_TILES[kind] = tile.sizes
+    triton_ops.DECODE_HEADS_FIRST = tile.heads_first
     engine = Engine(model, engine_config(args, kv_dtype="fp8" if args.kv == "fp8" else "auto"))
     try:
         # graphs for the batch's sizes are captured here, outside the timing
@@ -116,16 +132,16 @@ def main() -> int:
         bandwidth,
         args.kv == "fp8",
     )
-    default = triton_ops.DECODE_TILES[kind]
+    default = Tile(triton_ops.DECODE_TILES[kind], triton_ops.DECODE_HEADS_FIRST)
     print(f"warm-up: {tiles[0]}", flush=True)
     decode_once(model, prompts, args, kind, tiles[0])
-    runs: dict[tuple[int, int, int], list[dict]] = {t: [] for t in tiles}
+    runs: dict[Tile, list[dict]] = {t: [] for t in tiles}
     for r in range(args.rounds):
         for tile in tiles:
             run = decode_once(model, prompts, args, kind, tile)
             runs[tile].append(run)
-            print(f"round {r + 1}, tile {'/'.join(map(str, tile))}: {run['tok_s']:,.0f} tok/s", flush=True)
-    triton_ops.DECODE_TILES[kind] = default
+            print(f"round {r + 1}, tile {tile}: {run['tok_s']:,.0f} tok/s", flush=True)
+    triton_ops.DECODE_TILES[kind], triton_ops.DECODE_HEADS_FIRST = default.sizes, default.heads_first
     base = statistics.median(x["tok_s"] for x in runs[tiles[0]])
     rows = []
     for tile in tiles:
@@ -133,7 +149,7 @@ def main() -> int:
         median = statistics.median(speeds)
         rows.append(
             {
-                "tile": "/".join(map(str, tile)),
+                "tile": str(tile),
                 "default": tile == default,
                 "tok_s": speeds,
                 "median_tok_s": median,
@@ -148,7 +164,10 @@ def main() -> int:
         f"{args.kv} KV cache, {name}"
     )
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; roofline {ceiling:,.0f} tok/s; torch {torch.__version__}")
-    print("| tile (block_n/warps/stages) | tok/s by round | median | vs first | share of roofline | preemptions |")
+    print(
+        "| tile (block_n/warps/stages; h: heads first) | tok/s by round | median | vs first | share of roofline "
+        "| preemptions |"
+    )
     print("|---|---|---|---|---|---|")
     for row in rows:
         mark = " (default)" if row["default"] else ""

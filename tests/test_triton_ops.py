@@ -44,7 +44,11 @@ def reference_attention(q, k_cache, v_cache, table, ctx, scale):
     return torch.einsum("hc,chd->hd", weights, v)
 
 
-@pytest.mark.parametrize("tile", [{}, {"block_n": 64, "num_warps": 4, "num_stages": 2}], ids=["default", "64/4/2"])
+@pytest.mark.parametrize(
+    "tile",
+    [{}, {"block_n": 64, "num_warps": 4, "num_stages": 2}, {"heads_first": True}],
+    ids=["default", "64/4/2", "heads first"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
 def test_paged_decode_attention_matches_the_reference(dtype, tile):
     if dtype == torch.bfloat16 and DEVICE.type == "cpu":
@@ -69,9 +73,12 @@ def test_paged_decode_attention_matches_the_reference(dtype, tile):
         assert (out[b].float().cpu() - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("heads_first", [False, True], ids=["by head", "heads first"])
 @pytest.mark.parametrize("value_size", [1.0, 1e-5])
 @pytest.mark.parametrize(("kv_heads", "loop"), [(8, "fp8 few heads"), (4, "fp8 few heads"), (2, "fp8")])
-def test_an_fp8_cache_is_read_as_its_dequantized_values(kv_heads: int, loop: str, value_size: float) -> None:
+def test_an_fp8_cache_is_read_as_its_dequantized_values(
+    kv_heads: int, loop: str, value_size: float, heads_first: bool
+) -> None:
     """Both FP8 loops (CUDA cores for one or two query heads a KV head, tensor cores for
     more) against float32 attention over the cache's e4m3 values times their scales, with
     values of unit size and of 1e-5 (the tensor cores take the values' weights in fp16,
@@ -89,7 +96,14 @@ def test_an_fp8_cache_is_read_as_its_dequantized_values(kv_heads: int, loop: str
     ctx = [1, 5, 0, 70, 33]
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:20] for _ in range(num_seqs)]).int()
     out = triton_ops.paged_decode_attention(
-        q, *caches, tables.to(DEVICE), torch.tensor(ctx, device=DEVICE), 0.2, k_scales=scales[0], v_scales=scales[1]
+        q,
+        *caches,
+        tables.to(DEVICE),
+        torch.tensor(ctx, device=DEVICE),
+        0.2,
+        k_scales=scales[0],
+        v_scales=scales[1],
+        heads_first=heads_first,
     )
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     k, v = ((c.float() * s[..., None]).cpu() for c, s in zip(caches, scales, strict=True))

@@ -72,6 +72,7 @@ if triton is not None:
         PRECISION: tl.constexpr,
         FP8_KV: tl.constexpr = False,
         CUDA_CORES: tl.constexpr = False,
+        HEADS_FIRST: tl.constexpr = False,
     ):
         # FP8_KV: the cache holds e4m3 values with one float32 scale per (slot, KV head) in
         # `ks_ptr`/`vs_ptr`; the key scales multiply the scores, the value scales the
@@ -86,8 +87,14 @@ if triton is not None:
         # Triton's code was 2.5x slower (BENCHMARKS.md, "The FP8 cache's decode loop on
         # CUDA cores").
         # One program per (sequence, KV head): its GROUP query heads share every K/V load.
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
+        # HEADS_FIRST: the grid is (KV heads, sequences), so that a sequence's KV heads are
+        # launched together (`DECODE_HEADS_FIRST`).
+        if HEADS_FIRST:
+            b = tl.program_id(1)
+            kvh = tl.program_id(0)
+        else:
+            b = tl.program_id(0)
+            kvh = tl.program_id(1)
         ctx = tl.load(ctx_ptr + b)
         g = tl.arange(0, GROUP_PAD)
         heads = kvh * GROUP + g
@@ -682,6 +689,15 @@ def _next_pow2(x: int) -> int:
 # that `benchmarks/decode_tiles.py` can compare tiles inside the whole engine.
 DECODE_TILES: dict[str, tuple[int, int, int]] = {"16-bit": (16, 2, 4), "fp8": (32, 1, 3), "fp8 few heads": (32, 1, 3)}
 
+DECODE_HEADS_FIRST = False
+"""Launch the paged decode kernel's programs by sequence, each sequence's KV heads side by
+side (grid (KV heads, sequences)), rather than one KV head for every sequence, then the
+next (grid (sequences, KV heads)). An FP8 cache's scales of a slot's KV heads share one
+32-byte sector; taken by KV head in turn, each program reads a sector for each 4-byte
+scale it needs, unless the sector is still in L2 when the next head's program reads it.
+Not yet measured on a GPU (`benchmarks/decode_tiles.py` compares both: a tile ending in
+"h"); read at launch, as `DECODE_TILES` is."""
+
 FP8_FEW_HEADS = 2
 """The most query heads a KV head for which an FP8 cache is read by the CUDA-core loop
 (`_paged_decode_kernel`'s CUDA_CORES loop). Alone on an H200 it was 12-13% faster than the
@@ -709,6 +725,7 @@ def paged_decode_attention(
     num_stages: int | None = None,
     k_scales: torch.Tensor | None = None,  # [NBLK, BS, KVH] float32: an FP8 cache's scales
     v_scales: torch.Tensor | None = None,
+    heads_first: bool | None = None,  # default DECODE_HEADS_FIRST
 ) -> torch.Tensor:  # [B, H, D] in q's dtype
     """One query token per sequence attending to its whole cached context. The tile
     (`block_n` tokens a loop iteration reads, warps, pipeline stages) defaults to
@@ -732,7 +749,9 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     cuda_cores = loop == "fp8 few heads"
-    _paged_decode_kernel[(num_seqs, num_kv_heads)](
+    heads_first = DECODE_HEADS_FIRST if heads_first is None else heads_first
+    grid = (num_kv_heads, num_seqs) if heads_first else (num_seqs, num_kv_heads)
+    _paged_decode_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -761,6 +780,7 @@ def paged_decode_attention(
         PRECISION=precision,
         FP8_KV=fp8,
         CUDA_CORES=cuda_cores,
+        HEADS_FIRST=heads_first,
         num_warps=num_warps,
         num_stages=num_stages,
     )
