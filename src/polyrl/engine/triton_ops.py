@@ -750,6 +750,7 @@ def paged_decode_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     cuda_cores = loop == "fp8 few heads"
     heads_first = DECODE_HEADS_FIRST if heads_first is None else heads_first
+    heads_first = heads_first and num_seqs < 2**16  # a grid's second size is at most 65,535
     grid = (num_kv_heads, num_seqs) if heads_first else (num_seqs, num_kv_heads)
     _paged_decode_kernel[grid](
         q,
