@@ -82,7 +82,7 @@ def test_an_fp8_cache_is_read_as_its_dequantized_values(
     """Both FP8 loops (CUDA cores for one or two query heads a KV head, tensor cores for
     more) against float32 attention over the cache's e4m3 values times their scales, with
     values of unit size and of 1e-5 (the tensor cores take the values' weights in fp16,
-    whose normal range ends at 6e-5)."""
+    whose smallest normal number is 6e-5)."""
     assert triton_ops.decode_loop(True, 8 // kv_heads) == loop
     g = torch.Generator().manual_seed(0)
     num_seqs, heads, head_dim, block_size, num_blocks = 5, 8, 32, 4, 64
