@@ -112,7 +112,8 @@ def test_an_fp8_cache_is_read_as_its_dequantized_values(
             assert out[b].abs().max().item() == 0
             continue
         ref = reference_attention(q[b].float().cpu(), k, v, tables[b].tolist(), c, 0.2)
-        assert (out[b].float().cpu() - ref).abs().max().item() < 2e-2 * ref.abs().max().item(), b
+        # the values' size sets the output's, and so its tolerance (3e-2 for values of unit size)
+        assert (out[b].float().cpu() - ref).abs().max().item() < 3e-2 * value_size, b
 
 
 def test_a_mixed_step_attends_the_same_with_its_decodes_on_the_paged_kernel():
