@@ -280,6 +280,9 @@ def main() -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--weight-dtype", choices=["auto", "fp8"], default="auto", help="engine.weight_dtype")
+    p.add_argument(
+        "--attention-backend", choices=["auto", "triton", "cuda"], default="triton", help="engine.attention_backend"
+    )
     p.add_argument("--baselines", default=None, help="comma-separated from dynamic,static,cb,grouped (MoE), or none")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="also profile the first shape's decode (top kernels)")
@@ -306,6 +309,7 @@ def main() -> int:
             max_model_len=max_len,
             kv_cache_memory_fraction=0.5,
             weight_dtype=args.weight_dtype,
+            attention_backend=args.attention_backend,
         ),
     )
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
@@ -371,6 +375,7 @@ def main() -> int:
                     "prompt_len": args.prompt_len,
                     "machine": machine,
                     "copy_bandwidth_bytes_s": bandwidth,
+                    "attention_backend": args.attention_backend,
                     "baselines": baselines,
                     "rows": rows,
                     "profile": profiled,

@@ -70,6 +70,7 @@ def engine_config(args: argparse.Namespace, weight_dtype: str = "auto", kv_dtype
         kv_cache_memory_fraction=args.kv_fraction,
         weight_dtype=weight_dtype,
         kv_cache_dtype=kv_dtype,
+        attention_backend=getattr(args, "attention_backend", "triton"),
     )
 
 
@@ -113,6 +114,9 @@ def main() -> int:
     p.add_argument("--score", type=int, default=16, help="sequences whose log-probs are compared")
     p.add_argument("--configs", default="bf16,fp8 weights", help=f"comma-separated from {sorted(CONFIGS)}")
     p.add_argument("--kv-fraction", type=float, default=0.9, help="engine.kv_cache_memory_fraction")
+    p.add_argument(
+        "--attention-backend", choices=["auto", "triton", "cuda"], default="triton", help="engine.attention_backend"
+    )
     p.add_argument("--json")
     args = p.parse_args()
     names = args.configs.split(",")
@@ -184,7 +188,7 @@ def main() -> int:
     if args.json:
         meta = {"preset": args.preset, "batch": args.batch, "new_tokens": args.new_tokens, "device": name}
         meta |= {"prompt_len": args.prompt_len, "torch": torch.__version__, "python": platform.python_version()}
-        meta |= {"bandwidth": bandwidth, "kv_fraction": args.kv_fraction}
+        meta |= {"bandwidth": bandwidth, "kv_fraction": args.kv_fraction, "attention_backend": args.attention_backend}
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 

@@ -395,6 +395,8 @@ class EngineConfig(_Section):
                     f"engine.{key} = 'fp8' needs a CUDA engine computing in bfloat16 "
                     f"(engine.device = {self.device!r}, engine.dtype = {self.dtype!r})"
                 )
+        if self.attention_backend == "cuda" and self.device == "cpu":
+            raise ValueError("engine.attention_backend = 'cuda' needs a CUDA engine (engine.device = 'cpu')")
         return self
 
     block_size: int = Field(16, ge=1)
@@ -439,6 +441,13 @@ class EngineConfig(_Section):
     from each version the engine receives; the trainer is unchanged, and the behaviour
     log-probs are the FP8 model's (`polyrl/engine/fp8.py`). Needs a CUDA GPU of compute
     capability 8.9+ (Ada, Hopper) and bfloat16 compute; anything else is refused."""
+    attention_backend: Literal["auto", "triton", "cuda"] = "triton"
+    """SGLang's and vLLM's option, for the decode steps' attention over the paged cache.
+    triton: the engine's Triton kernel (`polyrl/engine/triton_ops.py`). cuda: its CUDA C++
+    kernel (`polyrl/engine/cuda_ops.py`), compiled by NVRTC when the engine starts; it
+    serves head size 128, up to 8 query heads a KV head and bf16 or FP8 caches, and the
+    engine refuses to start where it cannot. auto: cuda where it can serve the model, else
+    triton. Prefills and CPU engines use neither."""
     moe_runner_backend: Literal["auto", "model"] = "auto"
     """SGLang's option, for a mixture of experts. auto: on CUDA (with Triton) the decode
     step runs the experts as the engine's Triton kernels (routing, grouping by expert and

@@ -14,6 +14,7 @@ bytes the kernel reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -105,7 +106,11 @@ def paged_attention(
     scale: float,
     k_scales: torch.Tensor | None = None,  # [NBLK, BS, KVH] float32: an FP8 cache's scales
     v_scales: torch.Tensor | None = None,
+    decode_attention: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [T, H, D]
+    """`decode_attention`: the paged kernel for the decode groups (`ModelRunner.decode_attention`;
+    default Triton's)."""
+    decode_attention = decode_attention or triton_ops.paged_decode_attention
     fp8 = k_scales is not None
     # under autocast, RoPE in float32 promotes q past the cache's dtype; an FP8 cache is read as bf16
     q = q.to(torch.bfloat16 if fp8 else k_cache.dtype)
@@ -113,7 +118,7 @@ def paged_attention(
     for g in meta.groups:
         if g.context_lens is not None:  # decodes, each reading its own blocks in place
             q_group = q if meta.is_pure_decode else q[g.token_index]
-            attn = triton_ops.paged_decode_attention(
+            attn = decode_attention(
                 q_group, k_cache, v_cache, g.block_tables, g.context_lens, scale, k_scales=k_scales, v_scales=v_scales
             )
             if meta.is_pure_decode:

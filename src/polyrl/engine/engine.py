@@ -219,6 +219,7 @@ class Engine:
             fp8_kv=cfg.kv_cache_dtype == "fp8",
             fp8_layers=self._fp8,
             moe_runner_backend=cfg.moe_runner_backend,
+            attention_backend=cfg.attention_backend,
         )
 
     @property

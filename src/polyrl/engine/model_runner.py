@@ -16,13 +16,14 @@ model's own blocks (transformers' experts).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from polyrl.engine import fused_moe, projections, triton_ops
+from polyrl.engine import cuda_ops, fused_moe, projections, triton_ops
 from polyrl.engine.attention import AttentionGroup, AttentionMetadata, paged_attention
 from polyrl.engine.block_manager import cdiv
 from polyrl.engine.cuda_graphs import DecodeGraphs, DecodeMetadata
@@ -31,6 +32,8 @@ from polyrl.engine.scheduler import ScheduledSeq
 from polyrl.models.moe import is_moe_block, moe_blocks, moe_routers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+log = logging.getLogger(__name__)
 
 
 def _norm(x: torch.Tensor | Product, norm: nn.Module, residual: torch.Tensor | None, fp8: bool) -> torch.Tensor | Rows:
@@ -82,6 +85,7 @@ class ModelRunner:
         fp8_kv: bool = False,
         fp8_layers: list[Fp8Layer] | None = None,
         moe_runner_backend: str = "auto",
+        attention_backend: str = "triton",
     ) -> None:
         """`cuda_graph_max_batch` > 0 replays decode steps of up to that many sequences as
         CUDA graphs (CUDA with Triton only; elsewhere it is ignored). `fp8_kv`: the cache
@@ -90,7 +94,8 @@ class ModelRunner:
         matmuls (`engine.weight_dtype`), which the fused layers run instead of the
         model's projections. `moe_runner_backend` (`engine.moe_runner_backend`): "auto"
         runs a mixture of experts' blocks in the fused layers as the engine's Triton experts
-        where they apply, "model" as the model's own blocks."""
+        where they apply, "model" as the model's own blocks. `attention_backend`
+        (`engine.attention_backend`): the decode steps' paged attention kernel."""
         model_type = model.config.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -131,6 +136,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=torch.float8_e4m3fn if fp8_kv else kv_dtype, device=self.device)
         self.kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=self.device) if fp8_kv else None
         """[layers, 2, slots, KVH]: the FP8 cache's scales (None for a 16/32-bit cache)."""
+        self.decode_attention = self._decode_kernel(attention_backend, model, block_size, fp8_kv)
+        """The paged decode kernel (`triton_ops.paged_decode_attention`'s contract)."""
         self.decode_graphs: DecodeGraphs | None = None
         if (
             cuda_graph_max_batch > 0
@@ -148,6 +155,28 @@ class ModelRunner:
                 model.lm_head.weight.dtype if autocast_dtype is None else autocast_dtype,
                 self.device,
             )
+
+    def _decode_kernel(
+        self, backend: str, model: PreTrainedModel, block_size: int, fp8_kv: bool
+    ) -> Callable[..., torch.Tensor]:
+        """The CUDA kernel where `backend` asks for it and it can serve this engine (for
+        "cuda", or else a refusal with the reason), Triton's otherwise."""
+        if backend == "triton":
+            return triton_ops.paged_decode_attention
+        heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        reason = cuda_ops.unsupported(self.device, self.head_dim, heads, kv_heads, block_size, self.kv_cache.dtype)
+        if reason is None:
+            try:
+                cuda_ops.compile_for(fp8_kv, heads, kv_heads, block_size)
+            except (RuntimeError, OSError) as e:  # no NVRTC library, or no CUDA headers for it
+                reason = f"NVRTC could not compile it: {e}"
+        if reason is None:
+            return cuda_ops.paged_decode_attention
+        if backend == "cuda":
+            raise ValueError(f"engine.attention_backend = 'cuda', but the CUDA decode kernel cannot serve it: {reason}")
+        if self.device.type == "cuda":
+            log.info("engine: decode attention on the Triton kernel, since the CUDA one cannot serve it: %s", reason)
+        return triton_ops.paged_decode_attention
 
     def refresh_projections(self) -> None:
         self.projections = projections.fused(self.model)
@@ -226,7 +255,12 @@ class ModelRunner:
 
                 def attend(layer_idx: int, q: torch.Tensor) -> torch.Tensor:
                     return paged_attention(
-                        q, *self._blocked_cache(layer_idx), meta, self.scale, **self._blocked_scales(layer_idx)
+                        q,
+                        *self._blocked_cache(layer_idx),
+                        meta,
+                        self.scale,
+                        **self._blocked_scales(layer_idx),
+                        decode_attention=self.decode_attention,
                     )
 
                 hidden = self._fused_decoder(input_ids, positions, meta.slot_mapping, attend)[sample_rows]
@@ -261,7 +295,7 @@ class ModelRunner:
 
         def attend(layer_idx: int, q: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = self._blocked_cache(layer_idx)
-            return triton_ops.paged_decode_attention(
+            return self.decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, **self._blocked_scales(layer_idx)
             )
 
@@ -434,7 +468,9 @@ class ModelRunner:
         k_cache, v_cache = self.kv_cache[layer_idx]  # [S, KVH, D] each, S = num_blocks * block_size
         k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
         v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
-        out = paged_attention(q, *self._blocked_cache(layer_idx), meta, self.scale)  # [T, H, D]
+        out = paged_attention(
+            q, *self._blocked_cache(layer_idx), meta, self.scale, decode_attention=self.decode_attention
+        )  # [T, H, D]
         return attn.o_proj(out.reshape(num_tokens, -1))
 
 

@@ -1,0 +1,155 @@
+"""The CUDA decode kernel (`engine.attention_backend`, `polyrl/engine/cuda_ops.py`).
+
+On CPU: the kernel's source ships with the package, the reasons it gives for what it does
+not serve, and the refusals. On a GPU (`gpu` tests, skipped elsewhere): its output against
+a float32 attention over the same (dequantized) cache, at the contexts where a tile is
+partial or empty, and an engine on it against an engine on Triton's kernel."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from fp8 import bf16_logprobs, generate  # noqa: E402  (benchmarks/fp8.py)
+
+from polyrl.config import ConfigError, EngineConfig, TinyModelConfig, load_config
+from polyrl.engine import cuda_ops, triton_ops
+from polyrl.engine.engine import Engine
+from polyrl.models.tiny import save_tiny_model
+from polyrl.protocol.sampling import SamplingParams
+
+HAS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU of compute capability 8.9+")
+
+
+def test_the_kernel_source_ships_with_the_package() -> None:
+    text = cuda_ops.source()
+    assert "paged_decode(" in text and "mma.sync.aligned.m16n8k16" in text
+
+
+@pytest.mark.parametrize(
+    "head_dim,heads,kv_heads,block_size,dtype,why",
+    [
+        (64, 8, 4, 16, torch.bfloat16, "head size of 128"),
+        (128, 32, 2, 16, torch.bfloat16, "1 to 8 query heads a KV head"),
+        (128, 6, 4, 16, torch.bfloat16, "1 to 8 query heads a KV head"),
+        (128, 8, 4, 8, torch.bfloat16, "multiple of 16"),
+        (128, 8, 4, 16, torch.float16, "bf16 or FP8"),
+    ],
+)
+def test_what_the_kernel_does_not_serve_is_named(head_dim, heads, kv_heads, block_size, dtype, why) -> None:
+    # the shape is checked before the device is asked anything, so a CPU box can check it
+    assert why in cuda_ops.unsupported(torch.device("cuda"), head_dim, heads, kv_heads, block_size, dtype)
+    assert "CUDA devices" in cuda_ops.unsupported(torch.device("cpu"), 128, 8, 4, 16, torch.bfloat16)
+
+
+def test_the_config_refuses_the_cuda_kernel_on_a_cpu_engine() -> None:
+    with pytest.raises(ConfigError, match="attention_backend"):
+        load_config(None, ["engine.device=cpu", "engine.attention_backend=cuda"])
+    with pytest.raises(ConfigError, match="attention_backend"):
+        load_config(None, ["engine.attention_backend=flashinfer"])
+    assert load_config(None, ["engine.attention_backend=cuda"]).engine.attention_backend == "cuda"
+    assert EngineConfig().attention_backend == "triton"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the engine's device resolves to CUDA here")
+def test_a_cpu_engine_on_auto_decodes_and_on_cuda_is_refused(tmp_path: Path) -> None:
+    model_dir = save_tiny_model(tmp_path / "model", TinyModelConfig())
+    engine = Engine.from_pretrained(str(model_dir), EngineConfig(num_kv_blocks=16, attention_backend="auto"))
+    assert engine.runner.decode_attention is triton_ops.paged_decode_attention
+    [[(ids, _)]] = generate(engine, [[3, 4, 5]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(ids) == 4
+    # engine.device = "auto" resolves to the CPU only when the engine starts
+    with pytest.raises(ValueError, match="attention_backend = 'cuda'.*CUDA devices"):
+        Engine.from_pretrained(str(model_dir), EngineConfig(num_kv_blocks=16, attention_backend="cuda"))
+
+
+def _cache(num_seqs: int, heads: int, kv_heads: int, contexts: list[int], fp8: bool, block_size: int, seed: int):
+    """A random cache in the engine's layout, each sequence's blocks scattered, and the
+    float32 values it stands for."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(blocks) + 4
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(num_seqs, max(blocks) + 2, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = torch.tensor(order[start : start + n], dtype=torch.int32)
+        start += n
+    q = (torch.randn(num_seqs, heads, 128, generator=g) * 2).to("cuda", torch.bfloat16)
+    k = torch.randn(num_blocks, block_size, kv_heads, 128, generator=g).cuda() * 1.5
+    v = torch.randn(num_blocks, block_size, kv_heads, 128, generator=g).cuda()
+    scales = {}
+    if fp8:
+        ks, vs = k.abs().amax(-1) / 448, v.abs().amax(-1) / 448
+        k, v = (k / ks[..., None]).to(torch.float8_e4m3fn), (v / vs[..., None]).to(torch.float8_e4m3fn)
+        kf, vf = k.float() * ks[..., None], v.float() * vs[..., None]
+        scales = {"k_scales": ks, "v_scales": vs}
+    else:
+        k, v = k.bfloat16(), v.bfloat16()
+        kf, vf = k.float(), v.float()
+    ctx = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    return q, k, v, tables.cuda(), ctx, scales, kf, vf
+
+
+def _reference(q, kf, vf, tables, contexts, scale):
+    out = torch.zeros(q.shape, device=q.device)
+    block_size, kv_heads = kf.shape[1], kf.shape[2]
+    group = q.shape[1] // kv_heads
+    for b, n in enumerate(contexts):
+        if n == 0:
+            continue
+        tok = torch.arange(n, device=q.device)
+        blocks = tables[b, tok // block_size].long()
+        keys = kf[blocks, tok % block_size].repeat_interleave(group, dim=1)  # [n, H, D]
+        values = vf[blocks, tok % block_size].repeat_interleave(group, dim=1)
+        p = (torch.einsum("hd,nhd->hn", q[b].float(), keys) * scale).softmax(-1)
+        out[b] = torch.einsum("hn,nhd->hd", p, values)
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_the_kernel_matches_a_float32_attention(fp8: bool, group: int, block_size: int) -> None:
+    """Contexts with no tile, a partial tile, exactly full tiles and many tiles, with one
+    to four warps sharing a sequence's tiles and one to four tiles in flight."""
+    contexts = [0, 1, 15, 16, 17, 33, 100, 257, 1000]
+    q, k, v, tables, ctx, scales, kf, vf = _cache(len(contexts), 2 * group, 2, contexts, fp8, block_size, group)
+    want = _reference(q, kf, vf, tables, contexts, 0.0884)
+    for warps, stages in [(1, 1), (1, 3), (2, 2), (4, 4)]:
+        out = cuda_ops.paged_decode_attention(q, k, v, tables, ctx, 0.0884, warps=warps, stages=stages, **scales)
+        err = (out.float() - want).abs().max().item()
+        assert err < 2e-2, (warps, stages, err)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))  # a padding row
+
+
+@gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_an_engine_on_the_cuda_kernel_scores_as_one_on_triton_does(tmp_path: Path, kv: str) -> None:
+    """Each engine samples; the bf16 model scores the same tokens in one forward. The CUDA
+    kernel's engine stays as near that model as the Triton kernel's does (they sum the
+    same products in different orders, so their tokens may part at near ties)."""
+    shape = TinyModelConfig(hidden_size=512, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512)
+    model_dir = save_tiny_model(tmp_path / "model", shape)  # head size 128, 2 query heads a KV head
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 40, (8, 40), generator=g).tolist()
+    sampling = SamplingParams(max_new_tokens=48, temperature=1.0, ignore_eos=True, seed=0)
+    gaps = {}
+    for backend in ("triton", "cuda"):
+        engine = Engine.from_pretrained(
+            str(model_dir), EngineConfig(num_kv_blocks=128, kv_cache_dtype=kv, attention_backend=backend)
+        )
+        expected = cuda_ops.paged_decode_attention if backend == "cuda" else triton_ops.paged_decode_attention
+        assert engine.runner.decode_attention is expected
+        diffs = []
+        for p, [(ids, lps)] in zip(prompts, generate(engine, prompts, sampling), strict=True):
+            diffs += [abs(a - b) for a, b in zip(lps, bf16_logprobs(engine.model, p, ids), strict=True)]
+        gaps[backend] = sum(diffs) / len(diffs)
+        engine.sleep()
+    assert gaps["cuda"] <= 1.5 * gaps["triton"] + 2e-3, gaps
