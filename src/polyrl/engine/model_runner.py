@@ -34,6 +34,7 @@ from polyrl.models.moe import is_moe_block, moe_blocks, moe_routers
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 log = logging.getLogger(__name__)
+_FALLBACKS_LOGGED: set[str] = set()
 
 
 def _norm(x: torch.Tensor | Product, norm: nn.Module, residual: torch.Tensor | None, fp8: bool) -> torch.Tensor | Rows:
@@ -174,7 +175,8 @@ class ModelRunner:
             return cuda_ops.paged_decode_attention
         if backend == "cuda":
             raise ValueError(f"engine.attention_backend = 'cuda', but the CUDA decode kernel cannot serve it: {reason}")
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and reason not in _FALLBACKS_LOGGED:  # once, not at every wake
+            _FALLBACKS_LOGGED.add(reason)
             log.info("engine: decode attention on the Triton kernel, since the CUDA one cannot serve it: %s", reason)
         return triton_ops.paged_decode_attention
 
