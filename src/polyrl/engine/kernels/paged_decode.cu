@@ -8,16 +8,17 @@
 // Layout of one 16-token tile in a warp (g = lane / 4, t = lane % 4):
 //   scores  S[head, tok] = Q[head, :] . K[tok, :] as m16n8k16 mmas: A = Q (rows: heads,
 //           padded to 16 with zeros), B = K^T (n: 8 tokens, two n-tiles). The 128 dims
-//           are permuted so that thread t of each quad reads dims [32t, 32t + 32) of its
-//           token (g and g + 8) in 32 (FP8) or 64 (bf16) contiguous bytes: k-chunk j,
-//           k positions (2t, 2t+1, 2t+8, 2t+9) <-> dims 32t + 4j + (0, 1, 2, 3), in Q's
-//           A fragment as in K's B fragment.
+//           are permuted (`key_dim`) so that a quad's 4 lanes copy 64 contiguous bytes of
+//           their token's row at a time (tokens g and g + 8), in the A fragment of Q as in
+//           the B fragment of K.
 //   values  O^T[dim, head] += V^T[dim, tok] P^T[tok, head]: A = V^T (16 dims an m-tile,
-//           k: the 16 tokens), B = P^T, which is exactly the scores' C fragment of
-//           row g (no shuffle). m-tile m, row r <-> dim 16 (r % 8) + 2m + r / 8, so that
-//           thread g reads dims [16g, 16g + 16) of tokens 2t, 2t+1, 2t+8, 2t+9.
+//           k: the 16 tokens), B = P^T, which is the scores' C fragment of row g as it
+//           stands (no shuffle). m-tile i's rows g and g + 8 are dims `value_dim(i, g)`
+//           and the one after, so that the 8 lane groups copy a value row's contiguous
+//           bytes together (tokens 2t, 2t+1, 2t+8, 2t+9), pairs of tokens interleaved by
+//           byte permutes into the fragment.
 // Each thread copies exactly the 16-byte chunks it will read into its own slots of
-// shared memory (cp.async, STAGES tiles in flight), so no barrier is needed in the loop.
+// shared memory (cp.async, STAGES - 1 tiles ahead), so the loop needs no barrier.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -127,6 +128,18 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
     }
 }
 
+// The first of the 4 consecutive dims of k-chunk j (0..7) that quad lane t holds.
+template <int FP8>
+__device__ __forceinline__ int key_dim(int j, int t) {
+    return FP8 ? 64 * (j >> 2) + 16 * t + 4 * (j & 3) : 32 * (j >> 1) + 8 * t + 4 * (j & 1);
+}
+
+// The dim of row g of m-tile i (0..7) of the values; row g + 8 is the next one.
+template <int FP8>
+__device__ __forceinline__ int value_dim(int i, int g) {
+    return FP8 ? 16 * g + 2 * i : 64 * (i >> 2) + 8 * g + 2 * (i & 3);
+}
+
 template <int FP8, int G, int KVH, int BS, int NW, int STAGES>
 __global__ void __launch_bounds__(NW * 32) paged_decode(
     const u16* __restrict__ q,  // [B, H, 128] bf16, rows 16-byte aligned
@@ -160,24 +173,29 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
     const int mine = warp < ntiles ? (ntiles - 1 - warp) / NW + 1 : 0;
     const float sl2 = (float)scale_log2;
 
-    // Q as the scores' A fragment: row g (head kvh * G + g), dims 32t + 4j + (0, 1) and (2, 3).
+    // Q as the scores' A fragment: row g (head kvh * G + g), k-chunk j's dims key_dim(j, t) + (0, 1)
+    // and + (2, 3). The 16 dims that key_dim gives this lane come in 4 runs of 8: 16t + 64(k / 2)
+    // + 8(k % 2) for FP8, 8t + 32k for bf16.
     u32 qa[8][2];
     if (g < G) {
-        const u32x4* src = reinterpret_cast<const u32x4*>(q + (long)b * stride_qb + (long)(kvh * G + g) * stride_qh + 32 * t);
+        const u16* row = q + (long)b * stride_qb + (long)(kvh * G + g) * stride_qh;
+        u32 qw[16];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            u32x4 w = src[c];  // dims 32t + 8c .. + 8: words = bf16 pairs
-            u32 ws[4] = {w.x, w.y, w.z, w.w};
+        for (int k = 0; k < 4; ++k) {
+            const u32x4 w = *reinterpret_cast<const u32x4*>(row + (FP8 ? 16 * t + 64 * (k >> 1) + 8 * (k & 1) : 8 * t + 32 * k));
+            qw[4 * k] = w.x;
+            qw[4 * k + 1] = w.y;
+            qw[4 * k + 2] = w.z;
+            qw[4 * k + 3] = w.w;
+        }
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {  // k-chunk j = 2c + h: words 2h, 2h + 1
-                const int j = 2 * c + h;
-                if (FP8) {
-                    qa[j][0] = pack_f16x2(bf16_lo(ws[2 * h]), bf16_hi(ws[2 * h]));
-                    qa[j][1] = pack_f16x2(bf16_lo(ws[2 * h + 1]), bf16_hi(ws[2 * h + 1]));
-                } else {
-                    qa[j][0] = ws[2 * h];
-                    qa[j][1] = ws[2 * h + 1];
-                }
+        for (int j = 0; j < 8; ++j) {
+            if (FP8) {  // e4m3 converts to f16 exactly: the score products run in f16
+                qa[j][0] = pack_f16x2(bf16_lo(qw[2 * j]), bf16_hi(qw[2 * j]));
+                qa[j][1] = pack_f16x2(bf16_lo(qw[2 * j + 1]), bf16_hi(qw[2 * j + 1]));
+            } else {
+                qa[j][0] = qw[2 * j];
+                qa[j][1] = qw[2 * j + 1];
             }
         }
     } else {
@@ -185,11 +203,12 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
         for (int j = 0; j < 8; ++j) qa[j][0] = qa[j][1] = 0u;
     }
 
-    // this lane's addresses in block 0, slot 0: keys of token g, bytes [32t E, 32t E + 32 E)
-    // (token g + 8 is 8 slots on); values of token 2t, bytes [16g E, 16g E + 16 E) (tokens
-    // 2t + 1, 2t + 8, 2t + 9: 1, 8, 9 slots on); the scales of token 2t (the same offsets)
-    const unsigned char* k_lane = k_cache + kvh * D * E + g * SLOT + 32 * t * E;
-    const unsigned char* v_lane = v_cache + kvh * D * E + 2 * t * SLOT + 16 * g * E;
+    // this lane's addresses in block 0, slot 0: the keys of token g from byte 16t, in 16-byte
+    // chunks 64 bytes apart (token g + 8 is 8 slots on); the values of token 2t from byte 16g,
+    // chunks 128 bytes apart (tokens 2t + 1, 2t + 8, 2t + 9: 1, 8, 9 slots on); the scales of
+    // token 2t (the same slots on)
+    const unsigned char* k_lane = k_cache + kvh * D * E + g * SLOT + 16 * t;
+    const unsigned char* v_lane = v_cache + kvh * D * E + 2 * t * SLOT + 16 * g;
     const float* ks_lane = k_scales + kvh + 2 * t * KVH;
     const float* vs_lane = v_scales + kvh + 2 * t * KVH;
     const int* table = tables + (long)b * stride_tb;
@@ -212,13 +231,13 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
         for (int r = 0; r < 2; ++r) {
             const int ok = (full || r * 8 + g < rem) ? 16 : 0;
 #pragma unroll
-            for (int c = 0; c < KC / 2; ++c) cp_async16(dst + (r * (KC / 2) + c) * 512, kb + r * 8 * SLOT + 16 * c, ok);
+            for (int c = 0; c < KC / 2; ++c) cp_async16(dst + (r * (KC / 2) + c) * 512, kb + r * 8 * SLOT + 64 * c, ok);
         }
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const int ok = (full || 2 * t + VSLOT[r] < rem) ? 16 : 0;
 #pragma unroll
-            for (int c = 0; c < KC / 4; ++c) cp_async16(dst + (KC + r * (KC / 4) + c) * 512, vb + VSLOT[r] * SLOT + 16 * c, ok);
+            for (int c = 0; c < KC / 4; ++c) cp_async16(dst + (KC + r * (KC / 4) + c) * 512, vb + VSLOT[r] * SLOT + 128 * c, ok);
         }
         if (FP8) {  // keys' scales, then values'
             const long soff = (long)blk * (BS * KVH) + (tok0 % BS) * KVH;
@@ -269,7 +288,7 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
         float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
-            u32 kw[2 * KC];  // this thread's 32 dims of token n * 8 + g
+            u32 kw[2 * KC];  // this thread's 32 dims of token n * 8 + g (key_dim's)
 #pragma unroll
             for (int c = 0; c < KC / 2; ++c) {
                 u32x4 w = lds128(base + (n * (KC / 2) + c) * 512);
@@ -282,7 +301,7 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
             for (int j = 0; j < 8; ++j) {
                 u32 b0, b1;
                 if (FP8) {
-                    e4m3x4_to_f16x2x2(kw[j], b0, b1);  // dims 32t + 4j + (0, 1), (2, 3)
+                    e4m3x4_to_f16x2x2(kw[j], b0, b1);  // dims key_dim(j, t) + (0, 1), (2, 3)
                 } else {
                     b0 = kw[2 * j];
                     b1 = kw[2 * j + 1];
@@ -340,7 +359,8 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
             }
         }
 
-        // values: tokens 2t, 2t+1, 2t+8, 2t+9, dims 16g .. 16g + 16
+        // values: tokens 2t, 2t+1, 2t+8, 2t+9; word i of a token: dims value_dim(i, g) and the next
+        // (bf16), or word i / 2's bytes: dims value_dim(2 * (i / 2), g) .. + 4 (FP8)
         u32 vw[4][KC];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
@@ -354,7 +374,7 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
             }
         }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {  // m-tile i: dims 16g + 2i (row g) and 16g + 2i + 1 (row g + 8)
+        for (int i = 0; i < 8; ++i) {  // m-tile i: dims value_dim(i, g) (row g) and the next (row g + 8)
             u32 a0, a1, a2, a3;
             if (FP8) {
                 const int w = i >> 1;
@@ -381,9 +401,10 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
             if (head < G) {
                 const float den = h ? l_hi : l_lo;
                 const float inv = den > 0.f ? 1.f / den : 0.f;
-                u32* dst = reinterpret_cast<u32*>(out + (long)b * stride_ob + (long)(kvh * G + head) * stride_oh + 16 * g);
+                u16* dst = out + (long)b * stride_ob + (long)(kvh * G + head) * stride_oh;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) dst[i] = pack_bf16x2(acc[i][h] * inv, acc[i][2 + h] * inv);
+                for (int i = 0; i < 8; ++i)
+                    *reinterpret_cast<u32*>(dst + value_dim<FP8>(i, g)) = pack_bf16x2(acc[i][h] * inv, acc[i][2 + h] * inv);
             }
         }
         return;
@@ -402,10 +423,11 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         float* o = obuf + warp * 8 * D;
-        o[(2 * t) * D + 16 * g + 2 * i] = acc[i][0];
-        o[(2 * t + 1) * D + 16 * g + 2 * i] = acc[i][1];
-        o[(2 * t) * D + 16 * g + 2 * i + 1] = acc[i][2];
-        o[(2 * t + 1) * D + 16 * g + 2 * i + 1] = acc[i][3];
+        const int d = value_dim<FP8>(i, g);
+        o[(2 * t) * D + d] = acc[i][0];
+        o[(2 * t + 1) * D + d] = acc[i][1];
+        o[(2 * t) * D + d + 1] = acc[i][2];
+        o[(2 * t + 1) * D + d + 1] = acc[i][3];
     }
     __syncthreads();
     for (int e = threadIdx.x; e < G * D; e += NW * 32) {
