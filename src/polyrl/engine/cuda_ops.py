@@ -69,18 +69,21 @@ def smem_bytes(fp8: bool, warps: int, stages: int) -> int:
 
 
 @functools.cache
-def _kernel(fp8: bool, group: int, num_kv_heads: int, block_size: int, warps: int, stages: int):
+def _kernel(device: int, fp8: bool, group: int, num_kv_heads: int, block_size: int, warps: int, stages: int):
+    """One variant, compiled for and loaded on GPU `device` (a module belongs to one)."""
     name = f"paged_decode<{int(fp8)}, {group}, {num_kv_heads}, {block_size}, {warps}, {stages}>"
-    kernel = torch.cuda._compile_kernel(source(), name)
-    smem = smem_bytes(fp8, warps, stages)
-    kernel.set_shared_memory_config(smem)
+    with torch.cuda.device(device):
+        kernel = torch.cuda._compile_kernel(source(), name)
+        smem = smem_bytes(fp8, warps, stages)
+        kernel.set_shared_memory_config(smem)
     return kernel, smem
 
 
-def compile_for(fp8: bool, num_heads: int, num_kv_heads: int, block_size: int) -> None:
-    """Compile the engine's variant now (about a second), so that a failure shows at start
+def compile_for(device: torch.device, fp8: bool, num_heads: int, num_kv_heads: int, block_size: int) -> None:
+    """Compile the engine's variant now (under a second), so that a failure shows at start
     and nothing compiles while CUDA graphs are captured."""
-    _kernel(fp8, num_heads // num_kv_heads, num_kv_heads, block_size, *TILES[fp8])
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _kernel(index, fp8, num_heads // num_kv_heads, num_kv_heads, block_size, *TILES[fp8])
 
 
 def paged_decode_attention(
@@ -111,11 +114,13 @@ def paged_decode_attention(
         raise ValueError("the CUDA decode kernel reads contiguous [blocks, block_size, KV heads, 128] caches")
     if fp8 and not (k_scales.is_contiguous() and v_scales.is_contiguous()):
         raise ValueError("the CUDA decode kernel reads contiguous [blocks, block_size, KV heads] scales")
-    kernel, smem = _kernel(fp8, num_heads // num_kv_heads, num_kv_heads, block_size, warps, stages)
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    kernel, smem = _kernel(device, fp8, num_heads // num_kv_heads, num_kv_heads, block_size, warps, stages)
     kernel(
         grid=(num_seqs, num_kv_heads, 1),
         block=(warps * 32, 1, 1),
         shared_mem=smem,
+        stream=torch.cuda.current_stream(q.device),
         args=[
             q,
             k_cache,

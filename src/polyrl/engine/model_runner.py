@@ -168,7 +168,7 @@ class ModelRunner:
         reason = cuda_ops.unsupported(self.device, self.head_dim, heads, kv_heads, block_size, self.kv_cache.dtype)
         if reason is None:
             try:
-                cuda_ops.compile_for(fp8_kv, heads, kv_heads, block_size)
+                cuda_ops.compile_for(self.device, fp8_kv, heads, kv_heads, block_size)
             except (RuntimeError, OSError) as e:  # no NVRTC library, or no CUDA headers for it
                 reason = f"NVRTC could not compile it: {e}"
         if reason is None:
