@@ -2,12 +2,15 @@
 
     python benchmarks/decode_tiles.py --preset qwen3-0.6b --batch 256 --new-tokens 256 --kv bf16 \\
         --tiles 64/4/2,16/2/4 [--rounds 2] [--json PATH]
+    python benchmarks/decode_tiles.py ... --tiles 16/2/4,cuda:1/3,cuda:2/3
 
-A tile is `block_n/warps/stages`: the tokens one loop iteration of the attention kernel
+A tile is `block_n/warps/stages`: the tokens one loop iteration of the Triton kernel
 reads, its warps and its pipeline stages (`triton_ops.DECODE_TILES`, whose entry for the
-loop that reads this model's cache, `triton_ops.decode_loop`, each run sets); with an "h"
-after it (`16/2/4h`), the kernel's programs are launched each sequence's KV heads side by
-side (`triton_ops.DECODE_HEADS_FIRST`). One model in the preset's shape (random weights) decodes the
+loop that reads this model's cache, `triton_ops.decode_loop`, each run sets), or
+`cuda:warps/stages`: the CUDA kernel (`engine.attention_backend = "cuda"`) with that many
+warps a (sequence, KV head) and tiles in flight plus one (`cuda_ops.TILES`). With an "h"
+after either (`16/2/4h`, `cuda:1/3h`), the kernel's programs are launched each sequence's
+KV heads side by side (`triton_ops.DECODE_HEADS_FIRST`, `cuda_ops.HEADS_FIRST`). One model in the preset's shape (random weights) decodes the
 same batch (`--batch` random prompts of `--prompt-len` tokens, `--new-tokens` sampled at
 temperature 1, EOS ignored) with a fresh engine per tile, so that its CUDA graphs are
 captured with that tile. The tiles take turns for `--rounds` rounds, after one untimed run
@@ -41,30 +44,37 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine import build_model, copy_bandwidth  # noqa: E402  (benchmarks/engine.py)
 from fp8 import engine_config, generate, roofline, stored_bytes  # noqa: E402  (benchmarks/fp8.py)
 
-from polyrl.engine import triton_ops  # noqa: E402
+from polyrl.engine import cuda_ops, triton_ops  # noqa: E402
 from polyrl.engine.engine import Engine  # noqa: E402
 from polyrl.protocol.sampling import SamplingParams  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
-    sizes: tuple[int, int, int]  # block_n, warps, stages
+    sizes: tuple[int, ...]  # block_n, warps, stages (Triton); warps, stages (CUDA)
     heads_first: bool = False
+    cuda: bool = False
 
     def __str__(self) -> str:
-        return "/".join(map(str, self.sizes)) + ("h" if self.heads_first else "")
+        return ("cuda:" if self.cuda else "") + "/".join(map(str, self.sizes)) + ("h" if self.heads_first else "")
 
 
 def parse_tiles(text: str) -> list[Tile]:
-    """'64/4/2,16/2/4h' -> [Tile((64, 4, 2)), Tile((16, 2, 4), heads_first=True)]: powers
-    of two, block_n at least 16."""
+    """'64/4/2,16/2/4h,cuda:1/3' -> [Tile((64, 4, 2)), Tile((16, 2, 4), heads_first=True),
+    Tile((1, 3), cuda=True)]: a Triton tile's block_n (at least 16) and warps are powers of
+    two; a CUDA one is warps/stages."""
     tiles = []
     for item in text.split(","):
         item = item.strip()
-        heads_first = item.endswith("h")
-        parts = item.removesuffix("h").split("/")
-        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"a tile is block_n/warps/stages, like 16/2/4, or 16/2/4h: got {item!r}")
+        heads_first, cuda = item.endswith("h"), item.startswith("cuda:")
+        parts = item.removesuffix("h").removeprefix("cuda:").split("/")
+        if len(parts) != (2 if cuda else 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(
+                f"a tile is block_n/warps/stages, like 16/2/4, or cuda:warps/stages, with h after either: got {item!r}"
+            )
+        if cuda:
+            tiles.append(Tile(tuple(int(p) for p in parts), heads_first, cuda=True))
+            continue
         block_n, warps, stages = (int(p) for p in parts)
         if block_n < 16 or block_n & (block_n - 1) or warps & (warps - 1):
             raise ValueError(f"block_n (at least 16) and warps are powers of two: got {item!r}")
@@ -73,10 +83,14 @@ def parse_tiles(text: str) -> list[Tile]:
 
 
 def decode_once(model, prompts: list[list[int]], args, kind: str, tile: Tile) -> dict:
-    """One engine captured with `tile`, one timed decode of the batch."""
-    triton_ops.DECODE_TILES[kind] = tile.sizes
-    triton_ops.DECODE_HEADS_FIRST = tile.heads_first
-    engine = Engine(model, engine_config(args, kv_dtype="fp8" if args.kv == "fp8" else "auto"))
+    """One engine captured with `tile` (on the CUDA kernel for a CUDA tile), one timed decode of the batch."""
+    config = engine_config(args, kv_dtype="fp8" if args.kv == "fp8" else "auto")
+    if tile.cuda:
+        cuda_ops.TILES[args.kv == "fp8"], cuda_ops.HEADS_FIRST = tile.sizes, tile.heads_first
+        config = config.model_copy(update={"attention_backend": "cuda"})
+    else:
+        triton_ops.DECODE_TILES[kind], triton_ops.DECODE_HEADS_FIRST = tile.sizes, tile.heads_first
+    engine = Engine(model, config)
     try:
         # graphs for the batch's sizes are captured here, outside the timing
         generate(engine, prompts, SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True, seed=1))
@@ -133,6 +147,7 @@ def main() -> int:
         args.kv == "fp8",
     )
     default = Tile(triton_ops.DECODE_TILES[kind], triton_ops.DECODE_HEADS_FIRST)
+    cuda_default = Tile(cuda_ops.TILES[args.kv == "fp8"], cuda_ops.HEADS_FIRST, cuda=True)
     print(f"warm-up: {tiles[0]}", flush=True)
     decode_once(model, prompts, args, kind, tiles[0])
     runs: dict[Tile, list[dict]] = {t: [] for t in tiles}
@@ -142,6 +157,7 @@ def main() -> int:
             runs[tile].append(run)
             print(f"round {r + 1}, tile {tile}: {run['tok_s']:,.0f} tok/s", flush=True)
     triton_ops.DECODE_TILES[kind], triton_ops.DECODE_HEADS_FIRST = default.sizes, default.heads_first
+    cuda_ops.TILES[args.kv == "fp8"], cuda_ops.HEADS_FIRST = cuda_default.sizes, cuda_default.heads_first
     base = statistics.median(x["tok_s"] for x in runs[tiles[0]])
     rows = []
     for tile in tiles:
@@ -150,7 +166,7 @@ def main() -> int:
         rows.append(
             {
                 "tile": str(tile),
-                "default": tile == default,
+                "default": tile in (default, cuda_default),
                 "tok_s": speeds,
                 "median_tok_s": median,
                 "vs_first": median / base,
@@ -165,7 +181,7 @@ def main() -> int:
     )
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; roofline {ceiling:,.0f} tok/s; torch {torch.__version__}")
     print(
-        "| tile (block_n/warps/stages; h: heads first) | tok/s by round | median | vs first | share of roofline "
+        "| tile (block_n/warps/stages; cuda:warps/stages; h: heads first) | tok/s by round | median | vs first | share of roofline "
         "| preemptions |"
     )
     print("|---|---|---|---|---|---|")
