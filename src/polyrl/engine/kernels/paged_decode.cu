@@ -51,6 +51,13 @@ __device__ __forceinline__ u32x4 lds128(u32 addr) {
     return v;
 }
 
+__device__ __forceinline__ void unpack(u32* dst, u32x4 w) {
+    dst[0] = w.x;
+    dst[1] = w.y;
+    dst[2] = w.z;
+    dst[3] = w.w;
+}
+
 __device__ __forceinline__ float lds32f(u32 addr) {
     float v;
     asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
@@ -181,13 +188,8 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
         const u16* row = q + (long)b * stride_qb + (long)(kvh * G + g) * stride_qh;
         u32 qw[16];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const u32x4 w = *reinterpret_cast<const u32x4*>(row + (FP8 ? 16 * t + 64 * (k >> 1) + 8 * (k & 1) : 8 * t + 32 * k));
-            qw[4 * k] = w.x;
-            qw[4 * k + 1] = w.y;
-            qw[4 * k + 2] = w.z;
-            qw[4 * k + 3] = w.w;
-        }
+        for (int k = 0; k < 4; ++k)
+            unpack(qw + 4 * k, *reinterpret_cast<const u32x4*>(row + (FP8 ? 16 * t + 64 * (k >> 1) + 8 * (k & 1) : 8 * t + 32 * k)));
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             if (FP8) {  // e4m3 converts to f16 exactly: the score products run in f16
@@ -290,13 +292,7 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
         for (int n = 0; n < 2; ++n) {
             u32 kw[2 * KC];  // this thread's 32 dims of token n * 8 + g (key_dim's)
 #pragma unroll
-            for (int c = 0; c < KC / 2; ++c) {
-                u32x4 w = lds128(base + (n * (KC / 2) + c) * 512);
-                kw[4 * c] = w.x;
-                kw[4 * c + 1] = w.y;
-                kw[4 * c + 2] = w.z;
-                kw[4 * c + 3] = w.w;
-            }
+            for (int c = 0; c < KC / 2; ++c) unpack(kw + 4 * c, lds128(base + (n * (KC / 2) + c) * 512));
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 u32 b0, b1;
@@ -365,13 +361,7 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
 #pragma unroll
-            for (int c = 0; c < KC / 4; ++c) {
-                u32x4 w = lds128(base + (KC + r * (KC / 4) + c) * 512);
-                vw[r][4 * c] = w.x;
-                vw[r][4 * c + 1] = w.y;
-                vw[r][4 * c + 2] = w.z;
-                vw[r][4 * c + 3] = w.w;
-            }
+            for (int c = 0; c < KC / 4; ++c) unpack(vw[r] + 4 * c, lds128(base + (KC + r * (KC / 4) + c) * 512));
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i) {  // m-tile i: dims value_dim(i, g) (row g) and the next (row g + 8)
