@@ -1,7 +1,8 @@
 """The CUDA decode kernel (`engine.attention_backend`, `polyrl/engine/cuda_ops.py`).
 
-On CPU: the kernel's source ships with the package, the reasons it gives for what it does
-not serve, and the refusals. On a GPU (`gpu` tests, skipped elsewhere): its output against
+On CPU: the kernel's source ships with the package and compiles (NVRTC, from the test
+extra's nvidia-cuda-nvrtc) for Hopper and Ada with nothing spilled, the reasons it gives
+for what it does not serve, and the refusals. On a GPU (`gpu` tests, skipped elsewhere): its output against
 a float32 attention over the same (dequantized) cache, at the contexts where a tile is
 partial or empty, and an engine on it against an engine on Triton's kernel."""
 
@@ -26,9 +27,42 @@ HAS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU of compute capability 8.9+")
 
 
+def _has_nvrtc() -> bool:
+    try:
+        cuda_ops.nvrtc()
+    except OSError:
+        return False
+    return True
+
+
+nvrtc = pytest.mark.skipif(not _has_nvrtc(), reason="needs NVRTC (the test extra's nvidia-cuda-nvrtc)")
+
+
 def test_the_kernel_source_ships_with_the_package() -> None:
     text = cuda_ops.source()
     assert "paged_decode(" in text and "mma.sync.aligned.m16n8k16" in text
+
+
+@nvrtc
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_the_kernel_compiles_for_hopper_and_ada_with_nothing_spilled(fp8: bool, group: int) -> None:
+    """What the engine compiles at start (its tile, and four warps a sequence), for the
+    architectures `unsupported` lets through."""
+    for warps, stages in (cuda_ops.TILES[fp8], (4, 3)):
+        for arch in ("90", "89") if fp8 else ("90", "89", "80"):
+            compiled = cuda_ops.compile_cubin(cuda_ops.kernel_name(fp8, group, 8, 16, warps, stages), arch)
+            assert compiled.cubin[:4] == b"\x7fELF" and compiled.symbol.startswith("_Z12paged_decode")
+            spills = [line for line in compiled.log.splitlines() if "spill" in line]
+            assert spills and all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), spills
+
+
+@nvrtc
+def test_an_instantiation_the_kernel_does_not_serve_fails_to_compile_with_the_reason() -> None:
+    with pytest.raises(RuntimeError, match="1 to 8 query heads a KV head"):
+        cuda_ops.compile_cubin(cuda_ops.kernel_name(True, 16, 2, 16, 1, 3), "90")
+    with pytest.raises(RuntimeError, match="block size a multiple of 16"):
+        cuda_ops.compile_cubin(cuda_ops.kernel_name(False, 2, 8, 8, 1, 3), "90")
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,8 @@
 """Paged decode attention as a CUDA C++ kernel (`kernels/paged_decode.cu`), compiled when
-the engine starts by NVRTC through torch (`torch.cuda._compile_kernel`): no compiler and
-no build step on the machine, only the NVRTC library that CUDA builds of torch depend on.
+the engine starts by NVRTC: no compiler, CUDA toolkit or build step on the machine, only
+the NVRTC library that CUDA builds of torch depend on (and load). The kernel includes no
+header, so it compiles where torch's own entry point (`torch.cuda._compile_kernel`, which
+asks for a toolkit's headers) would not; the compiled cubin is loaded through torch.
 
 Why a kernel beside Triton's (`triton_ops.paged_decode_attention`): reading an FP8 cache,
 the Triton loops pad a KV head's one or two query heads to a 16-row tensor-core tile or do
@@ -16,9 +18,13 @@ block sizes that are multiples of 16, and bf16 or e4m3 caches laid out as the en
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.resources
+import importlib.util
 import math
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -54,8 +60,6 @@ def unsupported(
         return (
             f"it needs compute capability {needed[0]}.{needed[1]} or newer for this cache (the GPU's is {capability})"
         )
-    if not hasattr(torch.cuda, "_compile_kernel"):
-        return f"torch {torch.__version__} has no NVRTC entry point (torch.cuda._compile_kernel, torch 2.8+)"
     return None
 
 
@@ -69,11 +73,78 @@ def smem_bytes(fp8: bool, warps: int, stages: int) -> int:
 
 
 @functools.cache
+def nvrtc() -> ctypes.CDLL:
+    """The NVRTC library: the one torch loaded (CUDA builds of torch load it and its
+    builtins at import), else the nvidia-cuda-nvrtc wheel's (a box without a GPU that only
+    compiles, as the tests do)."""
+    major = (torch.version.cuda or "13").split(".")[0]
+    try:
+        return ctypes.CDLL(f"libnvrtc.so.{major}")
+    except OSError:
+        pass
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations if spec else []:
+        for folder in (Path(root) / f"cu{major}" / "lib", Path(root) / "cuda_nvrtc" / "lib"):
+            if (folder / f"libnvrtc.so.{major}").exists():
+                # NVRTC opens its builtins by name, which finds them once they are loaded
+                for builtins in sorted(folder.glob(f"libnvrtc-builtins.so.{major}.*")):
+                    if ".alt." not in builtins.name:
+                        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+                return ctypes.CDLL(str(folder / f"libnvrtc.so.{major}"))
+    raise OSError(f"no NVRTC library (libnvrtc.so.{major}): CUDA builds of torch bring one")
+
+
+@dataclass(frozen=True)
+class Compiled:
+    cubin: bytes
+    symbol: str  # the instantiation's mangled name in the cubin
+    log: str  # NVRTC's and ptxas's messages (registers, spills)
+
+
+def kernel_name(fp8: bool, group: int, num_kv_heads: int, block_size: int, warps: int, stages: int) -> str:
+    return f"paged_decode<{int(fp8)}, {group}, {num_kv_heads}, {block_size}, {warps}, {stages}>"
+
+
+def compile_cubin(name: str, arch: str) -> Compiled:
+    """One instantiation (`kernel_name`) compiled for `arch` ("90" for sm_90)."""
+    lib = nvrtc()
+
+    def check(result: int) -> None:
+        if result:
+            lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+            raise RuntimeError(f"NVRTC: {lib.nvrtcGetErrorString(result).decode()}")
+
+    program = ctypes.c_void_p()
+    check(lib.nvrtcCreateProgram(ctypes.byref(program), source().encode(), b"paged_decode.cu", 0, None, None))
+    try:
+        check(lib.nvrtcAddNameExpression(program, name.encode()))
+        options = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17", b"--ptxas-options=-v"]
+        result = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(program, log)
+        if result:
+            raise RuntimeError(f"NVRTC could not compile {name} for sm_{arch}:\n{log.value.decode()}")
+        check(lib.nvrtcGetCUBINSize(program, ctypes.byref(size)))
+        cubin = ctypes.create_string_buffer(size.value)
+        check(lib.nvrtcGetCUBIN(program, cubin))
+        symbol = ctypes.c_char_p()
+        check(lib.nvrtcGetLoweredName(program, name.encode(), ctypes.byref(symbol)))
+        return Compiled(cubin.raw, symbol.value.decode(), log.value.decode())
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+@functools.cache
 def _kernel(device: int, fp8: bool, group: int, num_kv_heads: int, block_size: int, warps: int, stages: int):
     """One variant, compiled for and loaded on GPU `device` (a module belongs to one)."""
-    name = f"paged_decode<{int(fp8)}, {group}, {num_kv_heads}, {block_size}, {warps}, {stages}>"
+    from torch.cuda._utils import _cuda_load_module
+
+    major, minor = torch.cuda.get_device_capability(device)
+    compiled = compile_cubin(kernel_name(fp8, group, num_kv_heads, block_size, warps, stages), f"{major}{minor}")
     with torch.cuda.device(device):
-        kernel = torch.cuda._compile_kernel(source(), name)
+        kernel = _cuda_load_module(compiled.cubin, [compiled.symbol])[compiled.symbol]
         smem = smem_bytes(fp8, warps, stages)
         kernel.set_shared_memory_config(smem)
     return kernel, smem
