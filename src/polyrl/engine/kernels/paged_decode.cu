@@ -26,6 +26,12 @@ typedef unsigned long long u64;
 
 struct __align__(16) u32x4 { u32 x, y, z, w; };
 
+// The instructions, one small function each. PAGED_DECODE_HOST swaps in the CPU's versions
+// (tests/cuda_host/), under which the tests run this file's every lane on the host.
+#ifdef PAGED_DECODE_HOST
+#include "paged_decode_host.h"
+#else
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 r;
     asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
@@ -49,13 +55,6 @@ __device__ __forceinline__ u32x4 lds128(u32 addr) {
     u32x4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
     return v;
-}
-
-__device__ __forceinline__ void unpack(u32* dst, u32x4 w) {
-    dst[0] = w.x;
-    dst[1] = w.y;
-    dst[2] = w.z;
-    dst[3] = w.w;
 }
 
 __device__ __forceinline__ float lds32f(u32 addr) {
@@ -88,9 +87,6 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(d) : "f"(lo), "f"(hi));
     return d;
 }
-
-__device__ __forceinline__ float bf16_lo(u32 x) { return __uint_as_float(x << 16); }
-__device__ __forceinline__ float bf16_hi(u32 x) { return __uint_as_float(x & 0xffff0000u); }
 
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -134,6 +130,18 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
     }
 }
+
+#endif  // PAGED_DECODE_HOST
+
+__device__ __forceinline__ void unpack(u32* dst, u32x4 w) {
+    dst[0] = w.x;
+    dst[1] = w.y;
+    dst[2] = w.z;
+    dst[3] = w.w;
+}
+
+__device__ __forceinline__ float bf16_lo(u32 x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float bf16_hi(u32 x) { return __uint_as_float(x & 0xffff0000u); }
 
 // The first of the 4 consecutive dims of k-chunk j (0..7) that quad lane t holds.
 template <int FP8>
@@ -254,6 +262,11 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
     };
 
     float m = -__int_as_float(0x7f800000), l = 0.f;
+    // FP8: the values' weights p * scale enter the f16 product over `ref`, a power of two at or
+    // above every value scale this warp has read (its biased float exponent, 0 before the first
+    // tile), so that they stay in f16's normal range however small the model's values are; acc
+    // counts in units of ref and is rescaled when ref grows, as when the max moves
+    int ref = 0;
     float acc[8][4];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -335,17 +348,26 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
         l = l * alpha + (p[0] + p[1] + p[2] + p[3]);
         m = m_new;
         u32 pb0, pb1;
+        float rescale = alpha;
         if (FP8) {
-            pb0 = pack_f16x2(p[0] * vs[0], p[1] * vs[1]);
-            pb1 = pack_f16x2(p[2] * vs[2], p[3] * vs[3]);
+            // the tile's largest value scale (a token's scale is the same in every quad)
+            float vmax = fmaxf(fmaxf(vs[0], vs[1]), fmaxf(vs[2], vs[3]));
+            vmax = fmaxf(vmax, shfl_xor(vmax, 1));
+            vmax = fmaxf(vmax, shfl_xor(vmax, 2));
+            const int ref_new = max(ref, (__float_as_int(vmax) >> 23) + 1);  // 2^(e+1) > vmax >= 2^e
+            rescale *= __int_as_float(max(127 + ref - ref_new, 0) << 23);  // old ref / new ref (0 at the first)
+            ref = ref_new;
+            const float inv_ref = __int_as_float((254 - ref) << 23);
+            pb0 = pack_f16x2(p[0] * (vs[0] * inv_ref), p[1] * (vs[1] * inv_ref));
+            pb1 = pack_f16x2(p[2] * (vs[2] * inv_ref), p[3] * (vs[3] * inv_ref));
         } else {
             pb0 = pack_bf16x2(p[0], p[1]);
             pb1 = pack_bf16x2(p[2], p[3]);
         }
         // the accumulator's columns are heads 2t and 2t + 1, whose rescales live in quads 2t, 2t + 1
         // (after the first tiles a row's max rarely moves: skip the rescale when none did)
-        if (any_sync(alpha != 1.f)) {
-            const float a_lo = shfl_idx(alpha, 8 * t), a_hi = shfl_idx(alpha, 8 * t + 4);
+        if (any_sync(rescale != 1.f)) {
+            const float a_lo = shfl_idx(rescale, 8 * t), a_hi = shfl_idx(rescale, 8 * t + 4);
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 acc[i][0] *= a_lo;
@@ -383,6 +405,7 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
     cp_wait<0>();
     l += shfl_xor(l, 1);
     l += shfl_xor(l, 2);  // row g's sum, in every lane of quad g
+    const float unit = FP8 ? __int_as_float(ref << 23) : 1.f;  // what acc counts in
     if (NW == 1) {
         const float l_lo = shfl_idx(l, 8 * t), l_hi = shfl_idx(l, 8 * t + 4);
 #pragma unroll
@@ -390,7 +413,7 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
             const int head = 2 * t + h;
             if (head < G) {
                 const float den = h ? l_hi : l_lo;
-                const float inv = den > 0.f ? 1.f / den : 0.f;
+                const float inv = den > 0.f ? unit / den : 0.f;
                 u16* dst = out + (long)b * stride_ob + (long)(kvh * G + head) * stride_oh;
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
@@ -414,10 +437,10 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
     for (int i = 0; i < 8; ++i) {
         float* o = obuf + warp * 8 * D;
         const int d = value_dim<FP8>(i, g);
-        o[(2 * t) * D + d] = acc[i][0];
-        o[(2 * t + 1) * D + d] = acc[i][1];
-        o[(2 * t) * D + d + 1] = acc[i][2];
-        o[(2 * t + 1) * D + d + 1] = acc[i][3];
+        o[(2 * t) * D + d] = acc[i][0] * unit;
+        o[(2 * t + 1) * D + d] = acc[i][1] * unit;
+        o[(2 * t) * D + d + 1] = acc[i][2] * unit;
+        o[(2 * t + 1) * D + d + 1] = acc[i][3] * unit;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < G * D; e += NW * 32) {
