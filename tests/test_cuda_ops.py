@@ -212,14 +212,16 @@ def host_kernel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return binary
 
 
-def _run_on_host(binary: Path, q, k, v, tables, ctx, scale: float, scales: dict, warps: int, stages: int):
+def _run_on_host(
+    binary: Path, q, k, v, tables, ctx, scale: float, scales: dict, warps: int, stages: int, heads_first: bool = False
+):
     """One launch of the kernel's source on the host (run_paged_decode.cpp's file format)."""
     fp8 = bool(scales)
     num_seqs, heads, _ = q.shape
     num_blocks, block_size, kv_heads, _ = k.shape
     storage = q.as_strided((num_seqs, q.stride(0)), (q.stride(0), 1))  # the rows with what lies between them
     header = struct.pack(
-        "<13qd",
+        "<14qd",
         fp8,
         heads // kv_heads,
         kv_heads,
@@ -233,6 +235,7 @@ def _run_on_host(binary: Path, q, k, v, tables, ctx, scale: float, scales: dict,
         q.stride(0),
         q.stride(1),
         cuda_ops.smem_bytes(fp8, warps, stages),
+        heads_first,
         scale / math.log(2.0),
     )
     parts = [storage, k, v, tables, ctx] + ([scales["k_scales"], scales["v_scales"]] if fp8 else [])
@@ -266,15 +269,15 @@ def test_the_kernels_source_on_the_host_matches_a_float32_attention(
 ) -> None:
     """Contexts with no tile, a partial tile, exactly full tiles and many; q a view with
     rows between the sequences' heads; one to four warps on a sequence, none to three tiles
-    in flight."""
+    in flight; either grid order."""
     q, k, v, tables, ctx, scales, kf, vf = _cache(
         2 * group, 2, HOST_CONTEXTS, fp8, block_size, group, "cpu", q_rows=3 * group
     )
     want = _reference(q, kf, vf, tables, HOST_CONTEXTS, 0.0884)
-    for warps, stages in HOST_TILES:
-        out = _run_on_host(host_kernel, q, k, v, tables, ctx, 0.0884, scales, warps, stages)
+    for warps, stages, heads_first in [(w, s, False) for w, s in HOST_TILES] + [(1, 3, True)]:
+        out = _run_on_host(host_kernel, q, k, v, tables, ctx, 0.0884, scales, warps, stages, heads_first)
         assert torch.equal(out[0], torch.zeros_like(out[0]))  # a padding row
-        assert _row_error(out[1:], want[1:]) < 8e-3, (warps, stages)
+        assert _row_error(out[1:], want[1:]) < 8e-3, (warps, stages, heads_first)
 
 
 @pytest.mark.parametrize("value_size", [1e-6, 1e-3, 1e3])
@@ -304,10 +307,12 @@ def test_the_kernel_matches_a_float32_attention(fp8: bool, group: int, block_siz
     contexts = [0, 1, 15, 16, 17, 33, 100, 257, 1000]
     q, k, v, tables, ctx, scales, kf, vf = _cache(2 * group, 2, contexts, fp8, block_size, group)
     want = _reference(q, kf, vf, tables, contexts, 0.0884)
-    for warps, stages in [(1, 1), (1, 3), (2, 2), (4, 4)]:
-        out = cuda_ops.paged_decode_attention(q, k, v, tables, ctx, 0.0884, warps=warps, stages=stages, **scales)
+    for warps, stages, heads_first in [(1, 1, False), (1, 3, False), (2, 2, False), (4, 4, False), (1, 3, True)]:
+        out = cuda_ops.paged_decode_attention(
+            q, k, v, tables, ctx, 0.0884, warps=warps, stages=stages, heads_first=heads_first, **scales
+        )
         err = (out.float() - want).abs().max().item()
-        assert err < 2e-2, (warps, stages, err)
+        assert err < 2e-2, (warps, stages, heads_first, err)
         assert torch.equal(out[0], torch.zeros_like(out[0]))  # a padding row
 
 

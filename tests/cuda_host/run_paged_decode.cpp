@@ -3,9 +3,9 @@
 // Built by tests/test_cuda_ops.py with the address sanitizer and the variants it needs:
 //   g++ -std=c++20 -pthread -fsanitize=address,undefined -I<kernels> -I<this folder>
 //       -DPAGED_DECODE_HOST '-DVARIANTS=V(1, 2, 2, 16, 1, 3) ...' run_paged_decode.cpp
-// Usage: run_paged_decode IN OUT. IN: 13 int64 (fp8, group, KV heads, block size, warps,
+// Usage: run_paged_decode IN OUT. IN: 14 int64 (fp8, group, KV heads, block size, warps,
 // stages, sequences, query heads, blocks, table width, q's sequence and head strides,
-// shared bytes), the float64 scale_log2, then q (bf16, sequences x its stride), the keys
+// shared bytes, heads first), the float64 scale_log2, then q (bf16, sequences x its stride), the keys
 // and the values ([blocks, block size, KV heads, 128]), the tables (int32), the context
 // lengths (int32) and for FP8 the key and value scales (float32). OUT: [sequences, query
 // heads, 128] bf16.
@@ -32,7 +32,7 @@ namespace {
 
 struct Launch {
     int64_t fp8, group, kv_heads, block_size, warps, stages, seqs, heads, blocks, table_width, stride_qb, stride_qh,
-        smem;
+        smem, heads_first;
     double scale_log2;
 };
 
@@ -62,11 +62,11 @@ void run(const Launch& L, const u16* q, const unsigned char* k, const unsigned c
             for (int i = 0; i < NW * 32; ++i) {
                 lanes.emplace_back([&, i] {
                     threadIdx.x = i;
-                    blockIdx.x = b;
-                    blockIdx.y = h;
+                    blockIdx.x = L.heads_first ? h : b;
+                    blockIdx.y = L.heads_first ? b : h;
                     paged_decode<FP8, G, KVH, BS, NW, ST>(q, k, v, out, tables, ctx, ks, vs, L.scale_log2,
                                                           (int)L.stride_qb, (int)L.stride_qh, (int)(L.heads * 128),
-                                                          128, (int)L.table_width);
+                                                          128, (int)L.table_width, (int)L.heads_first);
                     if (!host::inflight.empty() || host::uncommitted) host::die("copies still in flight at the end");
                 });
             }
@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
     FILE* f = std::fopen(argv[1], "rb");
     if (!f) return 2;
     Launch L;
-    if (std::fread(&L, 8, 14, f) != 14) return 2;
+    if (std::fread(&L, 8, 15, f) != 15) return 2;
     if (L.smem > host::SHARED_MAX) {
         std::fprintf(stderr, "run_paged_decode: %lld bytes of shared memory, over the host's %d\n", (long long)L.smem,
                      host::SHARED_MAX);

@@ -36,6 +36,11 @@ TILES: dict[bool, tuple[int, int]] = {False: (1, 3), True: (1, 3)}
 every warps-th tile of 16 tokens, and the tiles a warp has in flight plus one."""
 
 
+HEADS_FIRST = False
+"""Launch the programs each sequence's KV heads side by side (grid (KV heads, sequences)),
+as `triton_ops.DECODE_HEADS_FIRST` does for Triton's kernel."""
+
+
 def source() -> str:
     return importlib.resources.files("polyrl.engine").joinpath("kernels/paged_decode.cu").read_text()
 
@@ -168,6 +173,7 @@ def paged_decode_attention(
     v_scales: torch.Tensor | None = None,
     warps: int | None = None,
     stages: int | None = None,
+    heads_first: bool | None = None,
 ) -> torch.Tensor:  # [B, H, 128] bf16
     """`triton_ops.paged_decode_attention`'s contract, for what `unsupported` accepts."""
     num_seqs, num_heads, head_dim = q.shape
@@ -187,8 +193,9 @@ def paged_decode_attention(
         raise ValueError("the CUDA decode kernel reads contiguous [blocks, block_size, KV heads] scales")
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     kernel, smem = _kernel(device, fp8, num_heads // num_kv_heads, num_kv_heads, block_size, warps, stages)
+    heads_first = HEADS_FIRST if heads_first is None else heads_first
     kernel(
-        grid=(num_seqs, num_kv_heads, 1),
+        grid=(num_kv_heads, num_seqs, 1) if heads_first else (num_seqs, num_kv_heads, 1),
         block=(warps * 32, 1, 1),
         shared_mem=smem,
         stream=torch.cuda.current_stream(q.device),
@@ -207,6 +214,7 @@ def paged_decode_attention(
             out.stride(0),
             out.stride(1),
             block_tables.stride(0),
+            int(heads_first),
         ],
     )
     return out

@@ -168,7 +168,8 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
     double scale_log2,  // softmax scale * log2(e)
     int stride_qb, int stride_qh,  // in elements
     int stride_ob, int stride_oh,
-    int stride_tb) {
+    int stride_tb,
+    int heads_first) {  // the grid is (KV heads, sequences), not (sequences, KV heads)
     constexpr int D = 128;
     constexpr int E = FP8 ? 1 : 2;  // bytes an element
     constexpr int KC = FP8 ? 4 : 8;  // 16-byte chunks of keys a thread copies a tile (and of values)
@@ -182,7 +183,7 @@ __global__ void __launch_bounds__(NW * 32) paged_decode(
     extern __shared__ u32x4 smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int b = blockIdx.x, kvh = blockIdx.y;
+    const int b = heads_first ? blockIdx.y : blockIdx.x, kvh = heads_first ? blockIdx.x : blockIdx.y;
     const int ctx = ctx_lens[b];
     const int ntiles = (ctx + 15) >> 4;
     const int mine = warp < ntiles ? (ntiles - 1 - warp) / NW + 1 : 0;
