@@ -172,11 +172,12 @@ def _reference(q, kf, vf, tables, contexts, scale):
 # behaviour (the instructions' semantics are taken from the PTX manual) and the speed.
 
 HOST_TILES = [(1, 1), (1, 3), (2, 2), (4, 4)]  # (warps, stages): none ahead, the engine's, merged warps
+HOST_SHAPES = [(2, 16), (8, 32), (2, 48)]  # (query heads a KV head, block size) run in the fast tier
+HOST_SHAPES_SLOW = [(1, 16), (4, 16), (8, 16), (1, 32), (2, 32), (4, 32)]
 HOST_VARIANTS = [
     (fp8, group, 2, block_size, warps, stages)
     for fp8 in (False, True)
-    for group in (1, 2, 4, 8)
-    for block_size in (16, 32)
+    for group, block_size in HOST_SHAPES + HOST_SHAPES_SLOW
     for warps, stages in HOST_TILES
 ]
 HOST_DIR = Path(__file__).resolve().parent / "cuda_host"
@@ -260,9 +261,7 @@ HOST_CONTEXTS = [0, 1, 15, 16, 17, 33, 100, 257, 1000]
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize(
-    "group,block_size",
-    [(2, 16), (8, 32)]
-    + [pytest.param(g, bs, marks=pytest.mark.slow) for g, bs in [(1, 16), (4, 16), (1, 32), (2, 32), (4, 32), (8, 16)]],
+    "group,block_size", HOST_SHAPES + [pytest.param(g, bs, marks=pytest.mark.slow) for g, bs in HOST_SHAPES_SLOW]
 )
 def test_the_kernels_source_on_the_host_matches_a_float32_attention(
     host_kernel: Path, fp8: bool, group: int, block_size: int
