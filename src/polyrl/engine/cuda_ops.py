@@ -194,6 +194,7 @@ def paged_decode_attention(
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     kernel, smem = _kernel(device, fp8, num_heads // num_kv_heads, num_kv_heads, block_size, warps, stages)
     heads_first = HEADS_FIRST if heads_first is None else heads_first
+    heads_first = heads_first and num_seqs < 2**16  # a grid's second size is at most 65,535
     kernel(
         grid=(num_kv_heads, num_seqs, 1) if heads_first else (num_seqs, num_kv_heads, 1),
         block=(warps * 32, 1, 1),
