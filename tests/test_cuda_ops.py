@@ -183,34 +183,51 @@ HOST_VARIANTS = [
 HOST_DIR = Path(__file__).resolve().parent / "cuda_host"
 
 
-@pytest.fixture(scope="module")
-def host_kernel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """run_paged_decode.cpp built with every variant of HOST_VARIANTS (12 s on 2 cores)."""
+HOST_VARIANTS_RACES = [(True, 2, 2, 16, 4, 4), (False, 8, 2, 32, 2, 2)]  # several warps, merged through shared memory
+
+
+def _build_on_host(folder: Path, variants: list[tuple], sanitizers: list[str]) -> Path:
+    """run_paged_decode.cpp built with `variants` under `sanitizers` (g++'s -fsanitize=...)."""
     compiler = shutil.which("g++")
     if compiler is None:
         pytest.skip("needs g++ to build the kernel's source for the host")
-    binary = tmp_path_factory.mktemp("cuda_host") / "run_paged_decode"
-    variants = " ".join(f"V({int(f)}, {g}, {h}, {bs}, {w}, {st})" for f, g, h, bs, w, st in HOST_VARIANTS)
+    binary = folder / "run_paged_decode"
+    listed = " ".join(f"V({int(f)}, {g}, {h}, {bs}, {w}, {st})" for f, g, h, bs, w, st in variants)
     command = [
         compiler,
         "-std=c++20",
-        "-O0",
+        "-O1" if "thread" in sanitizers else "-O0",
         "-pthread",
-        "-fsanitize=address,undefined",
-        "-fno-sanitize-recover=undefined",
+        *[f"-fsanitize={name}" for name in sanitizers],
+        "-fno-sanitize-recover=all",
         f"-I{Path(cuda_ops.__file__).parent / 'kernels'}",
         f"-I{HOST_DIR}",
         "-DPAGED_DECODE_HOST",
-        f"-DVARIANTS={variants}",
+        f"-DVARIANTS={listed}",
         str(HOST_DIR / "run_paged_decode.cpp"),
         "-o",
         str(binary),
     ]
     built = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    if built.returncode and "asan" in built.stderr.lower():
-        pytest.skip(f"g++ here has no address sanitizer: {built.stderr[-300:]}")
+    if built.returncode and any(lib in built.stderr.lower() for lib in ("asan", "tsan", "ubsan")):
+        pytest.skip(f"g++ here lacks a sanitizer's library: {built.stderr[-300:]}")
     assert built.returncode == 0, built.stderr[-3000:]
     return binary
+
+
+@pytest.fixture(scope="module")
+def host_kernel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every variant of HOST_VARIANTS, with the address and undefined-behaviour sanitizers
+    (14 s on 2 cores): a read past a buffer or shared memory's size stops the run."""
+    return _build_on_host(tmp_path_factory.mktemp("cuda_host"), HOST_VARIANTS, ["address", "undefined"])
+
+
+@pytest.fixture(scope="module")
+def host_kernel_races(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """HOST_VARIANTS_RACES with the thread sanitizer: lanes of different warps touching the
+    same shared memory with no barrier between them stop the run (without the kernel's
+    first __syncthreads, it stopped at the first launch)."""
+    return _build_on_host(tmp_path_factory.mktemp("cuda_host_races"), HOST_VARIANTS_RACES, ["thread"])
 
 
 def _run_on_host(
@@ -244,7 +261,12 @@ def _run_on_host(
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "in", Path(tmp) / "out"
         src.write_bytes(blob)
-        env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1")
+        env = dict(
+            os.environ,
+            ASAN_OPTIONS="detect_leaks=0",
+            UBSAN_OPTIONS="print_stacktrace=1",
+            TSAN_OPTIONS="halt_on_error=1",
+        )
         ran = subprocess.run([str(binary), str(src), str(dst)], capture_output=True, text=True, timeout=300, env=env)
         assert ran.returncode == 0, ran.stderr[-3000:]
         return torch.frombuffer(bytearray(dst.read_bytes()), dtype=torch.bfloat16).view(num_seqs, heads, 128)
@@ -277,6 +299,15 @@ def test_the_kernels_source_on_the_host_matches_a_float32_attention(
         out = _run_on_host(host_kernel, q, k, v, tables, ctx, 0.0884, scales, warps, stages, heads_first)
         assert torch.equal(out[0], torch.zeros_like(out[0]))  # a padding row
         assert _row_error(out[1:], want[1:]) < 8e-3, (warps, stages, heads_first)
+
+
+@pytest.mark.parametrize("variant", HOST_VARIANTS_RACES, ids=["fp8 4 warps", "bf16 2 warps"])
+def test_the_kernels_warps_share_shared_memory_only_across_barriers(host_kernel_races: Path, variant: tuple) -> None:
+    fp8, group, kv_heads, block_size, warps, stages = variant
+    contexts = [0, 1, 17, 100, 257]
+    q, k, v, tables, ctx, scales, kf, vf = _cache(group * kv_heads, kv_heads, contexts, fp8, block_size, 3, "cpu")
+    out = _run_on_host(host_kernel_races, q, k, v, tables, ctx, 0.0884, scales, warps, stages)
+    assert _row_error(out[1:], _reference(q, kf, vf, tables, contexts, 0.0884)[1:]) < 8e-3
 
 
 @pytest.mark.parametrize("value_size", [1e-6, 1e-3, 1e3])
