@@ -167,9 +167,10 @@ def _reference(q, kf, vf, tables, contexts, scale):
 
 # The kernel's own source run on the CPU (tests/cuda_host/): each lane a thread, the
 # warp-wide instructions gathering their lanes, the copies landing only when waited for,
-# under the address sanitizer. It checks the indexing, fragments, copies and the merge of
-# every variant below on a box without a GPU; what it cannot check is the hardware's own
-# behaviour (the instructions' semantics are taken from the PTX manual) and the speed.
+# under the address and undefined-behaviour sanitizers (and the thread sanitizer for the
+# warps' merge). It checks the indexing, fragments, copies and the merge of every variant
+# below on a box without a GPU; what it cannot check is the hardware's own behaviour (the
+# instructions' semantics are taken from the PTX manual) and the speed.
 
 HOST_TILES = [(1, 1), (1, 3), (2, 2), (4, 4)]  # (warps, stages): none ahead, the engine's, merged warps
 HOST_SHAPES = [(2, 16), (8, 32), (2, 48)]  # (query heads a KV head, block size) run in the fast tier
@@ -180,10 +181,8 @@ HOST_VARIANTS = [
     for group, block_size in HOST_SHAPES + HOST_SHAPES_SLOW
     for warps, stages in HOST_TILES
 ]
-HOST_DIR = Path(__file__).resolve().parent / "cuda_host"
-
-
 HOST_VARIANTS_RACES = [(True, 2, 2, 16, 4, 4), (False, 8, 2, 32, 2, 2)]  # several warps, merged through shared memory
+HOST_DIR = Path(__file__).resolve().parent / "cuda_host"
 
 
 def _build_on_host(folder: Path, variants: list[tuple], sanitizers: list[str]) -> Path:
