@@ -447,7 +447,8 @@ class EngineConfig(_Section):
     kernel (`polyrl/engine/cuda_ops.py`), compiled by NVRTC when the engine starts; it
     serves head size 128, up to 8 query heads a KV head and bf16 or FP8 caches, and the
     engine refuses to start where it cannot. auto: cuda where it can serve the model, else
-    triton. Prefills and CPU engines use neither."""
+    triton. Prefills and CPU engines use neither. The CUDA kernel has not yet been run on
+    a GPU (README, `cuda_ops.py`), hence the default."""
     moe_runner_backend: Literal["auto", "model"] = "auto"
     """SGLang's option, for a mixture of experts. auto: on CUDA (with Triton) the decode
     step runs the experts as the engine's Triton kernels (routing, grouping by expert and
