@@ -143,12 +143,22 @@ def _update_s(run_dir: Path, extra: list[str]) -> tuple[float, list[float]]:
 def test_a_busy_cpu_costs_the_learner_its_share(tmp_path: Path) -> None:
     """Beside processes that keep all cores but one busy, the update takes about what one
     core less costs (the issue saw 20x: 0.25 s became 5-7 s on 2 cores with one other job).
-    On the idle 2-core box: 1.14x with the governor, 4.5x with a fixed 2 threads."""
-    idle_s, _ = _update_s(tmp_path / "idle", [])
-    with busy_cores(CORES - 1):
-        busy_s, busy_threads = _update_s(tmp_path / "busy", [])
-    assert busy_s < 2.5 * idle_s, (busy_s, idle_s, busy_threads)
-    assert min(busy_threads) < CORES, busy_threads  # it let the busy cores go
+    On the idle 2-core box: 1.14x with the governor, 4.5x with a fixed 2 threads.
+
+    The suite's other worker loads the same cores at times (on 2026-12-05 the pair took
+    3.2x once, beside the CUDA kernel's host runs), so a pair over the bound is measured
+    again, up to three pairs: a fixed thread count is over it in every one."""
+    pairs = []
+    for attempt in range(3):
+        idle_s, _ = _update_s(tmp_path / f"idle{attempt}", [])
+        with busy_cores(CORES - 1):
+            busy_s, busy_threads = _update_s(tmp_path / f"busy{attempt}", [])
+        assert min(busy_threads) < CORES, busy_threads  # it let the busy cores go
+        pairs.append((busy_s, idle_s, busy_threads))
+        if busy_s < 2.5 * idle_s:
+            break
+    else:
+        pytest.fail(f"the update took more than 2.5x its idle time beside busy cores in every pair: {pairs}")
 
 
 def test_runs_that_promise_their_bits_keep_one_count() -> None:

@@ -187,21 +187,17 @@ inline void cp_wait() {
     }
 }
 
-inline u32x4 lds128(u32 addr) {
-    if (addr % 16) host::die("ld.shared.v4 from a misaligned address");
-    host::check_shared(addr, 16);
-    u32x4 v;
-    std::memcpy(&v, host::shared() + addr, 16);
+template <class T>
+inline T load_shared(u32 addr, const char* misaligned) {
+    if (addr % sizeof(T)) host::die(misaligned);
+    host::check_shared(addr, sizeof(T));
+    T v;
+    std::memcpy(&v, host::shared() + addr, sizeof(T));
     return v;
 }
 
-inline float lds32f(u32 addr) {
-    if (addr % 4) host::die("ld.shared.f32 from a misaligned address");
-    host::check_shared(addr, 4);
-    float v;
-    std::memcpy(&v, host::shared() + addr, 4);
-    return v;
-}
+inline u32x4 lds128(u32 addr) { return load_shared<u32x4>(addr, "ld.shared.v4 from a misaligned address"); }
+inline float lds32f(u32 addr) { return load_shared<float>(addr, "ld.shared.f32 from a misaligned address"); }
 
 inline u32 prmt(u32 a, u32 b, u32 sel) {
     const unsigned long long src = ((unsigned long long)b << 32) | a;
