@@ -62,18 +62,18 @@ def layer_weights(preset: str, device: torch.device, dtype: torch.dtype) -> dict
     }
 
 
-def matmul(backend: str, x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """A call of `x @ w.T` on `backend` (the library is chosen again at every call: a CUDA
-    graph captures whichever one ran at capture)."""
+def matmul(backend: str, x: torch.Tensor, w: torch.Tensor, preferred) -> Callable[[], torch.Tensor]:
+    """A call of `x @ w.T` on `backend`; `preferred` is the process's BLAS library, which
+    `default` and Inductor's ATen choice run on. The library is chosen again at every
+    call: a CUDA graph captures whichever one ran at capture."""
+    library = backend if backend in ("cublas", "cublaslt") else preferred
+    linear = F.linear
     if backend == "inductor":
-        compiled = torch.compile(lambda a, b: F.linear(a, b), mode="max-autotune-no-cudagraphs", dynamic=False)
-        return lambda: compiled(x, w)
-    if backend == "default":
-        return lambda: F.linear(x, w)
+        linear = torch.compile(lambda a, b: F.linear(a, b), mode="max-autotune-no-cudagraphs", dynamic=False)
 
     def call() -> torch.Tensor:
-        torch.backends.cuda.preferred_blas_library(backend)
-        return F.linear(x, w)
+        torch.backends.cuda.preferred_blas_library(library)
+        return linear(x, w)
 
     return call
 
@@ -109,6 +109,7 @@ def main() -> int:
     print("| batch | GEMM | in x out | roofline us | " + " | ".join(f"{b} us" for b in backends) + " | best |")
     print("|---|---|---|---|" + "---|" * len(backends) + "---|")
     rows: list[dict] = []
+    preferred = torch.backends.cuda.preferred_blas_library()
     for batch in args.batch:
         step = {"batch": batch, "gemm": "a step", "roofline_us": 0.0 if bandwidth else None}
         step |= {f"{b}_us": 0.0 for b in backends}
@@ -121,12 +122,11 @@ def main() -> int:
             reference = F.linear(x, w).float()
             for backend in backends:
                 t0 = time.perf_counter()
-                call = matmul(backend, x, w)
+                call = matmul(backend, x, w, preferred)
                 row[f"{backend}_max_diff"] = (call().float() - reference).abs().max().item()  # compiles, tunes
                 row[f"{backend}_setup_s"] = time.perf_counter() - t0
                 row[f"{backend}_us"] = graph_time(call, device, args.calls if cuda else 1) * 1e6
                 step[f"{backend}_us"] += row[f"{backend}_us"] * layers
-            torch.backends.cuda.preferred_blas_library("cublas")
             if bandwidth:
                 step["roofline_us"] += row["roofline_us"] * layers
             rows.append(row)
